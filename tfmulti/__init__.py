@@ -1,0 +1,1 @@
+"""tfmulti: data-parallel Keras training with model_deploy towers."""

@@ -1,0 +1,406 @@
+"""TF-Slim's model_deploy tower design, brought to TF 2 and Keras 3.
+
+One `DeploymentConfig` says where everything lives: the variables (CPU:0, or a
+chosen device), the clones (one per GPU, or one per logical CPU with
+`clone_on_cpu`), the input split and the gradient sum. `deploy()` turns a
+built functional Keras model, a loss and an optimizer into a `DeployedModel`
+whose `train_step` splits a global batch of `batch_size * num_clones` rows
+evenly over the clones, runs each clone's forward pass, loss and gradient on
+its own device, sums the gradients on the optimizer device and applies them
+once. The result equals one device training on the whole batch.
+
+How this differs from slim (graph-mode TF 1):
+  * `create_clones` records each clone under its own `tf.GradientTape` and
+    computes that clone's gradient on its device at once; slim built only
+    the forward pass there and took gradients later in `optimize_clones`.
+  * `optimize_clones` sums the clones' losses and gradients; it does not
+    compute them, and nothing goes through graph collections.
+  * Clones run `model.stateless_call`, so Keras 3 BatchNorm returns its new
+    moving statistics instead of assigning them once per clone; they are
+    assigned once per step by `batch_norm_policy`.
+  * With `clone_on_cpu`, clone i runs on CPU:i (logical CPU devices, see
+    `devices.create_logical_cpus`); slim put every clone on CPU:0.
+  * With parameter servers, worker devices carry `/task:<replica_id>`; slim
+    left the task out, which broke multi-node runs (tensorflow/models#3945).
+"""
+
+import collections
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+
+from tfmulti import devices
+
+# Batch-norm moving statistics: which clones' values are kept each step.
+BN_CLONE_0 = 'clone_0'  # slim's rule, and what MirroredStrategy reads back.
+BN_MEAN = 'mean'  # The mean over clones (non-float state: clone 0's).
+BATCH_NORM_POLICIES = (BN_CLONE_0, BN_MEAN)
+
+
+def _check_count(name, value, minimum):
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f'{name}={value!r}: must be an integer >= {minimum}.')
+
+
+def _normalise_device(device):
+  """Returns `device` in canonical form ('/gpu:0' -> '/device:GPU:0')."""
+  try:
+    return tf.DeviceSpec.from_string(device).to_string()
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f'variables_device={device!r} is not a device string; use e.g. '
+        "'/device:CPU:0' or '/device:GPU:0'.") from e
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class DeploymentConfig:
+  """Where variables, clones, inputs and the optimizer live.
+
+  Pure: it needs no TensorFlow runtime state, and every device string in
+  tfmulti comes from here.
+
+  Attributes:
+    num_clones: model copies on this worker, one per device.
+    clone_on_cpu: put clone i on CPU:i (logical CPU devices) instead of GPU:i.
+    replica_id: this worker's index in a multi-worker (parameter server) job.
+    num_replicas: number of workers.
+    num_ps_tasks: parameter-server tasks; 0 keeps the variables local.
+    worker_job_name: job name of the workers in the cluster spec.
+    ps_job_name: job name of the parameter servers in the cluster spec.
+  """
+  num_clones: int
+  clone_on_cpu: bool
+  replica_id: int
+  num_replicas: int
+  num_ps_tasks: int
+  worker_job_name: str
+  ps_job_name: str
+  _variables_device: Optional[str]
+
+  def __init__(self, num_clones=1, clone_on_cpu=False, variables_device=None,
+               replica_id=0, num_replicas=1, num_ps_tasks=0,
+               worker_job_name='worker', ps_job_name='ps'):
+    """Validates the arguments; raises `ValueError` naming the bad value."""
+    _check_count('num_clones', num_clones, 1)
+    _check_count('num_replicas', num_replicas, 1)
+    _check_count('num_ps_tasks', num_ps_tasks, 0)
+    _check_count('replica_id', replica_id, 0)
+    if num_replicas > 1 and num_ps_tasks == 0:
+      raise ValueError(
+          f'num_replicas={num_replicas} needs parameter servers: set '
+          'num_ps_tasks > 0, or use num_replicas=1.')
+    if replica_id >= num_replicas:
+      raise ValueError(f'replica_id={replica_id} must be in '
+                       f'[0, num_replicas={num_replicas}).')
+    if num_replicas > 1 or num_ps_tasks > 0:
+      if not worker_job_name:
+        raise ValueError(f'worker_job_name={worker_job_name!r}: a job name is '
+                         'needed with replicas or parameter servers.')
+      if not ps_job_name:
+        raise ValueError(f'ps_job_name={ps_job_name!r}: a job name is needed '
+                         'with replicas or parameter servers.')
+    if variables_device is not None:
+      if num_ps_tasks > 0:
+        raise ValueError(
+            f'variables_device={variables_device!r} cannot be combined with '
+            f'num_ps_tasks={num_ps_tasks}: parameter servers hold the '
+            'variables; leave variables_device unset.')
+      variables_device = _normalise_device(variables_device)
+    values = dict(num_clones=num_clones, clone_on_cpu=bool(clone_on_cpu),
+                  replica_id=replica_id, num_replicas=num_replicas,
+                  num_ps_tasks=num_ps_tasks, worker_job_name=worker_job_name,
+                  ps_job_name=ps_job_name, _variables_device=variables_device)
+    for name, value in values.items():
+      object.__setattr__(self, name, value)
+
+  def _worker_prefix(self):
+    # With parameter servers the worker's own task must be named, or every
+    # worker's ops land on task 0 (slim's bug, tensorflow/models#3945, #434).
+    if self.num_ps_tasks > 0:
+      return f'/job:{self.worker_job_name}/task:{self.replica_id}'
+    return ''
+
+  def _check_clone_index(self, clone_index):
+    if (isinstance(clone_index, bool) or not isinstance(clone_index, int)
+        or not 0 <= clone_index < self.num_clones):
+      raise ValueError(f'clone_index={clone_index!r} must be in '
+                       f'[0, num_clones={self.num_clones}).')
+
+  def clone_device(self, clone_index):
+    """Device of clone `clone_index`: GPU:i, or CPU:i with `clone_on_cpu`."""
+    self._check_clone_index(clone_index)
+    device_type = 'CPU' if self.clone_on_cpu else 'GPU'
+    return f'{self._worker_prefix()}/device:{device_type}:{clone_index}'
+
+  def clone_scope(self, clone_index):
+    """Name scope of clone `clone_index`: '' for a single clone."""
+    self._check_clone_index(clone_index)
+    return '' if self.num_clones == 1 else f'clone_{clone_index}'
+
+  def clone_devices(self):
+    """All clone devices, in clone order."""
+    return [self.clone_device(i) for i in range(self.num_clones)]
+
+  def optimizer_device(self):
+    """Where the clones' gradients are summed and applied."""
+    return f'{self._worker_prefix()}/device:CPU:0'
+
+  def inputs_device(self):
+    """Where the input pipeline runs and the global batch is split."""
+    return f'{self._worker_prefix()}/device:CPU:0'
+
+  def variables_device(self):
+    """Where variables and optimizer slots are created.
+
+    CPU:0 by default, the device given to the constructor, or the parameter
+    servers' CPU. Spreading variables over several ps tasks (slim's
+    round-robin device function) has no eager-mode equivalent.
+    """
+    if self.num_ps_tasks > 0:
+      return f'/job:{self.ps_job_name}/device:CPU:0'
+    return self._variables_device or '/device:CPU:0'
+
+
+# A clone's share of one step (slim: Clone(outputs, scope, device)).
+# `loss` is the clone's part of the total loss (its mean loss divided by
+# num_clones, plus the regularization losses on clone 0); `gradients` are
+# d loss / d trainable variable, computed on `device`; `non_trainable` are the
+# model's non-trainable variables as this clone's forward pass left them.
+Clone = collections.namedtuple(
+    'Clone', ['outputs', 'loss', 'regularization_loss', 'gradients',
+              'non_trainable', 'scope', 'device'])
+
+# What one training step reports: `total` is the loss that was minimised,
+# `clones` each clone's share of it (summing to `total`).
+StepLosses = collections.namedtuple(
+    'StepLosses', ['total', 'regularization', 'clones'])
+
+
+def _clone_step(model, loss_fn, num_clones, trainable, non_trainable,
+                images, labels, with_regularization):
+  """Forward pass, loss and gradient of one clone; changes no variable.
+
+  `trainable` and `non_trainable` are the variables' values as tensors, so
+  the computation can be compiled by XLA apart from the variables (XLA will
+  not read a variable that lives on another device).
+  """
+  with tf.GradientTape() as tape:
+    tape.watch(trainable)
+    outputs, new_non_trainable, losses = model.stateless_call(
+        trainable, non_trainable, images, training=True, return_losses=True)
+    # Gradients are summed over clones, so each clone's mean loss is divided
+    # by num_clones: the sum is then the mean over the global batch, exactly
+    # as one device would compute it.
+    loss = loss_fn(labels, outputs) / num_clones
+    regularization = tf.zeros([], loss.dtype)
+    if with_regularization and losses:
+      # The variables are shared, so their penalty is counted once (clone 0).
+      regularization = tf.add_n([tf.cast(l, loss.dtype) for l in losses])
+    loss += regularization
+  gradients = tape.gradient(loss, trainable)
+  return outputs, loss, regularization, gradients, new_non_trainable
+
+
+def split_batch(config, tensor):
+  """Splits `tensor`'s rows evenly over the clones, on the inputs device."""
+  with tf.device(config.inputs_device()), tf.name_scope('split_batch'):
+    return tf.split(tensor, config.num_clones, axis=0)
+
+
+def create_clones(config, model, loss_fn, images, labels, *,
+                  jit_compile=False):
+  """Runs every clone on its device and its shard of the batch.
+
+  Args:
+    config: a `DeploymentConfig`.
+    model: a built functional `keras.Model` whose variables live on
+      `config.variables_device()`.
+    loss_fn: `loss_fn(labels, outputs)` -> mean loss over those examples.
+    images: the global batch, `batch_size * num_clones` rows.
+    labels: its labels, as many rows.
+    jit_compile: compile each clone's forward and backward pass with XLA,
+      one cluster per clone on that clone's device (compiling the whole
+      step would fuse every clone into one cluster on one device).
+
+  Returns:
+    A list of `Clone`, one per clone.
+  """
+  def clone_fn(*args):
+    return _clone_step(model, loss_fn, config.num_clones, *args)
+  if jit_compile:
+    clone_fn = tf.function(clone_fn, jit_compile=True)
+  image_shards = split_batch(config, images)
+  label_shards = split_batch(config, labels)
+  clones = []
+  for i in range(config.num_clones):
+    device, scope = config.clone_device(i), config.clone_scope(i)
+    with tf.device(device), tf.name_scope(scope or None):
+      # Each clone reads the variables from the variables device.
+      trainable = [tf.convert_to_tensor(v) for v in model.trainable_variables]
+      non_trainable = [tf.convert_to_tensor(v)
+                       for v in model.non_trainable_variables]
+      result = clone_fn(trainable, non_trainable, image_shards[i],
+                        label_shards[i], i == 0)
+    clones.append(Clone(*result, scope=scope, device=device))
+  return clones
+
+
+def optimize_clones(clones, variables):
+  """Sums the clones' losses and gradients on the current device.
+
+  Call it under `tf.device(config.optimizer_device())`.
+
+  Args:
+    clones: the list `create_clones` returned.
+    variables: the trainable variables, in the order of the gradients.
+
+  Returns:
+    (total_loss, grads_and_vars), skipping variables that no clone reached.
+  """
+  with tf.name_scope('optimize_clones'):
+    total_loss = tf.add_n([clone.loss for clone in clones], name='total_loss')
+    grads_and_vars = []
+    for k, variable in enumerate(variables):
+      grads = [c.gradients[k] for c in clones if c.gradients[k] is not None]
+      if grads:
+        grads_and_vars.append((tf.add_n(grads, name='sum_gradients'),
+                               variable))
+  return total_loss, grads_and_vars
+
+
+def combine_non_trainable(clones, policy):
+  """The non-trainable values to keep after a step, under `policy`."""
+  if policy == BN_CLONE_0:
+    return list(clones[0].non_trainable)
+  combined = []
+  for values in zip(*(c.non_trainable for c in clones)):
+    if values[0].dtype.is_floating:
+      combined.append(tf.add_n(list(values)) / len(values))
+    else:  # Random-generator state and counters are not averaged.
+      combined.append(values[0])
+  return combined
+
+
+class DeployedModel:
+  """A model deployed over clones, with its compiled training step.
+
+  Slim's DeployedModel held a train_op and summary_op; in TF 2 it holds the
+  `tf.function` that runs one step. Attributes: `config`, `model`,
+  `loss_fn`, `optimizer`, `batch_norm_policy`, `jit_compile`.
+  """
+
+  def __init__(self, config, model, loss_fn, optimizer, *,
+               batch_norm_policy, jit_compile):
+    self.config = config
+    self.model = model
+    self.loss_fn = loss_fn
+    self.optimizer = optimizer
+    self.batch_norm_policy = batch_norm_policy
+    self.jit_compile = jit_compile
+    self._step = tf.function(self._train_step_graph)
+    self._predict = tf.function(self._predict_graph)
+
+  def _train_step_graph(self, images, labels):
+    config, model = self.config, self.model
+    clones = create_clones(config, model, self.loss_fn, images, labels,
+                           jit_compile=self.jit_compile)
+    with tf.device(config.optimizer_device()):
+      total_loss, grads_and_vars = optimize_clones(
+          clones, model.trainable_variables)
+      self.optimizer.apply_gradients(grads_and_vars)
+    with tf.device(config.variables_device()), tf.name_scope('update_state'):
+      new_values = combine_non_trainable(clones, self.batch_norm_policy)
+      for variable, value in zip(model.non_trainable_variables, new_values):
+        variable.assign(value)
+    return StepLosses(total_loss,
+                      clones[0].regularization_loss,
+                      [clone.loss for clone in clones])
+
+  @property
+  def trace_count(self):
+    """How many times the training step has been traced (one per signature)."""
+    return self._step.experimental_get_tracing_count()
+
+  def _check_batch(self, images, labels):
+    rows, label_rows = images.shape[0], labels.shape[0]
+    if rows is None or rows != label_rows:
+      raise ValueError(f'images have {rows} rows and labels {label_rows}; '
+                       'pass a batch with as many labels as images.')
+    if rows % self.config.num_clones:
+      raise ValueError(
+          f'a batch of {rows} rows does not split evenly over '
+          f'num_clones={self.config.num_clones}; pass batch_size * num_clones '
+          'rows (batch the dataset with drop_remainder=True).')
+
+  def train_step_losses(self, images, labels):
+    """One step on the global batch; returns its `StepLosses`."""
+    images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
+    self._check_batch(images, labels)
+    return self._step(images, labels)
+
+  def train_step(self, images, labels):
+    """One step on the global batch; returns the total loss (a scalar)."""
+    return self.train_step_losses(images, labels).total
+
+  def _predict_graph(self, images):
+    rows, n = images.shape[0], self.config.num_clones
+    # Inference may see a short last batch: shards differ by one row at most.
+    sizes = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+    with tf.device(self.config.inputs_device()):
+      shards = tf.split(images, sizes, axis=0)
+    outputs = []
+    for i in range(n):
+      with tf.device(self.config.clone_device(i)), tf.name_scope(
+          self.config.clone_scope(i) or None):
+        outputs.append(self.model(shards[i], training=False))
+    with tf.device(self.config.inputs_device()):
+      return tf.concat(outputs, axis=0)
+
+  def predict(self, images):
+    """Inference outputs for `images`, computed over the clones."""
+    return self._predict(tf.convert_to_tensor(images))
+
+
+def deploy(config, model, loss_fn, optimizer, *,
+           batch_norm_policy=BN_CLONE_0, jit_compile=False):
+  """Deploys `model` over `config`'s clones.
+
+  Builds the optimizer's slot variables on the variables device, and checks,
+  before anything runs, that every device exists and every variable lives on
+  `config.variables_device()`.
+
+  Args:
+    config: a `DeploymentConfig`.
+    model: a functional `keras.Model` built under
+      `tf.device(config.variables_device())`.
+    loss_fn: `loss_fn(labels, outputs)` -> mean loss (any `keras.losses`
+      object with its default reduction).
+    optimizer: a Keras optimizer created under the variables device.
+    batch_norm_policy: `BN_CLONE_0` (slim) or `BN_MEAN`; see the module doc.
+    jit_compile: compile each clone's forward and backward pass with XLA.
+
+  Returns:
+    A `DeployedModel`.
+
+  Raises:
+    ValueError: a missing device, a misplaced variable, an unknown policy or
+      a model that is not built.
+  """
+  if batch_norm_policy not in BATCH_NORM_POLICIES:
+    raise ValueError(f'batch_norm_policy={batch_norm_policy!r}: use one of '
+                     f'{BATCH_NORM_POLICIES}.')
+  if not model.built:
+    raise ValueError(f'model {model.name!r} is not built; build a functional '
+                     'model (keras.Input) under the variables device.')
+  devices.check_devices_exist(
+      [config.variables_device(), config.optimizer_device(),
+       config.inputs_device()] + config.clone_devices())
+  if not optimizer.built:
+    with tf.device(config.variables_device()):
+      optimizer.build(model.trainable_variables)
+  devices.check_placement(model.variables + optimizer.variables,
+                          config.variables_device())
+  return DeployedModel(config, model, loss_fn, optimizer,
+                       batch_norm_policy=batch_norm_policy,
+                       jit_compile=jit_compile)

@@ -1,0 +1,101 @@
+"""Runtime device checks, and logical CPU devices for clones on one CPU.
+
+`DeploymentConfig` writes every device string; this module only reads them
+and compares them with what the TensorFlow runtime has.
+"""
+
+import tensorflow as tf
+from absl import logging
+
+_LOGICAL_CPU_HINT = (
+    'create logical CPU devices before TensorFlow initialises, e.g. '
+    'tfmulti.devices.create_logical_cpus(num_clones) at the top of main(), or '
+    'train.py --clone_on_cpu')
+
+
+def create_logical_cpus(count):
+  """Splits the physical CPU into `count` logical CPU devices (CPU:0..N-1).
+
+  Clones placed on logical CPUs share one thread pool, so they test the
+  multi-device code paths on any machine; they do not add compute.
+
+  Must run before TensorFlow initialises its runtime (before the first op or
+  device query). Calling it again with a count no larger than what exists is
+  a no-op.
+
+  Args:
+    count: how many logical CPU devices to create, >= 1.
+
+  Raises:
+    ValueError: `count` < 1.
+    RuntimeError: the runtime is already initialised with fewer devices.
+  """
+  if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+    raise ValueError(f'count={count!r}: must be an integer >= 1.')
+  cpu = tf.config.list_physical_devices('CPU')[0]
+  try:
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+  except RuntimeError as e:
+    existing = len(tf.config.list_logical_devices('CPU'))
+    if existing >= count:
+      return
+    raise RuntimeError(
+        f'cannot create {count} logical CPU devices: TensorFlow is already '
+        f'initialised with {existing}. Call create_logical_cpus({count}) '
+        'before any TensorFlow op runs or any device is listed.') from e
+  logging.info('Created %d logical CPU devices.', count)
+
+
+def _matches(wanted, available):
+  """Whether DeviceSpec `available` satisfies every field `wanted` sets."""
+  available_job = available.job or 'localhost'
+  return ((wanted.job is None or wanted.job == available_job)
+          and (wanted.task is None or wanted.task == (available.task or 0))
+          and wanted.device_type == available.device_type
+          and (wanted.device_index is None
+               or wanted.device_index == available.device_index))
+
+
+def missing_devices(device_names):
+  """The device strings in `device_names` that the runtime does not have."""
+  available = [tf.DeviceSpec.from_string(d.name)
+               for d in tf.config.list_logical_devices()]
+  missing = []
+  for name in dict.fromkeys(device_names):  # Unique, in order.
+    wanted = tf.DeviceSpec.from_string(name)
+    if not any(_matches(wanted, have) for have in available):
+      missing.append(name)
+  return missing
+
+
+def check_devices_exist(device_names):
+  """Raises `ValueError` naming every device that does not exist.
+
+  TensorFlow would otherwise fail at the first step (with soft placement
+  off) or quietly run on another device (with it on).
+  """
+  missing = missing_devices(device_names)
+  if missing:
+    have = [d.name for d in tf.config.list_logical_devices()]
+    raise ValueError(
+        f'devices {missing} do not exist (this runtime has {have}). For '
+        f'clones on one CPU, {_LOGICAL_CPU_HINT}; for GPUs, lower num_clones '
+        'to the number of GPUs.')
+
+
+def device_of(variable):
+  """The device string of a `tf.Variable` or Keras variable."""
+  return getattr(variable, 'handle', variable).device
+
+
+def check_placement(variables, device):
+  """Raises `ValueError` if any of `variables` is not on `device`."""
+  wanted = tf.DeviceSpec.from_string(device)
+  misplaced = [(getattr(v, 'path', v.name), device_of(v)) for v in variables
+               if not _matches(wanted, tf.DeviceSpec.from_string(device_of(v)))]
+  if misplaced:
+    raise ValueError(
+        f'variables {misplaced} are not on the variables device {device!r}; '
+        'create the model and the optimizer under '
+        'tf.device(config.variables_device()).')
