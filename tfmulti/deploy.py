@@ -25,6 +25,7 @@ How this differs from slim (graph-mode TF 1):
 """
 
 import collections
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -202,6 +203,18 @@ def _clone_step(model, loss_fn, num_clones, trainable, non_trainable,
   return outputs, loss, regularization, gradients, new_non_trainable
 
 
+@contextlib.contextmanager
+def _on_clone(config, clone_index):
+  """Places ops on the clone's device, under its name scope (if any)."""
+  scope = config.clone_scope(clone_index)
+  with tf.device(config.clone_device(clone_index)):
+    if scope:
+      with tf.name_scope(scope):
+        yield
+    else:
+      yield
+
+
 def split_batch(config, tensor):
   """Splits `tensor`'s rows evenly over the clones, on the inputs device."""
   with tf.device(config.inputs_device()), tf.name_scope('split_batch'):
@@ -234,15 +247,15 @@ def create_clones(config, model, loss_fn, images, labels, *,
   label_shards = split_batch(config, labels)
   clones = []
   for i in range(config.num_clones):
-    device, scope = config.clone_device(i), config.clone_scope(i)
-    with tf.device(device), tf.name_scope(scope or None):
+    with _on_clone(config, i):
       # Each clone reads the variables from the variables device.
       trainable = [tf.convert_to_tensor(v) for v in model.trainable_variables]
       non_trainable = [tf.convert_to_tensor(v)
                        for v in model.non_trainable_variables]
       result = clone_fn(trainable, non_trainable, image_shards[i],
                         label_shards[i], i == 0)
-    clones.append(Clone(*result, scope=scope, device=device))
+    clones.append(Clone(*result, scope=config.clone_scope(i),
+                        device=config.clone_device(i)))
   return clones
 
 
@@ -351,8 +364,7 @@ class DeployedModel:
       shards = tf.split(images, sizes, axis=0)
     outputs = []
     for i in range(n):
-      with tf.device(self.config.clone_device(i)), tf.name_scope(
-          self.config.clone_scope(i) or None):
+      with _on_clone(self.config, i):
         outputs.append(self.model(shards[i], training=False))
     with tf.device(self.config.inputs_device()):
       return tf.concat(outputs, axis=0)

@@ -20,8 +20,8 @@ def create_logical_cpus(count):
   multi-device code paths on any machine; they do not add compute.
 
   Must run before TensorFlow initialises its runtime (before the first op or
-  device query). Calling it again with a count no larger than what exists is
-  a no-op.
+  device query). Calling it again with a count no larger than what is
+  already configured is a no-op.
 
   Args:
     count: how many logical CPU devices to create, >= 1.
@@ -33,6 +33,9 @@ def create_logical_cpus(count):
   if isinstance(count, bool) or not isinstance(count, int) or count < 1:
     raise ValueError(f'count={count!r}: must be an integer >= 1.')
   cpu = tf.config.list_physical_devices('CPU')[0]
+  configured = tf.config.get_logical_device_configuration(cpu) or []
+  if len(configured) >= count:  # Never shrink what an earlier call set up.
+    return
   try:
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])

@@ -1,0 +1,79 @@
+"""Tests for tfmulti.data: digits offline, mocked TFDS sets, clear errors."""
+
+import time
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from tfmulti import data
+
+
+def _labels(dataset):
+  return np.concatenate([y.numpy() for _, y in dataset])
+
+
+def test_digits_is_real_and_offline(digits_dir):
+  loaded = data.load('digits', global_batch_size=100, data_dir=digits_dir)
+  assert (loaded.train_examples, loaded.test_examples) == (1437, 360)
+  assert loaded.input_shape == (28, 28, 1)
+  assert loaded.num_classes == 10
+  images, labels = next(iter(loaded.train))
+  assert images.shape == (100, 28, 28, 1)
+  assert 0.0 <= float(np.min(images)) and float(np.max(images)) == 1.0
+  # The 24x24 digit sits in a 2-pixel frame of background, as in MNIST.
+  assert float(np.max(images[:, :2])) == 0.0
+  test_labels = _labels(loaded.test)
+  assert len(test_labels) == 360  # The short last batch is kept.
+  assert np.bincount(test_labels).min() >= 35  # Stratified: ~36 per class.
+
+
+def test_train_batches_are_full_and_shuffled_by_seed(digits_dir):
+  def first_labels(seed):
+    loaded = data.load('digits', global_batch_size=64, data_dir=digits_dir,
+                       seed=seed)
+    batches = list(loaded.train)
+    assert len(batches) == 1437 // 64  # drop_remainder=True.
+    assert {int(x.shape[0]) for x, _ in batches} == {64}
+    return batches[0][1].numpy()
+  np.testing.assert_array_equal(first_labels(1), first_labels(1))
+  assert not np.array_equal(first_labels(1), first_labels(2))
+
+
+@pytest.mark.parametrize('name, shape', [
+    ('mnist', (28, 28, 1)), ('fashion_mnist', (28, 28, 1)),
+    ('cifar10', (32, 32, 3))])
+def test_downloadable_datasets_through_tfds(name, shape):
+  with tfds.testing.mock_data(num_examples=24):
+    loaded = data.load(name, global_batch_size=8)
+  images, labels = next(iter(loaded.train))
+  assert loaded.input_shape == shape and loaded.num_classes == 10
+  assert images.shape == (8, *shape) and images.dtype == np.float32
+  assert float(np.max(images)) <= 1.0
+  assert labels.dtype == np.int32
+
+
+def test_unprepared_dataset_without_network_fails_fast(tmp_path):
+  start = time.monotonic()
+  with pytest.raises(data.DatasetUnavailableError,
+                     match=r"'mnist' is not prepared.*tfds build mnist"):
+    data.load('mnist', global_batch_size=8, data_dir=str(tmp_path))
+  assert time.monotonic() - start < 30  # TFDS alone retries for minutes.
+
+
+def test_synthetic_is_one_batch_repeated():
+  loaded = data.load('synthetic', global_batch_size=512)
+  batches = list(loaded.train)
+  assert len(batches) == data.SYNTHETIC_TRAIN_EXAMPLES // 512
+  np.testing.assert_array_equal(batches[0][0], batches[-1][0])
+  assert batches[0][0].shape == (512, *data.SYNTHETIC_SHAPE)
+
+
+def test_unknown_dataset():
+  with pytest.raises(ValueError, match="dataset='imagenet'.*digits"):
+    data.load('imagenet', global_batch_size=8)
+
+
+def test_batch_larger_than_the_data(digits_dir):
+  with pytest.raises(ValueError, match='global batch of 2048'):
+    data.load('digits', global_batch_size=2048, data_dir=digits_dir)

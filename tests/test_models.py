@@ -1,0 +1,63 @@
+"""Tests for tfmulti.models: registry, pinned parameter counts, placement."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmulti import devices
+from tfmulti import models
+from tfmulti.models import resnet
+
+MNIST = (28, 28, 1)
+CIFAR = (32, 32, 3)
+
+
+def _trainable_params(model):
+  return sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+
+
+@pytest.mark.parametrize('name, shape, trainable, total', [
+    # LeNet: 156 + 2,416 + 48,120 + 10,164 + 850 (D2L 7.6, no BatchNorm).
+    ('lenet', MNIST, 61_706, 61_706),
+    ('lenet', CIFAR, 83_126, 83_126),
+    # The total adds BatchNorm's moving mean and variance.
+    ('resnet18', MNIST, 11_175_818, 11_183_626),
+    # He et al.'s ResNet-20 with option-A shortcuts: 0.27M parameters.
+    ('resnet20', CIFAR, 269_722, 271_098),
+    ('resnet8_thin', CIFAR, 5_006, 5_126),
+])
+def test_parameter_counts(name, shape, trainable, total):
+  model = models.get_model(name, input_shape=shape, num_classes=10)
+  assert _trainable_params(model) == trainable
+  assert model.count_params() == total
+
+
+@pytest.mark.parametrize('name', models.names())
+def test_input_shape_and_classes_come_from_the_caller(name):
+  model = models.get_model(name, input_shape=(28, 28, 1), num_classes=7)
+  assert model.output_shape == (None, 7)
+  outputs = model(np.zeros((2, 28, 28, 1), np.float32), training=False)
+  assert outputs.shape == (2, 7)
+
+
+def test_variables_are_created_under_the_device_scope():
+  with tf.device('/device:CPU:2'):
+    model = models.get_model('resnet8_thin', input_shape=CIFAR,
+                             num_classes=10)
+  assert {devices.device_of(v).split('/')[-1] for v in model.variables} == {
+      'device:CPU:2'}
+
+
+def test_resnet20_regularizes_its_kernels():
+  model = models.get_model('resnet20', input_shape=CIFAR, num_classes=10)
+  assert len(model.losses) == 20  # 19 convolutions and the dense layer.
+
+
+def test_unknown_model_names_the_choices():
+  with pytest.raises(ValueError, match="model='vgg'.*lenet"):
+    models.get_model('vgg', input_shape=MNIST, num_classes=10)
+
+
+def test_cifar_resnet_depth_must_be_6n_plus_2():
+  with pytest.raises(ValueError, match='depth=21'):
+    resnet.cifar_resnet(CIFAR, 10, depth=21)

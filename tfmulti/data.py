@@ -1,0 +1,166 @@
+"""Input pipelines: every dataset through TensorFlow Datasets.
+
+`load()` returns batched train and test pipelines for a global batch:
+decode, scale to [0, 1], cache, shuffle, batch, prefetch. Call it under
+`tf.device(config.inputs_device())`.
+
+`mnist`, `fashion_mnist` and `cifar10` are TFDS's own datasets: read from
+`data_dir` when prepared there, else downloaded when their servers can be
+reached, else a `DatasetUnavailableError` within seconds (TFDS itself would
+retry for minutes). `digits` prepares offline from scikit-learn (see
+`tfmulti.digits`); `synthetic` is one random batch made once and repeated,
+for throughput without an input pipeline.
+"""
+
+import dataclasses
+import socket
+from urllib import parse
+
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from tfmulti import digits  # pylint: disable=unused-import  (registers it)
+
+DOWNLOADABLE = ('mnist', 'fashion_mnist', 'cifar10')
+DATASETS = ('digits',) + DOWNLOADABLE + ('synthetic',)
+_PROBE_TIMEOUT_S = 3.0  # Seconds to wait for a download server to answer.
+_SHUFFLE_BUFFER = 10_000  # Examples; at least a whole epoch of digits/mnist.
+_PIXEL_MAX = 255.0
+# Synthetic data: CIFAR-10's shape, and examples per epoch.
+SYNTHETIC_SHAPE = (32, 32, 3)
+SYNTHETIC_CLASSES = 10
+SYNTHETIC_TRAIN_EXAMPLES = 10_240
+SYNTHETIC_TEST_EXAMPLES = 1_024
+
+
+class DatasetUnavailableError(RuntimeError):
+  """A dataset has no prepared copy and cannot be downloaded here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """Batched pipelines and what the model needs to know about them.
+
+  Attributes:
+    train: shuffled batches of exactly `global_batch_size` (image, label).
+    test: batches in order; the last one may be short.
+    input_shape: (height, width, channels) of one image.
+    num_classes: number of labels.
+    train_examples: examples in the train split.
+    test_examples: examples in the test split.
+  """
+  train: tf.data.Dataset
+  test: tf.data.Dataset
+  input_shape: tuple
+  num_classes: int
+  train_examples: int
+  test_examples: int
+
+
+def _check_reachable(name, data_dir):
+  """Raises `DatasetUnavailableError` if a download server cannot be reached."""
+  builder = tfds.builder(name, data_dir=data_dir)
+  for url in sorted(builder.url_infos or ()):
+    parts = parse.urlparse(url)
+    port = parts.port or (443 if parts.scheme == 'https' else 80)
+    try:
+      socket.create_connection((parts.hostname, port),
+                               timeout=_PROBE_TIMEOUT_S).close()
+    except OSError as e:
+      raise DatasetUnavailableError(
+          f'dataset {name!r} is not prepared in {builder.data_dir} and its '
+          f'server {parts.hostname}:{port} cannot be reached ({e}). On a '
+          f'machine with network run `tfds build {name} --data_dir=DIR`, '
+          'copy DIR here and pass --data_dir=DIR (or use --dataset=digits, '
+          'which needs no network).') from e
+
+
+def _tfds_split(name, split, data_dir, seed):
+  """(dataset of (uint8 image, label), info) for one split."""
+  kwargs = dict(split=split, data_dir=data_dir, as_supervised=True,
+                with_info=True, shuffle_files=split == 'train',
+                read_config=tfds.ReadConfig(shuffle_seed=seed))
+  try:
+    return tfds.load(name, download=False, **kwargs)
+  except AssertionError:  # TFDS's answer when data_dir has no prepared copy.
+    _check_reachable(name, data_dir)
+    return tfds.load(name, download=True, **kwargs)
+
+
+def _normalise(image, label):
+  return tf.cast(image, tf.float32) / _PIXEL_MAX, tf.cast(label, tf.int32)
+
+
+def _num_examples(dataset):
+  count = int(dataset.cardinality())
+  if count < 0:  # Unknown: count once (the datasets here are small).
+    count = int(dataset.reduce(0, lambda n, _: n + 1))
+  return count
+
+
+def _from_tfds(name, global_batch_size, data_dir, seed):
+  splits = {}
+  for split in ('train', 'test'):
+    dataset, info = _tfds_split(name, split, data_dir, seed)
+    splits[split] = dataset.map(_normalise, tf.data.AUTOTUNE).cache()
+  train_examples = _num_examples(splits['train'])
+  train = splits['train'].shuffle(
+      min(train_examples, _SHUFFLE_BUFFER), seed=seed,
+      reshuffle_each_iteration=True)
+  return Data(
+      train=train.batch(global_batch_size, drop_remainder=True).prefetch(
+          tf.data.AUTOTUNE),
+      test=splits['test'].batch(global_batch_size).prefetch(tf.data.AUTOTUNE),
+      input_shape=tuple(splits['train'].element_spec[0].shape),
+      num_classes=info.features['label'].num_classes,
+      train_examples=train_examples,
+      test_examples=_num_examples(splits['test']))
+
+
+def _synthetic(global_batch_size, seed):
+  """One random batch, made once on the current device and repeated."""
+  def batch(stream):
+    images = tf.random.stateless_uniform(
+        (global_batch_size, *SYNTHETIC_SHAPE), seed=[seed, stream])
+    labels = tf.random.stateless_uniform(
+        (global_batch_size,), seed=[seed, stream + 1], maxval=SYNTHETIC_CLASSES,
+        dtype=tf.int32)
+    return tf.data.Dataset.from_tensors((images, labels))
+  train_batches = SYNTHETIC_TRAIN_EXAMPLES // global_batch_size
+  test_batches = max(1, SYNTHETIC_TEST_EXAMPLES // global_batch_size)
+  return Data(train=batch(0).repeat(train_batches),
+              test=batch(2).repeat(test_batches),
+              input_shape=SYNTHETIC_SHAPE, num_classes=SYNTHETIC_CLASSES,
+              train_examples=train_batches * global_batch_size,
+              test_examples=test_batches * global_batch_size)
+
+
+def load(name, *, global_batch_size, data_dir=None, seed=0):
+  """The train and test pipelines of dataset `name`.
+
+  Args:
+    name: one of `DATASETS`.
+    global_batch_size: rows per training batch, `batch_size * num_clones`.
+    data_dir: TFDS data directory; None for TFDS's default.
+    seed: shuffling seed.
+
+  Returns:
+    A `Data`.
+
+  Raises:
+    ValueError: unknown `name`, or a batch larger than the train split.
+    DatasetUnavailableError: not prepared and not downloadable here.
+  """
+  if name not in DATASETS:
+    raise ValueError(f'dataset={name!r} is not known; choose one of '
+                     f'{DATASETS}.')
+  if name == 'synthetic':
+    data = _synthetic(global_batch_size, seed)
+  else:
+    data = _from_tfds(name, global_batch_size, data_dir, seed)
+  if data.train_examples < global_batch_size:
+    raise ValueError(
+        f'the global batch of {global_batch_size} is larger than the '
+        f'{data.train_examples} training examples of {name!r}; lower '
+        'batch_size or num_clones.')
+  return data

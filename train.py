@@ -1,0 +1,155 @@
+"""Trains an image model over clones with tfmulti's model_deploy towers.
+
+  python train.py --num_clones=2 --clone_on_cpu
+
+This file alone defines flags: it turns them into frozen configs at once and
+makes one library call. Bad flags stop with one line naming the flag and the
+fix, before any training state exists.
+"""
+
+import os
+import sys
+import time
+
+# Keep TensorFlow's C++ start-up chatter (CUDA probing) out of the log.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+from absl import logging
+import tensorflow as tf
+
+from tfmulti import data
+from tfmulti import deploy
+from tfmulti import devices
+from tfmulti import models
+from tfmulti import train_lib
+
+_NUM_CLONES = flags.DEFINE_integer(
+    'num_clones', 1, 'Model copies (clones), one per device: GPU:0..N-1, or '
+    'logical CPU:0..N-1 with --clone_on_cpu.', lower_bound=1)
+_CLONE_ON_CPU = flags.DEFINE_bool(
+    'clone_on_cpu', False, 'Run clone i on logical CPU device i (created '
+    'here) instead of GPU:i; works on any machine.')
+_VARIABLES_DEVICE = flags.DEFINE_string(
+    'variables_device', 'cpu', "Where variables and optimizer slots live: "
+    "'cpu' (CPU:0, slim's default) or 'gpu:N' (one chosen GPU).")
+_BATCH_SIZE = flags.DEFINE_integer(
+    'batch_size', 64, 'Examples per clone per step (as in slim); the global '
+    'batch is batch_size * num_clones.', lower_bound=1)
+_MODEL = flags.DEFINE_enum('model', 'lenet', models.names(),
+                           'Model from the registry.')
+_DATASET = flags.DEFINE_enum(
+    'dataset', 'digits', data.DATASETS, "Dataset; 'digits' needs no network, "
+    "'synthetic' is random on-device data for throughput.")
+_DATA_DIR = flags.DEFINE_string(
+    'data_dir', None, 'TFDS data directory holding prepared datasets '
+    '(default: ~/tensorflow_datasets).')
+_OPTIMIZER = flags.DEFINE_enum('optimizer', 'adam', train_lib.OPTIMIZERS,
+                               "Optimizer; 'momentum' is SGD with 0.9.")
+_LEARNING_RATE = flags.DEFINE_float('learning_rate', 1e-3,
+                                    'Learning rate of the optimizer.')
+_EPOCHS = flags.DEFINE_integer(
+    'epochs', 40, 'Passes over the train split (ignored with --train_steps).',
+    lower_bound=1)
+_TRAIN_STEPS = flags.DEFINE_integer(
+    'train_steps', None, 'Global steps to train; overrides --epochs.',
+    lower_bound=1)
+_SEED = flags.DEFINE_integer('seed', 0, 'Seed of weights, dropout and '
+                             'shuffling.')
+_MODEL_DIR = flags.DEFINE_string(
+    'model_dir', None, 'Output directory for metrics.json; default: a fresh '
+    'runs/<time>-<model>-<dataset>/.')
+_LOG_EVERY_STEPS = flags.DEFINE_integer(
+    'log_every_steps', 10, 'Steps between progress lines.', lower_bound=1)
+_BATCH_NORM_POLICY = flags.DEFINE_enum(
+    'batch_norm_policy', deploy.BN_CLONE_0, deploy.BATCH_NORM_POLICIES,
+    "BatchNorm moving statistics each step: clone 0's (slim) or the clones' "
+    'mean.')
+_XLA = flags.DEFINE_bool('xla', False,
+                         "Compile each clone's step with XLA (jit_compile).")
+
+flags.register_validator(
+    'learning_rate', lambda value: value > 0,
+    message='--learning_rate must be > 0, e.g. --learning_rate=0.001.')
+flags.register_validator(
+    'variables_device',
+    lambda value: value == 'cpu' or (value.startswith('gpu:')
+                                     and value[4:].isdigit()),
+    message="--variables_device must be 'cpu' or 'gpu:N', e.g. gpu:0.")
+
+
+def _default_model_dir():
+  stamp = time.strftime('%Y%m%d-%H%M%S')
+  return os.path.join('runs', f'{stamp}-{_MODEL.value}-{_DATASET.value}-'
+                      f'{_NUM_CLONES.value}clones')
+
+
+def _variables_device():
+  if _VARIABLES_DEVICE.value == 'cpu':
+    return None  # DeploymentConfig's default, CPU:0.
+  return '/device:GPU:' + _VARIABLES_DEVICE.value[len('gpu:'):]
+
+
+def configs_from_flags():
+  """(TrainConfig, DeploymentConfig) from the parsed flags."""
+  train_config = train_lib.TrainConfig(
+      model=_MODEL.value, dataset=_DATASET.value,
+      model_dir=_MODEL_DIR.value or _default_model_dir(),
+      data_dir=_DATA_DIR.value, batch_size=_BATCH_SIZE.value,
+      optimizer=_OPTIMIZER.value, learning_rate=_LEARNING_RATE.value,
+      epochs=_EPOCHS.value, train_steps=_TRAIN_STEPS.value, seed=_SEED.value,
+      log_every_steps=_LOG_EVERY_STEPS.value,
+      batch_norm_policy=_BATCH_NORM_POLICY.value, xla=_XLA.value)
+  deploy_config = deploy.DeploymentConfig(
+      num_clones=_NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
+      variables_device=_variables_device())
+  return train_config, deploy_config
+
+
+def check_devices(deploy_config):
+  """Creates logical CPUs for --clone_on_cpu; checks GPUs against the flags.
+
+  Raises:
+    ValueError: naming the flag and the fix.
+  """
+  gpus = len(tf.config.list_physical_devices('GPU'))
+  if _VARIABLES_DEVICE.value != 'cpu':
+    index = int(_VARIABLES_DEVICE.value[len('gpu:'):])
+    if index >= gpus:
+      raise ValueError(
+          f'--variables_device={_VARIABLES_DEVICE.value}: this machine has '
+          f'{gpus} GPU(s); use --variables_device=cpu' +
+          (f' or gpu:N with N < {gpus}.' if gpus else '.'))
+  if deploy_config.clone_on_cpu:
+    devices.create_logical_cpus(deploy_config.num_clones)
+  elif deploy_config.num_clones > gpus:
+    raise ValueError(
+        f'--num_clones={deploy_config.num_clones} needs as many GPUs, and '
+        f'this machine has {gpus}; add --clone_on_cpu to run the clones on '
+        'logical CPU devices, or lower --num_clones.')
+
+
+def main(argv):
+  if len(argv) > 1:
+    sys.exit(f'train.py: error: unexpected arguments {argv[1:]}; flags are '
+             'written --name=value.')
+  try:
+    train_config, deploy_config = configs_from_flags()
+    check_devices(deploy_config)
+  except ValueError as e:
+    sys.exit(f'train.py: error: {e}')
+  logging.info('writing to %s', train_config.model_dir)
+  try:
+    train_lib.train_and_evaluate(train_config, deploy_config)
+  except data.DatasetUnavailableError as e:
+    sys.exit(f'train.py: error: {e}')
+
+
+def run():
+  """Console-script entry point (`tfmulti-train`)."""
+  app.run(main)
+
+
+if __name__ == '__main__':
+  run()
