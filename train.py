@@ -66,6 +66,11 @@ _BATCH_NORM_POLICY = flags.DEFINE_enum(
     'batch_norm_policy', deploy.BN_CLONE_0, deploy.BATCH_NORM_POLICIES,
     "BatchNorm moving statistics each step: clone 0's (slim) or the clones' "
     'mean.')
+_STRATEGY = flags.DEFINE_enum(
+    'strategy', train_lib.TOWERS, train_lib.STRATEGIES,
+    "How the step runs: 'towers' (tfmulti.deploy), 'mirrored' "
+    "(tf.distribute.MirroredStrategy over the same devices) or 'single' (one "
+    'device, the whole global batch: the reference).')
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (jit_compile).")
 
@@ -100,7 +105,8 @@ def configs_from_flags():
       optimizer=_OPTIMIZER.value, learning_rate=_LEARNING_RATE.value,
       epochs=_EPOCHS.value, train_steps=_TRAIN_STEPS.value, seed=_SEED.value,
       log_every_steps=_LOG_EVERY_STEPS.value,
-      batch_norm_policy=_BATCH_NORM_POLICY.value, xla=_XLA.value)
+      batch_norm_policy=_BATCH_NORM_POLICY.value, xla=_XLA.value,
+      strategy=_STRATEGY.value)
   deploy_config = deploy.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
       variables_device=_variables_device())

@@ -178,6 +178,39 @@ StepLosses = collections.namedtuple(
     'StepLosses', ['total', 'regularization', 'clones'])
 
 
+def shard_loss(mean_loss, shard_rows, global_rows):
+  """One shard's part of the mean loss over the global batch.
+
+  Args:
+    mean_loss: the mean loss over the shard's rows.
+    shard_rows: rows in the shard.
+    global_rows: rows in the global batch.
+
+  Returns:
+    mean_loss * shard_rows / global_rows.
+  """
+  # Gradients are summed over shards (the towers' central sum, or
+  # tf.distribute's all-reduce), not averaged, so each shard's mean loss is
+  # weighted by its share of the global batch (1 / num_clones for equal
+  # shards): the sum is then the mean over the global batch, exactly as one
+  # device would compute it.
+  dtype = mean_loss.dtype
+  return mean_loss * tf.cast(shard_rows, dtype) / tf.cast(global_rows, dtype)
+
+
+def check_batch(images, labels, num_shards, shard_word='num_clones'):
+  """Raises `ValueError` unless the batch splits evenly into `num_shards`."""
+  rows, label_rows = images.shape[0], labels.shape[0]
+  if rows is None or rows != label_rows:
+    raise ValueError(f'images have {rows} rows and labels {label_rows}; '
+                     'pass a batch with as many labels as images.')
+  if rows % num_shards:
+    raise ValueError(
+        f'a batch of {rows} rows does not split evenly over '
+        f'{shard_word}={num_shards}; pass batch_size * {shard_word} rows '
+        '(batch the dataset with drop_remainder=True).')
+
+
 def _clone_step(model, loss_fn, num_clones, trainable, non_trainable,
                 images, labels, with_regularization):
   """Forward pass, loss and gradient of one clone; changes no variable.
@@ -190,10 +223,8 @@ def _clone_step(model, loss_fn, num_clones, trainable, non_trainable,
     tape.watch(trainable)
     outputs, new_non_trainable, losses = model.stateless_call(
         trainable, non_trainable, images, training=True, return_losses=True)
-    # Gradients are summed over clones, so each clone's mean loss is divided
-    # by num_clones: the sum is then the mean over the global batch, exactly
-    # as one device would compute it.
-    loss = loss_fn(labels, outputs) / num_clones
+    rows = tf.shape(labels)[0]
+    loss = shard_loss(loss_fn(labels, outputs), rows, rows * num_clones)
     regularization = tf.zeros([], loss.dtype)
     if with_regularization and losses:
       # The variables are shared, so their penalty is counted once (clone 0).
@@ -335,21 +366,10 @@ class DeployedModel:
     """How many times the training step has been traced (one per signature)."""
     return self._step.experimental_get_tracing_count()
 
-  def _check_batch(self, images, labels):
-    rows, label_rows = images.shape[0], labels.shape[0]
-    if rows is None or rows != label_rows:
-      raise ValueError(f'images have {rows} rows and labels {label_rows}; '
-                       'pass a batch with as many labels as images.')
-    if rows % self.config.num_clones:
-      raise ValueError(
-          f'a batch of {rows} rows does not split evenly over '
-          f'num_clones={self.config.num_clones}; pass batch_size * num_clones '
-          'rows (batch the dataset with drop_remainder=True).')
-
   def train_step_losses(self, images, labels):
     """One step on the global batch; returns its `StepLosses`."""
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    self._check_batch(images, labels)
+    check_batch(images, labels, self.config.num_clones)
     return self._step(images, labels)
 
   def train_step(self, images, labels):

@@ -2,7 +2,9 @@
 
 `train_and_evaluate(config, deploy_config)` is the one call `train.py`
 makes. It builds the model and optimizer under the variables device, deploys
-them over the clones, trains for the requested steps with progress lines,
+them over the clones (or hands them to a tf.distribute strategy on the same
+devices, for comparison: one training contract, two ways to run the step),
+trains for the requested steps with progress lines,
 evaluates on the test split after every epoch and writes
 `<model_dir>/metrics.json`.
 """
@@ -20,9 +22,12 @@ from absl import logging
 
 from tfmulti import data
 from tfmulti import deploy
+from tfmulti import distribute
 from tfmulti import models
 
 OPTIMIZERS = ('sgd', 'momentum', 'adam')
+TOWERS = 'towers'
+STRATEGIES = (TOWERS,) + distribute.STRATEGIES
 _MOMENTUM = 0.9  # Of the 'momentum' optimizer.
 METRICS_FILE = 'metrics.json'
 
@@ -51,6 +56,8 @@ class TrainConfig:
     log_every_steps: steps between progress lines.
     batch_norm_policy: see `deploy.BATCH_NORM_POLICIES`.
     xla: compile each clone's computation with XLA.
+    strategy: 'towers' (tfmulti.deploy), or a tf.distribute path from
+      `distribute.STRATEGIES` on the same devices, for comparison.
   """
   model: str = 'lenet'
   dataset: str = 'digits'
@@ -65,6 +72,7 @@ class TrainConfig:
   log_every_steps: int = 10
   batch_norm_policy: str = deploy.BN_CLONE_0
   xla: bool = False
+  strategy: str = TOWERS
 
   def __post_init__(self):
     if self.model not in models.names():
@@ -73,6 +81,12 @@ class TrainConfig:
     if self.dataset not in data.DATASETS:
       raise ValueError(f'dataset={self.dataset!r} is not known; choose one '
                        f'of {data.DATASETS}.')
+    if self.strategy not in STRATEGIES:
+      raise ValueError(f'strategy={self.strategy!r}: choose one of '
+                       f'{STRATEGIES}.')
+    if self.xla and self.strategy != TOWERS:
+      raise ValueError(f'xla=True works with the towers only, not '
+                       f'strategy={self.strategy!r}.')
     if self.optimizer not in OPTIMIZERS:
       raise ValueError(f'optimizer={self.optimizer!r}: choose one of '
                        f'{OPTIMIZERS}.')
@@ -173,9 +187,41 @@ def _log_deployment(deploy_config, train_config, global_batch_size):
                'evenly on %s', train_config.batch_size,
                deploy_config.num_clones, global_batch_size,
                deploy_config.inputs_device())
-  logging.info('variables and optimizer slots on %s; clones on %s; gradients '
-               'summed and applied on %s', deploy_config.variables_device(),
-               deploy_config.clone_devices(), deploy_config.optimizer_device())
+  if train_config.strategy == TOWERS:
+    logging.info('towers: variables and optimizer slots on %s; clones on %s; '
+                 'gradients summed and applied on %s',
+                 deploy_config.variables_device(),
+                 deploy_config.clone_devices(),
+                 deploy_config.optimizer_device())
+  else:
+    logging.info('%s: tf.distribute replicas on %s, each with its own copy '
+                 'of the variables; gradients all-reduced',
+                 train_config.strategy, deploy_config.clone_devices()
+                 if train_config.strategy == distribute.MIRRORED
+                 else deploy_config.clone_devices()[:1])
+
+
+def build_trainer(config, deploy_config, *, input_shape, num_classes,
+                  loss_fn):
+  """The model, its optimizer and step, on the path `config.strategy` names.
+
+  Returns a `deploy.DeployedModel` or a `distribute.DistributedModel`; both
+  have `train_step_losses`, `predict`, `model` and `optimizer`.
+  """
+  def build():
+    model = models.get_model(config.model, input_shape=input_shape,
+                             num_classes=num_classes)
+    return model, make_optimizer(config.optimizer, config.learning_rate)
+  if config.strategy == TOWERS:
+    with tf.device(deploy_config.variables_device()):
+      model, optimizer = build()
+    return deploy.deploy(deploy_config, model, loss_fn, optimizer,
+                         batch_norm_policy=config.batch_norm_policy,
+                         jit_compile=config.xla)
+  strategy = distribute.make_strategy(config.strategy, deploy_config)
+  with strategy.scope():
+    model, optimizer = build()
+  return distribute.DistributedModel(strategy, model, loss_fn, optimizer)
 
 
 def _write_metrics(model_dir, metrics):
@@ -207,15 +253,11 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
         config.dataset, global_batch_size=global_batch_size,
         data_dir=config.data_dir, seed=config.seed)
   loss_fn = make_loss()
-  with tf.device(deploy_config.variables_device()):
-    model = models.get_model(config.model, input_shape=dataset.input_shape,
-                             num_classes=dataset.num_classes)
-    optimizer = make_optimizer(config.optimizer, config.learning_rate)
-  deployed = deploy.deploy(deploy_config, model, loss_fn, optimizer,
-                           batch_norm_policy=config.batch_norm_policy,
-                           jit_compile=config.xla)
+  deployed = build_trainer(config, deploy_config,
+                           input_shape=dataset.input_shape,
+                           num_classes=dataset.num_classes, loss_fn=loss_fn)
   logging.info('%s: %d parameters; %s: %d train, %d test examples',
-               config.model, model.count_params(), config.dataset,
+               config.model, deployed.model.count_params(), config.dataset,
                dataset.train_examples, dataset.test_examples)
 
   steps_per_epoch = dataset.train_examples // global_batch_size
@@ -241,7 +283,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
       'epochs': epoch,
       'images_per_sec': progress.images_per_sec,
       'train_seconds': progress.train_seconds,
-      'strategy': 'towers',
+      'strategy': config.strategy,
       'num_clones': deploy_config.num_clones,
       'batch_size': config.batch_size,
       'global_batch_size': global_batch_size,

@@ -1,0 +1,80 @@
+"""Tests for tfmulti.distribute: towers, mirrored and single agree."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmulti import deploy
+from tfmulti import distribute
+from test_deploy import _batch, _deployed, _loss_fn, _mlp, _weights
+
+CLONES = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+
+
+def _distributed(name, config=CLONES):
+  strategy = distribute.make_strategy(name, config)
+  with strategy.scope():
+    model = _mlp()
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+  return distribute.DistributedModel(strategy, model, _loss_fn(), optimizer)
+
+
+def test_strategies_use_the_config_devices():
+  mirrored = distribute.make_strategy('mirrored', CLONES)
+  assert mirrored.extended.worker_devices == (
+      '/job:localhost/replica:0/task:0/device:CPU:0',
+      '/job:localhost/replica:0/task:0/device:CPU:1')
+  single = distribute.make_strategy('single', CLONES)
+  assert single.num_replicas_in_sync == 1
+  with pytest.raises(ValueError, match="strategy='horovod'"):
+    distribute.make_strategy('horovod', CLONES)
+
+
+def test_towers_mirrored_and_single_agree():
+  batches = [_batch(12, seed=s) for s in range(4)]
+  runs = {'towers': _deployed(CLONES),
+          'mirrored': _distributed('mirrored'),
+          'single': _distributed('single')}
+  losses = {name: [float(run.train_step(x, y)) for x, y in batches]
+            for name, run in runs.items()}
+  for name in ('towers', 'mirrored'):
+    np.testing.assert_allclose(losses[name], losses['single'], rtol=1e-5)
+    for got, want in zip(_weights(runs[name].model),
+                         _weights(runs['single'].model)):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_mirrored_step_losses_sum_over_replicas():
+  mirrored = _distributed('mirrored')
+  losses = mirrored.train_step_losses(*_batch(8))
+  assert len(losses.clones) == 2
+  np.testing.assert_allclose(float(losses.total),
+                             float(tf.add_n(losses.clones)), rtol=1e-6)
+  assert float(losses.regularization) > 0
+  assert mirrored.trace_count == 1
+
+
+def test_mirrored_refuses_an_indivisible_batch():
+  mirrored = _distributed('mirrored')
+  before = _weights(mirrored.model)
+  with pytest.raises(ValueError, match='over num_replicas=2'):
+    mirrored.train_step(*_batch(5))
+  for got, want in zip(_weights(mirrored.model), before):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_mean_loss_undoes_keras_replica_scaling():
+  strategy = distribute.make_strategy('mirrored', CLONES)
+  labels = tf.constant([0, 1])
+  logits = tf.constant([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+  want = float(_loss_fn()(labels, logits))  # No strategy: the plain mean.
+
+  def in_replica():
+    loss_fn = _loss_fn()
+    return loss_fn(labels, logits), distribute.mean_loss(loss_fn, labels,
+                                                         logits)
+  keras_loss, ours = (strategy.experimental_local_results(value)[0]
+                      for value in strategy.run(in_replica))
+  assert float(keras_loss) == pytest.approx(want / 2)  # Keras's own scaling.
+  assert float(ours) == pytest.approx(want)
