@@ -90,12 +90,6 @@ def _default_model_dir():
                       f'{_NUM_CLONES.value}clones')
 
 
-def _variables_device():
-  if _VARIABLES_DEVICE.value == 'cpu':
-    return None  # DeploymentConfig's default, CPU:0.
-  return '/device:GPU:' + _VARIABLES_DEVICE.value[len('gpu:'):]
-
-
 def configs_from_flags():
   """(TrainConfig, DeploymentConfig) from the parsed flags."""
   train_config = train_lib.TrainConfig(
@@ -109,7 +103,9 @@ def configs_from_flags():
       strategy=_STRATEGY.value)
   deploy_config = deploy.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
-      variables_device=_variables_device())
+      # None keeps CPU:0; DeploymentConfig turns 'gpu:N' into its device.
+      variables_device=None if _VARIABLES_DEVICE.value == 'cpu'
+      else _VARIABLES_DEVICE.value)
   return train_config, deploy_config
 
 
@@ -121,8 +117,7 @@ def check_devices(deploy_config):
   """
   gpus = len(tf.config.list_physical_devices('GPU'))
   if _VARIABLES_DEVICE.value != 'cpu':
-    index = int(_VARIABLES_DEVICE.value[len('gpu:'):])
-    if index >= gpus:
+    if devices.missing_devices([deploy_config.variables_device()]):
       raise ValueError(
           f'--variables_device={_VARIABLES_DEVICE.value}: this machine has '
           f'{gpus} GPU(s); use --variables_device=cpu' +

@@ -110,9 +110,9 @@ class DistributedModel:
 
   def _shard(self, tensor):
     """Replica i gets the i-th of num_replicas equal row blocks."""
-    n = self.num_replicas
+    blocks = tf.split(tensor, self.num_replicas)  # Once, not per replica.
     return self.strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.split(tensor, n)[ctx.replica_id_in_sync_group])
+        lambda ctx: blocks[ctx.replica_id_in_sync_group])
 
   def train_step_losses(self, images, labels):
     """One step on the global batch; returns its `deploy.StepLosses`."""

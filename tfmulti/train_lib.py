@@ -193,12 +193,6 @@ def _log_deployment(deploy_config, train_config, global_batch_size):
                  deploy_config.variables_device(),
                  deploy_config.clone_devices(),
                  deploy_config.optimizer_device())
-  else:
-    logging.info('%s: tf.distribute replicas on %s, each with its own copy '
-                 'of the variables; gradients all-reduced',
-                 train_config.strategy, deploy_config.clone_devices()
-                 if train_config.strategy == distribute.MIRRORED
-                 else deploy_config.clone_devices()[:1])
 
 
 def build_trainer(config, deploy_config, *, input_shape, num_classes,
@@ -219,6 +213,9 @@ def build_trainer(config, deploy_config, *, input_shape, num_classes,
                          batch_norm_policy=config.batch_norm_policy,
                          jit_compile=config.xla)
   strategy = distribute.make_strategy(config.strategy, deploy_config)
+  logging.info('%s: tf.distribute replicas on %s, each with its own copy of '
+               'the variables; gradients all-reduced', config.strategy,
+               strategy.extended.worker_devices)
   with strategy.scope():
     model, optimizer = build()
   return distribute.DistributedModel(strategy, model, loss_fn, optimizer)
