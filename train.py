@@ -9,7 +9,6 @@ fix, before any training state exists.
 
 import os
 import sys
-import time
 
 # Keep TensorFlow's C++ start-up chatter (CUDA probing) out of the log.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -19,10 +18,13 @@ from absl import flags
 from absl import logging
 import tensorflow as tf
 
+from tfmulti import checkpoints
 from tfmulti import data
 from tfmulti import deploy
 from tfmulti import devices
+from tfmulti import distribute
 from tfmulti import models
+from tfmulti import schedules
 from tfmulti import train_lib
 
 _NUM_CLONES = flags.DEFINE_integer(
@@ -47,8 +49,20 @@ _DATA_DIR = flags.DEFINE_string(
     '(default: ~/tensorflow_datasets).')
 _OPTIMIZER = flags.DEFINE_enum('optimizer', 'adam', train_lib.OPTIMIZERS,
                                "Optimizer; 'momentum' is SGD with 0.9.")
-_LEARNING_RATE = flags.DEFINE_float('learning_rate', 1e-3,
-                                    'Learning rate of the optimizer.')
+_LEARNING_RATE = flags.DEFINE_float(
+    'learning_rate', 1e-3, 'Base learning rate of one device (see '
+    '--lr_scaling).')
+_LR_SCALING = flags.DEFINE_enum(
+    'lr_scaling', schedules.NO_SCALING, schedules.LR_SCALINGS,
+    "'linear': the peak rate is --learning_rate times --num_clones (Goyal "
+    'et al. 2017); use it with --warmup_steps.')
+_LR_SCHEDULE = flags.DEFINE_enum(
+    'lr_schedule', schedules.CONSTANT, schedules.LR_SCHEDULES,
+    'Decay after warm-up, over the global steps of the run: cosine to 0, or '
+    'x0.1 at 50%% and 75%% of the steps.')
+_WARMUP_STEPS = flags.DEFINE_integer(
+    'warmup_steps', 0, 'Global steps of linear warm-up from 0 to the peak '
+    'rate.', lower_bound=0)
 _EPOCHS = flags.DEFINE_integer(
     'epochs', 40, 'Passes over the train split (ignored with --train_steps).',
     lower_bound=1)
@@ -57,22 +71,44 @@ _TRAIN_STEPS = flags.DEFINE_integer(
     lower_bound=1)
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of weights, dropout and '
                              'shuffling.')
+_DETERMINISTIC = flags.DEFINE_bool(
+    'deterministic', False, 'Deterministic ops too: a rerun gives '
+    'bit-identical weights (slower on GPUs).')
 _MODEL_DIR = flags.DEFINE_string(
-    'model_dir', None, 'Output directory for metrics.json; default: a fresh '
-    'runs/<time>-<model>-<dataset>/.')
+    'model_dir', None, 'Checkpoints, TensorBoard events and metrics.json; '
+    'a directory with checkpoints resumes. Default: '
+    'runs/<model>-<dataset>-<strategy>-<N>clones/, so the same command '
+    'resumes.')
 _LOG_EVERY_STEPS = flags.DEFINE_integer(
-    'log_every_steps', 10, 'Steps between progress lines.', lower_bound=1)
+    'log_every_steps', 10, 'Steps between progress lines and summaries.',
+    lower_bound=1)
+_CHECKPOINT_STEPS = flags.DEFINE_integer(
+    'checkpoint_steps', 500, 'Global steps between checkpoints; one is also '
+    'written at the end and on SIGTERM or Ctrl-C.', lower_bound=1)
+_KEEP_CHECKPOINTS = flags.DEFINE_integer(
+    'keep_checkpoints', 5, 'Recent checkpoints to keep.', lower_bound=1)
+_SUMMARIZE_GRADIENTS = flags.DEFINE_bool(
+    'summarize_gradients', False, 'Write gradient histograms and norms per '
+    'variable to TensorBoard.')
 _BATCH_NORM_POLICY = flags.DEFINE_enum(
     'batch_norm_policy', deploy.BN_CLONE_0, deploy.BATCH_NORM_POLICIES,
     "BatchNorm moving statistics each step: clone 0's (slim) or the clones' "
     'mean.')
+_SYNC_BATCH_NORM = flags.DEFINE_bool(
+    'sync_batch_norm', False, "Keras's synchronized BatchNorm: statistics "
+    'of the global batch, all-reduced over the replicas (tf.distribute '
+    'strategies).')
 _STRATEGY = flags.DEFINE_enum(
     'strategy', train_lib.TOWERS, train_lib.STRATEGIES,
     "How the step runs: 'towers' (tfmulti.deploy), 'mirrored' "
-    "(tf.distribute.MirroredStrategy over the same devices) or 'single' (one "
-    'device, the whole global batch: the reference).')
+    "(tf.distribute.MirroredStrategy over the same devices), "
+    "'central_storage' (CentralStorageStrategy) or 'single' (one device, the "
+    'whole global batch: the reference).')
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (jit_compile).")
+_MIXED_PRECISION = flags.DEFINE_bool(
+    'mixed_precision', False, 'Compute in float16 on GPUs (with dynamic loss '
+    'scaling) or bfloat16 on CPUs; variables stay float32.')
 
 flags.register_validator(
     'learning_rate', lambda value: value > 0,
@@ -85,9 +121,9 @@ flags.register_validator(
 
 
 def _default_model_dir():
-  stamp = time.strftime('%Y%m%d-%H%M%S')
-  return os.path.join('runs', f'{stamp}-{_MODEL.value}-{_DATASET.value}-'
-                      f'{_NUM_CLONES.value}clones')
+  # No time stamp: running the same command again resumes the same run.
+  return os.path.join('runs', f'{_MODEL.value}-{_DATASET.value}-'
+                      f'{_STRATEGY.value}-{_NUM_CLONES.value}clones')
 
 
 def configs_from_flags():
@@ -97,9 +133,17 @@ def configs_from_flags():
       model_dir=_MODEL_DIR.value or _default_model_dir(),
       data_dir=_DATA_DIR.value, batch_size=_BATCH_SIZE.value,
       optimizer=_OPTIMIZER.value, learning_rate=_LEARNING_RATE.value,
-      epochs=_EPOCHS.value, train_steps=_TRAIN_STEPS.value, seed=_SEED.value,
+      lr_scaling=_LR_SCALING.value, lr_schedule=_LR_SCHEDULE.value,
+      warmup_steps=_WARMUP_STEPS.value, epochs=_EPOCHS.value,
+      train_steps=_TRAIN_STEPS.value, seed=_SEED.value,
+      deterministic=_DETERMINISTIC.value,
       log_every_steps=_LOG_EVERY_STEPS.value,
-      batch_norm_policy=_BATCH_NORM_POLICY.value, xla=_XLA.value,
+      checkpoint_steps=_CHECKPOINT_STEPS.value,
+      keep_checkpoints=_KEEP_CHECKPOINTS.value,
+      summarize_gradients=_SUMMARIZE_GRADIENTS.value,
+      batch_norm_policy=_BATCH_NORM_POLICY.value,
+      synchronized_batch_norm=_SYNC_BATCH_NORM.value,
+      mixed_precision=_MIXED_PRECISION.value, xla=_XLA.value,
       strategy=_STRATEGY.value)
   deploy_config = deploy.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
@@ -143,7 +187,11 @@ def main(argv):
   logging.info('writing to %s', train_config.model_dir)
   try:
     train_lib.train_and_evaluate(train_config, deploy_config)
-  except data.DatasetUnavailableError as e:
+  except train_lib.TrainingInterrupted as e:
+    logging.warning('%s', e)
+    sys.exit(e.exit_code)
+  except (data.DatasetUnavailableError, checkpoints.CheckpointMismatchError,
+          distribute.UnsupportedError, train_lib.NonFiniteLossError) as e:
     sys.exit(f'train.py: error: {e}')
 
 

@@ -18,7 +18,7 @@ def test_digits_is_real_and_offline(digits_dir):
   assert (loaded.train_examples, loaded.test_examples) == (1437, 360)
   assert loaded.input_shape == (28, 28, 1)
   assert loaded.num_classes == 10
-  images, labels = next(iter(loaded.train))
+  images, labels = next(iter(loaded.train_epoch(0)))
   assert images.shape == (100, 28, 28, 1)
   assert 0.0 <= float(np.min(images)) and float(np.max(images)) == 1.0
   # The 24x24 digit sits in a 2-pixel frame of background, as in MNIST.
@@ -28,16 +28,27 @@ def test_digits_is_real_and_offline(digits_dir):
   assert np.bincount(test_labels).min() >= 35  # Stratified: ~36 per class.
 
 
-def test_train_batches_are_full_and_shuffled_by_seed(digits_dir):
-  def first_labels(seed):
+def test_train_batches_are_full_and_shuffled_by_seed_and_epoch(digits_dir):
+  def first_labels(seed, epoch=0):
     loaded = data.load('digits', global_batch_size=64, data_dir=digits_dir,
                        seed=seed)
-    batches = list(loaded.train)
+    batches = list(loaded.train_epoch(epoch))
     assert len(batches) == 1437 // 64  # drop_remainder=True.
     assert {int(x.shape[0]) for x, _ in batches} == {64}
     return batches[0][1].numpy()
   np.testing.assert_array_equal(first_labels(1), first_labels(1))
   assert not np.array_equal(first_labels(1), first_labels(2))
+  assert not np.array_equal(first_labels(1, epoch=0), first_labels(1, 1))
+
+
+def test_an_epoch_resumes_after_the_batches_trained_on(digits_dir):
+  loaded = data.load('digits', global_batch_size=64, data_dir=digits_dir,
+                     seed=3)
+  whole = [y.numpy() for _, y in loaded.train_epoch(2)]
+  rest = [y.numpy() for _, y in loaded.train_epoch(2, skip_batches=5)]
+  assert len(rest) == len(whole) - 5
+  np.testing.assert_array_equal(np.concatenate(whole[5:]),
+                                np.concatenate(rest))
 
 
 @pytest.mark.parametrize('name, shape', [
@@ -46,7 +57,7 @@ def test_train_batches_are_full_and_shuffled_by_seed(digits_dir):
 def test_downloadable_datasets_through_tfds(name, shape):
   with tfds.testing.mock_data(num_examples=24):
     loaded = data.load(name, global_batch_size=8)
-  images, labels = next(iter(loaded.train))
+  images, labels = next(iter(loaded.train_epoch(0)))
   assert loaded.input_shape == shape and loaded.num_classes == 10
   assert images.shape == (8, *shape) and images.dtype == np.float32
   assert float(np.max(images)) <= 1.0
@@ -63,8 +74,9 @@ def test_unprepared_dataset_without_network_fails_fast(tmp_path):
 
 def test_synthetic_is_one_batch_repeated():
   loaded = data.load('synthetic', global_batch_size=512)
-  batches = list(loaded.train)
+  batches = list(loaded.train_epoch(0))
   assert len(batches) == data.SYNTHETIC_TRAIN_EXAMPLES // 512
+  assert len(list(loaded.train_epoch(1, skip_batches=3))) == len(batches) - 3
   np.testing.assert_array_equal(batches[0][0], batches[-1][0])
   assert batches[0][0].shape == (512, *data.SYNTHETIC_SHAPE)
 

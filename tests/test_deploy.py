@@ -170,7 +170,7 @@ def test_step_losses_split_over_clones():
   expected_reg = sum(L2 * float(tf.reduce_sum(tf.square(w)))
                      for w in deployed.model.trainable_variables
                      if 'kernel' in w.path)
-  losses = deployed.train_step_losses(images, labels)
+  losses = deployed.train_step_outputs(images, labels)
   assert len(losses.clones) == 2
   np.testing.assert_allclose(float(losses.regularization), expected_reg,
                              rtol=1e-5)

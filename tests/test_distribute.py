@@ -47,7 +47,7 @@ def test_towers_mirrored_and_single_agree():
 
 def test_mirrored_step_losses_sum_over_replicas():
   mirrored = _distributed('mirrored')
-  losses = mirrored.train_step_losses(*_batch(8))
+  losses = mirrored.train_step_outputs(*_batch(8))
   assert len(losses.clones) == 2
   np.testing.assert_allclose(float(losses.total),
                              float(tf.add_n(losses.clones)), rtol=1e-6)

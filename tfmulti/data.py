@@ -2,7 +2,9 @@
 
 `load()` returns batched train and test pipelines for a global batch:
 decode, scale to [0, 1], cache, shuffle, batch, prefetch. Call it under
-`tf.device(config.inputs_device())`.
+`tf.device(config.inputs_device())`. Epoch e is shuffled with the seed
+(seed, e), so an interrupted run rebuilds the same epoch and skips the
+batches it already trained on (`Data.train_epoch`).
 
 `mnist`, `fashion_mnist` and `cifar10` are TFDS's own datasets: read from
 `data_dir` when prepared there, else downloaded when their servers can be
@@ -14,6 +16,7 @@ for throughput without an input pipeline.
 
 import dataclasses
 import socket
+from typing import Callable
 from urllib import parse
 
 import tensorflow as tf
@@ -42,14 +45,16 @@ class Data:
   """Batched pipelines and what the model needs to know about them.
 
   Attributes:
-    train: shuffled batches of exactly `global_batch_size` (image, label).
+    train_epoch: `train_epoch(epoch, skip_batches=0)` -> the batches of
+      exactly `global_batch_size` (image, label) of epoch `epoch` (0-based),
+      in an order fixed by (seed, epoch), without the first `skip_batches`.
     test: batches in order; the last one may be short.
     input_shape: (height, width, channels) of one image.
     num_classes: number of labels.
     train_examples: examples in the train split.
     test_examples: examples in the test split.
   """
-  train: tf.data.Dataset
+  train_epoch: Callable[..., tf.data.Dataset]
   test: tf.data.Dataset
   input_shape: tuple
   num_classes: int
@@ -91,6 +96,11 @@ def _normalise(image, label):
   return tf.cast(image, tf.float32) / _PIXEL_MAX, tf.cast(label, tf.int32)
 
 
+def _epoch_seed(seed, epoch):
+  """A shuffle seed for each (seed, epoch) pair; distinct for epochs < 2**20."""
+  return seed * 2**20 + epoch
+
+
 def _num_examples(dataset):
   count = int(dataset.cardinality())
   if count < 0:  # Unknown: count once (the datasets here are small).
@@ -104,12 +114,17 @@ def _from_tfds(name, global_batch_size, data_dir, seed):
     dataset, info = _tfds_split(name, split, data_dir, seed)
     splits[split] = dataset.map(_normalise, tf.data.AUTOTUNE).cache()
   train_examples = _num_examples(splits['train'])
-  train = splits['train'].shuffle(
-      min(train_examples, _SHUFFLE_BUFFER), seed=seed,
-      reshuffle_each_iteration=True)
+
+  def train_epoch(epoch, skip_batches=0):
+    # One seed per epoch (not reshuffle_each_iteration), so any epoch's order
+    # can be rebuilt after a restart.
+    shuffled = splits['train'].shuffle(
+        min(train_examples, _SHUFFLE_BUFFER), seed=_epoch_seed(seed, epoch),
+        reshuffle_each_iteration=False)
+    return shuffled.batch(global_batch_size, drop_remainder=True).skip(
+        skip_batches).prefetch(tf.data.AUTOTUNE)
   return Data(
-      train=train.batch(global_batch_size, drop_remainder=True).prefetch(
-          tf.data.AUTOTUNE),
+      train_epoch=train_epoch,
       test=splits['test'].batch(global_batch_size).prefetch(tf.data.AUTOTUNE),
       input_shape=tuple(splits['train'].element_spec[0].shape),
       num_classes=info.features['label'].num_classes,
@@ -128,7 +143,9 @@ def _synthetic(global_batch_size, seed):
     return tf.data.Dataset.from_tensors((images, labels))
   train_batches = SYNTHETIC_TRAIN_EXAMPLES // global_batch_size
   test_batches = max(1, SYNTHETIC_TEST_EXAMPLES // global_batch_size)
-  return Data(train=batch(0).repeat(train_batches),
+  train = batch(0)
+  return Data(train_epoch=lambda epoch, skip_batches=0: train.repeat(
+                  max(0, train_batches - skip_batches)),
               test=batch(2).repeat(test_batches),
               input_shape=SYNTHETIC_SHAPE, num_classes=SYNTHETIC_CLASSES,
               train_examples=train_batches * global_batch_size,

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 from typing import Optional
 
+import keras
 import tensorflow as tf
 
 from tfmulti import devices
@@ -151,6 +152,10 @@ class DeploymentConfig:
     """Where the input pipeline runs and the global batch is split."""
     return f'{self._worker_prefix()}/device:CPU:0'
 
+  def summaries_device(self):
+    """Where summaries and checkpoints are written from: the host CPU."""
+    return f'{self._worker_prefix()}/device:CPU:0'
+
   def variables_device(self):
     """Where variables and optimizer slots are created.
 
@@ -173,9 +178,10 @@ Clone = collections.namedtuple(
               'non_trainable', 'scope', 'device'])
 
 # What one training step reports: `total` is the loss that was minimised,
-# `clones` each clone's share of it (summing to `total`).
-StepLosses = collections.namedtuple(
-    'StepLosses', ['total', 'regularization', 'clones'])
+# `clones` each clone's share of it (summing to `total`); `gradients` maps
+# each variable's path to its combined gradient, when asked for (else {}).
+StepOutputs = collections.namedtuple(
+    'StepOutputs', ['total', 'regularization', 'clones', 'gradients'])
 
 
 def shard_loss(mean_loss, shard_rows, global_rows):
@@ -212,12 +218,13 @@ def check_batch(images, labels, num_shards, shard_word='num_clones'):
 
 
 def _clone_step(model, loss_fn, num_clones, trainable, non_trainable,
-                images, labels, with_regularization):
+                images, labels, with_regularization, loss_scale):
   """Forward pass, loss and gradient of one clone; changes no variable.
 
   `trainable` and `non_trainable` are the variables' values as tensors, so
   the computation can be compiled by XLA apart from the variables (XLA will
-  not read a variable that lives on another device).
+  not read a variable that lives on another device). The gradient is of
+  `loss * loss_scale` (float16 loss scaling; 1 otherwise).
   """
   with tf.GradientTape() as tape:
     tape.watch(trainable)
@@ -230,7 +237,8 @@ def _clone_step(model, loss_fn, num_clones, trainable, non_trainable,
       # The variables are shared, so their penalty is counted once (clone 0).
       regularization = tf.add_n([tf.cast(l, loss.dtype) for l in losses])
     loss += regularization
-  gradients = tape.gradient(loss, trainable)
+    scaled_loss = loss * tf.cast(loss_scale, loss.dtype)
+  gradients = tape.gradient(scaled_loss, trainable)
   return outputs, loss, regularization, gradients, new_non_trainable
 
 
@@ -253,7 +261,7 @@ def split_batch(config, tensor):
 
 
 def create_clones(config, model, loss_fn, images, labels, *,
-                  jit_compile=False):
+                  jit_compile=False, loss_scale=1.0):
   """Runs every clone on its device and its shard of the batch.
 
   Args:
@@ -266,6 +274,8 @@ def create_clones(config, model, loss_fn, images, labels, *,
     jit_compile: compile each clone's forward and backward pass with XLA,
       one cluster per clone on that clone's device (compiling the whole
       step would fuse every clone into one cluster on one device).
+    loss_scale: multiplies each clone's loss before its gradient (the
+      float16 loss scale of a `keras.optimizers.LossScaleOptimizer`).
 
   Returns:
     A list of `Clone`, one per clone.
@@ -284,7 +294,7 @@ def create_clones(config, model, loss_fn, images, labels, *,
       non_trainable = [tf.convert_to_tensor(v)
                        for v in model.non_trainable_variables]
       result = clone_fn(trainable, non_trainable, image_shards[i],
-                        label_shards[i], i == 0)
+                        label_shards[i], i == 0, loss_scale)
     clones.append(Clone(*result, scope=config.clone_scope(i),
                         device=config.clone_device(i)))
   return clones
@@ -326,55 +336,82 @@ def combine_non_trainable(clones, policy):
   return combined
 
 
+def loss_scale_of(optimizer):
+  """The dynamic loss scale of a `LossScaleOptimizer`; None for others."""
+  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    return optimizer.dynamic_scale
+  return None
+
+
+def gradients_by_path(grads_and_vars, scale=None):
+  """{variable path: gradient}, divided by the loss `scale` if given."""
+  return {variable.path: gradient if scale is None else gradient / scale
+          for gradient, variable in grads_and_vars}
+
+
 class DeployedModel:
   """A model deployed over clones, with its compiled training step.
 
   Slim's DeployedModel held a train_op and summary_op; in TF 2 it holds the
   `tf.function` that runs one step. Attributes: `config`, `model`,
-  `loss_fn`, `optimizer`, `batch_norm_policy`, `jit_compile`.
+  `loss_fn`, `optimizer`, `batch_norm_policy`, `jit_compile`,
+  `return_gradients` (steps also return the summed gradients).
   """
 
   def __init__(self, config, model, loss_fn, optimizer, *,
-               batch_norm_policy, jit_compile):
+               batch_norm_policy, jit_compile, return_gradients=False):
     self.config = config
     self.model = model
     self.loss_fn = loss_fn
     self.optimizer = optimizer
     self.batch_norm_policy = batch_norm_policy
     self.jit_compile = jit_compile
+    self.return_gradients = return_gradients
     self._step = tf.function(self._train_step_graph)
     self._predict = tf.function(self._predict_graph)
 
   def _train_step_graph(self, images, labels):
     config, model = self.config, self.model
+    loss_scale = loss_scale_of(self.optimizer)
+    with tf.device(config.variables_device()):
+      scale = 1.0 if loss_scale is None else tf.identity(loss_scale)
     clones = create_clones(config, model, self.loss_fn, images, labels,
-                           jit_compile=self.jit_compile)
+                           jit_compile=self.jit_compile, loss_scale=scale)
     with tf.device(config.optimizer_device()):
       total_loss, grads_and_vars = optimize_clones(
           clones, model.trainable_variables)
+      # A LossScaleOptimizer divides by the scale, and skips the update
+      # (halving the scale) when a gradient is not finite.
       self.optimizer.apply_gradients(grads_and_vars)
+      gradients = {}
+      if self.return_gradients:
+        gradients = gradients_by_path(
+            grads_and_vars, None if loss_scale is None else scale)
     with tf.device(config.variables_device()), tf.name_scope('update_state'):
       new_values = combine_non_trainable(clones, self.batch_norm_policy)
       for variable, value in zip(model.non_trainable_variables, new_values):
         variable.assign(value)
-    return StepLosses(total_loss,
-                      clones[0].regularization_loss,
-                      [clone.loss for clone in clones])
+    return StepOutputs(total_loss, clones[0].regularization_loss,
+                       [clone.loss for clone in clones], gradients)
 
   @property
   def trace_count(self):
     """How many times the training step has been traced (one per signature)."""
     return self._step.experimental_get_tracing_count()
 
-  def train_step_losses(self, images, labels):
-    """One step on the global batch; returns its `StepLosses`."""
+  def distribute_dataset(self, dataset):
+    """`dataset` itself: each step splits its global batch over the clones."""
+    return dataset
+
+  def train_step_outputs(self, images, labels):
+    """One step on the global batch; returns its `StepOutputs`."""
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
     check_batch(images, labels, self.config.num_clones)
     return self._step(images, labels)
 
   def train_step(self, images, labels):
     """One step on the global batch; returns the total loss (a scalar)."""
-    return self.train_step_losses(images, labels).total
+    return self.train_step_outputs(images, labels).total
 
   def _predict_graph(self, images):
     rows, n = images.shape[0], self.config.num_clones
@@ -395,7 +432,8 @@ class DeployedModel:
 
 
 def deploy(config, model, loss_fn, optimizer, *,
-           batch_norm_policy=BN_CLONE_0, jit_compile=False):
+           batch_norm_policy=BN_CLONE_0, jit_compile=False,
+           return_gradients=False):
   """Deploys `model` over `config`'s clones.
 
   Builds the optimizer's slot variables on the variables device, and checks,
@@ -411,6 +449,8 @@ def deploy(config, model, loss_fn, optimizer, *,
     optimizer: a Keras optimizer created under the variables device.
     batch_norm_policy: `BN_CLONE_0` (slim) or `BN_MEAN`; see the module doc.
     jit_compile: compile each clone's forward and backward pass with XLA.
+    return_gradients: steps also return the summed gradients (for
+      summaries).
 
   Returns:
     A `DeployedModel`.
@@ -435,4 +475,5 @@ def deploy(config, model, loss_fn, optimizer, *,
                           config.variables_device())
   return DeployedModel(config, model, loss_fn, optimizer,
                        batch_norm_policy=batch_norm_policy,
-                       jit_compile=jit_compile)
+                       jit_compile=jit_compile,
+                       return_gradients=return_gradients)

@@ -2,14 +2,18 @@
 
 `mirrored` is `tf.distribute.MirroredStrategy` with one replica on each of
 the config's clone devices: every variable is copied onto every replica and
-the gradients are all-reduced. `single` is `OneDeviceStrategy` on clone 0's
-device: one device, the whole batch, the reference. Both use the towers'
-contract (`train_step_losses`, `train_step`, `predict`, `model`,
-`optimizer`, `trace_count`) so one training loop drives either.
+the gradients are all-reduced. `central_storage` is
+`CentralStorageStrategy`, the nearest TF 2 analogue of the towers: variables
+on the variables device, replicas on the clone devices. `single` is
+`OneDeviceStrategy` on clone 0's device: one device, the whole batch, the
+reference. All use the towers' contract (`train_step_outputs`,
+`train_step`, `distribute_dataset`, `predict`, `model`, `optimizer`,
+`trace_count`) so one training loop drives any of them.
 
 BatchNorm under MirroredStrategy: every replica updates its own copy of the
 moving statistics from its shard; reads and checkpoints return replica 0's
-copy, which is what the towers' `clone_0` policy keeps.
+copy, which is what the towers' `clone_0` policy keeps. Models built with
+synchronized BatchNorm all-reduce the batch statistics instead.
 """
 
 import keras
@@ -18,8 +22,41 @@ import tensorflow as tf
 from tfmulti import deploy
 
 MIRRORED = 'mirrored'
+CENTRAL_STORAGE = 'central_storage'
 SINGLE = 'single'
-STRATEGIES = (MIRRORED, SINGLE)
+STRATEGIES = (MIRRORED, CENTRAL_STORAGE, SINGLE)
+# Where each strategy keeps the variables, for the log.
+VARIABLES = {
+    MIRRORED: 'a copy of every variable on each replica; gradients '
+              'all-reduced',
+    CENTRAL_STORAGE: 'variables on the parameter device; gradients reduced '
+                     'there',
+    SINGLE: 'variables and the whole batch on one device',
+}
+
+
+class UnsupportedError(ValueError):
+  """A strategy cannot train this model in TF 2.21 / Keras 3."""
+
+
+def check_supported(strategy_name, model, num_replicas):
+  """Refuses what cannot work, before training starts.
+
+  Raises:
+    UnsupportedError: CentralStorageStrategy with Keras 3 BatchNormalization
+      and more than one replica (its moving statistics have no aggregation
+      method, and the first step fails deep inside TensorFlow).
+  """
+  if strategy_name != CENTRAL_STORAGE or num_replicas == 1:
+    return
+  batch_norms = [layer.name for layer in model._flatten_layers()  # pylint: disable=protected-access
+                 if isinstance(layer, keras.layers.BatchNormalization)]
+  if batch_norms:
+    raise UnsupportedError(
+        f'strategy={strategy_name!r} cannot train {model.name!r} on '
+        f'{num_replicas} replicas: CentralStorageStrategy fails on Keras 3 '
+        f'BatchNormalization ({batch_norms[0]}, ...) in TF 2.21; use '
+        "strategy='towers' (its design) or 'mirrored', or num_clones=1.")
 
 
 def make_strategy(name, config):
@@ -34,6 +71,10 @@ def make_strategy(name, config):
           reduce_to_device=config.optimizer_device())
     return tf.distribute.MirroredStrategy(devices=config.clone_devices(),
                                           cross_device_ops=cross_device_ops)
+  if name == CENTRAL_STORAGE:
+    return tf.distribute.experimental.CentralStorageStrategy(
+        compute_devices=config.clone_devices(),
+        parameter_device=config.variables_device())
   if name == SINGLE:
     return tf.distribute.OneDeviceStrategy(config.clone_device(0))
   raise ValueError(f'strategy={name!r}: choose one of {STRATEGIES}.')
@@ -61,11 +102,13 @@ class DistributedModel:
   constructor builds them.
   """
 
-  def __init__(self, strategy, model, loss_fn, optimizer):
+  def __init__(self, strategy, model, loss_fn, optimizer, *,
+               return_gradients=False):
     self.strategy = strategy
     self.model = model
     self.loss_fn = loss_fn
     self.optimizer = optimizer
+    self.return_gradients = return_gradients
     with strategy.scope():
       if not optimizer.built:
         optimizer.build(model.trainable_variables)
@@ -83,6 +126,7 @@ class DistributedModel:
 
   def _replica_step(self, images, labels, global_rows):
     model = self.model
+    loss_scale = deploy.loss_scale_of(self.optimizer)
     with tf.GradientTape() as tape:
       outputs = model(images, training=True)
       loss = deploy.shard_loss(mean_loss(self.loss_fn, labels, outputs),
@@ -92,21 +136,30 @@ class DistributedModel:
         # Every replica adds its share; summed, the penalty counts once.
         regularization = tf.add_n(model.losses) / self.num_replicas
       loss += regularization
-    gradients = tape.gradient(loss, model.trainable_variables)
+      scaled_loss = loss if loss_scale is None else loss * loss_scale
+    gradients = tape.gradient(scaled_loss, model.trainable_variables)
+    # Keras all-reduces (sums) the replicas' gradients inside
+    # apply_gradients; a LossScaleOptimizer also unscales them.
     self.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-    return loss, regularization
+    if not self.return_gradients:
+      gradients = []
+    elif loss_scale is not None:
+      gradients = [g / loss_scale for g in gradients]
+    return loss, regularization, gradients
 
-  def _train_step_graph(self, images, labels):
-    global_rows = tf.shape(labels)[0]
-    shards = self._shard(images), self._shard(labels)
-    losses, regularization = self.strategy.run(
-        self._replica_step, args=(*shards, global_rows))
+  def _train_step_graph(self, images, labels, global_rows):
+    losses, regularization, gradients = self.strategy.run(
+        self._replica_step, args=(images, labels, global_rows))
     total = self.strategy.reduce(tf.distribute.ReduceOp.SUM, losses, None)
     regularization = self.strategy.reduce(tf.distribute.ReduceOp.SUM,
                                           regularization, None)
-    return deploy.StepLosses(
+    # Only for summaries: a second sum of the gradients, off the update path.
+    summed = [self.strategy.reduce(tf.distribute.ReduceOp.SUM, g, None)
+              for g in gradients]
+    return deploy.StepOutputs(
         total, regularization,
-        list(self.strategy.experimental_local_results(losses)))
+        list(self.strategy.experimental_local_results(losses)),
+        deploy.gradients_by_path(zip(summed, self.model.trainable_variables)))
 
   def _shard(self, tensor):
     """Replica i gets the i-th of num_replicas equal row blocks."""
@@ -114,15 +167,32 @@ class DistributedModel:
     return self.strategy.experimental_distribute_values_from_function(
         lambda ctx: blocks[ctx.replica_id_in_sync_group])
 
-  def train_step_losses(self, images, labels):
-    """One step on the global batch; returns its `deploy.StepLosses`."""
+  def distribute_dataset(self, dataset):
+    """`dataset`'s global batches, split over the replicas by tf.distribute.
+
+    Replica i gets the i-th of num_replicas equal row blocks, prefetched to
+    its device.
+    """
+    return self.strategy.experimental_distribute_dataset(dataset)
+
+  def train_step_outputs(self, images, labels):
+    """One step on a global batch; returns its `deploy.StepOutputs`.
+
+    `images` and `labels` are the global batch, or one element of
+    `distribute_dataset` (already split over the replicas).
+    """
+    if isinstance(labels, tf.distribute.DistributedValues):
+      global_rows = tf.add_n([tf.shape(shard)[0] for shard in
+                              self.strategy.experimental_local_results(labels)])
+      return self._step(images, labels, global_rows)
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
     deploy.check_batch(images, labels, self.num_replicas, 'num_replicas')
-    return self._step(images, labels)
+    return self._step(self._shard(images), self._shard(labels),
+                      tf.shape(labels)[0])
 
   def train_step(self, images, labels):
     """One step on the global batch; returns the total loss (a scalar)."""
-    return self.train_step_losses(images, labels).total
+    return self.train_step_outputs(images, labels).total
 
   def _predict_graph(self, images):
     return self.model(images, training=False)

@@ -4,11 +4,14 @@
 makes. It builds the model and optimizer under the variables device, deploys
 them over the clones (or hands them to a tf.distribute strategy on the same
 devices, for comparison: one training contract, two ways to run the step),
-trains for the requested steps with progress lines,
+resumes from the latest checkpoint in `model_dir`, trains to the requested
+global step with progress lines, TensorBoard summaries and checkpoints,
 evaluates on the test split after every epoch and writes
-`<model_dir>/metrics.json`.
+`<model_dir>/metrics.json`. SIGTERM or Ctrl-C stops it after the current
+step with a checkpoint; a NaN loss stops it before anything is saved.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -20,16 +23,21 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmulti import checkpoints
 from tfmulti import data
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import models
+from tfmulti import schedules
+from tfmulti import summaries as summaries_lib
 
 OPTIMIZERS = ('sgd', 'momentum', 'adam')
 TOWERS = 'towers'
 STRATEGIES = (TOWERS,) + distribute.STRATEGIES
 _MOMENTUM = 0.9  # Of the 'momentum' optimizer.
 METRICS_FILE = 'metrics.json'
+MIXED_GPU = 'mixed_float16'
+MIXED_CPU = 'mixed_bfloat16'
 
 
 def _check_positive(name, value):
@@ -44,17 +52,30 @@ class TrainConfig:
   Attributes:
     model: a name in `models.names()`.
     dataset: a name in `data.DATASETS`.
-    model_dir: output directory (metrics.json).
+    model_dir: output directory: checkpoints, event files, metrics.json.
+      A directory holding checkpoints resumes from the latest.
     data_dir: TFDS data directory; None for TFDS's default.
     batch_size: examples per clone per step (slim's meaning); the global
       batch is batch_size * num_clones.
     optimizer: one of `OPTIMIZERS`.
-    learning_rate: the optimizer's step size.
+    learning_rate: the one-device base rate (see `lr_scaling`).
+    lr_scaling: 'none', or 'linear' (times num_clones, Goyal et al.).
+    lr_schedule: one of `schedules.LR_SCHEDULES`, over the run's global
+      steps.
+    warmup_steps: global steps of linear warm-up from 0 to the peak rate.
     epochs: passes over the train split, unless `train_steps` is set.
     train_steps: global steps to train; overrides `epochs`.
     seed: seeds weights, dropout and shuffling.
-    log_every_steps: steps between progress lines.
+    deterministic: also make every op deterministic (bit-identical reruns).
+    log_every_steps: steps between progress lines and summaries.
+    checkpoint_steps: global steps between checkpoints (and one at the end).
+    keep_checkpoints: how many recent checkpoints to keep.
+    summarize_gradients: write gradient histograms and norms.
     batch_norm_policy: see `deploy.BATCH_NORM_POLICIES`.
+    synchronized_batch_norm: BatchNorm over the global batch's statistics,
+      all-reduced over the replicas (tf.distribute paths).
+    mixed_precision: compute in float16 on GPUs (with loss scaling) or
+      bfloat16 on CPUs; variables stay float32.
     xla: compile each clone's computation with XLA.
     strategy: 'towers' (tfmulti.deploy), or a tf.distribute path from
       `distribute.STRATEGIES` on the same devices, for comparison.
@@ -66,42 +87,76 @@ class TrainConfig:
   batch_size: int = 64
   optimizer: str = 'adam'
   learning_rate: float = 1e-3
+  lr_scaling: str = schedules.NO_SCALING
+  lr_schedule: str = schedules.CONSTANT
+  warmup_steps: int = 0
   epochs: int = 40
   train_steps: Optional[int] = None
   seed: int = 0
+  deterministic: bool = False
   log_every_steps: int = 10
+  checkpoint_steps: int = 500
+  keep_checkpoints: int = 5
+  summarize_gradients: bool = False
   batch_norm_policy: str = deploy.BN_CLONE_0
+  synchronized_batch_norm: bool = False
+  mixed_precision: bool = False
   xla: bool = False
   strategy: str = TOWERS
 
   def __post_init__(self):
-    if self.model not in models.names():
-      raise ValueError(f'model={self.model!r} is not registered; choose one '
-                       f'of {models.names()}.')
-    if self.dataset not in data.DATASETS:
-      raise ValueError(f'dataset={self.dataset!r} is not known; choose one '
-                       f'of {data.DATASETS}.')
-    if self.strategy not in STRATEGIES:
-      raise ValueError(f'strategy={self.strategy!r}: choose one of '
-                       f'{STRATEGIES}.')
+    choices = [('model', models.names()), ('dataset', data.DATASETS),
+               ('strategy', STRATEGIES), ('optimizer', OPTIMIZERS),
+               ('batch_norm_policy', deploy.BATCH_NORM_POLICIES),
+               ('lr_scaling', schedules.LR_SCALINGS),
+               ('lr_schedule', schedules.LR_SCHEDULES)]
+    for name, allowed in choices:
+      if getattr(self, name) not in allowed:
+        raise ValueError(f'{name}={getattr(self, name)!r}: choose one of '
+                         f'{tuple(allowed)}.')
     if self.xla and self.strategy != TOWERS:
       raise ValueError(f'xla=True works with the towers only, not '
                        f'strategy={self.strategy!r}.')
-    if self.optimizer not in OPTIMIZERS:
-      raise ValueError(f'optimizer={self.optimizer!r}: choose one of '
-                       f'{OPTIMIZERS}.')
-    if self.batch_norm_policy not in deploy.BATCH_NORM_POLICIES:
-      raise ValueError(f'batch_norm_policy={self.batch_norm_policy!r}: '
-                       f'choose one of {deploy.BATCH_NORM_POLICIES}.')
+    if self.synchronized_batch_norm and self.strategy == TOWERS:
+      raise ValueError(
+          'synchronized_batch_norm=True needs a tf.distribute strategy: it '
+          'all-reduces statistics between replicas running in lockstep, and '
+          "the towers run each clone's forward pass whole; use "
+          "strategy='mirrored'.")
     for name in ('batch_size', 'learning_rate', 'epochs', 'train_steps',
-                 'log_every_steps'):
+                 'log_every_steps', 'checkpoint_steps', 'keep_checkpoints'):
       _check_positive(name, getattr(self, name))
+    if self.warmup_steps < 0:
+      raise ValueError(f'warmup_steps={self.warmup_steps}: must be >= 0.')
     if not self.model_dir:
       raise ValueError("model_dir='': name an output directory.")
 
 
+class NonFiniteLossError(RuntimeError):
+  """The loss became NaN or infinite; training stopped before saving it."""
+
+
+class TrainingInterrupted(Exception):
+  """A signal stopped training after a checkpoint.
+
+  Attributes: `signal_name`, `step`, `checkpoint` (its path), `exit_code`
+  (the shell's code for death by that signal).
+  """
+
+  def __init__(self, signal_name, step, checkpoint, exit_code):
+    super().__init__(f'{signal_name} at step {step}: saved {checkpoint}; run '
+                     'the same command again to resume.')
+    self.signal_name = signal_name
+    self.step = step
+    self.checkpoint = checkpoint
+    self.exit_code = exit_code
+
+
 def make_optimizer(name, learning_rate):
-  """A Keras optimizer by name; create it under the variables device."""
+  """A Keras optimizer by name; create it under the variables device.
+
+  `learning_rate` is a float or a `keras.optimizers.schedules` schedule.
+  """
   if name == 'sgd':
     return keras.optimizers.SGD(learning_rate)
   if name == 'momentum':
@@ -116,11 +171,20 @@ def make_loss():
   return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def evaluate(deployed, dataset, loss_fn):
-  """{'accuracy', 'loss'} of `deployed.predict` over every test example."""
+def dtype_policy(config, deploy_config):
+  """The Keras dtype policy of the model: None (float32) or a mixed one."""
+  if not config.mixed_precision:
+    return None
+  # float16 has the GPUs' fast kernels but needs loss scaling; bfloat16 has
+  # float32's range and is what CPUs accelerate.
+  return MIXED_CPU if deploy_config.clone_on_cpu else MIXED_GPU
+
+
+def evaluate(trainer, dataset, loss_fn):
+  """{'accuracy', 'loss'} of `trainer.predict` over every test example."""
   correct, loss_sum, count = 0, 0.0, 0
   for images, labels in dataset:
-    logits = deployed.predict(images)
+    logits = trainer.predict(images)
     rows = int(labels.shape[0])
     loss_sum += float(loss_fn(labels, logits)) * rows
     correct += int(tf.reduce_sum(tf.cast(
@@ -133,8 +197,9 @@ def evaluate(deployed, dataset, loss_fn):
 class _Progress:
   """Progress lines: loss over the window, images/sec and ETA.
 
-  Training time excludes the first step (tracing) and evaluation, so
-  images/sec is the steady-state throughput of the step and its input.
+  The clock starts after this run's first step (which traces the step
+  function) and stops during evaluation, so images/sec is the steady-state
+  throughput of the step, its input and its checkpoints.
   """
 
   def __init__(self, total_steps, global_batch_size, log_every_steps):
@@ -146,40 +211,48 @@ class _Progress:
     self.train_seconds = 0.0
     self.timed_steps = 0
     self._started = None
+    self._steps_run = 0
 
-  def start(self):
-    self._started = time.perf_counter()
-
-  def stop(self):
-    if self._started is not None:
+  @contextlib.contextmanager
+  def paused(self):
+    """Leaves what runs inside (evaluation) out of the training time."""
+    running = self._started is not None
+    if running:
       self.train_seconds += time.perf_counter() - self._started
       self._started = None
+    try:
+      yield
+    finally:
+      if running:
+        self._started = time.perf_counter()
 
   @property
   def images_per_sec(self):
-    if not self.train_seconds:
+    seconds = self.train_seconds
+    if self._started is not None:
+      seconds += time.perf_counter() - self._started
+    if not seconds:
       return float('nan')
-    return self.timed_steps * self.global_batch_size / self.train_seconds
+    return self.timed_steps * self.global_batch_size / seconds
 
-  def record(self, step, total_loss, epoch):
-    """Records step `step` (1-based); logs a line every log_every_steps."""
-    self.window.append(total_loss)
-    if step == 1:  # The first step traces the function: leave it untimed.
-      float(total_loss)
-      self.start()
-      return
-    self.timed_steps += 1
+  def record(self, step, loss, epoch):
+    """Records global step `step` (1-based) and its total loss (a float)."""
+    self.window.append(loss)
+    self._steps_run += 1
+    if self._steps_run == 1:  # It traced the step function: leave it untimed.
+      self._started = time.perf_counter()
+    else:
+      self.timed_steps += 1
     if step % self.log_every_steps and step != self.total_steps:
       return
-    self.last_window_loss = float(np.mean([float(l) for l in self.window]))
+    self.last_window_loss = float(np.mean(self.window))
     self.window = []
-    self.stop()
     eta = (self.total_steps - step) * self.global_batch_size / max(
-        self.images_per_sec, 1e-9)
+        self.images_per_sec, 1e-9) if self.timed_steps else float('nan')
     logging.info('step %d/%d (epoch %d) loss %.4f | %.0f images/sec | ETA %s',
-                 step, self.total_steps, epoch, self.last_window_loss,
-                 self.images_per_sec, time.strftime('%M:%S', time.gmtime(eta)))
-    self.start()
+                 step, self.total_steps, epoch + 1, self.last_window_loss,
+                 self.images_per_sec, '?' if np.isnan(eta) else
+                 time.strftime('%H:%M:%S', time.gmtime(eta)))
 
 
 def _log_deployment(deploy_config, train_config, global_batch_size):
@@ -195,30 +268,54 @@ def _log_deployment(deploy_config, train_config, global_batch_size):
                  deploy_config.optimizer_device())
 
 
+def make_schedule(config, num_clones, total_steps):
+  """The learning-rate schedule of a run of `total_steps` global steps."""
+  peak = schedules.peak_learning_rate(config.learning_rate, config.lr_scaling,
+                                      num_clones)
+  return schedules.Schedule(peak, total_steps, kind=config.lr_schedule,
+                            warmup_steps=config.warmup_steps)
+
+
 def build_trainer(config, deploy_config, *, input_shape, num_classes,
-                  loss_fn):
+                  loss_fn, learning_rate):
   """The model, its optimizer and step, on the path `config.strategy` names.
 
   Returns a `deploy.DeployedModel` or a `distribute.DistributedModel`; both
-  have `train_step_losses`, `predict`, `model` and `optimizer`.
+  have `train_step_outputs`, `distribute_dataset`, `predict`, `model` and
+  `optimizer`.
+
+  Raises:
+    distribute.UnsupportedError: the strategy cannot train this model.
   """
+  policy = dtype_policy(config, deploy_config)
+
   def build():
-    model = models.get_model(config.model, input_shape=input_shape,
-                             num_classes=num_classes)
-    return model, make_optimizer(config.optimizer, config.learning_rate)
+    model = models.get_model(
+        config.model, input_shape=input_shape, num_classes=num_classes,
+        dtype_policy=policy,
+        synchronized_batch_norm=config.synchronized_batch_norm)
+    optimizer = make_optimizer(config.optimizer, learning_rate)
+    if policy == MIXED_GPU:  # float16 gradients underflow without it.
+      optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return model, optimizer
   if config.strategy == TOWERS:
     with tf.device(deploy_config.variables_device()):
       model, optimizer = build()
     return deploy.deploy(deploy_config, model, loss_fn, optimizer,
                          batch_norm_policy=config.batch_norm_policy,
-                         jit_compile=config.xla)
+                         jit_compile=config.xla,
+                         return_gradients=config.summarize_gradients)
   strategy = distribute.make_strategy(config.strategy, deploy_config)
-  logging.info('%s: tf.distribute replicas on %s, each with its own copy of '
-               'the variables; gradients all-reduced', config.strategy,
-               strategy.extended.worker_devices)
+  logging.info('%s: tf.distribute replicas on %s; %s', config.strategy,
+               strategy.extended.worker_devices,
+               distribute.VARIABLES[config.strategy])
   with strategy.scope():
     model, optimizer = build()
-  return distribute.DistributedModel(strategy, model, loss_fn, optimizer)
+  distribute.check_supported(config.strategy, model,
+                             strategy.num_replicas_in_sync)
+  return distribute.DistributedModel(
+      strategy, model, loss_fn, optimizer,
+      return_gradients=config.summarize_gradients)
 
 
 def _write_metrics(model_dir, metrics):
@@ -230,8 +327,83 @@ def _write_metrics(model_dir, metrics):
   return path
 
 
+@dataclasses.dataclass
+class _Run:
+  """What the training loop works with (built once per run)."""
+  config: TrainConfig
+  trainer: object
+  dataset: data.Data
+  loss_fn: object
+  schedule: schedules.Schedule
+  checkpointer: checkpoints.Checkpointer
+  summaries: summaries_lib.Summaries
+  progress: _Progress
+  global_batch_size: int
+  total_steps: int
+
+
+def _train_epoch(run, position, signals):
+  """Trains on the rest of epoch `position.epoch`; returns the new position."""
+  config, trainer = run.config, run.trainer
+  step, epoch, examples = position
+  batches = run.dataset.train_epoch(
+      epoch, skip_batches=examples // run.global_batch_size).take(
+          run.total_steps - step)
+  for images, labels in trainer.distribute_dataset(batches):
+    outputs = trainer.train_step_outputs(images, labels)
+    step += 1
+    examples += run.global_batch_size
+    loss = float(outputs.total)
+    if not np.isfinite(loss):
+      raise NonFiniteLossError(
+          f'the loss is {loss} at step {step}; training stopped without '
+          f'saving it. The latest checkpoint ({run.checkpointer.latest}) '
+          'holds the last good state; lower --learning_rate or add '
+          '--warmup_steps, then run again.')
+    run.progress.record(step, loss, epoch)
+    if step % config.log_every_steps == 0 or step == run.total_steps:
+      run.summaries.train(step, outputs,
+                          learning_rate=run.schedule(step - 1),
+                          images_per_sec=run.progress.images_per_sec)
+      if outputs.gradients:
+        run.summaries.gradients(step, outputs.gradients)
+    position = checkpoints.Position(step, epoch, examples)
+    if step % config.checkpoint_steps == 0:
+      run.checkpointer.save(position)
+    if signals.received:
+      run.checkpointer.save(position)
+      raise TrainingInterrupted(signals.received, step,
+                                run.checkpointer.latest, signals.exit_code)
+  if examples >= run.dataset.train_examples // run.global_batch_size * (
+      run.global_batch_size):
+    position = checkpoints.Position(step, epoch + 1, 0)
+  return position
+
+
+def _evaluate(run, step):
+  with run.progress.paused():
+    evaluation = evaluate(run.trainer, run.dataset.test, run.loss_fn)
+  run.summaries.evaluation(step, evaluation)
+  logging.info('step %d: eval accuracy %.4f, eval loss %.4f', step,
+               evaluation['accuracy'], evaluation['loss'])
+  return evaluation
+
+
+def _train(run, position):
+  """Trains from `position` to `run.total_steps`, evaluating every epoch."""
+  evaluation = None
+  with checkpoints.StopSignals() as signals:
+    while position.step < run.total_steps:
+      position = _train_epoch(run, position, signals)
+      evaluation = _evaluate(run, position.step)
+  run.checkpointer.save(position)
+  return position, evaluation or _evaluate(run, position.step)
+
+
 def train_and_evaluate(config, deploy_config, *, data_override=None):
   """Trains `config.model` on `config.dataset` over the clones; evaluates.
+
+  Resumes from the latest checkpoint in `config.model_dir`, if any.
 
   Args:
     config: a `TrainConfig`.
@@ -241,45 +413,60 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
 
   Returns:
     The metrics dict also written to `<model_dir>/metrics.json`.
+
+  Raises:
+    TrainingInterrupted: SIGTERM or SIGINT; a checkpoint was saved.
+    NonFiniteLossError: the loss became NaN or infinite.
+    checkpoints.CheckpointMismatchError: model_dir holds another model.
+    distribute.UnsupportedError: the strategy cannot train this model.
   """
   global_batch_size = config.batch_size * deploy_config.num_clones
   _log_deployment(deploy_config, config, global_batch_size)
+  if config.deterministic:
+    tf.config.experimental.enable_op_determinism()
   keras.utils.set_random_seed(config.seed)
   with tf.device(deploy_config.inputs_device()):
     dataset = data_override or data.load(
         config.dataset, global_batch_size=global_batch_size,
         data_dir=config.data_dir, seed=config.seed)
-  loss_fn = make_loss()
-  deployed = build_trainer(config, deploy_config,
-                           input_shape=dataset.input_shape,
-                           num_classes=dataset.num_classes, loss_fn=loss_fn)
-  logging.info('%s: %d parameters; %s: %d train, %d test examples',
-               config.model, deployed.model.count_params(), config.dataset,
-               dataset.train_examples, dataset.test_examples)
-
   steps_per_epoch = dataset.train_examples // global_batch_size
   total_steps = config.train_steps or config.epochs * steps_per_epoch
-  progress = _Progress(total_steps, global_batch_size, config.log_every_steps)
-  step, epoch, evaluation = 0, 0, {}
-  while step < total_steps:
-    epoch += 1
-    for images, labels in dataset.train.take(total_steps - step):
-      step += 1
-      progress.record(step, deployed.train_step(images, labels), epoch)
-    progress.stop()
-    evaluation = evaluate(deployed, dataset.test, loss_fn)
-    logging.info('epoch %d: eval accuracy %.4f, eval loss %.4f', epoch,
-                 evaluation['accuracy'], evaluation['loss'])
+  schedule = make_schedule(config, deploy_config.num_clones, total_steps)
+  loss_fn = make_loss()
+  trainer = build_trainer(config, deploy_config,
+                          input_shape=dataset.input_shape,
+                          num_classes=dataset.num_classes, loss_fn=loss_fn,
+                          learning_rate=schedule)
+  logging.info('%s: %d parameters; %s: %d train, %d test examples; %d steps '
+               'of %d', config.model, trainer.model.count_params(),
+               config.dataset, dataset.train_examples, dataset.test_examples,
+               total_steps, global_batch_size)
 
   os.makedirs(config.model_dir, exist_ok=True)
+  device = deploy_config.summaries_device()
+  checkpointer = checkpoints.Checkpointer(
+      config.model_dir, model=trainer.model, optimizer=trainer.optimizer,
+      max_to_keep=config.keep_checkpoints, device=device)
+  restored = checkpointer.restore_latest()
+  run = _Run(config, trainer, dataset, loss_fn, schedule, checkpointer,
+             summaries_lib.Summaries(config.model_dir, device=device),
+             _Progress(total_steps, global_batch_size, config.log_every_steps),
+             global_batch_size, total_steps)
+  try:
+    position, evaluation = _train(
+        run, restored or checkpoints.Position(0, 0, 0))
+  finally:
+    run.summaries.close()
+
   metrics = {
       'eval_accuracy': evaluation['accuracy'],
       'eval_loss': evaluation['loss'],
-      'train_loss': progress.last_window_loss,
-      'steps': step,
-      'epochs': epoch,
-      'images_per_sec': progress.images_per_sec,
-      'train_seconds': progress.train_seconds,
+      'train_loss': run.progress.last_window_loss,
+      'steps': position.step,
+      'resumed_from_step': restored.step if restored else None,
+      'epochs': position.step / steps_per_epoch,
+      'images_per_sec': run.progress.images_per_sec,
+      'train_seconds': run.progress.train_seconds,
       'strategy': config.strategy,
       'num_clones': deploy_config.num_clones,
       'batch_size': config.batch_size,
@@ -290,10 +477,15 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
       'dataset': config.dataset,
       'optimizer': config.optimizer,
       'learning_rate': config.learning_rate,
+      'peak_learning_rate': schedule.peak,
+      'lr_schedule': config.lr_schedule,
+      'mixed_precision': dtype_policy(config, deploy_config),
       'seed': config.seed,
+      'checkpoint': checkpointer.latest,
   }
   path = _write_metrics(config.model_dir, metrics)
   logging.info('done: %d steps, eval accuracy %.4f, train loss %.4f, %.0f '
-               'images/sec; metrics in %s', step, evaluation['accuracy'],
-               progress.last_window_loss, progress.images_per_sec, path)
+               'images/sec; metrics in %s', position.step,
+               evaluation['accuracy'], run.progress.last_window_loss,
+               run.progress.images_per_sec, path)
   return metrics

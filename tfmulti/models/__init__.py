@@ -1,9 +1,12 @@
 """Model registry: functional Keras model factories by name.
 
-Every factory takes `(input_shape, num_classes)` and returns a built
-functional `keras.Model`; call it under `tf.device(variables_device)` so its
-variables are created there.
+Every factory takes `(input_shape, num_classes)` (and, with BatchNorm,
+`synchronized_batch_norm`) and returns a built functional `keras.Model`;
+call it under `tf.device(variables_device)` so its variables are created
+there.
 """
+
+import keras
 
 from tfmulti.models.lenet import lenet
 from tfmulti.models.resnet import resnet18, resnet20, resnet8_thin
@@ -14,6 +17,7 @@ _FACTORIES = {
     'resnet20': resnet20,
     'resnet8_thin': resnet8_thin,
 }
+_WITH_BATCH_NORM = ('resnet18', 'resnet20', 'resnet8_thin')
 
 
 def names():
@@ -21,21 +25,46 @@ def names():
   return sorted(_FACTORIES)
 
 
-def get_model(name, *, input_shape, num_classes):
+def get_model(name, *, input_shape, num_classes, dtype_policy=None,
+              synchronized_batch_norm=False):
   """Builds the registered model `name`.
 
   Args:
     name: a registered name (see `names()`).
     input_shape: (height, width, channels) of one image.
     num_classes: number of output logits.
+    dtype_policy: a Keras dtype policy name for every layer, e.g.
+      'mixed_bfloat16'; None keeps the global policy. Mixed models get a
+      float32 output layer, so the softmax and loss run in float32.
+    synchronized_batch_norm: BatchNorm all-reduces its batch statistics over
+      the tf.distribute replicas (Keras's `synchronized=True`).
 
   Returns:
     A functional `keras.Model`.
 
   Raises:
-    ValueError: `name` is not registered.
+    ValueError: `name` is not registered, or synchronized BatchNorm is asked
+      of a model without BatchNorm.
   """
   if name not in _FACTORIES:
     raise ValueError(f'model={name!r} is not registered; choose one of '
                      f'{names()}.')
-  return _FACTORIES[name](tuple(input_shape), num_classes)
+  options = {}
+  if synchronized_batch_norm:
+    if name not in _WITH_BATCH_NORM:
+      raise ValueError(f'model={name!r} has no BatchNorm to synchronize; '
+                       'drop synchronized_batch_norm or pick one of '
+                       f'{_WITH_BATCH_NORM}.')
+    options['synchronized_batch_norm'] = True
+  previous = keras.config.dtype_policy()
+  try:
+    if dtype_policy:
+      keras.config.set_dtype_policy(dtype_policy)
+    model = _FACTORIES[name](tuple(input_shape), num_classes, **options)
+  finally:
+    keras.config.set_dtype_policy(previous)
+  if model.compute_dtype != 'float32':
+    outputs = keras.layers.Activation('linear', dtype='float32',
+                                      name='logits_float32')(model.output)
+    model = keras.Model(model.input, outputs, name=model.name)
+  return model

@@ -1,20 +1,22 @@
 """ResNets for small images: D2L's ResNet-18 and He et al.'s CIFAR ResNets."""
 
+import functools
+
 import keras
 from keras import layers
 
 
-def _d2l_residual(x, filters, strides, use_1x1conv):
+def _d2l_residual(x, filters, strides, use_1x1conv, batch_norm):
   """D2L's residual block: two 3x3 convs (with bias) and BN; 1x1 shortcut."""
   y = layers.Conv2D(filters, 3, strides=strides, padding='same')(x)
-  y = layers.ReLU()(layers.BatchNormalization()(y))
-  y = layers.BatchNormalization()(layers.Conv2D(filters, 3, padding='same')(y))
+  y = layers.ReLU()(batch_norm()(y))
+  y = batch_norm()(layers.Conv2D(filters, 3, padding='same')(y))
   if use_1x1conv:
     x = layers.Conv2D(filters, 1, strides=strides)(x)
   return layers.ReLU()(layers.Add()([y, x]))
 
 
-def resnet18(input_shape, num_classes):
+def resnet18(input_shape, num_classes, *, synchronized_batch_norm=False):
   """ResNet-18 in the small-image form of D2L section 13.6.
 
   A 3x3 stem of 64 channels and no max pooling, then four stages of two
@@ -24,29 +26,33 @@ def resnet18(input_shape, num_classes):
   Args:
     input_shape: (height, width, channels) of one image.
     num_classes: number of output logits.
+    synchronized_batch_norm: see `cifar_resnet`.
 
   Returns:
     A functional `keras.Model` mapping images to logits.
   """
+  batch_norm = functools.partial(layers.BatchNormalization,
+                                 synchronized=synchronized_batch_norm)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(64, 3, padding='same')(inputs)
-  x = layers.ReLU()(layers.BatchNormalization()(x))
+  x = layers.ReLU()(batch_norm()(x))
   for stage, filters in enumerate((64, 128, 256, 512)):
     for block in range(2):
       downsample = stage > 0 and block == 0
-      x = _d2l_residual(x, filters, 2 if downsample else 1, downsample)
+      x = _d2l_residual(x, filters, 2 if downsample else 1, downsample,
+                        batch_norm)
   x = layers.GlobalAveragePooling2D()(x)
   outputs = layers.Dense(num_classes, name='logits')(x)
   return keras.Model(inputs, outputs, name='resnet18')
 
 
-def _cifar_block(x, filters, strides, regularizer):
+def _cifar_block(x, filters, strides, regularizer, batch_norm):
   """He et al.'s basic block with the parameter-free shortcut (option A)."""
   conv = lambda s: layers.Conv2D(filters, 3, strides=s, padding='same',
                                  use_bias=False, kernel_initializer='he_normal',
                                  kernel_regularizer=regularizer)
-  y = layers.ReLU()(layers.BatchNormalization()(conv(strides)(x)))
-  y = layers.BatchNormalization()(conv(1)(y))
+  y = layers.ReLU()(batch_norm()(conv(strides)(x)))
+  y = batch_norm()(conv(1)(y))
   if strides > 1 or x.shape[-1] != filters:
     # Option A: subsample, then zero-pad the new channels (no parameters).
     pad = filters - x.shape[-1]
@@ -57,7 +63,7 @@ def _cifar_block(x, filters, strides, regularizer):
 
 
 def cifar_resnet(input_shape, num_classes, *, depth=20, width=16,
-                 weight_decay=1e-4, name=None):
+                 weight_decay=1e-4, name=None, synchronized_batch_norm=False):
   """The CIFAR-10 ResNet of He et al. 2016 (section 4.2), depth 6n + 2.
 
   Args:
@@ -67,6 +73,8 @@ def cifar_resnet(input_shape, num_classes, *, depth=20, width=16,
     width: channels of the first stage; the stages have width, 2x, 4x.
     weight_decay: L2 penalty on the kernels (1e-4 in the paper).
     name: model name, by default `resnet<depth>`.
+    synchronized_batch_norm: BatchNorm uses the statistics of the global
+      batch, all-reduced over tf.distribute replicas, not each replica's.
 
   Returns:
     A functional `keras.Model` mapping images to logits.
@@ -78,27 +86,29 @@ def cifar_resnet(input_shape, num_classes, *, depth=20, width=16,
     raise ValueError(f'depth={depth}: a CIFAR ResNet has 6n + 2 layers '
                      '(8, 20, 32, ...).')
   regularizer = keras.regularizers.L2(weight_decay) if weight_decay else None
+  batch_norm = functools.partial(layers.BatchNormalization,
+                                 synchronized=synchronized_batch_norm)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(width, 3, padding='same', use_bias=False,
                     kernel_initializer='he_normal',
                     kernel_regularizer=regularizer)(inputs)
-  x = layers.ReLU()(layers.BatchNormalization()(x))
+  x = layers.ReLU()(batch_norm()(x))
   for stage in range(3):
     for block in range((depth - 2) // 6):
       strides = 2 if stage > 0 and block == 0 else 1
-      x = _cifar_block(x, width * 2**stage, strides, regularizer)
+      x = _cifar_block(x, width * 2**stage, strides, regularizer, batch_norm)
   x = layers.GlobalAveragePooling2D()(x)
   outputs = layers.Dense(num_classes, kernel_regularizer=regularizer,
                          name='logits')(x)
   return keras.Model(inputs, outputs, name=name or f'resnet{depth}')
 
 
-def resnet20(input_shape, num_classes):
+def resnet20(input_shape, num_classes, **options):
   """ResNet-20 for CIFAR-10 (He et al. 2016): 0.27M parameters."""
-  return cifar_resnet(input_shape, num_classes, depth=20)
+  return cifar_resnet(input_shape, num_classes, depth=20, **options)
 
 
-def resnet8_thin(input_shape, num_classes):
+def resnet8_thin(input_shape, num_classes, **options):
   """A shallow and thin CIFAR ResNet (depth 8, width 4) for fast tests."""
   return cifar_resnet(input_shape, num_classes, depth=8, width=4,
-                      name='resnet8_thin')
+                      name='resnet8_thin', **options)
