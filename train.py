@@ -191,7 +191,8 @@ def main(argv):
     logging.warning('%s', e)
     sys.exit(e.exit_code)
   except (data.DatasetUnavailableError, checkpoints.CheckpointMismatchError,
-          distribute.UnsupportedError, train_lib.NonFiniteLossError) as e:
+          distribute.UnsupportedError, train_lib.ConfigError,
+          train_lib.NonFiniteLossError) as e:
     sys.exit(f'train.py: error: {e}')
 
 

@@ -6,6 +6,7 @@ With soft placement off an op pinned to a device that does not exist fails
 loudly instead of falling back to CPU:0.
 """
 
+import json
 import os
 
 import pytest
@@ -14,6 +15,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
+from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
 
 from tfmulti import devices  # pylint: disable=g-import-not-at-top
 
@@ -34,3 +36,28 @@ def pytest_configure(config):
 def digits_dir(tmp_path_factory):
   """A TFDS data_dir in which digits is prepared once per session."""
   return str(tmp_path_factory.mktemp('tfds'))
+
+
+@pytest.fixture
+def run_train(tmp_path, digits_dir):
+  """Runs train.main in-process with flags; returns metrics.json.
+
+  Tiny by default: 2 steps of 4 rows per clone on logical CPUs, writing to
+  a fresh directory under `tmp_path` unless `model_dir` is given (a
+  directory with checkpoints resumes).
+  """
+  import train  # pylint: disable=g-import-not-at-top  (defines the flags)
+  runs = []
+
+  def run(**flag_values):
+    runs.append(len(runs))
+    values = dict(model_dir=str(tmp_path / f'run{len(runs)}'),
+                  data_dir=digits_dir,
+                  clone_on_cpu=True, train_steps=2, batch_size=4,
+                  log_every_steps=1)
+    values.update(flag_values)
+    with flagsaver.flagsaver(**values):
+      train.main(['train.py'])
+    with open(os.path.join(values['model_dir'], 'metrics.json')) as f:
+      return json.load(f)
+  return run

@@ -12,18 +12,19 @@ CPU0 = '/device:CPU:0'
 L2 = 0.01  # Weight decay of the equivalence model, so regularization counts.
 
 
-def _mlp(seed=0, batch_norm=False, dropout=False):
+def _mlp(seed=0, batch_norm=False, dropout=False, synchronized=False,
+         dtype=None):
   """A small functional model: 6 features -> 3 classes, with L2."""
   keras.utils.set_random_seed(seed)
   inputs = keras.Input((6,))
-  x = keras.layers.Dense(16, activation='tanh',
+  x = keras.layers.Dense(16, activation='tanh', dtype=dtype,
                          kernel_regularizer=keras.regularizers.L2(L2))(inputs)
   if batch_norm:
-    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.BatchNormalization(synchronized=synchronized)(x)
   if dropout:
     x = keras.layers.Dropout(0.5)(x)
   outputs = keras.layers.Dense(
-      3, kernel_regularizer=keras.regularizers.L2(L2))(x)
+      3, kernel_regularizer=keras.regularizers.L2(L2), dtype=dtype)(x)
   return keras.Model(inputs, outputs)
 
 
@@ -179,10 +180,7 @@ def test_step_losses_split_over_clones():
 
 
 def test_loss_falls_on_a_learnable_problem():
-  rng = np.random.default_rng(0)
-  centers = rng.normal(scale=3.0, size=(3, 6)).astype(np.float32)
-  labels = rng.integers(0, 3, size=64).astype(np.int32)
-  images = centers[labels] + rng.normal(size=(64, 6)).astype(np.float32)
+  images, labels = _learnable()
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   deployed = _deployed(config, model_fn=lambda: _mlp(dropout=True))
   first = float(deployed.train_step(images, labels))
@@ -343,6 +341,34 @@ def test_xla_clones_train_like_the_plain_step():
     deployed = _deployed(config, jit_compile=jit_compile)
     results.append([float(deployed.train_step(x, y)) for x, y in batches])
   np.testing.assert_allclose(results[1], results[0], rtol=1e-4)
+
+
+def _learnable(rows=64):
+  rng = np.random.default_rng(0)
+  centers = rng.normal(scale=3.0, size=(3, 6)).astype(np.float32)
+  labels = rng.integers(0, 3, size=rows).astype(np.int32)
+  return centers[labels] + rng.normal(size=(rows, 6)).astype(np.float32), labels
+
+
+def test_float16_clones_train_with_dynamic_loss_scaling():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  deployed = _deployed(
+      config, model_fn=lambda: _mlp(dtype='mixed_float16'),
+      optimizer_fn=lambda: keras.optimizers.LossScaleOptimizer(
+          keras.optimizers.SGD(0.1)),
+      return_gradients=True)
+  scale = deployed.optimizer.dynamic_scale
+  assert devices.device_of(scale) == '/job:localhost/replica:0/task:0' + CPU0
+  images, labels = _learnable()
+  outputs = deployed.train_step_outputs(images, labels)
+  first = float(outputs.total)
+  # The summed gradients come back unscaled: float32-sized, not x32768.
+  assert float(tf.linalg.global_norm(list(outputs.gradients.values()))) < 100
+  for _ in range(30):
+    last = float(deployed.train_step(images, labels))
+  assert last < first / 4
+  assert deployed.model.layers[1].compute_dtype == 'float16'
+  assert deployed.model.layers[1].kernel.dtype == 'float32'
 
 
 def test_predict_covers_a_short_batch_over_the_clones():

@@ -12,10 +12,10 @@ from test_deploy import _batch, _deployed, _loss_fn, _mlp, _weights
 CLONES = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
 
 
-def _distributed(name, config=CLONES):
+def _distributed(name, config=CLONES, model_fn=_mlp):
   strategy = distribute.make_strategy(name, config)
   with strategy.scope():
-    model = _mlp()
+    model = model_fn()
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
   return distribute.DistributedModel(strategy, model, _loss_fn(), optimizer)
 
@@ -43,6 +43,62 @@ def test_towers_mirrored_and_single_agree():
     for got, want in zip(_weights(runs[name].model),
                          _weights(runs['single'].model)):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_synchronized_batch_norm_mirrored_equals_one_device():
+  """Statistics of the global batch: 2 replicas train like one device."""
+  model_fn = lambda: _mlp(batch_norm=True, synchronized=True)
+  runs = {name: _distributed(name, model_fn=model_fn)
+          for name in ('mirrored', 'single')}
+  for x, y in [_batch(12, seed=s) for s in range(3)]:
+    losses = {name: float(run.train_step(x, y)) for name, run in runs.items()}
+    assert losses['mirrored'] == pytest.approx(losses['single'], rel=1e-5)
+  for got, want in zip(_weights(runs['mirrored'].model),
+                       _weights(runs['single'].model)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_unsynchronized_batch_norm_differs_from_one_device():
+  """Why the flag exists: per-replica statistics change the result."""
+  runs = {name: _distributed(name, model_fn=lambda: _mlp(batch_norm=True))
+          for name in ('mirrored', 'single')}
+  x, y = _batch(12)
+  for run in runs.values():
+    run.train_step(x, y)
+  assert not np.allclose(_weights(runs['mirrored'].model)[0],
+                         _weights(runs['single'].model)[0], rtol=1e-5)
+
+
+def test_central_storage_keeps_variables_on_the_variables_device():
+  central = _distributed('central_storage')
+  assert {v.value.device for v in central.model.variables} == {
+      '/job:localhost/replica:0/task:0/device:CPU:0'}
+  losses = central.train_step_outputs(*_batch(8))
+  assert len(losses.clones) == 2
+
+
+def test_central_storage_refuses_batch_norm_before_training():
+  strategy = distribute.make_strategy('central_storage', CLONES)
+  with strategy.scope():
+    model = _mlp(batch_norm=True)
+  with pytest.raises(distribute.UnsupportedError,
+                     match="'central_storage' cannot train .* on 2 replicas"):
+    distribute.check_supported('central_storage', model, 2)
+  distribute.check_supported('mirrored', model, 2)  # No error.
+
+
+def test_distributed_dataset_steps_equal_global_batch_steps():
+  x, y = _batch(8)
+  by_step = _distributed('mirrored')
+  by_dataset = _distributed('mirrored')
+  dataset = tf.data.Dataset.from_tensors((x, y))
+  for images, labels in by_dataset.distribute_dataset(dataset):
+    got = by_dataset.train_step_outputs(images, labels)
+  want = by_step.train_step_outputs(x, y)
+  np.testing.assert_allclose([float(c) for c in got.clones],
+                             [float(c) for c in want.clones], rtol=1e-6)
+  for a, b in zip(_weights(by_dataset.model), _weights(by_step.model)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_mirrored_step_losses_sum_over_replicas():

@@ -2,10 +2,16 @@
 
 import json
 import os
+import random
+import re
+import signal
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
+import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import flags
 from absl.testing import flagsaver
@@ -13,24 +19,10 @@ from absl.testing import flagsaver
 import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBPROCESS_TIMEOUT_S = 240  # A train.py run here takes 5 to 20 seconds.
 METRIC_KEYS = {'eval_accuracy', 'train_loss', 'steps', 'images_per_sec',
                'strategy', 'num_clones', 'global_batch_size', 'model',
                'dataset', 'seed'}
-
-
-@pytest.fixture
-def run_train(tmp_path, digits_dir):
-  """Runs train.main in-process with flags; returns metrics.json."""
-  def run(**flag_values):
-    model_dir = tmp_path / 'run'
-    values = dict(model_dir=str(model_dir), data_dir=digits_dir,
-                  clone_on_cpu=True, train_steps=2, batch_size=4,
-                  log_every_steps=1)
-    values.update(flag_values)
-    with flagsaver.flagsaver(**values):
-      train.main(['train.py'])
-    return json.loads((model_dir / 'metrics.json').read_text())
-  return run
 
 
 @pytest.mark.parametrize('model', ['lenet', 'resnet18', 'resnet20'])
@@ -94,12 +86,33 @@ def test_batch_norm_model_learns_on_every_path(run_train):
      '--variables_device=gpu:3: this machine has 0 GPU'),
     (dict(strategy='mirrored', xla=True),
      "xla=True works with the towers only, not strategy='mirrored'"),
+    (dict(model='resnet8_thin', sync_batch_norm=True),
+     "synchronized_batch_norm=True needs a tf.distribute strategy.*"
+     "strategy='mirrored'"),
+    (dict(sync_batch_norm=True, strategy='mirrored'),
+     "model='lenet' has no BatchNorm"),
 ])
 def test_conflicting_flags_stop_with_one_line(tmp_path, values, message):
   with flagsaver.flagsaver(model_dir=str(tmp_path / 'run'), **values):
     with pytest.raises(SystemExit, match=message):
       train.main(['train.py'])
   assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('values, message', [
+    (dict(strategy='central_storage', model='resnet8_thin', num_clones=2),
+     "strategy='central_storage' cannot train 'resnet8_thin' on 2 replicas: "
+     'CentralStorageStrategy fails on Keras 3 BatchNormalization'),
+    (dict(warmup_steps=5, train_steps=5),
+     r'warmup_steps=5 must be in \[0, total_steps=5\).*'
+     'The run has 5 steps of 4 '),
+])
+def test_conflicts_found_before_training_stop_with_one_line(run_train,
+                                                            tmp_path, values,
+                                                            message):
+  with pytest.raises(SystemExit, match=message):
+    run_train(model_dir=str(tmp_path / 'run'), **values)
+  assert not (tmp_path / 'run' / 'checkpoint').exists()
 
 
 @pytest.mark.parametrize('name, value', [
@@ -127,3 +140,86 @@ def test_bad_flags_exit_without_traceback(argv, message, tmp_path):
   assert result.returncode != 0
   assert message in result.stderr
   assert 'Traceback' not in result.stderr
+
+
+def _train_command(model_dir, digits_dir, *extra):
+  """train.py on 2 logical CPUs: resnet8_thin (BatchNorm), digits."""
+  return [sys.executable, 'train.py', f'--model_dir={model_dir}',
+          f'--data_dir={digits_dir}', '--clone_on_cpu', '--num_clones=2',
+          '--model=resnet8_thin', '--batch_size=16', '--optimizer=momentum',
+          '--learning_rate=0.05', '--log_every_steps=1', *extra]
+
+
+def _start_and_signal(command, line_part, signum, delay_s=0.0):
+  """Starts `command`; sends `signum` once a log line has `line_part`."""
+  process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE,
+                             text=True)
+  seen = []
+  for line in process.stderr:
+    seen.append(line)
+    if line_part in line:
+      time.sleep(delay_s)
+      process.send_signal(signum)
+      break
+  _, rest = process.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+  return process.returncode, ''.join(seen) + rest
+
+
+def _checkpoint_tensors(path):
+  reader = tf.train.load_checkpoint(path)
+  return {key: reader.get_tensor(key)
+          for key in reader.get_variable_to_shape_map()
+          if key.startswith(('model/', 'optimizer/'))}
+
+
+def test_sigterm_then_rerun_equals_an_uninterrupted_run(tmp_path, digits_dir,
+                                                        run_train):
+  run_train(train_steps=1)  # Prepares digits in digits_dir once.
+  steps = ['--train_steps=100', '--deterministic']
+  whole = subprocess.run(
+      _train_command(tmp_path / 'whole', digits_dir, *steps), cwd=REPO,
+      capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+  assert whole.returncode == 0, whole.stderr[-2000:]
+
+  parts = _train_command(tmp_path / 'parts', digits_dir, *steps)
+  code, stderr = _start_and_signal(parts, 'step 30/100', signal.SIGTERM)
+  assert code == 128 + signal.SIGTERM, stderr[-2000:]
+  assert 'Traceback' not in stderr
+  stopped = re.search(r'SIGTERM at step (\d+): saved \S+ckpt-(\d+); run the '
+                      'same command again to resume', stderr)
+  assert stopped and stopped.group(1) == stopped.group(2), stderr[-2000:]
+  assert 30 <= int(stopped.group(1)) < 100
+  rerun = subprocess.run(parts, cwd=REPO, capture_output=True, text=True,
+                         timeout=SUBPROCESS_TIMEOUT_S)
+  assert rerun.returncode == 0, rerun.stderr[-2000:]
+
+  metrics = json.loads((tmp_path / 'parts' / 'metrics.json').read_text())
+  assert metrics['resumed_from_step'] == int(stopped.group(1))
+  assert metrics['steps'] == 100
+  expected = _checkpoint_tensors(str(tmp_path / 'whole' / 'ckpt-100'))
+  got = _checkpoint_tensors(metrics['checkpoint'])
+  assert got.keys() == expected.keys()
+  for key, value in expected.items():  # Bitwise, not approximately.
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def test_a_killed_run_leaves_a_checkpoint_that_loads(tmp_path, digits_dir,
+                                                     run_train):
+  run_train(train_steps=1)  # Prepares digits in digits_dir once.
+  model_dir = tmp_path / 'killed'
+  command = _train_command(model_dir, digits_dir, '--train_steps=150',
+                           '--checkpoint_steps=1', '--keep_checkpoints=2')
+  delays = random.Random(0)
+  for _ in range(2):
+    # SIGKILL at a random moment after a checkpoint, often mid-write.
+    code, stderr = _start_and_signal(command, 'saved', signal.SIGKILL,
+                                     delays.uniform(0.0, 0.5))
+    assert code == -signal.SIGKILL, stderr[-2000:]
+    latest = tf.train.latest_checkpoint(str(model_dir))
+    tensors = _checkpoint_tensors(latest)  # Every tensor reads back.
+    assert any(key.startswith('model/') for key in tensors)
+  finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT_S)
+  assert finished.returncode == 0, finished.stderr[-2000:]
+  metrics = json.loads((model_dir / 'metrics.json').read_text())
+  assert metrics['steps'] == 150 and metrics['resumed_from_step'] > 1

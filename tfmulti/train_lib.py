@@ -117,6 +117,10 @@ class TrainConfig:
     if self.xla and self.strategy != TOWERS:
       raise ValueError(f'xla=True works with the towers only, not '
                        f'strategy={self.strategy!r}.')
+    if self.synchronized_batch_norm and not models.has_batch_norm(self.model):
+      raise ValueError(f'synchronized_batch_norm=True, but model='
+                       f'{self.model!r} has no BatchNorm; drop it or pick a '
+                       'ResNet.')
     if self.synchronized_batch_norm and self.strategy == TOWERS:
       raise ValueError(
           'synchronized_batch_norm=True needs a tf.distribute strategy: it '
@@ -130,6 +134,10 @@ class TrainConfig:
       raise ValueError(f'warmup_steps={self.warmup_steps}: must be >= 0.')
     if not self.model_dir:
       raise ValueError("model_dir='': name an output directory.")
+
+
+class ConfigError(ValueError):
+  """Settings that conflict with the data (known once it is loaded)."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -231,7 +239,7 @@ class _Progress:
     seconds = self.train_seconds
     if self._started is not None:
       seconds += time.perf_counter() - self._started
-    if not seconds:
+    if not seconds or not self.timed_steps:
       return float('nan')
     return self.timed_steps * self.global_batch_size / seconds
 
@@ -416,6 +424,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
 
   Raises:
     TrainingInterrupted: SIGTERM or SIGINT; a checkpoint was saved.
+    ConfigError: a warm-up as long as the run.
     NonFiniteLossError: the loss became NaN or infinite.
     checkpoints.CheckpointMismatchError: model_dir holds another model.
     distribute.UnsupportedError: the strategy cannot train this model.
@@ -431,7 +440,11 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
         data_dir=config.data_dir, seed=config.seed)
   steps_per_epoch = dataset.train_examples // global_batch_size
   total_steps = config.train_steps or config.epochs * steps_per_epoch
-  schedule = make_schedule(config, deploy_config.num_clones, total_steps)
+  try:
+    schedule = make_schedule(config, deploy_config.num_clones, total_steps)
+  except ValueError as e:
+    raise ConfigError(f'{e} The run has {total_steps} steps of '
+                      f'{global_batch_size} examples.') from e
   loss_fn = make_loss()
   trainer = build_trainer(config, deploy_config,
                           input_shape=dataset.input_shape,

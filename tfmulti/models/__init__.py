@@ -25,6 +25,11 @@ def names():
   return sorted(_FACTORIES)
 
 
+def has_batch_norm(name):
+  """Whether the registered model `name` has BatchNorm layers."""
+  return name in _WITH_BATCH_NORM
+
+
 def get_model(name, *, input_shape, num_classes, dtype_policy=None,
               synchronized_batch_norm=False):
   """Builds the registered model `name`.

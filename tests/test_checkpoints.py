@@ -1,0 +1,120 @@
+"""Tests for tfmulti.checkpoints: round trips, portability, stop signals."""
+
+import os
+import shutil
+import signal
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmulti import checkpoints
+from tfmulti import deploy
+from test_deploy import _batch, _deployed, _mlp, _weights
+
+ONE = deploy.DeploymentConfig(num_clones=1, clone_on_cpu=True)
+
+
+def _checkpointer(directory, deployed, max_to_keep=2):
+  return checkpoints.Checkpointer(
+      str(directory), model=deployed.model, optimizer=deployed.optimizer,
+      max_to_keep=max_to_keep, device=ONE.summaries_device())
+
+
+def test_round_trip_restores_weights_slots_and_position(tmp_path):
+  trained = _deployed(ONE)
+  trained.train_step(*_batch(8))
+  path = _checkpointer(tmp_path, trained).save(checkpoints.Position(7, 2, 40))
+  assert os.path.basename(path) == 'ckpt-7'
+  fresh = _deployed(ONE, model_fn=lambda: _mlp(seed=5))
+  position = _checkpointer(tmp_path, fresh).restore_latest()
+  assert position == checkpoints.Position(7, 2, 40)
+  for got, want in zip(_weights(fresh.model), _weights(trained.model)):
+    np.testing.assert_array_equal(got, want)
+  for got, want in zip(fresh.optimizer.variables, trained.optimizer.variables):
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_keeps_the_newest_and_saves_a_step_once(tmp_path):
+  deployed = _deployed(ONE)
+  checkpointer = _checkpointer(tmp_path, deployed, max_to_keep=2)
+  for step in (1, 2, 3, 3):
+    checkpointer.save(checkpoints.Position(step, 0, step))
+  assert [os.path.basename(p) for p in checkpointer.manager.checkpoints] == [
+      'ckpt-2', 'ckpt-3']
+
+
+def test_an_empty_directory_restores_nothing(tmp_path):
+  assert _checkpointer(tmp_path, _deployed(ONE)).restore_latest() is None
+
+
+def test_another_model_is_refused_with_the_fix(tmp_path):
+  _checkpointer(tmp_path, _deployed(ONE)).save(checkpoints.Position(1, 0, 8))
+  def wider():
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, keras.layers.Dense(3)(
+        keras.layers.Dense(32)(inputs)))
+  other = _deployed(ONE, model_fn=wider)
+  with pytest.raises(checkpoints.CheckpointMismatchError,
+                     match='ckpt-1 does not fit.*new --model_dir'):
+    _checkpointer(tmp_path, other).restore_latest()
+
+
+class TestStopSignals:
+
+  @pytest.mark.parametrize('signum, name, code', [
+      (signal.SIGTERM, 'SIGTERM', 143), (signal.SIGINT, 'SIGINT', 130)])
+  def test_first_signal_asks_to_stop(self, signum, name, code):
+    before = signal.getsignal(signum)
+    with checkpoints.StopSignals() as signals:
+      os.kill(os.getpid(), signum)
+      assert signals.received == name
+      assert signals.exit_code == code
+    assert signal.getsignal(signum) is before
+
+  def test_second_signal_stops_at_once(self):
+    with checkpoints.StopSignals():
+      os.kill(os.getpid(), signal.SIGTERM)
+      with pytest.raises(KeyboardInterrupt, match='second signal'):
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def _model_tensors(path):
+  reader = tf.train.load_checkpoint(path)
+  return {key: reader.get_tensor(key)
+          for key in reader.get_variable_to_shape_map()
+          if key.startswith('model/')}
+
+
+def test_a_two_clone_checkpoint_continues_on_every_path(run_train, tmp_path):
+  """2 clones -> mirrored, one device and 4 clones, at the same step.
+
+  The global batch stays 8 rows; lenet has no BatchNorm, so every path
+  continues to the same weights.
+  """
+  start = str(tmp_path / 'two_clones')
+  run_train(model_dir=start, num_clones=2, train_steps=3, optimizer='momentum',
+            learning_rate=0.05)
+  layouts = {'towers_2': dict(num_clones=2),
+             'mirrored_2': dict(strategy='mirrored', num_clones=2),
+             'single': dict(strategy='single', num_clones=1, batch_size=8),
+             'towers_4': dict(num_clones=4, batch_size=2)}
+  finals = {}
+  for name, flag_values in layouts.items():
+    model_dir = str(tmp_path / name)
+    shutil.copytree(start, model_dir)
+    values = dict(batch_size=4, train_steps=5, optimizer='momentum',
+                  learning_rate=0.05)
+    values.update(flag_values)
+    metrics = run_train(model_dir=model_dir, **values)
+    assert (metrics['resumed_from_step'], metrics['steps']) == (3, 5), name
+    assert metrics['checkpoint'].endswith('ckpt-5')
+    finals[name] = _model_tensors(metrics['checkpoint'])
+  reference = finals.pop('towers_2')
+  for name, tensors in finals.items():
+    # Saved once, in one layout: the same keys whichever path wrote them.
+    assert tensors.keys() == reference.keys(), name
+    for key, value in tensors.items():
+      np.testing.assert_allclose(value, reference[key], rtol=1e-5, atol=1e-6,
+                                 err_msg=f'{name}: {key}')

@@ -1,0 +1,123 @@
+"""Tests for the training loop: resume, summaries, NaN stop, precision."""
+
+import glob
+import os
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmulti import deploy
+from tfmulti import summaries
+from tfmulti import train_lib
+
+CLONES = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+
+
+def _scalars(model_dir):
+  """{tag: {step: value}} from the event files in `model_dir`."""
+  found = {}
+  for path in glob.glob(os.path.join(model_dir, 'events.out.tfevents.*')):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        found.setdefault(value.tag, {})[event.step] = tf.make_ndarray(
+            value.tensor)
+  return found
+
+
+def test_the_same_command_resumes_where_it_stopped(run_train, tmp_path):
+  model_dir = str(tmp_path / 'resume')
+  first = run_train(model_dir=model_dir, train_steps=3, checkpoint_steps=2,
+                    keep_checkpoints=1)
+  assert first['resumed_from_step'] is None and first['steps'] == 3
+  assert sorted(os.listdir(model_dir)).count('ckpt-3.index') == 1
+  assert not os.path.exists(os.path.join(model_dir, 'ckpt-2.index'))
+  second = run_train(model_dir=model_dir, train_steps=5, checkpoint_steps=2,
+                     keep_checkpoints=1)
+  assert second['resumed_from_step'] == 3 and second['steps'] == 5
+  assert second['checkpoint'] == os.path.join(model_dir, 'ckpt-5')
+  # Steps 4 and 5 were trained here, not again from 1.
+  assert sorted(_scalars(model_dir)[summaries.TOTAL_LOSS]) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize('strategy', ['towers', 'mirrored'])
+def test_tensorboard_tags_are_the_same_on_every_path(run_train, tmp_path,
+                                                     strategy):
+  model_dir = str(tmp_path / strategy)
+  run_train(model_dir=model_dir, strategy=strategy, model='resnet8_thin',
+            num_clones=2, train_steps=4, log_every_steps=2,
+            optimizer='momentum', learning_rate=0.1, lr_schedule='step')
+  found = _scalars(model_dir)
+  assert {summaries.TOTAL_LOSS, 'losses/clone_0', 'losses/clone_1',
+          summaries.REGULARIZATION_LOSS, summaries.LEARNING_RATE,
+          summaries.IMAGES_PER_SEC, summaries.EVAL_ACCURACY,
+          summaries.EVAL_LOSS} <= set(found)
+  for step in (2, 4):
+    np.testing.assert_allclose(
+        found[summaries.TOTAL_LOSS][step],
+        found['losses/clone_0'][step] + found['losses/clone_1'][step],
+        rtol=1e-5)
+    assert 0 < found[summaries.REGULARIZATION_LOSS][step] < (
+        found[summaries.TOTAL_LOSS][step])
+  # The step schedule drops x0.1 at 50% and 75% of 4 steps: step 2 used
+  # rate(1) = 0.1, step 4 used rate(3) = 0.001.
+  np.testing.assert_allclose(found[summaries.LEARNING_RATE][2], 0.1, rtol=1e-6)
+  np.testing.assert_allclose(found[summaries.LEARNING_RATE][4], 0.001,
+                             rtol=1e-5)
+  assert found[summaries.IMAGES_PER_SEC][4] > 0
+  assert 0 <= found[summaries.EVAL_ACCURACY][4] <= 1
+  assert found[summaries.EVAL_LOSS][4] > 0
+
+
+@pytest.mark.parametrize('strategy', ['towers', 'mirrored'])
+def test_gradient_summaries(run_train, tmp_path, strategy):
+  model_dir = str(tmp_path / strategy)
+  run_train(model_dir=model_dir, strategy=strategy, num_clones=2,
+            train_steps=1, summarize_gradients=True)
+  found = _scalars(model_dir)
+  histograms = [t for t in found if t.startswith('gradients/')]
+  norms = [t for t in found if t.startswith('gradient_norms/')]
+  assert len(histograms) == 10  # lenet: 5 layers, kernel and bias each.
+  assert any(t.endswith('logits/kernel') for t in histograms)
+  assert len(norms) == 11  # And the global norm.
+  assert found[summaries.GLOBAL_GRADIENT_NORM][1] > 0
+
+
+def test_a_diverging_loss_stops_before_it_is_saved(run_train, tmp_path):
+  model_dir = str(tmp_path / 'diverges')
+  with pytest.raises(SystemExit) as stop:
+    run_train(model_dir=model_dir, optimizer='sgd', learning_rate=1e6,
+              train_steps=30, checkpoint_steps=1)
+  found = re.search(r'the loss is (nan|inf) at step (\d+); training stopped',
+                    str(stop.value))
+  assert found, stop.value
+  step = int(found.group(2))
+  assert 1 < step < 30
+  latest = f'ckpt-{step - 1}'
+  assert latest in str(stop.value)  # The message names the last good one.
+  assert tf.train.latest_checkpoint(model_dir).endswith(latest)
+  assert not os.path.exists(os.path.join(model_dir, 'metrics.json'))
+
+
+def test_mixed_precision_trains_in_bfloat16_on_cpus(run_train, tmp_path):
+  model_dir = str(tmp_path / 'mixed')
+  metrics = run_train(model_dir=model_dir, mixed_precision=True,
+                      num_clones=2, batch_size=32, train_steps=30,
+                      log_every_steps=1)
+  assert metrics['mixed_precision'] == 'mixed_bfloat16'
+  losses = _scalars(model_dir)[summaries.TOTAL_LOSS]
+  assert losses[30] < 0.6 * losses[1], (losses[1], losses[30])
+
+
+def test_xla_trains(run_train, tmp_path):
+  model_dir = str(tmp_path / 'xla')
+  run_train(model_dir=model_dir, xla=True, num_clones=2, batch_size=32,
+            train_steps=30, log_every_steps=1)
+  losses = _scalars(model_dir)[summaries.TOTAL_LOSS]
+  assert losses[30] < 0.6 * losses[1], (losses[1], losses[30])
+
+
+def test_central_storage_trains_a_model_without_batch_norm(run_train):
+  metrics = run_train(strategy='central_storage', num_clones=2)
+  assert metrics['strategy'] == 'central_storage' and metrics['steps'] == 2
