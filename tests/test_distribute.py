@@ -58,6 +58,20 @@ def test_synchronized_batch_norm_mirrored_equals_one_device():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_batch_norm_towers_equal_mirrored():
+  """Both normalise each shard by its own statistics and keep shard 0's."""
+  model_fn = lambda: _mlp(batch_norm=True)
+  runs = {'towers': _deployed(CLONES, model_fn=model_fn),
+          'mirrored': _distributed('mirrored', model_fn=model_fn)}
+  for x, y in [_batch(12, seed=s) for s in range(3)]:
+    losses = {name: float(run.train_step(x, y)) for name, run in runs.items()}
+    assert losses['towers'] == pytest.approx(losses['mirrored'], rel=1e-5)
+  for got, want in zip(runs['towers'].model.variables,
+                       runs['mirrored'].model.variables):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5,
+                               atol=1e-6, err_msg=got.path)
+
+
 def test_unsynchronized_batch_norm_differs_from_one_device():
   """Why the flag exists: per-replica statistics change the result."""
   runs = {name: _distributed(name, model_fn=lambda: _mlp(batch_norm=True))

@@ -67,16 +67,18 @@ def test_distribute_paths_share_the_contract(run_train, strategy):
   assert METRIC_KEYS <= set(metrics)
 
 
-def test_batch_norm_model_learns_on_every_path(run_train):
+def test_batch_norm_model_learns_alike_on_every_path(run_train):
   accuracy = {}
   for strategy in ('towers', 'mirrored', 'single'):
     accuracy[strategy] = run_train(
         strategy=strategy, model='resnet8_thin', num_clones=2, batch_size=32,
-        train_steps=None, epochs=12, optimizer='momentum',
-        learning_rate=0.05, log_every_steps=100)['eval_accuracy']
-  # Chance is 0.1. The paths' accuracies differ more than the issue's "a few
-  # points" (towers normalise each clone's shard); see the README.
-  assert min(accuracy.values()) >= 0.6, accuracy
+        train_steps=None, epochs=12, optimizer='adam', learning_rate=0.003,
+        lr_schedule='cosine', log_every_steps=100)['eval_accuracy']
+  # Chance is 0.1. The paths run the same algorithm (tests/test_distribute)
+  # and part only by float rounding, which training amplifies; the cosine
+  # decay settles the weights, so the final accuracy is not one noisy step's.
+  assert min(accuracy.values()) >= 0.85, accuracy
+  assert max(accuracy.values()) - min(accuracy.values()) <= 0.04, accuracy
 
 
 @pytest.mark.parametrize('values, message', [

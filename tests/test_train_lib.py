@@ -10,7 +10,6 @@ import tensorflow as tf
 
 from tfmulti import deploy
 from tfmulti import summaries
-from tfmulti import train_lib
 
 CLONES = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
 

@@ -5,6 +5,12 @@ import functools
 import keras
 from keras import layers
 
+# BatchNorm's moving averages keep 0.9 of the old value per step: PyTorch's
+# default (momentum=0.1), which D2L and He et al.'s Torch code trained with.
+# Keras's 0.99 averages over ~100 steps and lags the weights in short runs,
+# so evaluation (which uses the averages) trails training.
+_BATCH_NORM_MOMENTUM = 0.9
+
 
 def _d2l_residual(x, filters, strides, use_1x1conv, batch_norm):
   """D2L's residual block: two 3x3 convs (with bias) and BN; 1x1 shortcut."""
@@ -32,6 +38,7 @@ def resnet18(input_shape, num_classes, *, synchronized_batch_norm=False):
     A functional `keras.Model` mapping images to logits.
   """
   batch_norm = functools.partial(layers.BatchNormalization,
+                                 momentum=_BATCH_NORM_MOMENTUM,
                                  synchronized=synchronized_batch_norm)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(64, 3, padding='same')(inputs)
@@ -87,6 +94,7 @@ def cifar_resnet(input_shape, num_classes, *, depth=20, width=16,
                      '(8, 20, 32, ...).')
   regularizer = keras.regularizers.L2(weight_decay) if weight_decay else None
   batch_norm = functools.partial(layers.BatchNormalization,
+                                 momentum=_BATCH_NORM_MOMENTUM,
                                  synchronized=synchronized_batch_norm)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(width, 3, padding='same', use_bias=False,
