@@ -23,6 +23,7 @@ from tfmulti import data
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import distribute
+from tfmulti import loop
 from tfmulti import models
 from tfmulti import schedules
 from tfmulti import train_lib
@@ -187,12 +188,12 @@ def main(argv):
   logging.info('writing to %s', train_config.model_dir)
   try:
     train_lib.train_and_evaluate(train_config, deploy_config)
-  except train_lib.TrainingInterrupted as e:
+  except loop.TrainingInterrupted as e:
     logging.warning('%s', e)
     sys.exit(e.exit_code)
   except (data.DatasetUnavailableError, checkpoints.CheckpointMismatchError,
           distribute.UnsupportedError, train_lib.ConfigError,
-          train_lib.NonFiniteLossError) as e:
+          loop.NonFiniteLossError) as e:
     sys.exit(f'train.py: error: {e}')
 
 

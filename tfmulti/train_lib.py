@@ -11,15 +11,12 @@ evaluates on the test split after every epoch and writes
 step with a checkpoint; a NaN loss stops it before anything is saved.
 """
 
-import contextlib
 import dataclasses
 import json
 import os
-import time
 from typing import Optional
 
 import keras
-import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -27,9 +24,10 @@ from tfmulti import checkpoints
 from tfmulti import data
 from tfmulti import deploy
 from tfmulti import distribute
+from tfmulti import loop
 from tfmulti import models
 from tfmulti import schedules
-from tfmulti import summaries as summaries_lib
+from tfmulti import summaries
 
 OPTIMIZERS = ('sgd', 'momentum', 'adam')
 TOWERS = 'towers'
@@ -140,26 +138,6 @@ class ConfigError(ValueError):
   """Settings that conflict with the data (known once it is loaded)."""
 
 
-class NonFiniteLossError(RuntimeError):
-  """The loss became NaN or infinite; training stopped before saving it."""
-
-
-class TrainingInterrupted(Exception):
-  """A signal stopped training after a checkpoint.
-
-  Attributes: `signal_name`, `step`, `checkpoint` (its path), `exit_code`
-  (the shell's code for death by that signal).
-  """
-
-  def __init__(self, signal_name, step, checkpoint, exit_code):
-    super().__init__(f'{signal_name} at step {step}: saved {checkpoint}; run '
-                     'the same command again to resume.')
-    self.signal_name = signal_name
-    self.step = step
-    self.checkpoint = checkpoint
-    self.exit_code = exit_code
-
-
 def make_optimizer(name, learning_rate):
   """A Keras optimizer by name; create it under the variables device.
 
@@ -186,81 +164,6 @@ def dtype_policy(config, deploy_config):
   # float16 has the GPUs' fast kernels but needs loss scaling; bfloat16 has
   # float32's range and is what CPUs accelerate.
   return MIXED_CPU if deploy_config.clone_on_cpu else MIXED_GPU
-
-
-def evaluate(trainer, dataset, loss_fn):
-  """{'accuracy', 'loss'} of `trainer.predict` over every test example."""
-  correct, loss_sum, count = 0, 0.0, 0
-  for images, labels in dataset:
-    logits = trainer.predict(images)
-    rows = int(labels.shape[0])
-    loss_sum += float(loss_fn(labels, logits)) * rows
-    correct += int(tf.reduce_sum(tf.cast(
-        tf.argmax(logits, axis=-1, output_type=tf.int32) == labels,
-        tf.int32)))
-    count += rows
-  return {'accuracy': correct / count, 'loss': loss_sum / count}
-
-
-class _Progress:
-  """Progress lines: loss over the window, images/sec and ETA.
-
-  The clock starts after this run's first step (which traces the step
-  function) and stops during evaluation, so images/sec is the steady-state
-  throughput of the step, its input and its checkpoints.
-  """
-
-  def __init__(self, total_steps, global_batch_size, log_every_steps):
-    self.total_steps = total_steps
-    self.global_batch_size = global_batch_size
-    self.log_every_steps = log_every_steps
-    self.window = []  # Total losses since the last progress line.
-    self.last_window_loss = float('nan')
-    self.train_seconds = 0.0
-    self.timed_steps = 0
-    self._started = None
-    self._steps_run = 0
-
-  @contextlib.contextmanager
-  def paused(self):
-    """Leaves what runs inside (evaluation) out of the training time."""
-    running = self._started is not None
-    if running:
-      self.train_seconds += time.perf_counter() - self._started
-      self._started = None
-    try:
-      yield
-    finally:
-      if running:
-        self._started = time.perf_counter()
-
-  @property
-  def images_per_sec(self):
-    seconds = self.train_seconds
-    if self._started is not None:
-      seconds += time.perf_counter() - self._started
-    if not seconds or not self.timed_steps:
-      return float('nan')
-    return self.timed_steps * self.global_batch_size / seconds
-
-  def record(self, step, loss, epoch):
-    """Records global step `step` (1-based) and its total loss (a float)."""
-    self.window.append(loss)
-    self._steps_run += 1
-    if self._steps_run == 1:  # It traced the step function: leave it untimed.
-      self._started = time.perf_counter()
-    else:
-      self.timed_steps += 1
-    if step % self.log_every_steps and step != self.total_steps:
-      return
-    self.last_window_loss = float(np.mean(self.window))
-    self.window = []
-    eta = (self.total_steps - step) * self.global_batch_size / max(
-        self.images_per_sec, 1e-9) if self.timed_steps else float('nan')
-    logging.info('step %d/%d (epoch %d) loss %.4f | %.0f images/sec | ETA %s',
-                 step, self.total_steps, epoch + 1, self.last_window_loss,
-                 self.images_per_sec, '?' if np.isnan(eta) else
-                 time.strftime('%H:%M:%S', time.gmtime(eta)))
 
 
 def _log_deployment(deploy_config, train_config, global_batch_size):
@@ -335,79 +238,6 @@ def _write_metrics(model_dir, metrics):
   return path
 
 
-@dataclasses.dataclass
-class _Run:
-  """What the training loop works with (built once per run)."""
-  config: TrainConfig
-  trainer: object
-  dataset: data.Data
-  loss_fn: object
-  schedule: schedules.Schedule
-  checkpointer: checkpoints.Checkpointer
-  summaries: summaries_lib.Summaries
-  progress: _Progress
-  global_batch_size: int
-  total_steps: int
-
-
-def _train_epoch(run, position, signals):
-  """Trains on the rest of epoch `position.epoch`; returns the new position."""
-  config, trainer = run.config, run.trainer
-  step, epoch, examples = position
-  batches = run.dataset.train_epoch(
-      epoch, skip_batches=examples // run.global_batch_size).take(
-          run.total_steps - step)
-  for images, labels in trainer.distribute_dataset(batches):
-    outputs = trainer.train_step_outputs(images, labels)
-    step += 1
-    examples += run.global_batch_size
-    loss = float(outputs.total)
-    if not np.isfinite(loss):
-      raise NonFiniteLossError(
-          f'the loss is {loss} at step {step}; training stopped without '
-          f'saving it. The latest checkpoint ({run.checkpointer.latest}) '
-          'holds the last good state; lower --learning_rate or add '
-          '--warmup_steps, then run again.')
-    run.progress.record(step, loss, epoch)
-    if step % config.log_every_steps == 0 or step == run.total_steps:
-      run.summaries.train(step, outputs,
-                          learning_rate=run.schedule(step - 1),
-                          images_per_sec=run.progress.images_per_sec)
-      if outputs.gradients:
-        run.summaries.gradients(step, outputs.gradients)
-    position = checkpoints.Position(step, epoch, examples)
-    if step % config.checkpoint_steps == 0:
-      run.checkpointer.save(position)
-    if signals.received:
-      run.checkpointer.save(position)
-      raise TrainingInterrupted(signals.received, step,
-                                run.checkpointer.latest, signals.exit_code)
-  if examples >= run.dataset.train_examples // run.global_batch_size * (
-      run.global_batch_size):
-    position = checkpoints.Position(step, epoch + 1, 0)
-  return position
-
-
-def _evaluate(run, step):
-  with run.progress.paused():
-    evaluation = evaluate(run.trainer, run.dataset.test, run.loss_fn)
-  run.summaries.evaluation(step, evaluation)
-  logging.info('step %d: eval accuracy %.4f, eval loss %.4f', step,
-               evaluation['accuracy'], evaluation['loss'])
-  return evaluation
-
-
-def _train(run, position):
-  """Trains from `position` to `run.total_steps`, evaluating every epoch."""
-  evaluation = None
-  with checkpoints.StopSignals() as signals:
-    while position.step < run.total_steps:
-      position = _train_epoch(run, position, signals)
-      evaluation = _evaluate(run, position.step)
-  run.checkpointer.save(position)
-  return position, evaluation or _evaluate(run, position.step)
-
-
 def train_and_evaluate(config, deploy_config, *, data_override=None):
   """Trains `config.model` on `config.dataset` over the clones; evaluates.
 
@@ -423,9 +253,9 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
     The metrics dict also written to `<model_dir>/metrics.json`.
 
   Raises:
-    TrainingInterrupted: SIGTERM or SIGINT; a checkpoint was saved.
+    loop.TrainingInterrupted: SIGTERM or SIGINT; a checkpoint was saved.
     ConfigError: a warm-up as long as the run.
-    NonFiniteLossError: the loss became NaN or infinite.
+    loop.NonFiniteLossError: the loss became NaN or infinite.
     checkpoints.CheckpointMismatchError: model_dir holds another model.
     distribute.UnsupportedError: the strategy cannot train this model.
   """
@@ -461,12 +291,14 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
       config.model_dir, model=trainer.model, optimizer=trainer.optimizer,
       max_to_keep=config.keep_checkpoints, device=device)
   restored = checkpointer.restore_latest()
-  run = _Run(config, trainer, dataset, loss_fn, schedule, checkpointer,
-             summaries_lib.Summaries(config.model_dir, device=device),
-             _Progress(total_steps, global_batch_size, config.log_every_steps),
-             global_batch_size, total_steps)
+  progress = loop.Progress(total_steps, global_batch_size,
+                           config.log_every_steps)
+  run = loop.Run(trainer, dataset, loss_fn, schedule, checkpointer,
+                 summaries.Summaries(config.model_dir, device=device),
+                 progress, global_batch_size, total_steps,
+                 config.log_every_steps, config.checkpoint_steps)
   try:
-    position, evaluation = _train(
+    position, evaluation = loop.train(
         run, restored or checkpoints.Position(0, 0, 0))
   finally:
     run.summaries.close()
@@ -474,12 +306,12 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
   metrics = {
       'eval_accuracy': evaluation['accuracy'],
       'eval_loss': evaluation['loss'],
-      'train_loss': run.progress.last_window_loss,
+      'train_loss': progress.last_window_loss,
       'steps': position.step,
       'resumed_from_step': restored.step if restored else None,
       'epochs': position.step / steps_per_epoch,
-      'images_per_sec': run.progress.images_per_sec,
-      'train_seconds': run.progress.train_seconds,
+      'images_per_sec': progress.images_per_sec,
+      'train_seconds': progress.train_seconds,
       'strategy': config.strategy,
       'num_clones': deploy_config.num_clones,
       'batch_size': config.batch_size,
@@ -499,6 +331,6 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
   path = _write_metrics(config.model_dir, metrics)
   logging.info('done: %d steps, eval accuracy %.4f, train loss %.4f, %.0f '
                'images/sec; metrics in %s', position.step,
-               evaluation['accuracy'], run.progress.last_window_loss,
-               run.progress.images_per_sec, path)
+               evaluation['accuracy'], progress.last_window_loss,
+               progress.images_per_sec, path)
   return metrics
