@@ -50,6 +50,34 @@ def create_logical_cpus(count):
   logging.info('Created %d logical CPU devices.', count)
 
 
+def split_gpu(count, memory_mb):
+  """Splits physical GPU 0 into `count` logical GPUs of `memory_mb` each.
+
+  For measuring the multi-GPU paths on a machine with one GPU; the logical
+  GPUs share the GPU's compute. Must run before TensorFlow initialises.
+
+  Raises:
+    ValueError: no GPU, or a bad count or size.
+    RuntimeError: TensorFlow is already initialised.
+  """
+  if count < 1 or memory_mb < 1:
+    raise ValueError(f'count={count}, memory_mb={memory_mb}: both must be '
+                     '>= 1.')
+  gpus = tf.config.list_physical_devices('GPU')
+  if not gpus:
+    raise ValueError(f'cannot split a GPU into {count}: this machine has no '
+                     'GPU.')
+  try:
+    tf.config.set_logical_device_configuration(
+        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_mb)
+                  for _ in range(count)])
+  except RuntimeError as e:
+    raise RuntimeError(
+        f'cannot split GPU 0 into {count}: TensorFlow is already '
+        'initialised; split it before any op runs.') from e
+  logging.info('Split GPU 0 into %d logical GPUs of %d MB.', count, memory_mb)
+
+
 def _matches(wanted, available):
   """Whether DeviceSpec `available` satisfies every field `wanted` sets."""
   available_job = available.job or 'localhost'

@@ -59,16 +59,19 @@ def check_supported(strategy_name, model, num_replicas):
         "strategy='towers' (its design) or 'mirrored', or num_clones=1.")
 
 
-def make_strategy(name, config):
-  """The `tf.distribute.Strategy` `name` over `config`'s clone devices."""
+def make_strategy(name, config, *, cross_device_ops=None):
+  """The `tf.distribute.Strategy` `name` over `config`'s clone devices.
+
+  `cross_device_ops` overrides MirroredStrategy's choice of all-reduce.
+  """
   if name == MIRRORED:
-    cross_device_ops = None  # TF's choice: NCCL all-reduce on GPUs.
-    if config.clone_on_cpu:
+    if cross_device_ops is None and config.clone_on_cpu:
       # On CPUs TF picks collective ops, whose instance keys clash between
       # two MirroredStrategy objects in one process; a reduction onto the
       # optimizer device is what the towers do anyway.
       cross_device_ops = tf.distribute.ReductionToOneDevice(
           reduce_to_device=config.optimizer_device())
+    # None: TF's choice (NCCL all-reduce on GPUs).
     return tf.distribute.MirroredStrategy(devices=config.clone_devices(),
                                           cross_device_ops=cross_device_ops)
   if name == CENTRAL_STORAGE:
