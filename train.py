@@ -97,8 +97,7 @@ _BATCH_NORM_POLICY = flags.DEFINE_enum(
     'mean.')
 _SYNC_BATCH_NORM = flags.DEFINE_bool(
     'sync_batch_norm', False, "Keras's synchronized BatchNorm: statistics "
-    'of the global batch, all-reduced over the replicas (tf.distribute '
-    'strategies).')
+    'of the global batch, all-reduced over the clones or replicas.')
 _STRATEGY = flags.DEFINE_enum(
     'strategy', train_lib.TOWERS, train_lib.STRATEGIES,
     "How the step runs: 'towers' (tfmulti.deploy), 'mirrored' "

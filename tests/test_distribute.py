@@ -45,17 +45,45 @@ def test_towers_mirrored_and_single_agree():
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_synchronized_batch_norm_mirrored_equals_one_device():
-  """Statistics of the global batch: 2 replicas train like one device."""
+def test_synchronized_batch_norm_equals_one_device_on_both_paths():
+  """Statistics of the global batch: 2 clones train like one device."""
   model_fn = lambda: _mlp(batch_norm=True, synchronized=True)
   runs = {name: _distributed(name, model_fn=model_fn)
           for name in ('mirrored', 'single')}
+  runs['towers'] = _deployed(
+      CLONES, model_fn=model_fn,
+      lockstep=distribute.make_strategy('mirrored', CLONES))
   for x, y in [_batch(12, seed=s) for s in range(3)]:
     losses = {name: float(run.train_step(x, y)) for name, run in runs.items()}
-    assert losses['mirrored'] == pytest.approx(losses['single'], rel=1e-5)
-  for got, want in zip(_weights(runs['mirrored'].model),
-                       _weights(runs['single'].model)):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for name in ('towers', 'mirrored'):
+      assert losses[name] == pytest.approx(losses['single'], rel=1e-5), name
+  for name in ('towers', 'mirrored'):
+    for got, want in zip(runs[name].model.variables,
+                         runs['single'].model.variables):
+      np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5,
+                                 atol=1e-6, err_msg=f'{name}: {got.path}')
+
+
+def test_lockstep_clones_still_run_on_their_devices():
+  deployed = _deployed(
+      CLONES, model_fn=lambda: _mlp(batch_norm=True, synchronized=True),
+      lockstep=distribute.make_strategy('mirrored', CLONES))
+  images, labels = _batch(8)
+  graph = deployed._step.get_concrete_function(  # pylint: disable=protected-access
+      tf.constant(images), tf.constant(labels)).graph
+  matmul_devices = {op.device for op in graph.get_operations()
+                    if op.type == 'MatMul'}
+  assert {d.split('/device:')[-1] for d in matmul_devices} == {
+      'CPU:0', 'CPU:1'}
+
+
+def test_lockstep_must_match_the_clones():
+  other = deploy.DeploymentConfig(num_clones=3, clone_on_cpu=True)
+  with pytest.raises(ValueError, match='are not the clone devices'):
+    _deployed(other, lockstep=distribute.make_strategy('mirrored', CLONES))
+  with pytest.raises(ValueError, match='jit_compile=True cannot be combined'):
+    _deployed(CLONES, lockstep=distribute.make_strategy('mirrored', CLONES),
+              jit_compile=True)
 
 
 def test_batch_norm_towers_equal_mirrored():
@@ -142,7 +170,7 @@ def test_mean_loss_undoes_keras_replica_scaling():
 
   def in_replica():
     loss_fn = _loss_fn()
-    return loss_fn(labels, logits), distribute.mean_loss(loss_fn, labels,
+    return loss_fn(labels, logits), deploy.mean_loss(loss_fn, labels,
                                                          logits)
   keras_loss, ours = (strategy.experimental_local_results(value)[0]
                       for value in strategy.run(in_replica))

@@ -88,9 +88,8 @@ def test_batch_norm_model_learns_alike_on_every_path(run_train):
      '--variables_device=gpu:3: this machine has 0 GPU'),
     (dict(strategy='mirrored', xla=True),
      "xla=True works with the towers only, not strategy='mirrored'"),
-    (dict(model='resnet8_thin', sync_batch_norm=True),
-     "synchronized_batch_norm=True needs a tf.distribute strategy.*"
-     "strategy='mirrored'"),
+    (dict(model='resnet8_thin', sync_batch_norm=True, xla=True),
+     'synchronized_batch_norm=True cannot be combined with xla=True'),
     (dict(sync_batch_norm=True, strategy='mirrored'),
      "model='lenet' has no BatchNorm"),
 ])

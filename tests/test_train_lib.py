@@ -120,3 +120,12 @@ def test_xla_trains(run_train, tmp_path):
 def test_central_storage_trains_a_model_without_batch_norm(run_train):
   metrics = run_train(strategy='central_storage', num_clones=2)
   assert metrics['strategy'] == 'central_storage' and metrics['steps'] == 2
+
+
+@pytest.mark.parametrize('strategy', ['towers', 'mirrored'])
+def test_synchronized_batch_norm_flag_trains_on_both_paths(run_train,
+                                                           strategy):
+  metrics = run_train(strategy=strategy, model='resnet8_thin', num_clones=2,
+                      sync_batch_norm=True)
+  assert metrics['steps'] == 2 and metrics['strategy'] == strategy
+  assert np.isfinite(metrics['train_loss'])

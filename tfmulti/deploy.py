@@ -184,24 +184,37 @@ StepOutputs = collections.namedtuple(
     'StepOutputs', ['total', 'regularization', 'clones', 'gradients'])
 
 
-def shard_loss(mean_loss, shard_rows, global_rows):
+def shard_loss(shard_mean, shard_rows, global_rows):
   """One shard's part of the mean loss over the global batch.
 
   Args:
-    mean_loss: the mean loss over the shard's rows.
+    shard_mean: the mean loss over the shard's rows.
     shard_rows: rows in the shard.
     global_rows: rows in the global batch.
 
   Returns:
-    mean_loss * shard_rows / global_rows.
+    shard_mean * shard_rows / global_rows.
   """
   # Gradients are summed over shards (the towers' central sum, or
   # tf.distribute's all-reduce), not averaged, so each shard's mean loss is
   # weighted by its share of the global batch (1 / num_clones for equal
   # shards): the sum is then the mean over the global batch, exactly as one
   # device would compute it.
-  dtype = mean_loss.dtype
-  return mean_loss * tf.cast(shard_rows, dtype) / tf.cast(global_rows, dtype)
+  dtype = shard_mean.dtype
+  return shard_mean * tf.cast(shard_rows, dtype) / tf.cast(global_rows, dtype)
+
+
+def mean_loss(loss_fn, labels, outputs):
+  """`loss_fn`'s mean over these examples, in a replica context too.
+
+  A `keras.losses.Loss` with mean reduction also divides by the number of
+  replicas when called in a tf.distribute replica context (Keras 3's
+  `scale_loss_for_distribution`), which would count the replica scaling
+  twice here; its `call()` gives the unreduced per-example losses.
+  """
+  if isinstance(loss_fn, keras.losses.Loss):
+    return tf.reduce_mean(loss_fn.call(labels, outputs))
+  return loss_fn(labels, outputs)
 
 
 def check_batch(images, labels, num_shards, shard_word='num_clones'):
@@ -218,24 +231,28 @@ def check_batch(images, labels, num_shards, shard_word='num_clones'):
 
 
 def _clone_step(model, loss_fn, num_clones, trainable, non_trainable,
-                images, labels, with_regularization, loss_scale):
+                images, labels, regularization_weight, loss_scale):
   """Forward pass, loss and gradient of one clone; changes no variable.
 
   `trainable` and `non_trainable` are the variables' values as tensors, so
   the computation can be compiled by XLA apart from the variables (XLA will
-  not read a variable that lives on another device). The gradient is of
-  `loss * loss_scale` (float16 loss scaling; 1 otherwise).
+  not read a variable that lives on another device). The regularization
+  losses count `regularization_weight` times (1 on clone 0, else 0); the
+  gradient is of `loss * loss_scale` (float16 loss scaling; 1 otherwise).
   """
   with tf.GradientTape() as tape:
     tape.watch(trainable)
     outputs, new_non_trainable, losses = model.stateless_call(
         trainable, non_trainable, images, training=True, return_losses=True)
     rows = tf.shape(labels)[0]
-    loss = shard_loss(loss_fn(labels, outputs), rows, rows * num_clones)
+    loss = shard_loss(mean_loss(loss_fn, labels, outputs), rows,
+                      rows * num_clones)
     regularization = tf.zeros([], loss.dtype)
-    if with_regularization and losses:
+    if losses and not (isinstance(regularization_weight, (int, float))
+                       and regularization_weight == 0):
       # The variables are shared, so their penalty is counted once (clone 0).
       regularization = tf.add_n([tf.cast(l, loss.dtype) for l in losses])
+      regularization *= tf.cast(regularization_weight, loss.dtype)
     loss += regularization
     scaled_loss = loss * tf.cast(loss_scale, loss.dtype)
   gradients = tape.gradient(scaled_loss, trainable)
@@ -260,8 +277,38 @@ def split_batch(config, tensor):
     return tf.split(tensor, config.num_clones, axis=0)
 
 
+def _clones_in_lockstep(config, model, clone_fn, image_shards, label_shards,
+                        loss_scale, lockstep):
+  """Runs the clones as the replicas of `lockstep`, a MirroredStrategy.
+
+  Keras's synchronized BatchNorm all-reduces its batch statistics in a
+  tf.distribute replica context, which needs every clone's forward pass to
+  run at once; the strategy's replicas do. The variables, the gradient sum
+  and the update stay the towers' own.
+  """
+  with tf.device(config.variables_device()):
+    trainable = [tf.convert_to_tensor(v) for v in model.trainable_variables]
+    non_trainable = [tf.convert_to_tensor(v)
+                     for v in model.non_trainable_variables]
+  shards = lockstep.experimental_distribute_values_from_function(
+      lambda ctx: (image_shards[ctx.replica_id_in_sync_group],
+                   label_shards[ctx.replica_id_in_sync_group],
+                   tf.constant(float(ctx.replica_id_in_sync_group == 0))))
+  per_replica = lockstep.run(
+      lambda shard: clone_fn(trainable, non_trainable, *shard, loss_scale),
+      args=(shards,))
+  n = config.num_clones
+  columns = []
+  for value in tf.nest.flatten(per_replica):
+    local = lockstep.experimental_local_results(value)
+    # An output that every replica computed alike comes back once.
+    columns.append(local if len(local) == n else local * n)
+  return [tf.nest.pack_sequence_as(per_replica, list(values))
+          for values in zip(*columns)]
+
+
 def create_clones(config, model, loss_fn, images, labels, *,
-                  jit_compile=False, loss_scale=1.0):
+                  jit_compile=False, loss_scale=1.0, lockstep=None):
   """Runs every clone on its device and its shard of the batch.
 
   Args:
@@ -276,6 +323,9 @@ def create_clones(config, model, loss_fn, images, labels, *,
       step would fuse every clone into one cluster on one device).
     loss_scale: multiplies each clone's loss before its gradient (the
       float16 loss scale of a `keras.optimizers.LossScaleOptimizer`).
+    lockstep: None, or a `tf.distribute.MirroredStrategy` over the clone
+      devices whose replicas run the clones at once (for synchronized
+      BatchNorm; see `_clones_in_lockstep`).
 
   Returns:
     A list of `Clone`, one per clone.
@@ -286,18 +336,24 @@ def create_clones(config, model, loss_fn, images, labels, *,
     clone_fn = tf.function(clone_fn, jit_compile=True)
   image_shards = split_batch(config, images)
   label_shards = split_batch(config, labels)
-  clones = []
-  for i in range(config.num_clones):
-    with _on_clone(config, i):
-      # Each clone reads the variables from the variables device.
-      trainable = [tf.convert_to_tensor(v) for v in model.trainable_variables]
-      non_trainable = [tf.convert_to_tensor(v)
-                       for v in model.non_trainable_variables]
-      result = clone_fn(trainable, non_trainable, image_shards[i],
-                        label_shards[i], i == 0, loss_scale)
-    clones.append(Clone(*result, scope=config.clone_scope(i),
-                        device=config.clone_device(i)))
-  return clones
+  if lockstep is not None:
+    results = _clones_in_lockstep(config, model, clone_fn, image_shards,
+                                  label_shards, loss_scale, lockstep)
+  else:
+    results = []
+    for i in range(config.num_clones):
+      with _on_clone(config, i):
+        # Each clone reads the variables from the variables device.
+        trainable = [tf.convert_to_tensor(v)
+                     for v in model.trainable_variables]
+        non_trainable = [tf.convert_to_tensor(v)
+                         for v in model.non_trainable_variables]
+        results.append(clone_fn(trainable, non_trainable, image_shards[i],
+                                label_shards[i], 1.0 if i == 0 else 0.0,
+                                loss_scale))
+  return [Clone(*result, scope=config.clone_scope(i),
+                device=config.clone_device(i))
+          for i, result in enumerate(results)]
 
 
 def optimize_clones(clones, variables):
@@ -355,11 +411,13 @@ class DeployedModel:
   Slim's DeployedModel held a train_op and summary_op; in TF 2 it holds the
   `tf.function` that runs one step. Attributes: `config`, `model`,
   `loss_fn`, `optimizer`, `batch_norm_policy`, `jit_compile`,
-  `return_gradients` (steps also return the summed gradients).
+  `return_gradients` (steps also return the summed gradients), `lockstep`
+  (see `create_clones`).
   """
 
   def __init__(self, config, model, loss_fn, optimizer, *,
-               batch_norm_policy, jit_compile, return_gradients=False):
+               batch_norm_policy, jit_compile, return_gradients=False,
+               lockstep=None):
     self.config = config
     self.model = model
     self.loss_fn = loss_fn
@@ -367,6 +425,7 @@ class DeployedModel:
     self.batch_norm_policy = batch_norm_policy
     self.jit_compile = jit_compile
     self.return_gradients = return_gradients
+    self.lockstep = lockstep
     self._step = tf.function(self._train_step_graph)
     self._predict = tf.function(self._predict_graph)
 
@@ -376,7 +435,8 @@ class DeployedModel:
     with tf.device(config.variables_device()):
       scale = 1.0 if loss_scale is None else tf.identity(loss_scale)
     clones = create_clones(config, model, self.loss_fn, images, labels,
-                           jit_compile=self.jit_compile, loss_scale=scale)
+                           jit_compile=self.jit_compile, loss_scale=scale,
+                           lockstep=self.lockstep)
     with tf.device(config.optimizer_device()):
       total_loss, grads_and_vars = optimize_clones(
           clones, model.trainable_variables)
@@ -431,9 +491,25 @@ class DeployedModel:
     return self._predict(tf.convert_to_tensor(images))
 
 
+def _check_lockstep(config, lockstep, jit_compile):
+  if jit_compile:
+    raise ValueError('jit_compile=True cannot be combined with lockstep: XLA '
+                     "compiles each clone alone, and lockstep clones exchange "
+                     'statistics mid-pass; drop one of them.')
+  wanted = [tf.DeviceSpec.from_string(d) for d in config.clone_devices()]
+  have = [tf.DeviceSpec.from_string(d)
+          for d in lockstep.extended.worker_devices]
+  if [(d.device_type, d.device_index) for d in wanted] != [
+      (d.device_type, d.device_index) for d in have]:
+    raise ValueError(
+        f'lockstep replicas on {list(lockstep.extended.worker_devices)} are '
+        f'not the clone devices {config.clone_devices()}; build the strategy '
+        'over config.clone_devices().')
+
+
 def deploy(config, model, loss_fn, optimizer, *,
            batch_norm_policy=BN_CLONE_0, jit_compile=False,
-           return_gradients=False):
+           return_gradients=False, lockstep=None):
   """Deploys `model` over `config`'s clones.
 
   Builds the optimizer's slot variables on the variables device, and checks,
@@ -451,6 +527,9 @@ def deploy(config, model, loss_fn, optimizer, *,
     jit_compile: compile each clone's forward and backward pass with XLA.
     return_gradients: steps also return the summed gradients (for
       summaries).
+    lockstep: a `tf.distribute.MirroredStrategy` over exactly the clone
+      devices, to run the clones at once; needed by Keras's synchronized
+      BatchNorm, which all-reduces batch statistics between replicas.
 
   Returns:
     A `DeployedModel`.
@@ -465,6 +544,8 @@ def deploy(config, model, loss_fn, optimizer, *,
   if not model.built:
     raise ValueError(f'model {model.name!r} is not built; build a functional '
                      'model (keras.Input) under the variables device.')
+  if lockstep is not None:
+    _check_lockstep(config, lockstep, jit_compile)
   devices.check_devices_exist(
       [config.variables_device(), config.optimizer_device(),
        config.inputs_device()] + config.clone_devices())
@@ -476,4 +557,4 @@ def deploy(config, model, loss_fn, optimizer, *,
   return DeployedModel(config, model, loss_fn, optimizer,
                        batch_norm_policy=batch_norm_policy,
                        jit_compile=jit_compile,
-                       return_gradients=return_gradients)
+                       return_gradients=return_gradients, lockstep=lockstep)

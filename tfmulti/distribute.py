@@ -83,19 +83,6 @@ def make_strategy(name, config, *, cross_device_ops=None):
   raise ValueError(f'strategy={name!r}: choose one of {STRATEGIES}.')
 
 
-def mean_loss(loss_fn, labels, outputs):
-  """`loss_fn`'s mean over these examples, in a replica context too.
-
-  A `keras.losses.Loss` with mean reduction also divides by the number of
-  replicas when called in a tf.distribute replica context (Keras 3's
-  `scale_loss_for_distribution`), which would count the replica scaling
-  twice here; its `call()` gives the unreduced per-example losses.
-  """
-  if isinstance(loss_fn, keras.losses.Loss):
-    return tf.reduce_mean(loss_fn.call(labels, outputs))
-  return loss_fn(labels, outputs)
-
-
 class DistributedModel:
   """A model trained by a `tf.distribute.Strategy`, like `DeployedModel`.
 
@@ -132,8 +119,8 @@ class DistributedModel:
     loss_scale = deploy.loss_scale_of(self.optimizer)
     with tf.GradientTape() as tape:
       outputs = model(images, training=True)
-      loss = deploy.shard_loss(mean_loss(self.loss_fn, labels, outputs),
-                               tf.shape(labels)[0], global_rows)
+      mean = deploy.mean_loss(self.loss_fn, labels, outputs)
+      loss = deploy.shard_loss(mean, tf.shape(labels)[0], global_rows)
       regularization = tf.zeros([], loss.dtype)
       if model.losses:
         # Every replica adds its share; summed, the penalty counts once.

@@ -71,7 +71,8 @@ class TrainConfig:
     summarize_gradients: write gradient histograms and norms.
     batch_norm_policy: see `deploy.BATCH_NORM_POLICIES`.
     synchronized_batch_norm: BatchNorm over the global batch's statistics,
-      all-reduced over the replicas (tf.distribute paths).
+      all-reduced over the clones or replicas (the towers then run their
+      clones in lockstep, see `deploy.create_clones`).
     mixed_precision: compute in float16 on GPUs (with loss scaling) or
       bfloat16 on CPUs; variables stay float32.
     xla: compile each clone's computation with XLA.
@@ -119,12 +120,11 @@ class TrainConfig:
       raise ValueError(f'synchronized_batch_norm=True, but model='
                        f'{self.model!r} has no BatchNorm; drop it or pick a '
                        'ResNet.')
-    if self.synchronized_batch_norm and self.strategy == TOWERS:
+    if self.synchronized_batch_norm and self.xla:
       raise ValueError(
-          'synchronized_batch_norm=True needs a tf.distribute strategy: it '
-          'all-reduces statistics between replicas running in lockstep, and '
-          "the towers run each clone's forward pass whole; use "
-          "strategy='mirrored'.")
+          'synchronized_batch_norm=True cannot be combined with xla=True: '
+          'XLA compiles each clone alone, and synchronized clones exchange '
+          'statistics mid-pass.')
     for name in ('batch_size', 'learning_rate', 'epochs', 'train_steps',
                  'log_every_steps', 'checkpoint_steps', 'keep_checkpoints'):
       _check_positive(name, getattr(self, name))
@@ -212,10 +212,14 @@ def build_trainer(config, deploy_config, *, input_shape, num_classes,
   if config.strategy == TOWERS:
     with tf.device(deploy_config.variables_device()):
       model, optimizer = build()
+    lockstep = None
+    if config.synchronized_batch_norm:
+      lockstep = distribute.make_strategy(distribute.MIRRORED, deploy_config)
     return deploy.deploy(deploy_config, model, loss_fn, optimizer,
                          batch_norm_policy=config.batch_norm_policy,
                          jit_compile=config.xla,
-                         return_gradients=config.summarize_gradients)
+                         return_gradients=config.summarize_gradients,
+                         lockstep=lockstep)
   strategy = distribute.make_strategy(config.strategy, deploy_config)
   logging.info('%s: tf.distribute replicas on %s; %s', config.strategy,
                strategy.extended.worker_devices,
