@@ -19,6 +19,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfmulti import checkpoints
+from tfmulti import cluster
 from tfmulti import data
 from tfmulti import deploy
 from tfmulti import devices
@@ -102,8 +103,22 @@ _STRATEGY = flags.DEFINE_enum(
     'strategy', train_lib.TOWERS, train_lib.STRATEGIES,
     "How the step runs: 'towers' (tfmulti.deploy), 'mirrored' "
     "(tf.distribute.MirroredStrategy over the same devices), "
-    "'central_storage' (CentralStorageStrategy) or 'single' (one device, the "
-    'whole global batch: the reference).')
+    "'central_storage' (CentralStorageStrategy), 'single' (one device, the "
+    "whole global batch: the reference), 'multi_worker' (the towers on "
+    "every worker of TF_CONFIG's cluster, gradients all-reduced) or "
+    "'multi_worker_mirrored' (MultiWorkerMirroredStrategy).")
+_NUM_REPLICAS = flags.DEFINE_integer(
+    'num_replicas', None, 'Workers in a --strategy=multi_worker job; read '
+    'from TF_CONFIG when unset (given, it must agree).', lower_bound=1)
+_REPLICA_ID = flags.DEFINE_integer(
+    'replica_id', None, "This worker's index in a multi_worker job; read "
+    'from TF_CONFIG when unset (given, it must agree).', lower_bound=0)
+_NUM_PS_TASKS = flags.DEFINE_integer(
+    'num_ps_tasks', 0, 'Parameter servers: not supported (Keras 3 does not '
+    'train under ParameterServerStrategy); see the README.', lower_bound=0)
+_PEER_TIMEOUT_S = flags.DEFINE_float(
+    'peer_timeout_s', 120.0, 'Seconds a multi_worker task waits for its '
+    'peers, and for each collective, before it fails.')
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (jit_compile).")
 _MIXED_PRECISION = flags.DEFINE_bool(
@@ -126,8 +141,40 @@ def _default_model_dir():
                       f'{_STRATEGY.value}-{_NUM_CLONES.value}clones')
 
 
+def _cluster_from_flags():
+  """The multi-worker `cluster.Cluster`, or None; checks the flags.
+
+  Raises:
+    ValueError: flags that need a cluster, or disagree with TF_CONFIG.
+  """
+  if _NUM_PS_TASKS.value:
+    raise ValueError(
+        f'--num_ps_tasks={_NUM_PS_TASKS.value}: parameter servers are not '
+        'supported: Keras 3 does not train under ParameterServerStrategy '
+        '(keras-team/keras#18624). Use --strategy=multi_worker (all-reduce).')
+  if _STRATEGY.value not in distribute.MULTI_WORKER_STRATEGIES:
+    if _NUM_REPLICAS.value not in (None, 1) or _REPLICA_ID.value:
+      raise ValueError('--num_replicas and --replica_id describe a multi-'
+                       'worker job: add --strategy=multi_worker and TF_CONFIG.')
+    return None
+  if _VARIABLES_DEVICE.value != 'cpu':
+    raise ValueError(f'--variables_device={_VARIABLES_DEVICE.value}: a '
+                     'multi_worker job keeps the variables on each worker\'s '
+                     'CPU; drop the flag.')
+  if (_STRATEGY.value == distribute.MULTI_WORKER_MIRRORED and
+      _CLONE_ON_CPU.value and _NUM_CLONES.value != 1):
+    raise ValueError(
+        f'--num_clones={_NUM_CLONES.value}: multi_worker_mirrored on CPUs '
+        'runs one replica per worker (MultiWorkerMirroredStrategy does not '
+        'use logical CPUs); use --num_clones=1, or --strategy=multi_worker.')
+  info = cluster.from_environment()
+  cluster.check_flags(info, _NUM_REPLICAS.value, _REPLICA_ID.value)
+  return info
+
+
 def configs_from_flags():
-  """(TrainConfig, DeploymentConfig) from the parsed flags."""
+  """(TrainConfig, DeploymentConfig, cluster or None) from the flags."""
+  cluster_info = _cluster_from_flags()
   train_config = train_lib.TrainConfig(
       model=_MODEL.value, dataset=_DATASET.value,
       model_dir=_MODEL_DIR.value or _default_model_dir(),
@@ -144,13 +191,15 @@ def configs_from_flags():
       batch_norm_policy=_BATCH_NORM_POLICY.value,
       synchronized_batch_norm=_SYNC_BATCH_NORM.value,
       mixed_precision=_MIXED_PRECISION.value, xla=_XLA.value,
-      strategy=_STRATEGY.value)
+      strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value)
   deploy_config = deploy.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
       # None keeps CPU:0; DeploymentConfig turns 'gpu:N' into its device.
       variables_device=None if _VARIABLES_DEVICE.value == 'cpu'
-      else _VARIABLES_DEVICE.value)
-  return train_config, deploy_config
+      else _VARIABLES_DEVICE.value,
+      replica_id=cluster_info.index if cluster_info else 0,
+      num_replicas=cluster_info.num_workers if cluster_info else 1)
+  return train_config, deploy_config, cluster_info
 
 
 def check_devices(deploy_config):
@@ -180,13 +229,14 @@ def main(argv):
     sys.exit(f'train.py: error: unexpected arguments {argv[1:]}; flags are '
              'written --name=value.')
   try:
-    train_config, deploy_config = configs_from_flags()
+    train_config, deploy_config, cluster_info = configs_from_flags()
     check_devices(deploy_config)
   except ValueError as e:
     sys.exit(f'train.py: error: {e}')
   logging.info('writing to %s', train_config.model_dir)
   try:
-    train_lib.train_and_evaluate(train_config, deploy_config)
+    train_lib.train_and_evaluate(train_config, deploy_config,
+                                 cluster_info=cluster_info)
   except loop.TrainingInterrupted as e:
     logging.warning('%s', e)
     sys.exit(e.exit_code)

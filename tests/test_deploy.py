@@ -106,11 +106,17 @@ class TestDeploymentConfig:
     with pytest.raises(AttributeError):
       config.num_clones = 2
 
+  def test_all_reduce_workers_keep_local_device_strings(self):
+    config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
+                                     num_replicas=2, replica_id=1)
+    assert config.clone_devices() == ['/device:CPU:0', '/device:CPU:1']
+    assert config.variables_device() == CPU0
+
   @pytest.mark.parametrize('kwargs, named', [
       (dict(num_clones=0), 'num_clones=0'),
       (dict(num_clones=-2), 'num_clones=-2'),
       (dict(num_clones=1.5), 'num_clones=1.5'),
-      (dict(num_replicas=2), 'num_replicas=2'),
+      (dict(num_replicas=2, replica_id=2), 'replica_id=2'),
       (dict(num_replicas=2, num_ps_tasks=1, worker_job_name=''),
        "worker_job_name=''"),
       (dict(num_ps_tasks=1, ps_job_name=''), "ps_job_name=''"),
@@ -162,6 +168,20 @@ def test_clones_equal_one_device_on_the_whole_batch(num_clones):
   np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
   for got, want in zip(_weights(deployed.model), _weights(reference)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_worker_scales_its_clones_by_the_whole_job():
+  """With 2 workers, each clone holds 1/4 of the 4-shard global batch."""
+  images, labels = _batch(8)
+  alone = _deployed(deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
+  worker = _deployed(deploy.DeploymentConfig(
+      num_clones=2, clone_on_cpu=True, num_replicas=2, replica_id=0))
+  want, got = (d.train_step_outputs(images, labels) for d in (alone, worker))
+  # Both the data term and clone 0's share of the penalty halve.
+  np.testing.assert_allclose([2 * float(c) for c in got.clones],
+                             [float(c) for c in want.clones], rtol=1e-5)
+  np.testing.assert_allclose(2 * float(got.regularization),
+                             float(want.regularization), rtol=1e-5)
 
 
 def test_step_losses_split_over_clones():

@@ -38,8 +38,15 @@ class Checkpointer:
     manager: the `tf.train.CheckpointManager` over `directory`.
   """
 
-  def __init__(self, directory, *, model, optimizer, max_to_keep, device):
-    """Tracks `model` and `optimizer`; the position lives on `device`."""
+  def __init__(self, directory, *, model, optimizer, max_to_keep, device,
+               restore_directory=None):
+    """Tracks `model` and `optimizer`; the position lives on `device`.
+
+    Saves into `directory`; restores from `restore_directory` (default: the
+    same). A non-chief worker saves into its own temporary directory and
+    restores from the chief's.
+    """
+    self._restore_directory = restore_directory or directory
     with tf.device(device):
       self._step = tf.Variable(0, dtype=tf.int64, trainable=False)
       self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
@@ -54,7 +61,7 @@ class Checkpointer:
 
   @property
   def latest(self):
-    """Path of the latest complete checkpoint, or None."""
+    """Path of the latest complete checkpoint written here, or None."""
     return self.manager.latest_checkpoint
 
   def restore_latest(self):
@@ -64,7 +71,7 @@ class Checkpointer:
       CheckpointMismatchError: the checkpoint holds a different model or
         optimizer (another model, dataset or optimizer flag).
     """
-    path = self.latest
+    path = tf.train.latest_checkpoint(self._restore_directory)
     if path is None:
       return None
     try:

@@ -65,8 +65,9 @@ class DeploymentConfig:
   Attributes:
     num_clones: model copies on this worker, one per device.
     clone_on_cpu: put clone i on CPU:i (logical CPU devices) instead of GPU:i.
-    replica_id: this worker's index in a multi-worker (parameter server) job.
-    num_replicas: number of workers.
+    replica_id: this worker's index in a multi-worker job.
+    num_replicas: number of workers; each runs num_clones clones, and the
+      global batch is batch_size * num_clones * num_replicas.
     num_ps_tasks: parameter-server tasks; 0 keeps the variables local.
     worker_job_name: job name of the workers in the cluster spec.
     ps_job_name: job name of the parameter servers in the cluster spec.
@@ -88,10 +89,6 @@ class DeploymentConfig:
     _check_count('num_replicas', num_replicas, 1)
     _check_count('num_ps_tasks', num_ps_tasks, 0)
     _check_count('replica_id', replica_id, 0)
-    if num_replicas > 1 and num_ps_tasks == 0:
-      raise ValueError(
-          f'num_replicas={num_replicas} needs parameter servers: set '
-          'num_ps_tasks > 0, or use num_replicas=1.')
     if replica_id >= num_replicas:
       raise ValueError(f'replica_id={replica_id} must be in '
                        f'[0, num_replicas={num_replicas}).')
@@ -290,10 +287,12 @@ def _clones_in_lockstep(config, model, clone_fn, image_shards, label_shards,
     trainable = [tf.convert_to_tensor(v) for v in model.trainable_variables]
     non_trainable = [tf.convert_to_tensor(v)
                      for v in model.non_trainable_variables]
+  weight = 1.0 / config.num_replicas
   shards = lockstep.experimental_distribute_values_from_function(
       lambda ctx: (image_shards[ctx.replica_id_in_sync_group],
                    label_shards[ctx.replica_id_in_sync_group],
-                   tf.constant(float(ctx.replica_id_in_sync_group == 0))))
+                   tf.constant(weight if ctx.replica_id_in_sync_group == 0
+                               else 0.0)))
   per_replica = lockstep.run(
       lambda shard: clone_fn(trainable, non_trainable, *shard, loss_scale),
       args=(shards,))
@@ -331,7 +330,9 @@ def create_clones(config, model, loss_fn, images, labels, *,
     A list of `Clone`, one per clone.
   """
   def clone_fn(*args):
-    return _clone_step(model, loss_fn, config.num_clones, *args)
+    # Shards of the whole job's batch: every clone of every worker.
+    return _clone_step(model, loss_fn, config.num_clones * config.num_replicas,
+                       *args)
   if jit_compile:
     clone_fn = tf.function(clone_fn, jit_compile=True)
   image_shards = split_batch(config, images)
@@ -348,9 +349,10 @@ def create_clones(config, model, loss_fn, images, labels, *,
                      for v in model.trainable_variables]
         non_trainable = [tf.convert_to_tensor(v)
                          for v in model.non_trainable_variables]
+        # Each worker's clone 0 carries its share of the penalty.
+        weight = 1.0 / config.num_replicas if i == 0 else 0.0
         results.append(clone_fn(trainable, non_trainable, image_shards[i],
-                                label_shards[i], 1.0 if i == 0 else 0.0,
-                                loss_scale))
+                                label_shards[i], weight, loss_scale))
   return [Clone(*result, scope=config.clone_scope(i),
                 device=config.clone_device(i))
           for i, result in enumerate(results)]
@@ -426,10 +428,13 @@ class DeployedModel:
     self.jit_compile = jit_compile
     self.return_gradients = return_gradients
     self.lockstep = lockstep
-    self._step = tf.function(self._train_step_graph)
+    self._step = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
 
-  def _train_step_graph(self, images, labels):
+  def step_graph(self, images, labels):
+    """The step, untraced: for `tf.function`, or inside a replica context
+    (each worker of a multi-worker job runs it; Keras's `apply_gradients`
+    then all-reduces the workers' summed gradients before the update)."""
     config, model = self.config, self.model
     loss_scale = loss_scale_of(self.optimizer)
     with tf.device(config.variables_device()):

@@ -116,8 +116,14 @@ def check_devices_exist(device_names):
 
 
 def device_of(variable):
-  """The device string of a `tf.Variable` or Keras variable."""
-  return getattr(variable, 'handle', variable).device
+  """The device string of a `tf.Variable` or Keras variable.
+
+  For a tf.distribute variable, the device of its primary (this worker's
+  first replica's) copy.
+  """
+  variable = getattr(variable, 'value', variable)  # Keras -> tf.Variable.
+  variable = getattr(variable, '_primary', variable)  # Distributed -> copy.
+  return variable.handle.device
 
 
 def check_placement(variables, device):

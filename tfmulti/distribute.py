@@ -24,7 +24,10 @@ from tfmulti import deploy
 MIRRORED = 'mirrored'
 CENTRAL_STORAGE = 'central_storage'
 SINGLE = 'single'
-STRATEGIES = (MIRRORED, CENTRAL_STORAGE, SINGLE)
+MULTI_WORKER = 'multi_worker'
+MULTI_WORKER_MIRRORED = 'multi_worker_mirrored'
+MULTI_WORKER_STRATEGIES = (MULTI_WORKER, MULTI_WORKER_MIRRORED)
+STRATEGIES = (MIRRORED, CENTRAL_STORAGE, SINGLE) + MULTI_WORKER_STRATEGIES
 # Where each strategy keeps the variables, for the log.
 VARIABLES = {
     MIRRORED: 'a copy of every variable on each replica; gradients '
@@ -32,7 +35,31 @@ VARIABLES = {
     CENTRAL_STORAGE: 'variables on the parameter device; gradients reduced '
                      'there',
     SINGLE: 'variables and the whole batch on one device',
+    MULTI_WORKER: "each worker's towers; the workers' summed gradients "
+                  'all-reduced once a step',
+    MULTI_WORKER_MIRRORED: 'a copy of every variable on each replica of '
+                           'every worker; gradients all-reduced',
 }
+
+
+def worker_blocks(dataset, *, worker, num_workers, pieces):
+  """Worker `worker`'s rows of each global batch, in `pieces` blocks.
+
+  A global batch of B rows is cut into num_workers * pieces equal blocks;
+  the worker gets blocks [worker * pieces, (worker + 1) * pieces), one
+  dataset element each. Every worker reads the same pipeline (same seed),
+  so a step of the whole job sees exactly the global batch one process
+  would, split as one process's clones would split it.
+  """
+  def blocks(images, labels):
+    rows = tf.shape(labels)[0] // (num_workers * pieces)
+    first = worker * pieces * rows
+
+    def block(k):
+      start = first + tf.cast(k, tf.int32) * rows
+      return images[start:start + rows], labels[start:start + rows]
+    return tf.data.Dataset.range(pieces).map(block)
+  return dataset.flat_map(blocks)
 
 
 class UnsupportedError(ValueError):
@@ -93,7 +120,11 @@ class DistributedModel:
   """
 
   def __init__(self, strategy, model, loss_fn, optimizer, *,
-               return_gradients=False):
+               return_gradients=False, worker=0, num_workers=1):
+    """`worker` and `num_workers`: this task's place in a multi-worker job
+    (MultiWorkerMirroredStrategy), whose replicas span the workers."""
+    self.worker = worker
+    self.num_workers = num_workers
     self.strategy = strategy
     self.model = model
     self.loss_fn = loss_fn
@@ -161,9 +192,15 @@ class DistributedModel:
     """`dataset`'s global batches, split over the replicas by tf.distribute.
 
     Replica i gets the i-th of num_replicas equal row blocks, prefetched to
-    its device.
+    its device (on several workers, through `worker_blocks`).
     """
-    return self.strategy.experimental_distribute_dataset(dataset)
+    if self.num_workers == 1:
+      return self.strategy.experimental_distribute_dataset(dataset)
+    local = self.num_replicas // self.num_workers
+    return self.strategy.distribute_datasets_from_function(
+        lambda context: worker_blocks(dataset, worker=self.worker,
+                                      num_workers=self.num_workers,
+                                      pieces=local))
 
   def train_step_outputs(self, images, labels):
     """One step on a global batch; returns its `deploy.StepOutputs`.
@@ -172,8 +209,9 @@ class DistributedModel:
     `distribute_dataset` (already split over the replicas).
     """
     if isinstance(labels, tf.distribute.DistributedValues):
-      global_rows = tf.add_n([tf.shape(shard)[0] for shard in
-                              self.strategy.experimental_local_results(labels)])
+      local_rows = tf.add_n([tf.shape(shard)[0] for shard in
+                             self.strategy.experimental_local_results(labels)])
+      global_rows = local_rows * self.num_workers  # Equal blocks per worker.
       return self._step(images, labels, global_rows)
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
     deploy.check_batch(images, labels, self.num_replicas, 'num_replicas')
@@ -190,3 +228,63 @@ class DistributedModel:
   def predict(self, images):
     """Inference outputs for `images` (on the default replica's copy)."""
     return self._predict(tf.convert_to_tensor(images))
+
+
+class WorkerTowers:
+  """Each worker's towers, with the workers' gradients all-reduced.
+
+  Runs a `deploy.DeployedModel` step in the one replica that a
+  `cluster.make_strategy(one_replica_per_worker=True)` strategy gives each
+  worker: the worker's clones run on its devices and their gradients are
+  summed on its optimizer device, then Keras's `apply_gradients` all-reduces
+  the workers' sums (TF's collective ops) once before the update, which every
+  worker applies to its copy of the variables. N workers x K clones then
+  train like one device on the whole global batch. Same contract as
+  `DistributedModel`.
+  """
+
+  def __init__(self, strategy, towers):
+    """`towers`: a `deploy.DeployedModel` built in `strategy.scope()`."""
+    self.strategy = strategy
+    self.towers = towers
+    self.model = towers.model
+    self.optimizer = towers.optimizer
+    self._step = tf.function(self._train_step_graph)
+
+  @property
+  def trace_count(self):
+    return self._step.experimental_get_tracing_count()
+
+  def _train_step_graph(self, images, labels):
+    outputs = self.strategy.run(self.towers.step_graph, args=(images, labels))
+    local = self.strategy.experimental_local_results
+    return deploy.StepOutputs(
+        self.strategy.reduce(tf.distribute.ReduceOp.SUM, outputs.total, None),
+        self.strategy.reduce(tf.distribute.ReduceOp.SUM,
+                             outputs.regularization, None),
+        [local(loss)[0] for loss in outputs.clones],
+        {path: local(g)[0] for path, g in outputs.gradients.items()})
+
+  def distribute_dataset(self, dataset):
+    """This worker's block of rows of each global batch.
+
+    Worker i of N takes rows [i * B/N, (i + 1) * B/N) of every global batch
+    of B rows: every worker reads the same pipeline (same seed), so the
+    job's step sees exactly the global batch a single process would.
+    """
+    config = self.towers.config
+    return worker_blocks(dataset, worker=config.replica_id,
+                         num_workers=config.num_replicas, pieces=1)
+
+  def train_step_outputs(self, images, labels):
+    """One step on this worker's block; returns the job's `StepOutputs`."""
+    images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
+    deploy.check_batch(images, labels, self.towers.config.num_clones)
+    return self._step(images, labels)
+
+  def train_step(self, images, labels):
+    return self.train_step_outputs(images, labels).total
+
+  def predict(self, images):
+    """Inference outputs for `images`, over this worker's clones."""
+    return self.towers.predict(images)

@@ -12,15 +12,18 @@ step with a checkpoint; a NaN loss stops it before anything is saved.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from tfmulti import checkpoints
+from tfmulti import cluster
 from tfmulti import data
 from tfmulti import deploy
 from tfmulti import distribute
@@ -76,8 +79,11 @@ class TrainConfig:
     mixed_precision: compute in float16 on GPUs (with loss scaling) or
       bfloat16 on CPUs; variables stay float32.
     xla: compile each clone's computation with XLA.
-    strategy: 'towers' (tfmulti.deploy), or a tf.distribute path from
-      `distribute.STRATEGIES` on the same devices, for comparison.
+    strategy: 'towers' (tfmulti.deploy), a tf.distribute path from
+      `distribute.STRATEGIES` on the same devices, for comparison, or
+      'multi_worker' (towers on every worker of TF_CONFIG's cluster).
+    peer_timeout_s: seconds a multi-worker task waits for its peers, and
+      for each collective, before it fails.
   """
   model: str = 'lenet'
   dataset: str = 'digits'
@@ -102,6 +108,7 @@ class TrainConfig:
   mixed_precision: bool = False
   xla: bool = False
   strategy: str = TOWERS
+  peer_timeout_s: float = 120.0
 
   def __post_init__(self):
     choices = [('model', models.names()), ('dataset', data.DATASETS),
@@ -120,6 +127,10 @@ class TrainConfig:
       raise ValueError(f'synchronized_batch_norm=True, but model='
                        f'{self.model!r} has no BatchNorm; drop it or pick a '
                        'ResNet.')
+    if self.synchronized_batch_norm and self.strategy in (
+        distribute.MULTI_WORKER_STRATEGIES):
+      raise ValueError('synchronized_batch_norm=True is not available with '
+                       "strategy='multi_worker'; use it on one machine.")
     if self.synchronized_batch_norm and self.xla:
       raise ValueError(
           'synchronized_batch_norm=True cannot be combined with xla=True: '
@@ -187,13 +198,30 @@ def make_schedule(config, num_clones, total_steps):
                             warmup_steps=config.warmup_steps)
 
 
+def _worker_towers(config, deploy_config, build, loss_fn, strategy,
+                   cluster_info):
+  """This worker's towers in a MultiWorkerMirroredStrategy job."""
+  logging.info('multi_worker: worker %d of %d; %s', cluster_info.index,
+               cluster_info.num_workers,
+               distribute.VARIABLES[distribute.MULTI_WORKER])
+  with strategy.scope():
+    model, optimizer = build()
+    towers = deploy.deploy(deploy_config, model, loss_fn, optimizer,
+                           batch_norm_policy=config.batch_norm_policy,
+                           return_gradients=config.summarize_gradients)
+  return distribute.WorkerTowers(strategy, towers)
+
+
 def build_trainer(config, deploy_config, *, input_shape, num_classes,
-                  loss_fn, learning_rate):
+                  loss_fn, learning_rate, workers=None):
   """The model, its optimizer and step, on the path `config.strategy` names.
 
-  Returns a `deploy.DeployedModel` or a `distribute.DistributedModel`; both
-  have `train_step_outputs`, `distribute_dataset`, `predict`, `model` and
-  `optimizer`.
+  Returns a `deploy.DeployedModel`, `distribute.DistributedModel` or
+  `distribute.WorkerTowers`; all have `train_step_outputs`,
+  `distribute_dataset`, `predict`, `model` and `optimizer`.
+
+  `workers` is (strategy, cluster) for multi_worker: the strategy must
+  exist before TensorFlow runs its first op.
 
   Raises:
     distribute.UnsupportedError: the strategy cannot train this model.
@@ -220,6 +248,16 @@ def build_trainer(config, deploy_config, *, input_shape, num_classes,
                          jit_compile=config.xla,
                          return_gradients=config.summarize_gradients,
                          lockstep=lockstep)
+  if config.strategy == distribute.MULTI_WORKER:
+    return _worker_towers(config, deploy_config, build, loss_fn, *workers)
+  if config.strategy == distribute.MULTI_WORKER_MIRRORED:
+    strategy, cluster_info = workers
+    with strategy.scope():
+      model, optimizer = build()
+    return distribute.DistributedModel(
+        strategy, model, loss_fn, optimizer,
+        return_gradients=config.summarize_gradients,
+        worker=cluster_info.index, num_workers=cluster_info.num_workers)
   strategy = distribute.make_strategy(config.strategy, deploy_config)
   logging.info('%s: tf.distribute replicas on %s; %s', config.strategy,
                strategy.extended.worker_devices,
@@ -242,7 +280,16 @@ def _write_metrics(model_dir, metrics):
   return path
 
 
-def train_and_evaluate(config, deploy_config, *, data_override=None):
+def _fingerprint(model):
+  """A digest of every weight, to compare workers' copies in the log."""
+  digest = hashlib.sha256()
+  for weight in model.get_weights():
+    digest.update(np.ascontiguousarray(weight).tobytes())
+  return digest.hexdigest()[:16]
+
+
+def train_and_evaluate(config, deploy_config, *, data_override=None,
+                       cluster_info=None):
   """Trains `config.model` on `config.dataset` over the clones; evaluates.
 
   Resumes from the latest checkpoint in `config.model_dir`, if any.
@@ -252,6 +299,8 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
     deploy_config: a `deploy.DeploymentConfig`.
     data_override: a `data.Data` to use instead of loading `config.dataset`
       (tests inject small data this way).
+    cluster_info: this task's `cluster.Cluster` (strategy multi_worker):
+      only the chief writes to model_dir.
 
   Returns:
     The metrics dict also written to `<model_dir>/metrics.json`.
@@ -263,7 +312,22 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
     checkpoints.CheckpointMismatchError: model_dir holds another model.
     distribute.UnsupportedError: the strategy cannot train this model.
   """
-  global_batch_size = config.batch_size * deploy_config.num_clones
+  multi_worker = config.strategy in distribute.MULTI_WORKER_STRATEGIES
+  if multi_worker != (cluster_info is not None):
+    raise ValueError(f'strategy={config.strategy!r} with cluster_info='
+                     f'{cluster_info}: multi_worker needs a cluster, and '
+                     'only it.')
+  workers = None
+  if cluster_info is not None:
+    # Collective ops must be configured before TensorFlow runs an op.
+    # The towers place their own clones: one replica (the host) per worker.
+    workers = (cluster.make_strategy(
+        cluster_info,
+        one_replica_per_worker=(config.strategy == distribute.MULTI_WORKER
+                                or deploy_config.clone_on_cpu),
+        timeout_s=config.peer_timeout_s), cluster_info)
+  global_batch_size = (config.batch_size * deploy_config.num_clones *
+                       deploy_config.num_replicas)
   _log_deployment(deploy_config, config, global_batch_size)
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
@@ -283,22 +347,44 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
   trainer = build_trainer(config, deploy_config,
                           input_shape=dataset.input_shape,
                           num_classes=dataset.num_classes, loss_fn=loss_fn,
-                          learning_rate=schedule)
+                          learning_rate=schedule, workers=workers)
   logging.info('%s: %d parameters; %s: %d train, %d test examples; %d steps '
                'of %d', config.model, trainer.model.count_params(),
                config.dataset, dataset.train_examples, dataset.test_examples,
                total_steps, global_batch_size)
 
   os.makedirs(config.model_dir, exist_ok=True)
+  out_dir = cluster.output_dir(config.model_dir, cluster_info)
+  try:
+    metrics = _train_into(config, deploy_config, trainer, dataset, loss_fn,
+                          schedule, out_dir, global_batch_size, total_steps)
+  finally:
+    cluster.remove_output_dir(out_dir, config.model_dir)
+  metrics['num_workers'] = deploy_config.num_replicas
+  logging.info('final weights sha256 %s (equal on every worker)',
+               _fingerprint(trainer.model))
+  if cluster_info is None or cluster_info.is_chief:
+    path = _write_metrics(config.model_dir, metrics)
+    logging.info('done: %d steps, eval accuracy %.4f, train loss %.4f, %.0f '
+                 'images/sec; metrics in %s', metrics['steps'],
+                 metrics['eval_accuracy'], metrics['train_loss'],
+                 metrics['images_per_sec'], path)
+  return metrics
+
+
+def _train_into(config, deploy_config, trainer, dataset, loss_fn, schedule,
+                out_dir, global_batch_size, total_steps):
+  """Runs the loop writing to `out_dir`; returns the metrics dict."""
   device = deploy_config.summaries_device()
   checkpointer = checkpoints.Checkpointer(
-      config.model_dir, model=trainer.model, optimizer=trainer.optimizer,
-      max_to_keep=config.keep_checkpoints, device=device)
+      out_dir, model=trainer.model, optimizer=trainer.optimizer,
+      max_to_keep=config.keep_checkpoints, device=device,
+      restore_directory=config.model_dir)
   restored = checkpointer.restore_latest()
   progress = loop.Progress(total_steps, global_batch_size,
                            config.log_every_steps)
   run = loop.Run(trainer, dataset, loss_fn, schedule, checkpointer,
-                 summaries.Summaries(config.model_dir, device=device),
+                 summaries.Summaries(out_dir, device=device),
                  progress, global_batch_size, total_steps,
                  config.log_every_steps, config.checkpoint_steps)
   try:
@@ -306,6 +392,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
         run, restored or checkpoints.Position(0, 0, 0))
   finally:
     run.summaries.close()
+  steps_per_epoch = dataset.train_examples // global_batch_size
 
   metrics = {
       'eval_accuracy': evaluation['accuracy'],
@@ -332,9 +419,4 @@ def train_and_evaluate(config, deploy_config, *, data_override=None):
       'seed': config.seed,
       'checkpoint': checkpointer.latest,
   }
-  path = _write_metrics(config.model_dir, metrics)
-  logging.info('done: %d steps, eval accuracy %.4f, train loss %.4f, %.0f '
-               'images/sec; metrics in %s', position.step,
-               evaluation['accuracy'], progress.last_window_loss,
-               progress.images_per_sec, path)
   return metrics

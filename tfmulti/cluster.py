@@ -1,0 +1,180 @@
+"""Multi-worker training on TensorFlow's own runtime, from `TF_CONFIG`.
+
+The cluster comes from the standard `TF_CONFIG` variable, e.g. on the
+second of two machines:
+
+  {"cluster": {"worker": ["host0:12345", "host1:12345"]},
+   "task": {"type": "worker", "index": 1}}
+
+Worker 0 is the chief (or the task of a "chief" job, if there is one): it
+alone writes checkpoints, summaries and metrics.json to the model_dir; the
+others write theirs to temporary directories that they remove.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import tensorflow as tf
+
+TF_CONFIG = 'TF_CONFIG'
+
+
+class ClusterError(ValueError):
+  """TF_CONFIG is missing, malformed, or disagrees with the flags."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """This task's place in the cluster.
+
+  Attributes:
+    workers: the addresses of every training task, chief first.
+    index: this task's position in `workers` (its replica_id).
+    is_chief: whether this task writes the outputs.
+  """
+  workers: tuple
+  index: int
+  is_chief: bool
+
+  @property
+  def num_workers(self):
+    return len(self.workers)
+
+  @property
+  def peers(self):
+    """The other tasks' addresses."""
+    return tuple(a for i, a in enumerate(self.workers) if i != self.index)
+
+
+def from_environment(environ=None):
+  """The `Cluster` described by TF_CONFIG.
+
+  Raises:
+    ClusterError: TF_CONFIG is unset or malformed, names parameter servers,
+      or puts this task outside the cluster.
+  """
+  environ = os.environ if environ is None else environ
+  raw = environ.get(TF_CONFIG)
+  if not raw:
+    raise ClusterError(
+        'strategy=multi_worker needs TF_CONFIG, e.g. {"cluster": {"worker": '
+        '["host0:12345", "host1:12345"]}, "task": {"type": "worker", '
+        '"index": 0}}; see the README.')
+  try:
+    config = json.loads(raw)
+    jobs, task = config['cluster'], config['task']
+    task_type, task_index = task['type'], int(task['index'])
+  except (ValueError, KeyError, TypeError) as e:
+    raise ClusterError(f'TF_CONFIG={raw!r} is not a cluster: it needs '
+                       '"cluster" and "task" with "type" and "index".') from e
+  if 'ps' in jobs:
+    raise ClusterError(
+        f'TF_CONFIG names parameter servers ({jobs["ps"]}): tfmulti does not '
+        'run ParameterServerStrategy (see the README); drop the "ps" job.')
+  chiefs, workers = list(jobs.get('chief', [])), list(jobs.get('worker', []))
+  addresses = tuple(chiefs + workers)
+  position = {'chief': 0, 'worker': len(chiefs)}.get(task_type)
+  if position is None or not 0 <= task_index < len(jobs.get(task_type, [])):
+    raise ClusterError(
+        f'TF_CONFIG task {task!r} is not in the cluster {jobs}; its type is '
+        '"chief" or "worker" and its index one of that job\'s positions.')
+  return Cluster(addresses, position + task_index, position + task_index == 0)
+
+
+def check_flags(cluster, num_replicas, replica_id):
+  """Raises `ClusterError` if flags given disagree with TF_CONFIG."""
+  if num_replicas not in (None, cluster.num_workers):
+    raise ClusterError(f'--num_replicas={num_replicas}, but TF_CONFIG has '
+                       f'{cluster.num_workers} workers; leave it unset.')
+  if replica_id not in (None, cluster.index):
+    raise ClusterError(f'--replica_id={replica_id}, but TF_CONFIG makes this '
+                       f'task worker {cluster.index}; leave it unset.')
+
+
+class _OneReplicaPerWorker(
+    tf.distribute.cluster_resolver.TFConfigClusterResolver):
+  """TF_CONFIG, with no accelerators: one replica (the host) per worker.
+
+  The towers place their clones on the worker's devices themselves; the
+  strategy only all-reduces the workers' summed gradients.
+  """
+
+  def num_accelerators(self, task_type=None, task_id=None,
+                       config_proto=None):
+    return {}
+
+
+# Run by a watchdog process (Python, no TensorFlow): probes the peers and,
+# if one never answers, says so and kills the training process, which
+# TensorFlow's collective runtime holds in C++ (GIL held, SIGTERM taken by
+# its coordination service for preemption) while it waits without end.
+_WATCHDOG = """
+import os, signal, socket, sys, time
+parent, timeout_s, index = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+deadline = time.monotonic() + timeout_s
+for address in sys.argv[4:]:
+  host, port = address.rsplit(':', 1)
+  while True:
+    try:
+      socket.create_connection((host, int(port)), timeout=1.0).close()
+      break
+    except OSError as e:
+      if time.monotonic() > deadline:
+        print(f'error: worker {index} cannot reach its peer {address} after '
+              f'{timeout_s:.0f} s ({e}); start every worker of TF_CONFIG, '
+              'check the address and the firewall.', file=sys.stderr,
+              flush=True)
+        os.kill(parent, signal.SIGKILL)
+        sys.exit(1)
+      time.sleep(0.5)
+"""
+
+
+def start_watchdog(cluster, timeout_s, pid):
+  """A process that kills `pid` if a peer has not answered in `timeout_s`.
+
+  Kill it once the peers have joined.
+  """
+  return subprocess.Popen([sys.executable, '-c', _WATCHDOG, str(pid),
+                           str(timeout_s), str(cluster.index),
+                           *cluster.peers])
+
+
+def make_strategy(cluster, *, one_replica_per_worker, timeout_s):
+  """MultiWorkerMirroredStrategy over TF_CONFIG's cluster.
+
+  Call it before TensorFlow runs its first op. `one_replica_per_worker`:
+  the towers' setting (clones are placed by tfmulti); otherwise one replica
+  per local GPU, as MirroredStrategy. If a peer has not answered within
+  `timeout_s`, a watchdog process names it and kills this process
+  (TensorFlow would wait without end); collectives time out after
+  `timeout_s` too.
+  """
+  watchdog = start_watchdog(cluster, timeout_s, os.getpid())
+  resolver = (_OneReplicaPerWorker() if one_replica_per_worker else
+              tf.distribute.cluster_resolver.TFConfigClusterResolver())
+  options = tf.distribute.experimental.CommunicationOptions(
+      timeout_seconds=timeout_s)
+  strategy = tf.distribute.MultiWorkerMirroredStrategy(
+      cluster_resolver=resolver, communication_options=options)
+  watchdog.kill()  # Every peer has joined.
+  watchdog.wait()
+  return strategy
+
+
+def output_dir(model_dir, cluster):
+  """The chief's model_dir, or a fresh temporary directory for the others."""
+  if cluster is None or cluster.is_chief:
+    return model_dir
+  return tempfile.mkdtemp(prefix=f'tfmulti-worker{cluster.index}-')
+
+
+def remove_output_dir(directory, model_dir):
+  """Removes a non-chief worker's temporary directory."""
+  if directory != model_dir:
+    shutil.rmtree(directory, ignore_errors=True)
