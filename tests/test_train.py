@@ -90,6 +90,11 @@ def test_batch_norm_model_learns_alike_on_every_path(run_train):
      "xla=True works with the towers only, not strategy='mirrored'"),
     (dict(model='resnet8_thin', sync_batch_norm=True, xla=True),
      'synchronized_batch_norm=True cannot be combined with xla=True'),
+    (dict(num_ps_tasks=1),
+     '--num_ps_tasks=1: parameter servers are not supported.*keras#18624'),
+    (dict(num_replicas=2),
+     '--num_replicas and --replica_id describe a multi-worker job'),
+    (dict(strategy='multi_worker'), 'strategy=multi_worker needs TF_CONFIG'),
     (dict(sync_batch_norm=True, strategy='mirrored'),
      "model='lenet' has no BatchNorm"),
 ])
