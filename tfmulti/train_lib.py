@@ -339,7 +339,10 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
   steps_per_epoch = dataset.train_examples // global_batch_size
   total_steps = config.train_steps or config.epochs * steps_per_epoch
   try:
-    schedule = make_schedule(config, deploy_config.num_clones, total_steps)
+    # Linear scaling counts every clone of every worker.
+    schedule = make_schedule(
+        config, deploy_config.num_clones * deploy_config.num_replicas,
+        total_steps)
   except ValueError as e:
     raise ConfigError(f'{e} The run has {total_steps} steps of '
                       f'{global_batch_size} examples.') from e
@@ -361,8 +364,8 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
   finally:
     cluster.remove_output_dir(out_dir, config.model_dir)
   metrics['num_workers'] = deploy_config.num_replicas
-  logging.info('final weights sha256 %s (equal on every worker)',
-               _fingerprint(trainer.model))
+  logging.info('final weights sha256 %s (every worker of a job logs the '
+               'same)', _fingerprint(trainer.model))
   if cluster_info is None or cluster_info.is_chief:
     path = _write_metrics(config.model_dir, metrics)
     logging.info('done: %d steps, eval accuracy %.4f, train loss %.4f, %.0f '
