@@ -65,8 +65,5 @@ class Summaries:
       if norms:
         tf.summary.scalar(GLOBAL_GRADIENT_NORM, tf.linalg.global_norm(norms))
 
-  def flush(self):
-    self._writer.flush()
-
   def close(self):
     self._writer.close()
