@@ -95,6 +95,7 @@ def test_batch_norm_model_learns_alike_on_every_path(run_train):
     (dict(num_replicas=2),
      '--num_replicas and --replica_id describe a multi-worker job'),
     (dict(strategy='multi_worker'), 'strategy=multi_worker needs TF_CONFIG'),
+    (dict(peer_timeout_s=0.0), 'peer_timeout_s=0.0: must be > 0'),
     (dict(sync_batch_norm=True, strategy='mirrored'),
      "model='lenet' has no BatchNorm"),
 ])

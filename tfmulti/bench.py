@@ -36,13 +36,14 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmulti import data
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import distribute
 from tfmulti import models
 
-INPUT_SHAPE = (32, 32, 3)  # CIFAR-10's, as the synthetic dataset.
-NUM_CLASSES = 10
+INPUT_SHAPE = data.SYNTHETIC_SHAPE  # The synthetic dataset's: CIFAR-10's.
+NUM_CLASSES = data.SYNTHETIC_CLASSES
 _LEARNING_RATE = 0.01  # Plain SGD with momentum: one slot per variable.
 _MOMENTUM = 0.9
 # MirroredStrategy's cross-device ops by device type; NCCL needs GPUs.

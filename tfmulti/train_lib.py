@@ -137,7 +137,8 @@ class TrainConfig:
           'XLA compiles each clone alone, and synchronized clones exchange '
           'statistics mid-pass.')
     for name in ('batch_size', 'learning_rate', 'epochs', 'train_steps',
-                 'log_every_steps', 'checkpoint_steps', 'keep_checkpoints'):
+                 'log_every_steps', 'checkpoint_steps', 'keep_checkpoints',
+                 'peer_timeout_s'):
       _check_positive(name, getattr(self, name))
     if self.warmup_steps < 0:
       raise ValueError(f'warmup_steps={self.warmup_steps}: must be >= 0.')
