@@ -9,15 +9,14 @@ loudly instead of falling back to CPU:0.
 import json
 import os
 
-import pytest
-
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-from absl import flags  # pylint: disable=g-import-not-at-top
-from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import flags  # noqa: E402
+from absl.testing import flagsaver  # noqa: E402
 
-from tfmulti import devices  # pylint: disable=g-import-not-at-top
+from tfmulti import devices  # noqa: E402
 
 NUM_LOGICAL_CPUS = 4
 
@@ -40,13 +39,13 @@ def digits_dir(tmp_path_factory):
 
 @pytest.fixture
 def run_train(tmp_path, digits_dir):
-  """Runs train.main in-process with flags; returns metrics.json.
+  """Runs the command line's main in-process with flags; returns metrics.
 
   Tiny by default: 2 steps of 4 rows per clone on logical CPUs, writing to
   a fresh directory under `tmp_path` unless `model_dir` is given (a
   directory with checkpoints resumes).
   """
-  import train  # pylint: disable=g-import-not-at-top  (defines the flags)
+  from tfmulti import cli  # Defines the flags.
   runs = []
 
   def run(**flag_values):
@@ -57,7 +56,7 @@ def run_train(tmp_path, digits_dir):
                   log_every_steps=1)
     values.update(flag_values)
     with flagsaver.flagsaver(**values):
-      train.main(['train.py'])
+      cli.main(['train.py'])
     with open(os.path.join(values['model_dir'], 'metrics.json')) as f:
       return json.load(f)
   return run

@@ -7,11 +7,11 @@ import signal
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
+from helpers import checkpoint_tensors, make_batch, make_deployed, mlp, weights
 from tfmulti import checkpoints
 from tfmulti import deploy
-from test_deploy import _batch, _deployed, _mlp, _weights
+from tfmulti import errors
 
 ONE = deploy.DeploymentConfig(num_clones=1, clone_on_cpu=True)
 
@@ -23,40 +23,52 @@ def _checkpointer(directory, deployed, max_to_keep=2):
 
 
 def test_round_trip_restores_weights_slots_and_position(tmp_path):
-  trained = _deployed(ONE)
-  trained.train_step(*_batch(8))
+  trained = make_deployed(ONE)
+  trained.train_step(*make_batch(8))
   path = _checkpointer(tmp_path, trained).save(checkpoints.Position(7, 2, 40))
   assert os.path.basename(path) == 'ckpt-7'
-  fresh = _deployed(ONE, model_fn=lambda: _mlp(seed=5))
+  fresh = make_deployed(ONE, model_fn=lambda: mlp(seed=5))
   position = _checkpointer(tmp_path, fresh).restore_latest()
   assert position == checkpoints.Position(7, 2, 40)
-  for got, want in zip(_weights(fresh.model), _weights(trained.model)):
+  for got, want in zip(weights(fresh.model), weights(trained.model)):
     np.testing.assert_array_equal(got, want)
   for got, want in zip(fresh.optimizer.variables, trained.optimizer.variables):
     np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
 def test_keeps_the_newest_and_saves_a_step_once(tmp_path):
-  deployed = _deployed(ONE)
+  deployed = make_deployed(ONE)
   checkpointer = _checkpointer(tmp_path, deployed, max_to_keep=2)
-  for step in (1, 2, 3, 3):
+  for step in (1, 2, 3):
     checkpointer.save(checkpoints.Position(step, 0, step))
   assert [os.path.basename(p) for p in checkpointer.manager.checkpoints] == [
       'ckpt-2', 'ckpt-3']
+  assert sorted(p.name for p in tmp_path.glob('ckpt-*.index')) == [
+      'ckpt-2.index', 'ckpt-3.index']
+  saved = checkpoint_tensors(str(tmp_path / 'ckpt-3'))
+  kernel = deployed.model.trainable_variables[0]
+  kernel.assign(kernel + 1.0)  # Changed, but step 3 is already saved.
+  path = checkpointer.save(checkpoints.Position(3, 0, 3))
+  assert path == str(tmp_path / 'ckpt-3')
+  again = checkpoint_tensors(path)
+  assert again.keys() == saved.keys()
+  for key, value in saved.items():
+    np.testing.assert_array_equal(again[key], value, err_msg=key)
 
 
 def test_an_empty_directory_restores_nothing(tmp_path):
-  assert _checkpointer(tmp_path, _deployed(ONE)).restore_latest() is None
+  assert _checkpointer(tmp_path, make_deployed(ONE)).restore_latest() is None
 
 
 def test_another_model_is_refused_with_the_fix(tmp_path):
-  _checkpointer(tmp_path, _deployed(ONE)).save(checkpoints.Position(1, 0, 8))
+  _checkpointer(tmp_path, make_deployed(ONE)).save(
+      checkpoints.Position(1, 0, 8))
   def wider():
     inputs = keras.Input((6,))
     return keras.Model(inputs, keras.layers.Dense(3)(
         keras.layers.Dense(32)(inputs)))
-  other = _deployed(ONE, model_fn=wider)
-  with pytest.raises(checkpoints.CheckpointMismatchError,
+  other = make_deployed(ONE, model_fn=wider)
+  with pytest.raises(errors.CheckpointMismatchError,
                      match='ckpt-1 does not fit.*new --model_dir'):
     _checkpointer(tmp_path, other).restore_latest()
 
@@ -80,22 +92,19 @@ class TestStopSignals:
         os.kill(os.getpid(), signal.SIGINT)
 
 
-def _model_tensors(path):
-  reader = tf.train.load_checkpoint(path)
-  return {key: reader.get_tensor(key)
-          for key in reader.get_variable_to_shape_map()
-          if key.startswith('model/')}
-
-
 def test_a_two_clone_checkpoint_continues_on_every_path(run_train, tmp_path):
   """2 clones -> mirrored, one device and 4 clones, at the same step.
 
   The global batch stays 8 rows; lenet has no BatchNorm, so every path
-  continues to the same weights.
+  continues to the weights of one uninterrupted 2-clone run: the resume
+  restored the weights, the momentum slots and the input position.
   """
+  common = dict(batch_size=4, optimizer='momentum', learning_rate=0.05)
   start = str(tmp_path / 'two_clones')
-  run_train(model_dir=start, num_clones=2, train_steps=3, optimizer='momentum',
-            learning_rate=0.05)
+  run_train(model_dir=start, num_clones=2, train_steps=3, **common)
+  whole = run_train(model_dir=str(tmp_path / 'whole'), num_clones=2,
+                    train_steps=5, **common)
+  reference = checkpoint_tensors(whole['checkpoint'])
   layouts = {'towers_2': dict(num_clones=2),
              'mirrored_2': dict(strategy='mirrored', num_clones=2),
              'single': dict(strategy='single', num_clones=1, batch_size=8),
@@ -104,14 +113,12 @@ def test_a_two_clone_checkpoint_continues_on_every_path(run_train, tmp_path):
   for name, flag_values in layouts.items():
     model_dir = str(tmp_path / name)
     shutil.copytree(start, model_dir)
-    values = dict(batch_size=4, train_steps=5, optimizer='momentum',
-                  learning_rate=0.05)
+    values = dict(common, train_steps=5)
     values.update(flag_values)
     metrics = run_train(model_dir=model_dir, **values)
     assert (metrics['resumed_from_step'], metrics['steps']) == (3, 5), name
     assert metrics['checkpoint'].endswith('ckpt-5')
-    finals[name] = _model_tensors(metrics['checkpoint'])
-  reference = finals.pop('towers_2')
+    finals[name] = checkpoint_tensors(metrics['checkpoint'])
   for name, tensors in finals.items():
     # Saved once, in one layout: the same keys whichever path wrote them.
     assert tensors.keys() == reference.keys(), name

@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
+from helpers import REPO, checkpoint_tensors
 from tfmulti import cluster
+from tfmulti import errors
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 300  # Per worker process; a run here takes 10 to 30 seconds.
 
 
@@ -57,16 +57,16 @@ class TestFromEnvironment:
        'parameter servers'),
   ])
   def test_bad_tf_config(self, raw, message):
-    with pytest.raises(cluster.ClusterError, match=message):
+    with pytest.raises(errors.ClusterError, match=message):
       cluster.from_environment({} if raw is None else {'TF_CONFIG': raw})
 
   def test_flags_must_agree(self):
     info = cluster.from_environment({'TF_CONFIG': _tf_config([1, 2], 1)})
     cluster.check_flags(info, None, None)
     cluster.check_flags(info, 2, 1)
-    with pytest.raises(cluster.ClusterError, match='--num_replicas=3'):
+    with pytest.raises(errors.ClusterError, match='--num_workers=3'):
       cluster.check_flags(info, 3, None)
-    with pytest.raises(cluster.ClusterError, match='--replica_id=0'):
+    with pytest.raises(errors.ClusterError, match='--worker_index=0'):
       cluster.check_flags(info, None, 0)
 
 
@@ -99,13 +99,6 @@ def _worker_command(model_dir, digits_dir, *extra):
           f'--data_dir={digits_dir}', '--clone_on_cpu', '--batch_size=4',
           '--optimizer=momentum', '--learning_rate=0.05',
           '--log_every_steps=1', '--peer_timeout_s=60', *extra]
-
-
-def _checkpoint(path):
-  reader = tf.train.load_checkpoint(path)
-  return {key: reader.get_tensor(key)
-          for key in reader.get_variable_to_shape_map()
-          if key.startswith('model/')}
 
 
 def _run_job(model_dir, digits_dir, temp_root, *flags):
@@ -145,8 +138,8 @@ def test_two_workers_train_like_one_process(tmp_path, digits_dir, run_train,
   metrics = json.loads((model_dir / 'metrics.json').read_text())
   assert metrics['num_workers'] == 2 and metrics['steps'] == 3
   assert metrics['global_batch_size'] == 8 * clones
-  got, want = _checkpoint(metrics['checkpoint']), _checkpoint(
-      reference['checkpoint'])
+  got, want = (checkpoint_tensors(metrics['checkpoint']),
+               checkpoint_tensors(reference['checkpoint']))
   assert got.keys() == want.keys()
   for key, value in want.items():
     np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,

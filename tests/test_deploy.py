@@ -5,53 +5,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import L2, make_loss, make_batch, make_deployed, mlp, weights
 from tfmulti import deploy
 from tfmulti import devices
+from tfmulti import errors
 
 CPU0 = '/device:CPU:0'
-L2 = 0.01  # Weight decay of the equivalence model, so regularization counts.
-
-
-def _mlp(seed=0, batch_norm=False, dropout=False, synchronized=False,
-         dtype=None):
-  """A small functional model: 6 features -> 3 classes, with L2."""
-  keras.utils.set_random_seed(seed)
-  inputs = keras.Input((6,))
-  x = keras.layers.Dense(16, activation='tanh', dtype=dtype,
-                         kernel_regularizer=keras.regularizers.L2(L2))(inputs)
-  if batch_norm:
-    x = keras.layers.BatchNormalization(synchronized=synchronized)(x)
-  if dropout:
-    x = keras.layers.Dropout(0.5)(x)
-  outputs = keras.layers.Dense(
-      3, kernel_regularizer=keras.regularizers.L2(L2), dtype=dtype)(x)
-  return keras.Model(inputs, outputs)
-
-
-def _loss_fn():
-  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _batch(rows, seed=1):
-  rng = np.random.default_rng(seed)
-  images = rng.normal(size=(rows, 6)).astype(np.float32)
-  labels = rng.integers(0, 3, size=rows).astype(np.int32)
-  return images, labels
-
-
-def _deployed(config, model_fn=_mlp, optimizer_fn=None, **kwargs):
-  optimizer_fn = optimizer_fn or (lambda: keras.optimizers.SGD(0.1,
-                                                               momentum=0.9))
-  with tf.device(config.variables_device()):
-    model = model_fn()
-    optimizer = optimizer_fn()
-  return deploy.deploy(config, model, _loss_fn(), optimizer, **kwargs)
-
-
-def _weights(model):
-  return [np.array(w) for w in model.get_weights()]
-
-
 class TestDeploymentConfig:
 
   def test_defaults(self):
@@ -83,7 +42,9 @@ class TestDeploymentConfig:
   def test_chosen_variables_device(self, given, expected):
     config = deploy.DeploymentConfig(num_clones=2, variables_device=given)
     assert config.variables_device() == expected
-    assert config.optimizer_device() == CPU0
+    # The update reads and writes every variable: it runs beside them.
+    assert config.optimizer_device() == expected
+    assert config.inputs_device() == CPU0
 
   def test_parameter_servers_prefix_worker_devices_with_task(self):
     config = deploy.DeploymentConfig(num_clones=2, replica_id=1,
@@ -100,6 +61,10 @@ class TestDeploymentConfig:
                                      ps_job_name='store')
     assert config.clone_device(0) == '/job:trainer/task:0/device:CPU:0'
     assert config.variables_device() == '/job:store/device:CPU:0'
+
+  def test_slim_replicas_are_workers(self):
+    config = deploy.DeploymentConfig(num_replicas=3, replica_id=2)
+    assert (config.num_workers, config.worker_index) == (3, 2)
 
   def test_is_frozen(self):
     config = deploy.DeploymentConfig()
@@ -128,7 +93,7 @@ class TestDeploymentConfig:
        "variables_device='/device:GPU:0'"),
   ])
   def test_bad_values_raise_naming_the_value(self, kwargs, named):
-    with pytest.raises(ValueError, match=named.replace('.', r'\.')):
+    with pytest.raises(errors.ConfigError, match=named.replace('.', r'\.')):
       deploy.DeploymentConfig(**kwargs)
 
   @pytest.mark.parametrize('index', [-1, 2, 7])
@@ -143,7 +108,7 @@ class TestDeploymentConfig:
 def _reference_steps(model, optimizer, batches):
   """One device, whole batch, plain Keras: the ground truth."""
   losses = []
-  loss_fn = _loss_fn()
+  loss_fn = make_loss()
   for images, labels in batches:
     with tf.GradientTape() as tape:
       loss = loss_fn(labels, model(images, training=True)) + tf.add_n(
@@ -156,25 +121,26 @@ def _reference_steps(model, optimizer, batches):
 
 @pytest.mark.parametrize('num_clones', [1, 2, 3])
 def test_clones_equal_one_device_on_the_whole_batch(num_clones):
-  batches = [_batch(12, seed=s) for s in range(4)]
-  reference = _mlp()
+  batches = [make_batch(12, seed=s) for s in range(4)]
+  reference = mlp()
   reference_losses = _reference_steps(
       reference, keras.optimizers.SGD(0.1, momentum=0.9), batches)
 
   config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True)
-  deployed = _deployed(config)
+  deployed = make_deployed(config)
   losses = [float(deployed.train_step(x, y)) for x, y in batches]
 
   np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
-  for got, want in zip(_weights(deployed.model), _weights(reference)):
+  for got, want in zip(weights(deployed.model), weights(reference)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_worker_scales_its_clones_by_the_whole_job():
   """With 2 workers, each clone holds 1/4 of the 4-shard global batch."""
-  images, labels = _batch(8)
-  alone = _deployed(deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
-  worker = _deployed(deploy.DeploymentConfig(
+  images, labels = make_batch(8)
+  alone = make_deployed(deploy.DeploymentConfig(num_clones=2,
+                                                clone_on_cpu=True))
+  worker = make_deployed(deploy.DeploymentConfig(
       num_clones=2, clone_on_cpu=True, num_replicas=2, replica_id=0))
   want, got = (d.train_step_outputs(images, labels) for d in (alone, worker))
   # Both the data term and clone 0's share of the penalty halve.
@@ -186,8 +152,8 @@ def test_a_worker_scales_its_clones_by_the_whole_job():
 
 def test_step_losses_split_over_clones():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  deployed = _deployed(config)
-  images, labels = _batch(8)
+  deployed = make_deployed(config)
+  images, labels = make_batch(8)
   expected_reg = sum(L2 * float(tf.reduce_sum(tf.square(w)))
                      for w in deployed.model.trainable_variables
                      if 'kernel' in w.path)
@@ -202,7 +168,7 @@ def test_step_losses_split_over_clones():
 def test_loss_falls_on_a_learnable_problem():
   images, labels = _learnable()
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  deployed = _deployed(config, model_fn=lambda: _mlp(dropout=True))
+  deployed = make_deployed(config, model_fn=lambda: mlp(dropout=True))
   first = float(deployed.train_step(images, labels))
   for _ in range(40):
     last = float(deployed.train_step(images, labels))
@@ -216,8 +182,8 @@ class TestPlacement:
                                                         variables_device):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
                                      variables_device=variables_device)
-    deployed = _deployed(config, optimizer_fn=keras.optimizers.Adam)
-    deployed.train_step(*_batch(4))
+    deployed = make_deployed(config, optimizer_fn=keras.optimizers.Adam)
+    deployed.train_step(*make_batch(4))
     optimizer_variables = deployed.optimizer.variables
     assert any('momentum' in v.path for v in optimizer_variables)  # Slots.
     wanted = variables_device or CPU0
@@ -226,9 +192,9 @@ class TestPlacement:
 
   def test_clone_ops_run_on_their_devices(self):
     config = deploy.DeploymentConfig(num_clones=3, clone_on_cpu=True)
-    deployed = _deployed(config)
+    deployed = make_deployed(config)
     graph = deployed._step.get_concrete_function(
-        *map(tf.constant, _batch(6))).graph
+        *map(tf.constant, make_batch(6))).graph
     ops = graph.get_operations()
     for i in range(3):
       # Forward ops are named clone_i/..., gradients gradient_tape/clone_i/...
@@ -248,6 +214,26 @@ class TestPlacement:
               and op.type == 'AddN']
     assert split and summed
     assert {op.device for op in split + summed} == {CPU0}
+
+
+  def test_the_update_runs_on_the_chosen_variables_device(self):
+    config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
+                                     variables_device='/device:CPU:2')
+    deployed = make_deployed(config)
+    graph = deployed._step.get_concrete_function(
+        *map(tf.constant, make_batch(4))).graph
+    ops = graph.get_operations()
+    # Every variable (weights, slots, iteration count) is captured from
+    # CPU:2, and every op that writes one is placed there.
+    captured = {t.device for t, _ in graph.captures if t.dtype == tf.resource}
+    assert captured == {'/job:localhost/replica:0/task:0/device:CPU:2'}
+    writes = [op for op in ops if op.type in (
+        'AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp')]
+    assert len(writes) >= 2 * len(deployed.model.trainable_variables)
+    assert {op.device for op in writes} == {'/device:CPU:2'}
+    summed = [op for op in ops if op.name.startswith('optimize_clones/')
+              and op.type == 'AddN']
+    assert summed and {op.device for op in summed} == {'/device:CPU:2'}
 
 
 class TestBatchNorm:
@@ -296,69 +282,72 @@ class TestBatchNorm:
 
   def test_unknown_policy(self):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-    with pytest.raises(ValueError, match="batch_norm_policy='median'"):
-      _deployed(config, batch_norm_policy='median')
+    with pytest.raises(errors.ConfigError,
+                       match="batch_norm_policy='median'"):
+      make_deployed(config, batch_norm_policy='median')
 
 
 class TestClearErrors:
 
   def test_indivisible_batch_changes_nothing(self):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-    deployed = _deployed(config)
-    before = _weights(deployed.model)
+    deployed = make_deployed(config)
+    before = weights(deployed.model)
     with pytest.raises(ValueError, match='7 rows does not split evenly'):
-      deployed.train_step(*_batch(7))
-    for got, want in zip(_weights(deployed.model), before):
+      deployed.train_step(*make_batch(7))
+    for got, want in zip(weights(deployed.model), before):
       np.testing.assert_array_equal(got, want)
     assert int(deployed.optimizer.iterations) == 0
 
   def test_mismatched_labels(self):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-    deployed = _deployed(config)
-    images, labels = _batch(8)
+    deployed = make_deployed(config)
+    images, labels = make_batch(8)
     with pytest.raises(ValueError, match='8 rows and labels 6'):
       deployed.train_step(images, labels[:6])
 
   @pytest.mark.parametrize('kwargs, missing', [
-      (dict(num_clones=6, clone_on_cpu=True), "'/device:CPU:4', '/device:CPU:5'"),
+      (dict(num_clones=6, clone_on_cpu=True),
+       "'/device:CPU:4', '/device:CPU:5'"),
       (dict(num_clones=1), "'/device:GPU:0'"),
   ])
   def test_missing_devices_named_before_any_change(self, kwargs, missing):
     config = deploy.DeploymentConfig(**kwargs)
-    model = _mlp()
-    before = _weights(model)
+    model = mlp()
+    before = weights(model)
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
-    with pytest.raises(ValueError, match=missing) as error:
-      deploy.deploy(config, model, _loss_fn(), optimizer)
+    with pytest.raises(errors.DeviceError, match=missing) as error:
+      deploy.deploy(config, model, make_loss(), optimizer)
     assert 'logical CPU' in str(error.value)
     assert not optimizer.built
-    for got, want in zip(_weights(model), before):
+    for got, want in zip(weights(model), before):
       np.testing.assert_array_equal(got, want)
 
   def test_misplaced_variables(self):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
     with tf.device('/device:CPU:1'):
-      model = _mlp()
-    with pytest.raises(ValueError, match='not on the variables device'):
-      deploy.deploy(config, model, _loss_fn(), keras.optimizers.SGD(0.1))
+      model = mlp()
+    with pytest.raises(errors.DeviceError,
+                       match='not on the variables device'):
+      deploy.deploy(config, model, make_loss(), keras.optimizers.SGD(0.1))
 
 
 def test_step_traces_once_per_input_signature():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  deployed = _deployed(config)
+  deployed = make_deployed(config)
   for seed in range(3):
-    deployed.train_step(*_batch(8, seed=seed))
+    deployed.train_step(*make_batch(8, seed=seed))
   assert deployed.trace_count == 1
-  deployed.train_step(*_batch(4))  # A new batch shape is a new signature.
+  deployed.train_step(*make_batch(4))  # A new batch shape is a new signature.
   assert deployed.trace_count == 2
 
 
 def test_xla_clones_train_like_the_plain_step():
-  batches = [_batch(8, seed=s) for s in range(3)]
+  batches = [make_batch(8, seed=s) for s in range(3)]
   results = []
   for jit_compile in (False, True):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-    deployed = _deployed(config, jit_compile=jit_compile)
+    deployed = make_deployed(config, jit_compile=jit_compile)
     results.append([float(deployed.train_step(x, y)) for x, y in batches])
   np.testing.assert_allclose(results[1], results[0], rtol=1e-4)
 
@@ -372,8 +361,8 @@ def _learnable(rows=64):
 
 def test_float16_clones_train_with_dynamic_loss_scaling():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  deployed = _deployed(
-      config, model_fn=lambda: _mlp(dtype='mixed_float16'),
+  deployed = make_deployed(
+      config, model_fn=lambda: mlp(dtype='mixed_float16'),
       optimizer_fn=lambda: keras.optimizers.LossScaleOptimizer(
           keras.optimizers.SGD(0.1)),
       return_gradients=True)
@@ -391,10 +380,11 @@ def test_float16_clones_train_with_dynamic_loss_scaling():
   assert deployed.model.layers[1].kernel.dtype == 'float32'
 
 
-def test_predict_covers_a_short_batch_over_the_clones():
+@pytest.mark.parametrize('rows', [7, 2])
+def test_predict_covers_a_short_batch_over_the_clones(rows):
   config = deploy.DeploymentConfig(num_clones=3, clone_on_cpu=True)
-  deployed = _deployed(config)
-  images, _ = _batch(7)  # Shards of 3, 2 and 2 rows.
+  deployed = make_deployed(config)
+  images, _ = make_batch(rows)  # Shards of 3, 2, 2 rows; or 1, 1 and none.
   np.testing.assert_allclose(deployed.predict(images),
                              deployed.model(images, training=False),
                              rtol=1e-6, atol=1e-6)
@@ -411,5 +401,5 @@ class TestLogicalCpus:
       devices.create_logical_cpus(8)
 
   def test_bad_count(self):
-    with pytest.raises(ValueError, match='count=0'):
+    with pytest.raises(errors.ConfigError, match='count=0'):
       devices.create_logical_cpus(0)

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tfmulti import devices
+from tfmulti import errors
 from tfmulti import models
 from tfmulti.models import resnet
 
@@ -54,10 +55,10 @@ def test_resnet20_regularizes_its_kernels():
 
 
 def test_unknown_model_names_the_choices():
-  with pytest.raises(ValueError, match="model='vgg'.*lenet"):
+  with pytest.raises(errors.ConfigError, match="model='vgg'.*lenet"):
     models.get_model('vgg', input_shape=MNIST, num_classes=10)
 
 
 def test_cifar_resnet_depth_must_be_6n_plus_2():
-  with pytest.raises(ValueError, match='depth=21'):
+  with pytest.raises(errors.ConfigError, match='depth=21'):
     resnet.cifar_resnet(CIFAR, 10, depth=21)

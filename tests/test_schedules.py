@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 
+from tfmulti import build
+from tfmulti import config as config_lib
+from tfmulti import errors
 from tfmulti import schedules
-from tfmulti import train_lib
 
 DIGITS_TRAIN = 1437
 EPOCHS = 8
@@ -35,11 +37,11 @@ def test_step_drops_tenfold_at_half_and_three_quarters():
 
 
 def _digits_schedule(num_clones, lr_scaling, kind='cosine'):
-  """The schedule train_lib gives an 8-epoch digits run at 64 per clone."""
+  """The schedule train.py gives an 8-epoch digits run at 64 per clone."""
   steps = EPOCHS * (DIGITS_TRAIN // (64 * num_clones))
-  config = train_lib.TrainConfig(learning_rate=0.1, lr_scaling=lr_scaling,
-                                 lr_schedule=kind)
-  return train_lib.make_schedule(config, num_clones, steps), steps
+  config = config_lib.TrainConfig(learning_rate=0.1, lr_scaling=lr_scaling,
+                                  lr_schedule=kind)
+  return build.make_schedule(config, num_clones, steps), steps
 
 
 @pytest.mark.parametrize('kind', ['cosine', 'step'])
@@ -65,10 +67,10 @@ def test_linear_scaling_multiplies_by_the_clones():
     (dict(kind='linear'), "lr_schedule='linear'"),
 ])
 def test_bad_schedules(kwargs, message):
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises(errors.ConfigError, match=message):
     schedules.Schedule(0.1, 100, **kwargs)
 
 
 def test_bad_scaling():
-  with pytest.raises(ValueError, match="lr_scaling='sqrt'"):
+  with pytest.raises(errors.ConfigError, match="lr_scaling='sqrt'"):
     schedules.peak_learning_rate(0.1, 'sqrt', 2)

@@ -1,7 +1,6 @@
-"""End-to-end tests of train.py: every model and dataset, metrics, bad flags."""
+"""End-to-end tests of the command line: models, datasets, signals, flags."""
 
 import json
-import os
 import random
 import re
 import signal
@@ -14,19 +13,20 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import flags
+from absl import logging
 from absl.testing import flagsaver
 
-import train
+from helpers import REPO, checkpoint_tensors
+from tfmulti import cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBPROCESS_TIMEOUT_S = 240  # A train.py run here takes 5 to 20 seconds.
 METRIC_KEYS = {'eval_accuracy', 'train_loss', 'steps', 'images_per_sec',
                'strategy', 'num_clones', 'global_batch_size', 'model',
                'dataset', 'seed'}
 
 
-@pytest.mark.parametrize('model', ['lenet', 'resnet18', 'resnet20'])
-@pytest.mark.parametrize('num_clones', [1, 2])
+@pytest.mark.parametrize('model, num_clones', [
+    ('lenet', 1), ('lenet', 2), ('resnet18', 2), ('resnet20', 2)])
 def test_each_model_trains(run_train, model, num_clones):
   metrics = run_train(model=model, num_clones=num_clones, train_steps=1,
                       batch_size=2)
@@ -81,28 +81,46 @@ def test_batch_norm_model_learns_alike_on_every_path(run_train):
   assert max(accuracy.values()) - min(accuracy.values()) <= 0.04, accuracy
 
 
+def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
+  """`python train.py` on a machine without a GPU: one clone, on CPU:0."""
+  caplog.set_level(logging.INFO)
+  metrics = run_train(clone_on_cpu=False, batch_size=64)
+  assert metrics['clone_devices'] == ['/device:CPU:0']
+  assert metrics['variables_device'] == '/device:CPU:0'
+  assert 'no GPU found: the clone runs on the CPU (CPU:0)' in caplog.text
+
+
 @pytest.mark.parametrize('values, message', [
     (dict(num_clones=2, clone_on_cpu=False),
      '--num_clones=2 needs as many GPUs.*add --clone_on_cpu'),
     (dict(variables_device='gpu:3'),
      '--variables_device=gpu:3: this machine has 0 GPU'),
+    (dict(variables_device='tpu:0'), "--variables_device=tpu:0: use 'cpu'"),
     (dict(strategy='mirrored', xla=True),
      "xla=True works with the towers only, not strategy='mirrored'"),
     (dict(model='resnet8_thin', sync_batch_norm=True, xla=True),
-     'synchronized_batch_norm=True cannot be combined with xla=True'),
-    (dict(num_ps_tasks=1),
-     '--num_ps_tasks=1: parameter servers are not supported.*keras#18624'),
-    (dict(num_replicas=2),
-     '--num_replicas and --replica_id describe a multi-worker job'),
+     r'synchronized_batch_norm=True \(lockstep clones\) cannot be combined '
+     'with xla=True'),
+    (dict(num_workers=2),
+     '--num_workers and --worker_index describe a multi-worker job'),
     (dict(strategy='multi_worker'), 'strategy=multi_worker needs TF_CONFIG'),
-    (dict(peer_timeout_s=0.0), 'peer_timeout_s=0.0: must be > 0'),
+    (dict(peer_timeout_s=0.0), 'peer_timeout_s=0.0: must be a finite'),
+    (dict(learning_rate=float('inf')), 'learning_rate=inf: must be a finite'),
     (dict(sync_batch_norm=True, strategy='mirrored'),
      "model='lenet' has no BatchNorm"),
+    (dict(num_clones=0), 'num_clones=0: must be an integer >= 1'),
+    (dict(batch_size=-1), 'batch_size=-1: must be an integer >= 1'),
+    (dict(learning_rate=0.0), 'learning_rate=0.0: must be a finite'),
+    (dict(epochs=0), 'epochs=0: must be an integer >= 1'),
+    (dict(train_steps=0), 'train_steps=0: must be an integer >= 1'),
+    (dict(seed=2**32), 'seed=4294967296: must be below 2\\*\\*32'),
+    (dict(model_dir=''), "model_dir='': name an output directory"),
 ])
-def test_conflicting_flags_stop_with_one_line(tmp_path, values, message):
-  with flagsaver.flagsaver(model_dir=str(tmp_path / 'run'), **values):
+def test_bad_flags_stop_with_one_line(tmp_path, values, message):
+  values = dict(dict(model_dir=str(tmp_path / 'run')), **values)
+  with flagsaver.flagsaver(**values):
     with pytest.raises(SystemExit, match=message):
-      train.main(['train.py'])
+      cli.main(['train.py'])
   assert not (tmp_path / 'run').exists()
 
 
@@ -111,8 +129,8 @@ def test_conflicting_flags_stop_with_one_line(tmp_path, values, message):
      "strategy='central_storage' cannot train 'resnet8_thin' on 2 replicas: "
      'CentralStorageStrategy fails on Keras 3 BatchNormalization'),
     (dict(warmup_steps=5, train_steps=5),
-     r'warmup_steps=5 must be in \[0, total_steps=5\).*'
-     'The run has 5 steps of 4 '),
+     r'warmup_steps=5 must be in \[0, total_steps=5\): the run has 5 '
+     'global steps; shorten the warm-up or train longer'),
 ])
 def test_conflicts_found_before_training_stop_with_one_line(run_train,
                                                             tmp_path, values,
@@ -123,12 +141,10 @@ def test_conflicts_found_before_training_stop_with_one_line(run_train,
 
 
 @pytest.mark.parametrize('name, value', [
-    ('num_clones', 0), ('batch_size', -1), ('learning_rate', 0.0),
-    ('epochs', 0), ('train_steps', 0), ('model', 'vgg'),
-    ('dataset', 'imagenet'), ('variables_device', 'tpu:0'),
-    ('strategy', 'ring'),
+    ('model', 'vgg'), ('dataset', 'imagenet'), ('strategy', 'ring'),
+    ('optimizer', 'lamb'),
 ])
-def test_bad_flag_values_are_refused(name, value):
+def test_bad_choices_are_refused_by_the_flags(name, value):
   with flagsaver.flagsaver():  # Parsing sets flags; restore them after.
     with pytest.raises(flags.IllegalFlagValueError,
                        match=f'--{name}={value}'):
@@ -136,9 +152,8 @@ def test_bad_flag_values_are_refused(name, value):
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--num_clones=0'], '--num_clones=0'),
+    (['--num_clones=3'], 'train.py: error: --num_clones=3 needs as many GPUs'),
     (['--model=vgg'], '--model'),
-    (['--num_clones=3'], '--num_clones=3 needs as many GPUs'),
 ])
 def test_bad_flags_exit_without_traceback(argv, message, tmp_path):
   result = subprocess.run(
@@ -173,10 +188,7 @@ def _start_and_signal(command, line_part, signum, delay_s=0.0):
 
 
 def _checkpoint_tensors(path):
-  reader = tf.train.load_checkpoint(path)
-  return {key: reader.get_tensor(key)
-          for key in reader.get_variable_to_shape_map()
-          if key.startswith(('model/', 'optimizer/'))}
+  return checkpoint_tensors(path, ('model/', 'optimizer/'))
 
 
 def test_sigterm_then_rerun_equals_an_uninterrupted_run(tmp_path, digits_dir,

@@ -1,6 +1,5 @@
 """Tests for the training loop: resume, summaries, NaN stop, precision."""
 
-import glob
 import os
 import re
 
@@ -8,21 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti import deploy
+from helpers import scalars
 from tfmulti import summaries
-
-CLONES = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-
-
-def _scalars(model_dir):
-  """{tag: {step: value}} from the event files in `model_dir`."""
-  found = {}
-  for path in glob.glob(os.path.join(model_dir, 'events.out.tfevents.*')):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      for value in event.summary.value:
-        found.setdefault(value.tag, {})[event.step] = tf.make_ndarray(
-            value.tensor)
-  return found
 
 
 def test_the_same_command_resumes_where_it_stopped(run_train, tmp_path):
@@ -37,7 +23,7 @@ def test_the_same_command_resumes_where_it_stopped(run_train, tmp_path):
   assert second['resumed_from_step'] == 3 and second['steps'] == 5
   assert second['checkpoint'] == os.path.join(model_dir, 'ckpt-5')
   # Steps 4 and 5 were trained here, not again from 1.
-  assert sorted(_scalars(model_dir)[summaries.TOTAL_LOSS]) == [1, 2, 3, 4, 5]
+  assert sorted(scalars(model_dir)[summaries.TOTAL_LOSS]) == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize('strategy', ['towers', 'mirrored'])
@@ -47,7 +33,7 @@ def test_tensorboard_tags_are_the_same_on_every_path(run_train, tmp_path,
   run_train(model_dir=model_dir, strategy=strategy, model='resnet8_thin',
             num_clones=2, train_steps=4, log_every_steps=2,
             optimizer='momentum', learning_rate=0.1, lr_schedule='step')
-  found = _scalars(model_dir)
+  found = scalars(model_dir)
   assert {summaries.TOTAL_LOSS, 'losses/clone_0', 'losses/clone_1',
           summaries.REGULARIZATION_LOSS, summaries.LEARNING_RATE,
           summaries.IMAGES_PER_SEC, summaries.EVAL_ACCURACY,
@@ -74,7 +60,7 @@ def test_gradient_summaries(run_train, tmp_path, strategy):
   model_dir = str(tmp_path / strategy)
   run_train(model_dir=model_dir, strategy=strategy, num_clones=2,
             train_steps=1, summarize_gradients=True)
-  found = _scalars(model_dir)
+  found = scalars(model_dir)
   histograms = [t for t in found if t.startswith('gradients/')]
   norms = [t for t in found if t.startswith('gradient_norms/')]
   assert len(histograms) == 10  # lenet: 5 layers, kernel and bias each.
@@ -105,7 +91,7 @@ def test_mixed_precision_trains_in_bfloat16_on_cpus(run_train, tmp_path):
                       num_clones=2, batch_size=32, train_steps=30,
                       log_every_steps=1)
   assert metrics['mixed_precision'] == 'mixed_bfloat16'
-  losses = _scalars(model_dir)[summaries.TOTAL_LOSS]
+  losses = scalars(model_dir)[summaries.TOTAL_LOSS]
   assert losses[30] < 0.6 * losses[1], (losses[1], losses[30])
 
 
@@ -113,7 +99,7 @@ def test_xla_trains(run_train, tmp_path):
   model_dir = str(tmp_path / 'xla')
   run_train(model_dir=model_dir, xla=True, num_clones=2, batch_size=32,
             train_steps=30, log_every_steps=1)
-  losses = _scalars(model_dir)[summaries.TOTAL_LOSS]
+  losses = scalars(model_dir)[summaries.TOTAL_LOSS]
   assert losses[30] < 0.6 * losses[1], (losses[1], losses[30])
 
 

@@ -1,24 +1,17 @@
-"""What the towers cost, side by side in one process: `python -m tfmulti.bench`.
+"""What each design costs, side by side: `python -m tfmulti.bench`.
 
-Every variant trains the same model on the same global batch of synthetic
-data that already sits on its devices (no input pipeline, as
-tf_cnn_benchmarks does by default). After warm-up the variants are timed in
-interleaved rounds (the order rotates each round), so a noisy neighbour
-slows all of them alike; the report gives each variant's median and spread
-in global images/sec and its ratio to `single`, the one-device step.
-
-  single              one device, the whole global batch: the reference
-  towers              tfmulti.deploy, variables on the CPU
-  towers_gpu_vars     the same, variables on GPU:0 (GPUs only)
-  towers_one_device   every clone on clone 0's device: what splitting costs
-  independent         clones that never combine gradients: the upper bound
-  mirrored_<op>       MirroredStrategy with each cross-device op available
-  central_storage     CentralStorageStrategy, where it can train the model
+The variants (`bench_variants`: single, towers, towers_gpu_vars,
+towers_one_device, independent, mirrored_<op>, central_storage) train the
+same model on the same global batch, built through the training code. After
+warm-up they are timed in interleaved rounds (the order rotates each round),
+so a noisy neighbour slows all of them alike; the report gives each
+variant's median and spread in global images/sec and its ratio to `single`,
+the `--strategy=single` step.
 
 `--sweep` times the towers at 1, 2, 4 and 8 clones and a fixed per-clone
 batch, and reports the cost per image and the trace time per clone count.
-XLA is set explicitly in every variant; a variant that retraces after
-warm-up fails the benchmark.
+XLA is set explicitly in every variant (the tf.distribute paths run
+without it); a variant that retraces after warm-up fails the benchmark.
 """
 
 import argparse
@@ -26,33 +19,20 @@ import dataclasses
 import json
 import os
 import platform
-import sys
 import statistics
+import sys
 import time
-from typing import Callable, Tuple
+from typing import Tuple
 
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
-from tfmulti import data
+from tfmulti import bench_variants
 from tfmulti import deploy
 from tfmulti import devices
-from tfmulti import distribute
+from tfmulti import errors
 from tfmulti import models
-
-INPUT_SHAPE = data.SYNTHETIC_SHAPE  # The synthetic dataset's: CIFAR-10's.
-NUM_CLASSES = data.SYNTHETIC_CLASSES
-_LEARNING_RATE = 0.01  # Plain SGD with momentum: one slot per variable.
-_MOMENTUM = 0.9
-# MirroredStrategy's cross-device ops by device type; NCCL needs GPUs.
-_CROSS_DEVICE_OPS = {
-    'CPU': {'reduce_to_one_device': tf.distribute.ReductionToOneDevice},
-    'GPU': {'nccl': tf.distribute.NcclAllReduce,
-            'hierarchical_copy': tf.distribute.HierarchicalCopyAllReduce,
-            'reduce_to_one_device': tf.distribute.ReductionToOneDevice},
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +43,7 @@ class BenchConfig:
     model: a registered model name.
     batch_size: examples per clone per step; the global batch is
       batch_size * num_clones for every variant.
-    num_clones: clones (replicas) of the multi-device variants.
+    num_clones: clones (tf.distribute replicas) of the multi-device variants.
     clone_on_cpu: clones on logical CPUs instead of GPUs.
     xla: compile with XLA where the variant can (not the tf.distribute
       ones, which run without it and say so).
@@ -85,174 +65,12 @@ class BenchConfig:
   sweep_clones: Tuple[int, ...] = ()
 
   def __post_init__(self):
-    if self.model not in models.names():
-      raise ValueError(f'model={self.model!r}: choose one of '
-                       f'{models.names()}.')
+    models.check(self.model)
     for name in ('batch_size', 'num_clones', 'rounds', 'steps_per_round',
                  'warmup_steps'):
-      if getattr(self, name) < 1:
-        raise ValueError(f'{name}={getattr(self, name)}: must be >= 1.')
-    if any(n < 1 for n in self.sweep_clones):
-      raise ValueError(f'sweep_clones={self.sweep_clones}: counts must be '
-                       '>= 1.')
-
-
-@dataclasses.dataclass
-class Variant:
-  """One way to run the step: `step()` runs it on its own batch."""
-  name: str
-  step: Callable[[], tf.Tensor]
-  trace_count: Callable[[], int]
-  xla: bool
-
-
-class _OneDevice(deploy.DeploymentConfig):
-  """A deployment whose clones all run on clone 0's device."""
-
-  def clone_device(self, clone_index):
-    self._check_clone_index(clone_index)
-    return super().clone_device(0)
-
-
-def _policy(config):
-  if not config.mixed_precision:
-    return None
-  return 'mixed_bfloat16' if config.clone_on_cpu else 'mixed_float16'
-
-
-def _build(config):
-  """A fresh model (seeded: every variant starts alike) and optimizer."""
-  keras.utils.set_random_seed(0)
-  model = models.get_model(config.model, input_shape=INPUT_SHAPE,
-                           num_classes=NUM_CLASSES,
-                           dtype_policy=_policy(config))
-  optimizer = keras.optimizers.SGD(_LEARNING_RATE, momentum=_MOMENTUM)
-  if _policy(config) == 'mixed_float16':
-    optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-  return model, optimizer
-
-
-def _batch(rows, device, seed=0):
-  with tf.device(device):
-    images = tf.random.stateless_uniform((rows, *INPUT_SHAPE), seed=[seed, 0])
-    labels = tf.random.stateless_uniform((rows,), seed=[seed, 1],
-                                         maxval=NUM_CLASSES, dtype=tf.int32)
-  return images, labels
-
-
-def _loss():
-  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _plain_step(model, optimizer, loss_fn, xla):
-  """One device's step: forward, mean loss, gradient, update."""
-  def step(images, labels):
-    with tf.GradientTape() as tape:
-      loss = loss_fn(labels, model(images, training=True))
-      scale = deploy.loss_scale_of(optimizer)
-      scaled = loss if scale is None else loss * scale
-    gradients = tape.gradient(scaled, model.trainable_variables)
-    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-    return loss
-  return tf.function(step, jit_compile=xla)
-
-
-def _single(config, deploy_config):
-  device = deploy_config.clone_device(0)
-  with tf.device(device):
-    model, optimizer = _build(config)
-    optimizer.build(model.trainable_variables)
-  step = _plain_step(model, optimizer, _loss(), config.xla)
-  images, labels = _batch(config.batch_size * config.num_clones, device)
-  return Variant('single', lambda: step(images, labels),
-                 step.experimental_get_tracing_count, config.xla)
-
-
-def _towers(name, config, deploy_config):
-  with tf.device(deploy_config.variables_device()):
-    model, optimizer = _build(config)
-  deployed = deploy.deploy(deploy_config, model, _loss(), optimizer,
-                           jit_compile=config.xla)
-  images, labels = _batch(config.batch_size * deploy_config.num_clones,
-                          deploy_config.inputs_device())
-  return Variant(name, lambda: deployed.train_step(images, labels),
-                 lambda: deployed.trace_count, config.xla)
-
-
-def _independent(config, deploy_config):
-  """Each clone trains its own model on its own shard; nothing is combined."""
-  steps, batches = [], []
-  for device in deploy_config.clone_devices():
-    with tf.device(device):
-      model, optimizer = _build(config)
-      optimizer.build(model.trainable_variables)
-    steps.append((device, _plain_step(model, optimizer, _loss(), config.xla)))
-    batches.append(_batch(config.batch_size, device))
-
-  @tf.function
-  def step():
-    losses = []
-    for (device, clone_step), (images, labels) in zip(steps, batches):
-      with tf.device(device):
-        losses.append(clone_step(images, labels))
-    return tf.add_n(losses)
-  return Variant('independent', step, step.experimental_get_tracing_count,
-                 config.xla)
-
-
-def _distributed(name, strategy_name, config, strategy):
-  with strategy.scope():
-    model, optimizer = _build(config)
-  distribute.check_supported(strategy_name, model,
-                             strategy.num_replicas_in_sync)
-  trainer = distribute.DistributedModel(strategy, model, _loss(), optimizer)
-  replicas = strategy.extended.worker_devices
-  shards = [_batch(config.batch_size, device) for device in replicas]
-  images, labels = (strategy.experimental_distribute_values_from_function(
-      lambda ctx, k=k: shards[ctx.replica_id_in_sync_group][k])
-                    for k in (0, 1))
-  return Variant(name, lambda: trainer.train_step(images, labels),
-                 lambda: trainer.trace_count, xla=False)
-
-
-def _variants(config):
-  """(variants, {skipped name: reason}) for the devices present."""
-  deploy_config = deploy.DeploymentConfig(num_clones=config.num_clones,
-                                          clone_on_cpu=config.clone_on_cpu)
-  device_type = 'CPU' if config.clone_on_cpu else 'GPU'
-  builders = [
-      ('single', lambda: _single(config, deploy_config)),
-      ('towers', lambda: _towers('towers', config, deploy_config)),
-      ('towers_one_device', lambda: _towers(
-          'towers_one_device', config,
-          _OneDevice(num_clones=config.num_clones,
-                     clone_on_cpu=config.clone_on_cpu))),
-      ('independent', lambda: _independent(config, deploy_config)),
-  ]
-  if not config.clone_on_cpu:
-    builders.append(('towers_gpu_vars', lambda: _towers(
-        'towers_gpu_vars', config, deploy.DeploymentConfig(
-            num_clones=config.num_clones, variables_device='/gpu:0'))))
-  for op_name, op in _CROSS_DEVICE_OPS[device_type].items():
-    def mirrored(op_name=op_name, op=op):
-      kwargs = dict(reduce_to_device=deploy_config.optimizer_device()) if (
-          op is tf.distribute.ReductionToOneDevice) else {}
-      return _distributed(f'mirrored_{op_name}', distribute.MIRRORED, config,
-                          distribute.make_strategy(
-                              distribute.MIRRORED, deploy_config,
-                              cross_device_ops=op(**kwargs)))
-    builders.append((f'mirrored_{op_name}', mirrored))
-  builders.append(('central_storage', lambda: _distributed(
-      'central_storage', distribute.CENTRAL_STORAGE, config,
-      distribute.make_strategy(distribute.CENTRAL_STORAGE, deploy_config))))
-  variants, skipped = [], {}
-  for name, build in builders:
-    try:
-      variants.append(build())
-    except distribute.UnsupportedError as e:
-      skipped[name] = str(e)
-      logging.warning('skipping %s: %s', name, e)
-  return variants, skipped
+      errors.check_count(name, getattr(self, name), 1)
+    for count in self.sweep_clones:
+      errors.check_count('sweep_clones', count, 1)
 
 
 def _run_steps(variant, steps):
@@ -307,13 +125,27 @@ def _summary(rates, reference):
 
 def compare(config):
   """Times every variant; returns the report as a dict."""
-  variants, skipped = _variants(config)
+  variants, skipped = bench_variants.build_variants(config)
   first_step = _warm_up(variants, config)
   rates = time_variants(variants, config)
+  return summarize(rates, first_step, {v.name: v.xla for v in variants},
+                   skipped)
+
+
+def summarize(rates, first_step, xla, skipped):
+  """The comparison report from each variant's per-round images/sec.
+
+  Args:
+    rates: {variant: [images/sec of each round]}; 'single', 'towers' and
+      'independent' among them.
+    first_step: {variant: seconds of its first (tracing) step}.
+    xla: {variant: whether it ran with XLA}.
+    skipped: {variant: why it was not run}.
+  """
   reference = statistics.median(rates['single'])
-  report = {name: dict(_summary(r, reference), xla=v.xla,
+  report = {name: dict(_summary(r, reference), xla=xla[name],
                        first_step_seconds=first_step[name])
-            for v in variants for name, r in [(v.name, rates[v.name])]}
+            for name, r in rates.items()}
   towers = report['towers']['images_per_sec_median']
   independent = report['independent']['images_per_sec_median']
   return {
@@ -331,9 +163,7 @@ def sweep(config):
   rows = []
   for num_clones in config.sweep_clones:
     sub = dataclasses.replace(config, num_clones=num_clones)
-    deploy_config = deploy.DeploymentConfig(num_clones=num_clones,
-                                            clone_on_cpu=config.clone_on_cpu)
-    variant = _towers('towers', sub, deploy_config)
+    variant = bench_variants.towers(sub)
     first_step = _warm_up([variant], sub)['towers']
     rates = time_variants([variant], sub)['towers']
     rows.append({'num_clones': num_clones,
@@ -352,7 +182,8 @@ def environment():
   gpus = tf.config.list_physical_devices('GPU')
   details = [tf.config.experimental.get_device_details(g).get('device_name')
              for g in gpus]
-  return {'date': time.strftime('%Y-%m-%d'), 'python': platform.python_version(),
+  return {'date': time.strftime('%Y-%m-%d'),
+          'python': platform.python_version(),
           'tensorflow': tf.__version__, 'keras': keras.__version__,
           'numpy': np.__version__, 'machine': platform.machine(),
           'processor': platform.processor(), 'cpu_count': os.cpu_count(),
@@ -406,9 +237,9 @@ def write_chart(rows, path):
     ImportError: matplotlib is missing (pip install -e ".[chart]").
   """
   try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
+    import matplotlib
     matplotlib.use('Agg')
-    from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+    from matplotlib import pyplot
   except ImportError as e:
     raise ImportError('--chart needs matplotlib: pip install -e ".[chart]"'
                       ) from e
@@ -462,7 +293,7 @@ def main(argv=None):
         rounds=args.rounds, steps_per_round=args.steps_per_round,
         warmup_steps=args.warmup_steps, sweep_clones=sweep_clones)
     if args.chart and not args.sweep:
-      raise ValueError('--chart draws the sweep: add --sweep.')
+      raise errors.ConfigError('--chart draws the sweep: add --sweep.')
     if args.clone_on_cpu:
       devices.create_logical_cpus(max((args.num_clones,) + sweep_clones))
     elif args.split_gpu:
@@ -470,7 +301,7 @@ def main(argv=None):
     devices.check_devices_exist(deploy.DeploymentConfig(
         num_clones=max((args.num_clones,) + sweep_clones),
         clone_on_cpu=args.clone_on_cpu).clone_devices())
-  except ValueError as e:
+  except errors.UserError as e:
     sys.exit(f'tfmulti.bench: error: {e}')
   report = run(config)
   print(format_report(report))

@@ -19,16 +19,14 @@ import threading
 import tensorflow as tf
 from absl import logging
 
+from tfmulti import errors
+
 CHECKPOINT_NAME = 'ckpt'
 
 # Where a run stands: `step` global steps done; `epoch` (0-based) is in
 # progress and `epoch_examples` of its examples have been trained on.
 Position = collections.namedtuple('Position',
                                   ['step', 'epoch', 'epoch_examples'])
-
-
-class CheckpointMismatchError(ValueError):
-  """A checkpoint in model_dir does not fit the model being trained."""
 
 
 class Checkpointer:
@@ -68,7 +66,7 @@ class Checkpointer:
     """Restores the latest checkpoint; returns its `Position` (or None).
 
     Raises:
-      CheckpointMismatchError: the checkpoint holds a different model or
+      errors.CheckpointMismatchError: the checkpoint holds a different model or
         optimizer (another model, dataset or optimizer flag).
     """
     path = tf.train.latest_checkpoint(self._restore_directory)
@@ -77,7 +75,7 @@ class Checkpointer:
     try:
       self._checkpoint.restore(path).assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
-      raise CheckpointMismatchError(
+      raise errors.CheckpointMismatchError(
           f'checkpoint {path} does not fit this model and optimizer ({e}). '
           'Resume with the flags that wrote it, or pass a new --model_dir.'
       ) from e

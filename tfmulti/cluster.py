@@ -21,11 +21,9 @@ import tempfile
 
 import tensorflow as tf
 
+from tfmulti import errors
+
 TF_CONFIG = 'TF_CONFIG'
-
-
-class ClusterError(ValueError):
-  """TF_CONFIG is missing, malformed, or disagrees with the flags."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +32,7 @@ class Cluster:
 
   Attributes:
     workers: the addresses of every training task, chief first.
-    index: this task's position in `workers` (its replica_id).
+    index: this task's position in `workers` (its worker index).
     is_chief: whether this task writes the outputs.
   """
   workers: tuple
@@ -55,13 +53,13 @@ def from_environment(environ=None):
   """The `Cluster` described by TF_CONFIG.
 
   Raises:
-    ClusterError: TF_CONFIG is unset or malformed, names parameter servers,
-      or puts this task outside the cluster.
+    errors.ClusterError: TF_CONFIG is unset or malformed, names parameter
+      servers, or puts this task outside the cluster.
   """
   environ = os.environ if environ is None else environ
   raw = environ.get(TF_CONFIG)
   if not raw:
-    raise ClusterError(
+    raise errors.ClusterError(
         'strategy=multi_worker needs TF_CONFIG, e.g. {"cluster": {"worker": '
         '["host0:12345", "host1:12345"]}, "task": {"type": "worker", '
         '"index": 0}}; see the README.')
@@ -70,30 +68,32 @@ def from_environment(environ=None):
     jobs, task = config['cluster'], config['task']
     task_type, task_index = task['type'], int(task['index'])
   except (ValueError, KeyError, TypeError) as e:
-    raise ClusterError(f'TF_CONFIG={raw!r} is not a cluster: it needs '
+    raise errors.ClusterError(f'TF_CONFIG={raw!r} is not a cluster: it needs '
                        '"cluster" and "task" with "type" and "index".') from e
   if 'ps' in jobs:
-    raise ClusterError(
+    raise errors.ClusterError(
         f'TF_CONFIG names parameter servers ({jobs["ps"]}): tfmulti does not '
         'run ParameterServerStrategy (see the README); drop the "ps" job.')
   chiefs, workers = list(jobs.get('chief', [])), list(jobs.get('worker', []))
   addresses = tuple(chiefs + workers)
   position = {'chief': 0, 'worker': len(chiefs)}.get(task_type)
   if position is None or not 0 <= task_index < len(jobs.get(task_type, [])):
-    raise ClusterError(
+    raise errors.ClusterError(
         f'TF_CONFIG task {task!r} is not in the cluster {jobs}; its type is '
         '"chief" or "worker" and its index one of that job\'s positions.')
   return Cluster(addresses, position + task_index, position + task_index == 0)
 
 
-def check_flags(cluster, num_replicas, replica_id):
-  """Raises `ClusterError` if flags given disagree with TF_CONFIG."""
-  if num_replicas not in (None, cluster.num_workers):
-    raise ClusterError(f'--num_replicas={num_replicas}, but TF_CONFIG has '
-                       f'{cluster.num_workers} workers; leave it unset.')
-  if replica_id not in (None, cluster.index):
-    raise ClusterError(f'--replica_id={replica_id}, but TF_CONFIG makes this '
-                       f'task worker {cluster.index}; leave it unset.')
+def check_flags(cluster, num_workers, worker_index):
+  """Raises `errors.ClusterError` if flags given disagree with TF_CONFIG."""
+  if num_workers not in (None, cluster.num_workers):
+    raise errors.ClusterError(
+        f'--num_workers={num_workers}, but TF_CONFIG has '
+        f'{cluster.num_workers} workers; leave it unset.')
+  if worker_index not in (None, cluster.index):
+    raise errors.ClusterError(
+        f'--worker_index={worker_index}, but TF_CONFIG makes this task worker '
+        f'{cluster.index}; leave it unset.')
 
 
 class _OneReplicaPerWorker(

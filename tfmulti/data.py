@@ -22,7 +22,8 @@ from urllib import parse
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfmulti import digits  # pylint: disable=unused-import  (registers it)
+from tfmulti import digits  # noqa: F401  (registers the TFDS builder)
+from tfmulti import errors
 
 DOWNLOADABLE = ('mnist', 'fashion_mnist', 'cifar10')
 DATASETS = ('digits',) + DOWNLOADABLE + ('synthetic',)
@@ -34,10 +35,6 @@ SYNTHETIC_SHAPE = (32, 32, 3)
 SYNTHETIC_CLASSES = 10
 SYNTHETIC_TRAIN_EXAMPLES = 10_240
 SYNTHETIC_TEST_EXAMPLES = 1_024
-
-
-class DatasetUnavailableError(RuntimeError):
-  """A dataset has no prepared copy and cannot be downloaded here."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +69,7 @@ def _check_reachable(name, data_dir):
       socket.create_connection((parts.hostname, port),
                                timeout=_PROBE_TIMEOUT_S).close()
     except OSError as e:
-      raise DatasetUnavailableError(
+      raise errors.DatasetUnavailableError(
           f'dataset {name!r} is not prepared in {builder.data_dir} and its '
           f'server {parts.hostname}:{port} cannot be reached ({e}). On a '
           f'machine with network run `tfds build {name} --data_dir=DIR`, '
@@ -165,18 +162,17 @@ def load(name, *, global_batch_size, data_dir=None, seed=0):
     A `Data`.
 
   Raises:
-    ValueError: unknown `name`, or a batch larger than the train split.
-    DatasetUnavailableError: not prepared and not downloadable here.
+    errors.ConfigError: unknown `name`, or a batch larger than the train
+      split.
+    errors.DatasetUnavailableError: not prepared and not downloadable here.
   """
-  if name not in DATASETS:
-    raise ValueError(f'dataset={name!r} is not known; choose one of '
-                     f'{DATASETS}.')
+  errors.check_choice('dataset', name, DATASETS)
   if name == 'synthetic':
     data = _synthetic(global_batch_size, seed)
   else:
     data = _from_tfds(name, global_batch_size, data_dir, seed)
   if data.train_examples < global_batch_size:
-    raise ValueError(
+    raise errors.ConfigError(
         f'the global batch of {global_batch_size} is larger than the '
         f'{data.train_examples} training examples of {name!r}; lower '
         'batch_size or num_clones.')

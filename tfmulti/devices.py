@@ -1,11 +1,15 @@
 """Runtime device checks, and logical CPU devices for clones on one CPU.
 
 `DeploymentConfig` writes every device string; this module only reads them
-and compares them with what the TensorFlow runtime has.
+and compares them with what the TensorFlow runtime has. `place_clones`
+decides, before TensorFlow initialises, whether the clones of a command-line
+run go to GPUs or to logical CPUs.
 """
 
 import tensorflow as tf
 from absl import logging
+
+from tfmulti import errors
 
 _LOGICAL_CPU_HINT = (
     'create logical CPU devices before TensorFlow initialises, e.g. '
@@ -27,11 +31,10 @@ def create_logical_cpus(count):
     count: how many logical CPU devices to create, >= 1.
 
   Raises:
-    ValueError: `count` < 1.
+    errors.ConfigError: `count` < 1.
     RuntimeError: the runtime is already initialised with fewer devices.
   """
-  if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-    raise ValueError(f'count={count!r}: must be an integer >= 1.')
+  errors.check_count('count', count, 1)
   cpu = tf.config.list_physical_devices('CPU')[0]
   configured = tf.config.get_logical_device_configuration(cpu) or []
   if len(configured) >= count:  # Never shrink what an earlier call set up.
@@ -57,16 +60,15 @@ def split_gpu(count, memory_mb):
   GPUs share the GPU's compute. Must run before TensorFlow initialises.
 
   Raises:
-    ValueError: no GPU, or a bad count or size.
+    errors.DeviceError: no GPU, or a bad count or size.
     RuntimeError: TensorFlow is already initialised.
   """
-  if count < 1 or memory_mb < 1:
-    raise ValueError(f'count={count}, memory_mb={memory_mb}: both must be '
-                     '>= 1.')
+  errors.check_count('count', count, 1)
+  errors.check_count('memory_mb', memory_mb, 1)
   gpus = tf.config.list_physical_devices('GPU')
   if not gpus:
-    raise ValueError(f'cannot split a GPU into {count}: this machine has no '
-                     'GPU.')
+    raise errors.DeviceError(f'cannot split a GPU into {count}: this machine '
+                             'has no GPU.')
   try:
     tf.config.set_logical_device_configuration(
         gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_mb)
@@ -76,6 +78,46 @@ def split_gpu(count, memory_mb):
         f'cannot split GPU 0 into {count}: TensorFlow is already '
         'initialised; split it before any op runs.') from e
   logging.info('Split GPU 0 into %d logical GPUs of %d MB.', count, memory_mb)
+
+
+def place_clones(num_clones, *, clone_on_cpu, variables_gpu=None):
+  """Where a command-line run's clones go; call it before TensorFlow starts.
+
+  It counts physical GPUs only (that does not initialise the runtime), then
+  creates logical CPUs if the clones go there, so a multi-worker strategy
+  can still be created afterwards.
+
+  Args:
+    num_clones: clones asked for.
+    clone_on_cpu: clones on logical CPUs, asked for explicitly.
+    variables_gpu: the index N of `--variables_device=gpu:N`, or None.
+
+  Returns:
+    Whether the clones run on (logical) CPUs: asked for, or the one clone of
+    a machine without a GPU (logged).
+
+  Raises:
+    errors.DeviceError: more clones than GPUs, or a variables GPU that this
+      machine lacks; the message names the flag and the fix.
+  """
+  gpus = len(tf.config.list_physical_devices('GPU'))
+  if variables_gpu is not None and variables_gpu >= gpus:
+    raise errors.DeviceError(
+        f'--variables_device=gpu:{variables_gpu}: this machine has {gpus} '
+        'GPU(s); use --variables_device=cpu' +
+        (f' or gpu:N with N < {gpus}.' if gpus else '.'))
+  if not clone_on_cpu and gpus == 0 and num_clones == 1:
+    logging.info('no GPU found: the clone runs on the CPU (CPU:0)')
+    clone_on_cpu = True
+  if clone_on_cpu:
+    create_logical_cpus(num_clones)
+    return True
+  if num_clones > gpus:
+    raise errors.DeviceError(
+        f'--num_clones={num_clones} needs as many GPUs, and this machine has '
+        f'{gpus}; add --clone_on_cpu to run the clones on logical CPU '
+        'devices, or lower --num_clones.')
+  return False
 
 
 def _matches(wanted, available):
@@ -101,7 +143,7 @@ def missing_devices(device_names):
 
 
 def check_devices_exist(device_names):
-  """Raises `ValueError` naming every device that does not exist.
+  """Raises `DeviceError` naming every device that does not exist.
 
   TensorFlow would otherwise fail at the first step (with soft placement
   off) or quietly run on another device (with it on).
@@ -109,7 +151,7 @@ def check_devices_exist(device_names):
   missing = missing_devices(device_names)
   if missing:
     have = [d.name for d in tf.config.list_logical_devices()]
-    raise ValueError(
+    raise errors.DeviceError(
         f'devices {missing} do not exist (this runtime has {have}). For '
         f'clones on one CPU, {_LOGICAL_CPU_HINT}; for GPUs, lower num_clones '
         'to the number of GPUs.')
@@ -127,12 +169,12 @@ def device_of(variable):
 
 
 def check_placement(variables, device):
-  """Raises `ValueError` if any of `variables` is not on `device`."""
+  """Raises `DeviceError` if any of `variables` is not on `device`."""
   wanted = tf.DeviceSpec.from_string(device)
   misplaced = [(getattr(v, 'path', v.name), device_of(v)) for v in variables
                if not _matches(wanted, tf.DeviceSpec.from_string(device_of(v)))]
   if misplaced:
-    raise ValueError(
+    raise errors.DeviceError(
         f'variables {misplaced} are not on the variables device {device!r}; '
         'create the model and the optimizer under '
         'tf.device(config.variables_device()).')

@@ -20,7 +20,8 @@ _SPLIT_SEED = 0  # Fixed: the split is part of the dataset's definition.
 
 def _images_and_labels():
   """All 1,797 images as uint8 (N, 28, 28, 1), and their labels."""
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  # Imported here: scikit-learn is needed only to prepare the dataset once.
+  from sklearn import datasets
   digits = datasets.load_digits()
   images = digits.images[..., np.newaxis] * (255.0 / _MAX_VALUE)
   images = tf.image.resize(images, (_DIGIT_SIZE, _DIGIT_SIZE), 'bilinear')
@@ -32,7 +33,7 @@ def _images_and_labels():
 
 def _split_indices(labels):
   """{'train': indices, 'test': indices}: stratified by label, fixed."""
-  from sklearn import model_selection  # pylint: disable=g-import-not-at-top
+  from sklearn import model_selection
   train, test = model_selection.train_test_split(
       np.arange(len(labels)), test_size=TEST_EXAMPLES, stratify=labels,
       random_state=_SPLIT_SEED)

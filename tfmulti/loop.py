@@ -1,16 +1,18 @@
 """The training loop: steps, progress, summaries, checkpoints, evaluation.
 
-It drives any trainer with the shared contract (`deploy.DeployedModel` or
-`distribute.DistributedModel`) from a checkpoint position to the last global
-step. Step losses are read back to the host once per progress line or
-checkpoint, not once per step, so the host does not wait for every step;
-the loss of each step is still checked, and a NaN or Inf stops training
-before any checkpoint holds it.
+It drives any `trainer.Trainer` (every path implements it; tests use a fake
+one) from a checkpoint position to the last global step. Step losses are
+read back to the host once per progress line or checkpoint, not once per
+step, so the host does not wait for every step; the loss of each step is
+still checked, and a NaN or Inf stops training before any checkpoint holds
+it.
 """
 
+import collections
 import contextlib
 import dataclasses
 import time
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -18,12 +20,14 @@ from absl import logging
 
 from tfmulti import checkpoints
 from tfmulti import data
-from tfmulti import schedules
+from tfmulti import errors
 from tfmulti import summaries as summaries_lib
+from tfmulti import trainer as trainer_lib
 
-
-class NonFiniteLossError(RuntimeError):
-  """The loss became NaN or infinite; training stopped before saving it."""
+# What `train` ends with: the final `checkpoints.Position`, the last
+# evaluation ({'accuracy', 'loss'}) and the run's `Progress` (timing).
+Outcome = collections.namedtuple('Outcome',
+                                 ['position', 'evaluation', 'progress'])
 
 
 class TrainingInterrupted(Exception):
@@ -120,30 +124,28 @@ class Progress:
                  time.strftime('%H:%M:%S', time.gmtime(eta)))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Run:
   """What the loop works with, built once per run by `train_lib`.
 
   Attributes:
-    trainer: a `deploy.DeployedModel` or `distribute.DistributedModel`.
+    trainer: any `trainer.Trainer`.
     dataset: the `data.Data` to train and evaluate on.
-    loss_fn: the loss, for evaluation.
-    schedule: the learning-rate schedule (for the summaries).
+    loss_fn: `loss_fn(labels, logits)`, for evaluation.
+    schedule: the learning rate of a 0-based step (for the summaries).
     checkpointer: saves and restores the run.
     summaries: TensorBoard writer.
-    progress: progress lines and timing.
-    global_batch_size: rows per step.
+    global_batch_size: rows per step, of the whole job.
     total_steps: the last global step.
     log_every_steps: steps between progress lines and summaries.
     checkpoint_steps: steps between checkpoints.
   """
-  trainer: object
+  trainer: trainer_lib.Trainer
   dataset: data.Data
-  loss_fn: object
-  schedule: schedules.Schedule
+  loss_fn: Callable
+  schedule: Callable
   checkpointer: checkpoints.Checkpointer
   summaries: summaries_lib.Summaries
-  progress: Progress
   global_batch_size: int
   total_steps: int
   log_every_steps: int
@@ -156,7 +158,7 @@ def _read_losses(run, last_step, pending):
   for offset, loss in enumerate(losses):
     if not np.isfinite(loss):
       step = last_step - len(losses) + 1 + offset
-      raise NonFiniteLossError(
+      raise errors.NonFiniteLossError(
           f'the loss is {loss} at step {step}; training stopped without '
           f'saving it. The latest checkpoint ({run.checkpointer.latest}) '
           'holds the last good state; lower --learning_rate or add '
@@ -164,7 +166,7 @@ def _read_losses(run, last_step, pending):
   return losses
 
 
-def _train_epoch(run, position, signals):
+def _train_epoch(run, position, signals, progress):
   """Trains on the rest of epoch `position.epoch`; returns the new position."""
   step, epoch, examples = position
   batches = run.dataset.train_epoch(
@@ -179,14 +181,14 @@ def _train_epoch(run, position, signals):
     stop = signals.received  # Read once: a signal may land at any line.
     log = step % run.log_every_steps == 0 or step == run.total_steps
     save = step % run.checkpoint_steps == 0 or stop
-    if not (log or save or run.progress.steps_run == 0):
+    if not (log or save or progress.steps_run == 0):
       continue
-    run.progress.record(step, _read_losses(run, step, pending), epoch)
+    progress.record(step, _read_losses(run, step, pending), epoch)
     pending = []
     if log:
       run.summaries.train(step, outputs,
                           learning_rate=run.schedule(step - 1),
-                          images_per_sec=run.progress.images_per_sec)
+                          images_per_sec=progress.images_per_sec)
       if outputs.gradients:
         run.summaries.gradients(step, outputs.gradients)
     if save:
@@ -195,15 +197,15 @@ def _train_epoch(run, position, signals):
       raise TrainingInterrupted(stop, step, run.checkpointer.latest,
                                 signals.exit_code)
   if pending:
-    run.progress.record(step, _read_losses(run, step, pending), epoch)
+    progress.record(step, _read_losses(run, step, pending), epoch)
   steps_per_epoch = run.dataset.train_examples // run.global_batch_size
   if examples >= steps_per_epoch * run.global_batch_size:
     return checkpoints.Position(step, epoch + 1, 0)
   return checkpoints.Position(step, epoch, examples)
 
 
-def _evaluate(run, step):
-  with run.progress.paused():
+def _evaluate(run, step, progress):
+  with progress.paused():
     evaluation = evaluate(run.trainer, run.dataset.test, run.loss_fn)
   run.summaries.evaluation(step, evaluation)
   logging.info('step %d: eval accuracy %.4f, eval loss %.4f', step,
@@ -217,16 +219,19 @@ def train(run, position):
   SIGTERM or SIGINT stops it after the current step with a checkpoint.
 
   Returns:
-    (the final `checkpoints.Position`, the last evaluation).
+    An `Outcome`.
 
   Raises:
     TrainingInterrupted: after the checkpoint a signal asked for.
-    NonFiniteLossError: a step's loss was NaN or infinite.
+    errors.NonFiniteLossError: a step's loss was NaN or infinite.
   """
+  progress = Progress(run.total_steps, run.global_batch_size,
+                      run.log_every_steps)
   evaluation = None
   with checkpoints.StopSignals() as signals:
     while position.step < run.total_steps:
-      position = _train_epoch(run, position, signals)
-      evaluation = _evaluate(run, position.step)
+      position = _train_epoch(run, position, signals, progress)
+      evaluation = _evaluate(run, position.step, progress)
   run.checkpointer.save(position)
-  return position, evaluation or _evaluate(run, position.step)
+  return Outcome(position, evaluation or _evaluate(run, position.step,
+                                                   progress), progress)

@@ -13,6 +13,8 @@ import math
 import keras
 import tensorflow as tf
 
+from tfmulti import errors
+
 CONSTANT = 'constant'
 COSINE = 'cosine'
 STEP = 'step'
@@ -32,8 +34,7 @@ def peak_learning_rate(learning_rate, scaling, num_clones):
   Linear scaling (Goyal et al. 2017): a global batch k times larger takes a
   k times larger step, so that an epoch moves the weights as far.
   """
-  if scaling not in LR_SCALINGS:
-    raise ValueError(f'lr_scaling={scaling!r}: choose one of {LR_SCALINGS}.')
+  errors.check_choice('lr_scaling', scaling, LR_SCALINGS)
   return learning_rate * (num_clones if scaling == LINEAR else 1)
 
 
@@ -50,17 +51,14 @@ class Schedule(keras.optimizers.schedules.LearningRateSchedule):
   """
 
   def __init__(self, peak, total_steps, *, kind=CONSTANT, warmup_steps=0):
-    if kind not in LR_SCHEDULES:
-      raise ValueError(f'lr_schedule={kind!r}: choose one of '
-                       f'{LR_SCHEDULES}.')
-    if not peak > 0:
-      raise ValueError(f'learning rate {peak!r}: must be > 0.')
-    if total_steps < 1:
-      raise ValueError(f'total_steps={total_steps}: must be >= 1.')
+    errors.check_choice('lr_schedule', kind, LR_SCHEDULES)
+    errors.check_positive('learning_rate', peak)
+    errors.check_count('total_steps', total_steps, 1)
     if not 0 <= warmup_steps < total_steps:
-      raise ValueError(f'warmup_steps={warmup_steps} must be in '
-                       f'[0, total_steps={total_steps}); shorten the warm-up '
-                       'or train longer.')
+      raise errors.ConfigError(
+          f'warmup_steps={warmup_steps} must be in [0, total_steps='
+          f'{total_steps}): the run has {total_steps} global steps; shorten '
+          'the warm-up or train longer.')
     self.peak = float(peak)
     self.total_steps = int(total_steps)
     self.kind = kind

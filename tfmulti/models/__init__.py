@@ -8,6 +8,7 @@ there.
 
 import keras
 
+from tfmulti import errors
 from tfmulti.models.lenet import lenet
 from tfmulti.models.resnet import resnet18, resnet20, resnet8_thin
 
@@ -30,6 +31,17 @@ def has_batch_norm(name):
   return name in _WITH_BATCH_NORM
 
 
+def check(name, *, synchronized_batch_norm=False):
+  """Raises `ConfigError` for an unknown name, or synchronized BatchNorm
+  asked of a model without BatchNorm."""
+  errors.check_choice('model', name, names())
+  if synchronized_batch_norm and not has_batch_norm(name):
+    raise errors.ConfigError(
+        f'model={name!r} has no BatchNorm to synchronize; drop '
+        f'synchronized_batch_norm (--sync_batch_norm) or pick one of '
+        f'{_WITH_BATCH_NORM}.')
+
+
 def get_model(name, *, input_shape, num_classes, dtype_policy=None,
               synchronized_batch_norm=False):
   """Builds the registered model `name`.
@@ -48,18 +60,12 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
     A functional `keras.Model`.
 
   Raises:
-    ValueError: `name` is not registered, or synchronized BatchNorm is asked
-      of a model without BatchNorm.
+    errors.ConfigError: `name` is not registered, or synchronized BatchNorm
+      is asked of a model without BatchNorm.
   """
-  if name not in _FACTORIES:
-    raise ValueError(f'model={name!r} is not registered; choose one of '
-                     f'{names()}.')
+  check(name, synchronized_batch_norm=synchronized_batch_norm)
   options = {}
   if synchronized_batch_norm:
-    if name not in _WITH_BATCH_NORM:
-      raise ValueError(f'model={name!r} has no BatchNorm to synchronize; '
-                       'drop synchronized_batch_norm or pick one of '
-                       f'{_WITH_BATCH_NORM}.')
     options['synchronized_batch_norm'] = True
   previous = keras.config.dtype_policy()
   try:

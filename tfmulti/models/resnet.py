@@ -5,6 +5,8 @@ import functools
 import keras
 from keras import layers
 
+from tfmulti import errors
+
 # BatchNorm's moving averages keep 0.9 of the old value per step: PyTorch's
 # default (momentum=0.1), which D2L and He et al.'s Torch code trained with.
 # Keras's 0.99 averages over ~100 steps and lags the weights in short runs,
@@ -55,9 +57,10 @@ def resnet18(input_shape, num_classes, *, synchronized_batch_norm=False):
 
 def _cifar_block(x, filters, strides, regularizer, batch_norm):
   """He et al.'s basic block with the parameter-free shortcut (option A)."""
-  conv = lambda s: layers.Conv2D(filters, 3, strides=s, padding='same',
-                                 use_bias=False, kernel_initializer='he_normal',
-                                 kernel_regularizer=regularizer)
+  def conv(strides):
+    return layers.Conv2D(filters, 3, strides=strides, padding='same',
+                         use_bias=False, kernel_initializer='he_normal',
+                         kernel_regularizer=regularizer)
   y = layers.ReLU()(batch_norm()(conv(strides)(x)))
   y = batch_norm()(conv(1)(y))
   if strides > 1 or x.shape[-1] != filters:
@@ -87,10 +90,10 @@ def cifar_resnet(input_shape, num_classes, *, depth=20, width=16,
     A functional `keras.Model` mapping images to logits.
 
   Raises:
-    ValueError: `depth` is not 6n + 2.
+    errors.ConfigError: `depth` is not 6n + 2.
   """
   if depth < 8 or (depth - 2) % 6:
-    raise ValueError(f'depth={depth}: a CIFAR ResNet has 6n + 2 layers '
+    raise errors.ConfigError(f'depth={depth}: a CIFAR ResNet has 6n + 2 layers '
                      '(8, 20, 32, ...).')
   regularizer = keras.regularizers.L2(weight_decay) if weight_decay else None
   batch_norm = functools.partial(layers.BatchNormalization,

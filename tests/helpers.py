@@ -1,0 +1,74 @@
+"""What several test modules share: a tiny model, batches, readers."""
+
+import glob
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmulti import deploy
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+L2 = 0.01  # Weight decay of the equivalence model, so regularization counts.
+
+
+def mlp(seed=0, batch_norm=False, dropout=False, synchronized=False,
+        dtype=None):
+  """A small functional model: 6 features -> 3 classes, with L2."""
+  keras.utils.set_random_seed(seed)
+  inputs = keras.Input((6,))
+  x = keras.layers.Dense(16, activation='tanh', dtype=dtype,
+                         kernel_regularizer=keras.regularizers.L2(L2))(inputs)
+  if batch_norm:
+    x = keras.layers.BatchNormalization(synchronized=synchronized)(x)
+  if dropout:
+    x = keras.layers.Dropout(0.5)(x)
+  outputs = keras.layers.Dense(
+      3, kernel_regularizer=keras.regularizers.L2(L2), dtype=dtype)(x)
+  return keras.Model(inputs, outputs)
+
+
+def make_loss():
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def make_batch(rows, seed=1):
+  """`rows` random (features, labels) for `mlp`."""
+  rng = np.random.default_rng(seed)
+  images = rng.normal(size=(rows, 6)).astype(np.float32)
+  labels = rng.integers(0, 3, size=rows).astype(np.int32)
+  return images, labels
+
+
+def make_deployed(config, model_fn=mlp, optimizer_fn=None, **kwargs):
+  """`model_fn()` deployed over `config`, with SGD + momentum by default."""
+  optimizer_fn = optimizer_fn or (
+      lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+  with tf.device(config.variables_device()):
+    model = model_fn()
+    optimizer = optimizer_fn()
+  return deploy.deploy(config, model, make_loss(), optimizer, **kwargs)
+
+
+def weights(model):
+  return [np.array(w) for w in model.get_weights()]
+
+
+def checkpoint_tensors(path, prefixes=('model/',)):
+  """{key: value} of a checkpoint's tensors under `prefixes`."""
+  reader = tf.train.load_checkpoint(path)
+  return {key: reader.get_tensor(key)
+          for key in reader.get_variable_to_shape_map()
+          if key.startswith(prefixes)}
+
+
+def scalars(model_dir):
+  """{tag: {step: value}} from the event files in `model_dir`."""
+  found = {}
+  for path in glob.glob(os.path.join(model_dir, 'events.out.tfevents.*')):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        found.setdefault(value.tag, {})[event.step] = tf.make_ndarray(
+            value.tensor)
+  return found

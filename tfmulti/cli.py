@@ -1,0 +1,221 @@
+"""The command line: `python train.py` and `tfmulti-train`.
+
+  python train.py --num_clones=2 --clone_on_cpu
+
+This module alone defines flags. It turns them into frozen configs at once,
+places the clones (before TensorFlow initialises) and makes one library
+call. Every problem a user can fix stops with one line naming the value and
+the fix (`errors.UserError`), before any training state exists.
+"""
+
+import os
+import sys
+
+# Keep TensorFlow's C++ start-up chatter (CUDA probing) out of the log; it
+# must be set before TensorFlow is imported.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+
+from tfmulti import build  # noqa: E402
+from tfmulti import cluster  # noqa: E402
+from tfmulti import config  # noqa: E402
+from tfmulti import data  # noqa: E402
+from tfmulti import deploy  # noqa: E402
+from tfmulti import devices  # noqa: E402
+from tfmulti import errors  # noqa: E402
+from tfmulti import loop  # noqa: E402
+from tfmulti import models  # noqa: E402
+from tfmulti import schedules  # noqa: E402
+from tfmulti import strategies  # noqa: E402
+from tfmulti import train_lib  # noqa: E402
+
+PROGRAM = 'train.py'
+
+_NUM_CLONES = flags.DEFINE_integer(
+    'num_clones', 1, 'Model copies (clones), one per device: GPU:0..N-1, or '
+    'logical CPU:0..N-1 with --clone_on_cpu. One clone on a machine without '
+    'a GPU runs on the CPU.')
+_CLONE_ON_CPU = flags.DEFINE_bool(
+    'clone_on_cpu', False, 'Run clone i on logical CPU device i (created '
+    'here) instead of GPU:i; works on any machine.')
+_VARIABLES_DEVICE = flags.DEFINE_string(
+    'variables_device', 'cpu', "Where variables and optimizer slots live, "
+    "and the update runs: 'cpu' (CPU:0, slim's default) or 'gpu:N' (one "
+    'chosen GPU).')
+_BATCH_SIZE = flags.DEFINE_integer(
+    'batch_size', 64, 'Examples per clone per step (as in slim); the global '
+    'batch is batch_size * num_clones * workers.')
+_MODEL = flags.DEFINE_enum('model', 'lenet', models.names(),
+                           'Model from the registry.')
+_DATASET = flags.DEFINE_enum(
+    'dataset', 'digits', data.DATASETS, "Dataset; 'digits' needs no network, "
+    "'synthetic' is one random batch repeated, for throughput.")
+_DATA_DIR = flags.DEFINE_string(
+    'data_dir', None, 'TFDS data directory holding prepared datasets '
+    '(default: ~/tensorflow_datasets).')
+_OPTIMIZER = flags.DEFINE_enum('optimizer', 'adam', build.OPTIMIZERS,
+                               "Optimizer; 'momentum' is SGD with 0.9.")
+_LEARNING_RATE = flags.DEFINE_float(
+    'learning_rate', 1e-3, 'Base learning rate of one device (see '
+    '--lr_scaling).')
+_LR_SCALING = flags.DEFINE_enum(
+    'lr_scaling', schedules.NO_SCALING, schedules.LR_SCALINGS,
+    "'linear': the peak rate is --learning_rate times the job's clones "
+    '(Goyal et al. 2017); use it with --warmup_steps.')
+_LR_SCHEDULE = flags.DEFINE_enum(
+    'lr_schedule', schedules.CONSTANT, schedules.LR_SCHEDULES,
+    'Decay after warm-up, over the global steps of the run: cosine to 0, or '
+    'x0.1 at 50%% and 75%% of the steps.')
+_WARMUP_STEPS = flags.DEFINE_integer(
+    'warmup_steps', 0, 'Global steps of linear warm-up from 0 to the peak '
+    'rate.')
+_EPOCHS = flags.DEFINE_integer(
+    'epochs', 40, 'Passes over the train split (ignored with --train_steps).')
+_TRAIN_STEPS = flags.DEFINE_integer(
+    'train_steps', None, 'Global steps to train; overrides --epochs.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Seed of weights, dropout and '
+                             'shuffling.')
+_DETERMINISTIC = flags.DEFINE_bool(
+    'deterministic', False, 'Deterministic ops too: a rerun gives '
+    'bit-identical weights (slower on GPUs).')
+_MODEL_DIR = flags.DEFINE_string(
+    'model_dir', None, 'Checkpoints, TensorBoard events and metrics.json; '
+    'a directory with checkpoints resumes. Default: '
+    'runs/<model>-<dataset>-<strategy>-<N>clones/, so the same command '
+    'resumes.')
+_LOG_EVERY_STEPS = flags.DEFINE_integer(
+    'log_every_steps', 10, 'Steps between progress lines and summaries.')
+_CHECKPOINT_STEPS = flags.DEFINE_integer(
+    'checkpoint_steps', 500, 'Global steps between checkpoints; one is also '
+    'written at the end and on SIGTERM or Ctrl-C.')
+_KEEP_CHECKPOINTS = flags.DEFINE_integer(
+    'keep_checkpoints', 5, 'Recent checkpoints to keep.')
+_SUMMARIZE_GRADIENTS = flags.DEFINE_bool(
+    'summarize_gradients', False, 'Write gradient histograms and norms per '
+    'variable to TensorBoard.')
+_BATCH_NORM_POLICY = flags.DEFINE_enum(
+    'batch_norm_policy', deploy.BN_CLONE_0, deploy.BATCH_NORM_POLICIES,
+    "BatchNorm moving statistics each step: clone 0's (slim) or the clones' "
+    'mean (towers).')
+_SYNC_BATCH_NORM = flags.DEFINE_bool(
+    'sync_batch_norm', False, "Keras's synchronized BatchNorm: statistics "
+    'of the global batch, all-reduced over the clones or replicas.')
+_STRATEGY = flags.DEFINE_enum(
+    'strategy', strategies.TOWERS, strategies.NAMES,
+    "How the step runs: 'towers' (tfmulti.deploy), 'mirrored' "
+    "(tf.distribute.MirroredStrategy over the same devices), "
+    "'central_storage' (CentralStorageStrategy), 'single' (one device, the "
+    "whole global batch: the reference), 'multi_worker' (the towers on "
+    "every worker of TF_CONFIG's cluster, gradients all-reduced) or "
+    "'multi_worker_mirrored' (MultiWorkerMirroredStrategy).")
+_NUM_WORKERS = flags.DEFINE_integer(
+    'num_workers', None, 'Workers of a multi-worker job; read from '
+    'TF_CONFIG when unset (given, it must agree).')
+_WORKER_INDEX = flags.DEFINE_integer(
+    'worker_index', None, "This worker's index in a multi-worker job; read "
+    'from TF_CONFIG when unset (given, it must agree).')
+_PEER_TIMEOUT_S = flags.DEFINE_float(
+    'peer_timeout_s', 120.0, 'Seconds a multi-worker task waits for its '
+    'peers, and for each collective, before it fails.')
+_XLA = flags.DEFINE_bool('xla', False,
+                         "Compile each clone's step with XLA (towers only).")
+_MIXED_PRECISION = flags.DEFINE_bool(
+    'mixed_precision', False, 'Compute in float16 on GPUs (with dynamic loss '
+    'scaling) or bfloat16 on CPUs; variables stay float32.')
+
+
+def _variables_gpu(value):
+  """N of --variables_device=gpu:N, or None for 'cpu'."""
+  if value == 'cpu':
+    return None
+  if value.startswith('gpu:') and value[4:].isdigit():
+    return int(value[4:])
+  raise errors.ConfigError(f"--variables_device={value}: use 'cpu' or "
+                           "'gpu:N', e.g. --variables_device=gpu:0.")
+
+
+def _cluster(path):
+  """This task's `cluster.Cluster` for a multi-worker path, else None."""
+  if not path.multi_worker:
+    if _NUM_WORKERS.value not in (None, 1) or _WORKER_INDEX.value:
+      raise errors.ConfigError(
+          '--num_workers and --worker_index describe a multi-worker job: add '
+          '--strategy=multi_worker and TF_CONFIG.')
+    return None
+  info = cluster.from_environment()
+  cluster.check_flags(info, _NUM_WORKERS.value, _WORKER_INDEX.value)
+  return info
+
+
+def _train_config():
+  return config.TrainConfig(
+      model=_MODEL.value, dataset=_DATASET.value,
+      # No time stamp: running the same command again resumes the same run.
+      model_dir=(os.path.expanduser(_MODEL_DIR.value) if _MODEL_DIR.value
+                 is not None else os.path.join(
+                     'runs', f'{_MODEL.value}-{_DATASET.value}-'
+                     f'{_STRATEGY.value}-{_NUM_CLONES.value}clones')),
+      data_dir=_DATA_DIR.value, batch_size=_BATCH_SIZE.value,
+      optimizer=_OPTIMIZER.value, learning_rate=_LEARNING_RATE.value,
+      lr_scaling=_LR_SCALING.value, lr_schedule=_LR_SCHEDULE.value,
+      warmup_steps=_WARMUP_STEPS.value, epochs=_EPOCHS.value,
+      train_steps=_TRAIN_STEPS.value, seed=_SEED.value,
+      deterministic=_DETERMINISTIC.value,
+      log_every_steps=_LOG_EVERY_STEPS.value,
+      checkpoint_steps=_CHECKPOINT_STEPS.value,
+      keep_checkpoints=_KEEP_CHECKPOINTS.value,
+      summarize_gradients=_SUMMARIZE_GRADIENTS.value,
+      batch_norm_policy=_BATCH_NORM_POLICY.value,
+      synchronized_batch_norm=_SYNC_BATCH_NORM.value,
+      mixed_precision=_MIXED_PRECISION.value, xla=_XLA.value,
+      strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value)
+
+
+def configs_from_flags():
+  """(TrainConfig, DeploymentConfig, cluster or None) from the flags.
+
+  Places the clones too: logical CPUs are created here, before anything
+  initialises TensorFlow.
+
+  Raises:
+    errors.UserError: naming the flag and the fix.
+  """
+  variables_gpu = _variables_gpu(_VARIABLES_DEVICE.value)
+  train_config = _train_config()
+  path = strategies.get(train_config.strategy)
+  cluster_info = _cluster(path)
+  clone_on_cpu = devices.place_clones(
+      _NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
+      variables_gpu=variables_gpu)
+  deploy_config = deploy.DeploymentConfig(
+      num_clones=_NUM_CLONES.value, clone_on_cpu=clone_on_cpu,
+      variables_device=None if variables_gpu is None
+      else f'/device:GPU:{variables_gpu}',
+      replica_id=cluster_info.index if cluster_info else 0,
+      num_replicas=cluster_info.num_workers if cluster_info else 1)
+  strategies.check(train_config, deploy_config)
+  return train_config, deploy_config, cluster_info
+
+
+def main(argv):
+  if len(argv) > 1:
+    sys.exit(f'{PROGRAM}: error: unexpected arguments {argv[1:]}; flags are '
+             'written --name=value.')
+  try:
+    train_config, deploy_config, cluster_info = configs_from_flags()
+    logging.info('writing to %s', train_config.model_dir)
+    train_lib.train_and_evaluate(train_config, deploy_config,
+                                 cluster_info=cluster_info)
+  except loop.TrainingInterrupted as e:
+    logging.warning('%s', e)
+    sys.exit(e.exit_code)
+  except errors.UserError as e:
+    sys.exit(f'{PROGRAM}: error: {e}')
+
+
+def run():
+  """Console-script entry point (`tfmulti-train`)."""
+  app.run(main)

@@ -1,0 +1,108 @@
+"""`TrainConfig`: what to train, on what, for how long, and where to write.
+
+The command line turns its flags into a `TrainConfig` and a
+`deploy.DeploymentConfig` at once; the library takes only these. Every rule
+that needs no runtime is checked here, on construction, with one line that
+names the value and the fix; a path's own rules are in `strategies`.
+"""
+
+import dataclasses
+from typing import Optional
+
+from tfmulti import build
+from tfmulti import data
+from tfmulti import deploy
+from tfmulti import errors
+from tfmulti import models
+from tfmulti import schedules
+from tfmulti import strategies
+
+_SEED_LIMIT = 2**32  # NumPy's seeds are unsigned 32-bit integers.
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """What to train, on what, for how long, and where to write.
+
+  Attributes:
+    model: a name in `models.names()`.
+    dataset: a name in `data.DATASETS`.
+    model_dir: output directory: checkpoints, event files, metrics.json.
+      A directory holding checkpoints resumes from the latest.
+    data_dir: TFDS data directory; None for TFDS's default.
+    batch_size: examples per clone per step (slim's meaning); the global
+      batch is batch_size * num_clones * num_workers.
+    optimizer: one of `build.OPTIMIZERS`.
+    learning_rate: the one-device base rate (see `lr_scaling`).
+    lr_scaling: 'none', or 'linear' (times the job's clones, Goyal et al.).
+    lr_schedule: one of `schedules.LR_SCHEDULES`, over the run's global
+      steps.
+    warmup_steps: global steps of linear warm-up from 0 to the peak rate.
+    epochs: passes over the train split, unless `train_steps` is set.
+    train_steps: global steps to train; overrides `epochs`.
+    seed: seeds weights, dropout and shuffling.
+    deterministic: also make every op deterministic (bit-identical reruns).
+    log_every_steps: steps between progress lines and summaries.
+    checkpoint_steps: global steps between checkpoints (and one at the end).
+    keep_checkpoints: how many recent checkpoints to keep.
+    summarize_gradients: write gradient histograms and norms.
+    batch_norm_policy: see `deploy.BATCH_NORM_POLICIES`.
+    synchronized_batch_norm: BatchNorm over the global batch's statistics,
+      all-reduced over the clones or replicas (the towers then run their
+      clones in lockstep, see `towers_in_strategy`).
+    mixed_precision: compute in float16 on GPUs (with loss scaling) or
+      bfloat16 on CPUs; variables stay float32.
+    xla: compile each clone's computation with XLA (towers only).
+    strategy: a name in `strategies.NAMES`: how the step runs.
+    peer_timeout_s: seconds a multi-worker task waits for its peers, and
+      for each collective, before it fails.
+  """
+  model: str = 'lenet'
+  dataset: str = 'digits'
+  model_dir: str = 'runs/default'
+  data_dir: Optional[str] = None
+  batch_size: int = 64
+  optimizer: str = 'adam'
+  learning_rate: float = 1e-3
+  lr_scaling: str = schedules.NO_SCALING
+  lr_schedule: str = schedules.CONSTANT
+  warmup_steps: int = 0
+  epochs: int = 40
+  train_steps: Optional[int] = None
+  seed: int = 0
+  deterministic: bool = False
+  log_every_steps: int = 10
+  checkpoint_steps: int = 500
+  keep_checkpoints: int = 5
+  summarize_gradients: bool = False
+  batch_norm_policy: str = deploy.BN_CLONE_0
+  synchronized_batch_norm: bool = False
+  mixed_precision: bool = False
+  xla: bool = False
+  strategy: str = strategies.TOWERS
+  peer_timeout_s: float = 120.0
+
+  def __post_init__(self):
+    choices = [('dataset', data.DATASETS), ('strategy', strategies.NAMES),
+               ('optimizer', build.OPTIMIZERS),
+               ('batch_norm_policy', deploy.BATCH_NORM_POLICIES),
+               ('lr_scaling', schedules.LR_SCALINGS),
+               ('lr_schedule', schedules.LR_SCHEDULES)]
+    for name, allowed in choices:
+      errors.check_choice(name, getattr(self, name), allowed)
+    models.check(self.model,
+                 synchronized_batch_norm=self.synchronized_batch_norm)
+    for name in ('batch_size', 'epochs', 'log_every_steps',
+                 'checkpoint_steps', 'keep_checkpoints'):
+      errors.check_count(name, getattr(self, name), 1)
+    if self.train_steps is not None:
+      errors.check_count('train_steps', self.train_steps, 1)
+    errors.check_count('warmup_steps', self.warmup_steps, 0)
+    errors.check_count('seed', self.seed, 0)
+    if self.seed >= _SEED_LIMIT:
+      raise errors.ConfigError(f'seed={self.seed}: must be below 2**32 '
+                               f'({_SEED_LIMIT}), as NumPy requires.')
+    errors.check_positive('learning_rate', self.learning_rate)
+    errors.check_positive('peer_timeout_s', self.peer_timeout_s)
+    if not self.model_dir:
+      raise errors.ConfigError("model_dir='': name an output directory.")

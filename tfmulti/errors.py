@@ -1,0 +1,62 @@
+"""The one error type that reaches the user, and the checks that raise it.
+
+Every problem a user can fix (a bad flag or config value, a missing device,
+an unavailable dataset, a checkpoint of another model, a strategy that
+cannot train the model, a malformed cluster) raises a `UserError` whose
+message names the value and the fix, in one line. The command line catches
+this one type and prints the message without a traceback. The specific
+subclasses say where the problem was found; all are `ValueError`s, as a bad
+argument to a library function is in Python.
+"""
+
+
+class UserError(ValueError):
+  """A problem the user can fix; the message names the value and the fix."""
+
+
+class ConfigError(UserError):
+  """A config or flag value, or a combination of them, that cannot work."""
+
+
+class DeviceError(UserError):
+  """A device the deployment needs does not exist in this runtime."""
+
+
+class DatasetUnavailableError(UserError):
+  """A dataset has no prepared copy and cannot be downloaded here."""
+
+
+class CheckpointMismatchError(UserError):
+  """A checkpoint in model_dir does not fit the model being trained."""
+
+
+class UnsupportedError(UserError):
+  """A strategy cannot train this model in TF 2.21 / Keras 3."""
+
+
+class ClusterError(UserError):
+  """TF_CONFIG is missing, malformed, or disagrees with the flags."""
+
+
+class NonFiniteLossError(UserError):
+  """The loss became NaN or infinite; training stopped before saving it."""
+
+
+def check_choice(name, value, choices):
+  """Raises `ConfigError` unless `value` is one of `choices`."""
+  if value not in choices:
+    raise ConfigError(f'{name}={value!r}: choose one of {tuple(choices)}.')
+
+
+def check_count(name, value, minimum):
+  """Raises `ConfigError` unless `value` is an integer >= `minimum`."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ConfigError(f'{name}={value!r}: must be an integer >= {minimum}.')
+
+
+def check_positive(name, value):
+  """Raises `ConfigError` unless `value` (if given) is finite and > 0."""
+  if value is None:
+    return
+  if not value > 0 or value == float('inf'):
+    raise ConfigError(f'{name}={value!r}: must be a finite number > 0.')

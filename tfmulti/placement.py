@@ -1,0 +1,154 @@
+"""`DeploymentConfig`: where every variable, clone, input and update lives.
+
+TF-Slim's `DeploymentConfig`, with its constructor kept so slim code ports
+unchanged. It is pure (it needs no TensorFlow runtime state, so its tests are
+string assertions), and every device string in tfmulti comes from here.
+`tfmulti.deploy` re-exports it: users write `deploy.DeploymentConfig`.
+"""
+
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+
+from tfmulti import errors
+
+_HOST = '/device:CPU:0'
+
+
+def _normalise_device(device):
+  """Returns `device` in canonical form ('/gpu:0' -> '/device:GPU:0')."""
+  try:
+    return tf.DeviceSpec.from_string(device).to_string()
+  except (ValueError, TypeError) as e:
+    raise errors.ConfigError(
+        f'variables_device={device!r} is not a device string; use e.g. '
+        "'/device:CPU:0' or '/device:GPU:0'.") from e
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class DeploymentConfig:
+  """Where variables, clones, inputs and the optimizer live.
+
+  Pure: it needs no TensorFlow runtime state, and every device string in
+  tfmulti comes from here. The constructor keeps slim's arguments, so slim
+  code ports unchanged; slim's "replica" is a *worker* (a process of a
+  multi-worker job), which the rest of tfmulti calls `worker_index` and
+  `num_workers`. "Replica" elsewhere means only tf.distribute's own.
+
+  Attributes:
+    num_clones: model copies on this worker, one per device.
+    clone_on_cpu: put clone i on CPU:i (logical CPU devices) instead of GPU:i.
+    replica_id: this worker's index in a multi-worker job (slim's name).
+    num_replicas: number of workers (slim's name); each runs num_clones
+      clones, and the global batch is batch_size * num_clones * num_replicas.
+    num_ps_tasks: parameter-server tasks; 0 keeps the variables local.
+    worker_job_name: job name of the workers in the cluster spec.
+    ps_job_name: job name of the parameter servers in the cluster spec.
+  """
+  num_clones: int
+  clone_on_cpu: bool
+  replica_id: int
+  num_replicas: int
+  num_ps_tasks: int
+  worker_job_name: str
+  ps_job_name: str
+  _variables_device: Optional[str]
+
+  def __init__(self, num_clones=1, clone_on_cpu=False, variables_device=None,
+               replica_id=0, num_replicas=1, num_ps_tasks=0,
+               worker_job_name='worker', ps_job_name='ps'):
+    """Validates the arguments; raises `ConfigError` naming the bad value."""
+    errors.check_count('num_clones', num_clones, 1)
+    errors.check_count('num_replicas', num_replicas, 1)
+    errors.check_count('num_ps_tasks', num_ps_tasks, 0)
+    errors.check_count('replica_id', replica_id, 0)
+    if replica_id >= num_replicas:
+      raise errors.ConfigError(f'replica_id={replica_id} must be in '
+                               f'[0, num_replicas={num_replicas}).')
+    if num_replicas > 1 or num_ps_tasks > 0:
+      for name, job in (('worker_job_name', worker_job_name),
+                        ('ps_job_name', ps_job_name)):
+        if not job:
+          raise errors.ConfigError(
+              f'{name}={job!r}: a job name is needed with several workers '
+              'or parameter servers.')
+    if variables_device is not None:
+      if num_ps_tasks > 0:
+        raise errors.ConfigError(
+            f'variables_device={variables_device!r} cannot be combined with '
+            f'num_ps_tasks={num_ps_tasks}: parameter servers hold the '
+            'variables; leave variables_device unset.')
+      variables_device = _normalise_device(variables_device)
+    values = dict(num_clones=num_clones, clone_on_cpu=bool(clone_on_cpu),
+                  replica_id=replica_id, num_replicas=num_replicas,
+                  num_ps_tasks=num_ps_tasks, worker_job_name=worker_job_name,
+                  ps_job_name=ps_job_name, _variables_device=variables_device)
+    for name, value in values.items():
+      object.__setattr__(self, name, value)
+
+  @property
+  def worker_index(self):
+    """This worker's index in a multi-worker job (slim's `replica_id`)."""
+    return self.replica_id
+
+  @property
+  def num_workers(self):
+    """Processes in the job (slim's `num_replicas`)."""
+    return self.num_replicas
+
+  def _worker_prefix(self):
+    # With parameter servers the worker's own task must be named, or every
+    # worker's ops land on task 0 (slim's bug, tensorflow/models#3945, #434).
+    if self.num_ps_tasks > 0:
+      return f'/job:{self.worker_job_name}/task:{self.replica_id}'
+    return ''
+
+  def _check_clone_index(self, clone_index):
+    if (isinstance(clone_index, bool) or not isinstance(clone_index, int)
+        or not 0 <= clone_index < self.num_clones):
+      raise errors.ConfigError(f'clone_index={clone_index!r} must be in '
+                               f'[0, num_clones={self.num_clones}).')
+
+  def clone_device(self, clone_index):
+    """Device of clone `clone_index`: GPU:i, or CPU:i with `clone_on_cpu`."""
+    self._check_clone_index(clone_index)
+    device_type = 'CPU' if self.clone_on_cpu else 'GPU'
+    return f'{self._worker_prefix()}/device:{device_type}:{clone_index}'
+
+  def clone_scope(self, clone_index):
+    """Name scope of clone `clone_index`: '' for a single clone."""
+    self._check_clone_index(clone_index)
+    return '' if self.num_clones == 1 else f'clone_{clone_index}'
+
+  def clone_devices(self):
+    """All clone devices, in clone order."""
+    return [self.clone_device(i) for i in range(self.num_clones)]
+
+  def optimizer_device(self):
+    """Where the clones' gradients are summed and applied.
+
+    The variables device when one was chosen (the update reads and writes
+    every variable and slot, so it runs beside them); else this worker's
+    CPU:0, as in slim.
+    """
+    return self._variables_device or self._worker_prefix() + _HOST
+
+  def inputs_device(self):
+    """Where the input pipeline runs and the batch is split."""
+    return self._worker_prefix() + _HOST
+
+  def summaries_device(self):
+    """Where summaries and checkpoints are written from: the host CPU."""
+    return self._worker_prefix() + _HOST
+
+  def variables_device(self):
+    """Where variables and optimizer slots are created.
+
+    CPU:0 by default, the device given to the constructor, or the parameter
+    servers' CPU. Spreading variables over several ps tasks (slim's
+    round-robin device function) has no eager-mode equivalent.
+    """
+    if self.num_ps_tasks > 0:
+      return f'/job:{self.ps_job_name}{_HOST}'
+    return self._variables_device or _HOST

@@ -1,0 +1,130 @@
+"""The towers inside a tf.distribute strategy: the two adapters, side by side.
+
+The towers (`tfmulti.deploy`) place their clones and sum their gradients
+themselves. Twice they need a `tf.distribute.Strategy` for one thing it
+alone provides, and keep everything else their own:
+
+* Clones in lockstep (`run_clones_in_lockstep`): Keras's synchronized
+  BatchNorm all-reduces its batch statistics in a tf.distribute replica
+  context, so every clone's forward pass must run at once. The clones run as
+  the replicas of a `MirroredStrategy` over the same clone devices; the
+  variables, the central gradient sum and the one update stay the towers'.
+* Towers on every worker (`WorkerTowers`): each worker of a
+  `MultiWorkerMirroredStrategy` job runs its towers' step in its one
+  replica; Keras's `apply_gradients` all-reduces the workers' summed
+  gradients once before the update, which every worker applies to its copy.
+
+Neither imports `deploy`: the towers hand in what they need.
+"""
+
+import tensorflow as tf
+
+from tfmulti import errors
+from tfmulti import trainer
+
+
+def _device_key(device):
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.device_type, spec.device_index
+
+
+def check_lockstep_options(jit_compile):
+  """Raises `ConfigError` if clones in lockstep are asked to use XLA."""
+  if jit_compile:
+    raise errors.ConfigError(
+        'synchronized_batch_norm=True (lockstep clones) cannot be combined '
+        'with xla=True (jit_compile): XLA compiles each clone alone, and '
+        'lockstep clones exchange statistics mid-pass; drop one of them.')
+
+
+def check_lockstep(lockstep, clone_devices, jit_compile):
+  """Raises `ConfigError` unless `lockstep` can run these clones at once."""
+  check_lockstep_options(jit_compile)
+  have = list(lockstep.extended.worker_devices)
+  if [_device_key(d) for d in have] != [_device_key(d) for d in clone_devices]:
+    raise errors.ConfigError(
+        f'lockstep replicas on {have} are not the clone devices '
+        f'{clone_devices}; build the strategy over config.clone_devices().')
+
+
+def run_clones_in_lockstep(lockstep, clone_fn, variables, shards, loss_scale):
+  """Runs clone i's `clone_fn` as replica i of `lockstep`, all at once.
+
+  Args:
+    lockstep: a `tf.distribute.MirroredStrategy` over the clone devices.
+    clone_fn: `clone_fn(trainable, non_trainable, images, labels,
+      regularization_weight, loss_scale)` -> a tuple of tensors.
+    variables: (trainable values, non-trainable values), read once.
+    shards: per clone, (images, labels, regularization_weight).
+    loss_scale: passed to every clone.
+
+  Returns:
+    Per clone, `clone_fn`'s results.
+  """
+  trainable, non_trainable = variables
+  per_clone = lockstep.experimental_distribute_values_from_function(
+      lambda ctx: tuple(tf.convert_to_tensor(value) for value in
+                        shards[ctx.replica_id_in_sync_group]))
+  per_replica = lockstep.run(
+      lambda shard: clone_fn(trainable, non_trainable, *shard, loss_scale),
+      args=(per_clone,))
+  num_clones = len(shards)
+  columns = []
+  for value in tf.nest.flatten(per_replica):
+    local = lockstep.experimental_local_results(value)
+    # An output that every replica computed alike comes back once.
+    columns.append(local if len(local) == num_clones else local * num_clones)
+  return [tf.nest.pack_sequence_as(per_replica, list(values))
+          for values in zip(*columns)]
+
+
+class WorkerTowers(trainer.Trainer):
+  """Each worker's towers, with the workers' gradients all-reduced.
+
+  Runs a `deploy.DeployedModel` step in the one replica that a
+  `cluster.make_strategy(one_replica_per_worker=True)` strategy gives each
+  worker: the worker's clones run on its devices and their gradients are
+  summed on its optimizer device, then Keras's `apply_gradients` all-reduces
+  the workers' sums (TF's collective ops) once before the update, which every
+  worker applies to its copy of the variables. N workers x K clones then
+  train like one device on the whole global batch.
+  """
+
+  def __init__(self, strategy, towers):
+    """`towers`: a `deploy.DeployedModel` built in `strategy.scope()`."""
+    self.strategy = strategy
+    self.towers = towers
+    self.model = towers.model
+    self.optimizer = towers.optimizer
+    self._step = tf.function(self._train_step_graph)
+
+  def _train_step_graph(self, images, labels):
+    outputs = self.strategy.run(self.towers.step_graph, args=(images, labels))
+    local = self.strategy.experimental_local_results
+    total = tf.distribute.ReduceOp.SUM
+    return trainer.StepOutputs(
+        self.strategy.reduce(total, outputs.total, None),
+        self.strategy.reduce(total, outputs.regularization, None),
+        [local(loss)[0] for loss in outputs.clones],
+        {path: local(g)[0] for path, g in outputs.gradients.items()})
+
+  def distribute_dataset(self, dataset):
+    """This worker's block of rows of each global batch.
+
+    Worker i of N takes rows [i * B/N, (i + 1) * B/N) of every global batch
+    of B rows: every worker reads the same pipeline (same seed), so the
+    job's step sees exactly the global batch a single process would.
+    """
+    config = self.towers.config
+    return trainer.worker_blocks(dataset, worker=config.worker_index,
+                         num_workers=config.num_workers, pieces=1)
+
+  def train_step_outputs(self, images, labels):
+    """One step on this worker's block; returns the job's `StepOutputs`."""
+    images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
+    trainer.check_batch(images, labels, self.towers.config.num_clones)
+    return self._step(images, labels)
+
+  def predict(self, images):
+    """Inference outputs for `images`, over this worker's clones."""
+    return self.towers.predict(images)
