@@ -388,18 +388,3 @@ def test_predict_covers_a_short_batch_over_the_clones(rows):
   np.testing.assert_allclose(deployed.predict(images),
                              deployed.model(images, training=False),
                              rtol=1e-6, atol=1e-6)
-
-
-class TestLogicalCpus:
-
-  def test_existing_devices_are_a_no_op(self):
-    devices.create_logical_cpus(2)
-    assert len(tf.config.list_logical_devices('CPU')) == 4
-
-  def test_too_late_says_so(self):
-    with pytest.raises(RuntimeError, match='already initialised with 4'):
-      devices.create_logical_cpus(8)
-
-  def test_bad_count(self):
-    with pytest.raises(errors.ConfigError, match='count=0'):
-      devices.create_logical_cpus(0)

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmulti import build
+from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
@@ -62,3 +64,19 @@ def test_unknown_model_names_the_choices():
 def test_cifar_resnet_depth_must_be_6n_plus_2():
   with pytest.raises(errors.ConfigError, match='depth=21'):
     resnet.cifar_resnet(CIFAR, 10, depth=21)
+
+
+def test_resnet18_trains_a_step():
+  """The big model through the towers (the command line's plumbing is the
+  same for every model and is tested on the small ones)."""
+  config = deploy.DeploymentConfig(num_clones=1, clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    model = models.get_model('resnet18', input_shape=MNIST, num_classes=10)
+    optimizer = build.make_optimizer('sgd', 1e-3)
+  deployed = deploy.deploy(config, model, build.make_loss(), optimizer)
+  before = [w.numpy() for w in model.trainable_weights[:1]]
+  rng = np.random.default_rng(0)
+  loss = deployed.train_step(rng.random((4, *MNIST), np.float32),
+                             rng.integers(0, 10, 4).astype(np.int32))
+  assert np.isfinite(float(loss)) and float(loss) > 0
+  assert not np.array_equal(before[0], model.trainable_weights[0].numpy())
