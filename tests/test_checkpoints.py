@@ -3,12 +3,15 @@
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import keras
 import numpy as np
 import pytest
 
-from helpers import checkpoint_tensors, make_batch, make_deployed, mlp, weights
+from helpers import (REPO, checkpoint_tensors, make_batch, make_deployed, mlp,
+                     weights)
 from tfmulti import checkpoints
 from tfmulti import deploy
 from tfmulti import errors
@@ -85,11 +88,18 @@ class TestStopSignals:
       assert signals.exit_code == code
     assert signal.getsignal(signum) is before
 
-  def test_second_signal_stops_at_once(self):
-    with checkpoints.StopSignals():
-      os.kill(os.getpid(), signal.SIGTERM)
-      with pytest.raises(KeyboardInterrupt, match='second signal'):
-        os.kill(os.getpid(), signal.SIGINT)
+  @pytest.mark.parametrize('second', [signal.SIGINT, signal.SIGTERM])
+  def test_second_signal_stops_at_once_by_that_signal(self, second):
+    script = ('import os, signal, time\n'
+              'from tfmulti import checkpoints\n'
+              'with checkpoints.StopSignals():\n'
+              '  os.kill(os.getpid(), signal.SIGINT)\n'
+              f'  os.kill(os.getpid(), {int(second)})\n'
+              '  time.sleep(30)\n')
+    result = subprocess.run([sys.executable, '-c', script], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == -second  # The shell shows 128 + signal.
+    assert 'Traceback' not in result.stderr
 
 
 def test_a_two_clone_checkpoint_continues_on_every_path(run_train, tmp_path):

@@ -70,28 +70,45 @@ class TestFromEnvironment:
       cluster.check_flags(info, None, 0)
 
 
+def _with_watchdog(peer, timeout_s, then):
+  """A Python process that starts the watchdog over `peer`, then runs the
+  statement `then`; returns (its exit status, its and the watchdog's
+  stderr, seconds until both closed it)."""
+  script = (f'import time\nfrom tfmulti import cluster\n'
+            f'info = cluster.Cluster(("localhost:1", "{peer}"), 0, True)\n'
+            f'cluster.start_watchdog(info, {timeout_s})\n{then}\n')
+  start = time.monotonic()
+  result = subprocess.run([sys.executable, '-c', script], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  return result.returncode, result.stderr, time.monotonic() - start
+
+
 def test_the_watchdog_kills_a_worker_whose_peer_never_answers():
   port, = _free_ports(1)  # Nothing listens there.
-  worker = subprocess.Popen(['sleep', '60'])  # Stands in for a stuck worker.
-  info = cluster.Cluster(('localhost:1', f'localhost:{port}'), 0, True)
-  start = time.monotonic()
-  watchdog = cluster.start_watchdog(info, 1.0, worker.pid)
-  watchdog.wait(timeout=30)
-  assert worker.wait(timeout=30) == -signal.SIGKILL
-  assert time.monotonic() - start < 20
+  code, stderr, _ = _with_watchdog(f'localhost:{port}', 1.0, 'time.sleep(60)')
+  assert code == -signal.SIGKILL
+  assert f'cannot reach its peer localhost:{port} after 1 s' in stderr
 
 
 def test_the_watchdog_lets_a_worker_whose_peers_answer_be():
   listener = socket.create_server(('localhost', 0))
-  info = cluster.Cluster(
-      ('localhost:1', f'localhost:{listener.getsockname()[1]}'), 0, True)
-  worker = subprocess.Popen(['sleep', '60'])
   try:
-    assert cluster.start_watchdog(info, 5.0, worker.pid).wait(timeout=30) == 0
-    assert worker.poll() is None  # Still running.
+    code, stderr, _ = _with_watchdog(
+        f'localhost:{listener.getsockname()[1]}', 5.0, 'time.sleep(3)')
   finally:
-    worker.kill()
     listener.close()
+  assert code == 0 and 'cannot reach' not in stderr
+
+
+def test_the_watchdog_ends_with_its_worker():
+  """It never outlives the worker, nor signals a PID that may be reused."""
+  port, = _free_ports(1)
+  code, stderr, seconds = _with_watchdog(f'localhost:{port}', 30.0, 'pass')
+  # The pipe closes when the watchdog ends too: soon after the worker (the
+  # worker's start takes a few seconds), long before the watchdog's
+  # deadline, and without its error.
+  assert code == 0 and 'cannot reach' not in stderr
+  assert seconds < 20
 
 
 def _worker_command(model_dir, digits_dir, *extra):

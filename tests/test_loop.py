@@ -23,6 +23,7 @@ from tfmulti import data
 from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import loop
+from tfmulti import metrics as metrics_lib
 from tfmulti import summaries
 from tfmulti import train_lib
 from tfmulti import trainer
@@ -140,7 +141,7 @@ def test_a_resumed_run_sees_the_rest_of_its_epoch(tmp_path):
 
 def test_a_nan_loss_stops_before_it_is_saved(tmp_path):
   fake = FakeTrainer(losses=lambda step: float('nan') if step == 6 else 1.0)
-  with pytest.raises(errors.NonFiniteLossError,
+  with pytest.raises(errors.NonFiniteError,
                      match=r'the loss is nan at step 6; .*ckpt-5\) holds '
                      'the last good state'):
     _train(_run(tmp_path, fake, total_steps=12, checkpoint_steps=1))
@@ -168,8 +169,8 @@ def test_train_and_evaluate_takes_its_data_and_trainer(tmp_path):
   metrics = train_lib.train_and_evaluate(
       train_config, one_clone, data_override=_tiny_data(),
       trainer_override=first)
-  with open(tmp_path / train_lib.METRICS_FILE) as f:
-    assert json.load(f) == metrics
+  with open(tmp_path / metrics_lib.METRICS_FILE) as f:
+    assert json.load(f) == metrics_lib.strict(metrics)
   assert (metrics['steps'], metrics['resumed_from_step']) == (7, None)
   assert metrics['global_batch_size'] == BATCH
   assert metrics['train_loss'] == pytest.approx(1 / 7)

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zlib
 
 import tensorflow as tf
 
@@ -113,6 +114,8 @@ class _OneReplicaPerWorker(
 # if one never answers, says so and kills the training process, which
 # TensorFlow's collective runtime holds in C++ (GIL held, SIGTERM taken by
 # its coordination service for preemption) while it waits without end.
+# It signals no process but its own parent, and ends when the parent does
+# (the parent's PID may belong to another process by then).
 _WATCHDOG = """
 import os, signal, socket, sys, time
 parent, timeout_s, index = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
@@ -120,11 +123,13 @@ deadline = time.monotonic() + timeout_s
 for address in sys.argv[4:]:
   host, port = address.rsplit(':', 1)
   while True:
+    if os.getppid() != parent:
+      sys.exit(0)
     try:
       socket.create_connection((host, int(port)), timeout=1.0).close()
       break
     except OSError as e:
-      if time.monotonic() > deadline:
+      if time.monotonic() > deadline and os.getppid() == parent:
         print(f'error: worker {index} cannot reach its peer {address} after '
               f'{timeout_s:.0f} s ({e}); start every worker of TF_CONFIG, '
               'check the address and the firewall.', file=sys.stderr,
@@ -135,12 +140,13 @@ for address in sys.argv[4:]:
 """
 
 
-def start_watchdog(cluster, timeout_s, pid):
-  """A process that kills `pid` if a peer has not answered in `timeout_s`.
+def start_watchdog(cluster, timeout_s):
+  """A process that kills this one if a peer has not answered in
+  `timeout_s`; it ends by itself when this process does.
 
   Kill it once the peers have joined.
   """
-  return subprocess.Popen([sys.executable, '-c', _WATCHDOG, str(pid),
+  return subprocess.Popen([sys.executable, '-c', _WATCHDOG, str(os.getpid()),
                            str(timeout_s), str(cluster.index),
                            *cluster.peers])
 
@@ -155,16 +161,53 @@ def make_strategy(cluster, *, one_replica_per_worker, timeout_s):
   (TensorFlow would wait without end); collectives time out after
   `timeout_s` too.
   """
-  watchdog = start_watchdog(cluster, timeout_s, os.getpid())
-  resolver = (_OneReplicaPerWorker() if one_replica_per_worker else
-              tf.distribute.cluster_resolver.TFConfigClusterResolver())
-  options = tf.distribute.experimental.CommunicationOptions(
-      timeout_seconds=timeout_s)
-  strategy = tf.distribute.MultiWorkerMirroredStrategy(
-      cluster_resolver=resolver, communication_options=options)
-  watchdog.kill()  # Every peer has joined.
-  watchdog.wait()
-  return strategy
+  watchdog = start_watchdog(cluster, timeout_s)
+  try:
+    resolver = (_OneReplicaPerWorker() if one_replica_per_worker else
+                tf.distribute.cluster_resolver.TFConfigClusterResolver())
+    options = tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=timeout_s)
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=resolver, communication_options=options)
+  except (tf.errors.OpError, ValueError, RuntimeError) as e:
+    raise errors.ClusterError(
+        f'worker {cluster.index} cannot start the multi-worker strategy on '
+        f'{cluster.workers[cluster.index]} ({str(e).strip().splitlines()[0]})'
+        '; check that the address is this machine and the port is free.'
+    ) from e
+  finally:
+    watchdog.kill()  # Every peer has joined, or this worker gives up.
+    watchdog.wait()
+
+
+def check_agreement(strategy, job):
+  """Raises `ClusterError` on every worker unless all run the same job.
+
+  Each worker all-gathers a checksum of each of `job`'s values, before the
+  first step, so workers started with different flags stop with one line
+  instead of training a wrong global batch or failing at a collective.
+
+  Args:
+    strategy: the job's `MultiWorkerMirroredStrategy`.
+    job: {name: JSON-serialisable value}, the same names on every worker.
+  """
+  names = sorted(job)
+  # CRC-32 values are below 2**32, exact in float64.
+  codes = tf.constant([zlib.crc32(json.dumps(job[name]).encode())
+                       for name in names], tf.float64)
+
+  @tf.function
+  def gather():
+    return strategy.run(lambda: tf.distribute.get_replica_context()
+                        .all_gather(codes, axis=0))
+  table = tf.reshape(strategy.experimental_local_results(gather())[0],
+                     [-1, len(names)]).numpy()
+  differ = [name for k, name in enumerate(names) if len(set(table[:, k])) > 1]
+  if differ:
+    mine = '; '.join(f'{name}={job[name]!r}' for name in differ)
+    raise errors.ClusterError(
+        f'the workers of this job disagree on {", ".join(differ)} (this '
+        f'worker has {mine}); start every worker with the same flags.')
 
 
 def output_dir(model_dir, cluster):

@@ -30,6 +30,19 @@ class CheckpointMismatchError(UserError):
   """A checkpoint in model_dir does not fit the model being trained."""
 
 
+class CheckpointDamagedError(UserError):
+  """Checkpoints exist in model_dir, and none of them can be read."""
+
+
+class CheckpointWriteError(UserError):
+  """A checkpoint could not be written (disk full, no access)."""
+
+
+class RunDirError(UserError):
+  """model_dir or data_dir cannot be used: not a directory, not writable,
+  in use by another run, or holding another job."""
+
+
 class UnsupportedError(UserError):
   """A strategy cannot train this model in TF 2.21 / Keras 3."""
 
@@ -38,8 +51,9 @@ class ClusterError(UserError):
   """TF_CONFIG is missing, malformed, or disagrees with the flags."""
 
 
-class NonFiniteLossError(UserError):
-  """The loss became NaN or infinite; training stopped before saving it."""
+class NonFiniteError(UserError):
+  """The loss or the weights became NaN or infinite; training stopped
+  without saving them."""
 
 
 def check_choice(name, value, choices):

@@ -158,9 +158,10 @@ def _read_losses(run, last_step, pending):
   for offset, loss in enumerate(losses):
     if not np.isfinite(loss):
       step = last_step - len(losses) + 1 + offset
-      raise errors.NonFiniteLossError(
+      raise errors.NonFiniteError(
           f'the loss is {loss} at step {step}; training stopped without '
-          f'saving it. The latest checkpoint ({run.checkpointer.latest}) '
+          'saving it. The latest checkpoint '
+          f'({run.checkpointer.describe_latest()}) '
           'holds the last good state; lower --learning_rate or add '
           '--warmup_steps, then run again.')
   return losses
@@ -223,7 +224,8 @@ def train(run, position):
 
   Raises:
     TrainingInterrupted: after the checkpoint a signal asked for.
-    errors.NonFiniteLossError: a step's loss was NaN or infinite.
+    errors.NonFiniteError: a step's loss, or the weights at a checkpoint,
+      were NaN or infinite.
   """
   progress = Progress(run.total_steps, run.global_batch_size,
                       run.log_every_steps)

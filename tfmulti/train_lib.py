@@ -1,19 +1,17 @@
 """The training job: data, trainer, loop, evaluation, metrics.
 
 `train_and_evaluate(config, deploy_config)` is the one call the command line
-makes. It checks the job, builds the trainer of the path `config.strategy`
-names (`strategies`), resumes from the latest checkpoint in `model_dir`,
-trains to the requested global step (`loop`), evaluates on the test split
-after every epoch and writes `<model_dir>/metrics.json`. Tests hand it their
-own data and trainer (`data_override`, `trainer_override`).
+makes. It checks the job and the directories, takes the model_dir's lock
+(`run_dir`), builds the trainer of the path `config.strategy` names
+(`strategies`), resumes from the latest intact checkpoint, trains to the
+requested global step (`loop`), evaluates on the test split after every
+epoch and writes `<model_dir>/metrics.json` (`metrics`). Tests hand it
+their own data and trainer (`data_override`, `trainer_override`).
 """
 
-import hashlib
-import json
-import os
+import contextlib
 
 import keras
-import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -23,10 +21,10 @@ from tfmulti import cluster
 from tfmulti import data
 from tfmulti import errors
 from tfmulti import loop
+from tfmulti import metrics
+from tfmulti import run_dir
 from tfmulti import strategies
 from tfmulti import summaries
-
-METRICS_FILE = 'metrics.json'
 
 
 def global_batch_size(config, deploy_config):
@@ -50,23 +48,6 @@ def _log_deployment(config, deploy_config, path):
                  deploy_config.optimizer_device())
 
 
-def _write_metrics(model_dir, metrics):
-  """Writes metrics.json atomically (a reader never sees half a file)."""
-  path = os.path.join(model_dir, METRICS_FILE)
-  with open(path + '.tmp', 'w') as f:
-    json.dump(metrics, f, indent=2, sort_keys=True)
-  os.replace(path + '.tmp', path)
-  return path
-
-
-def _fingerprint(model):
-  """A digest of every weight, to compare workers' copies in the log."""
-  digest = hashlib.sha256()
-  for weight in model.get_weights():
-    digest.update(np.ascontiguousarray(weight).tobytes())
-  return digest.hexdigest()[:16]
-
-
 def _start_workers(config, deploy_config, path, cluster_info):
   """The multi-worker strategy, made before TensorFlow runs an op; or None.
 
@@ -88,11 +69,39 @@ def _start_workers(config, deploy_config, path, cluster_info):
                               or deploy_config.clone_on_cpu))
 
 
+def _job(config, deploy_config, dataset):
+  """What the checkpoints are of: a resume must keep it (`run_dir`)."""
+  return {'model': config.model, 'dataset': config.dataset,
+          'optimizer': config.optimizer,
+          'global_batch_size': global_batch_size(config, deploy_config),
+          'mixed_precision': config.mixed_precision,
+          'input_shape': list(dataset.input_shape),
+          'num_classes': dataset.num_classes}
+
+
+def _settings(config, deploy_config, total_steps):
+  """What may change on resume (and is logged when it does)."""
+  return {'learning_rate': config.learning_rate,
+          'lr_scaling': config.lr_scaling, 'lr_schedule': config.lr_schedule,
+          'warmup_steps': config.warmup_steps, 'total_steps': total_steps,
+          'strategy': config.strategy,
+          'num_clones': deploy_config.num_clones,
+          'num_workers': deploy_config.num_workers}
+
+
+def _load(config, deploy_config):
+  with tf.device(deploy_config.inputs_device()):
+    return data.load(config.dataset,
+                     global_batch_size=global_batch_size(config,
+                                                         deploy_config),
+                     data_dir=config.data_dir, seed=config.seed)
+
+
 def train_and_evaluate(config, deploy_config, *, data_override=None,
                        trainer_override=None, cluster_info=None):
   """Trains `config.model` on `config.dataset` on `config.strategy`'s path.
 
-  Resumes from the latest checkpoint in `config.model_dir`, if any.
+  Resumes from the latest intact checkpoint in `config.model_dir`, if any.
 
   Args:
     config: a `config.TrainConfig`.
@@ -107,97 +116,80 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     The metrics dict also written to `<model_dir>/metrics.json`.
 
   Raises:
-    errors.UserError: a problem the user can fix, before training or (a NaN
-      loss) during it; its message names the value and the fix.
+    errors.UserError: a problem the user can fix, before training or (a
+      non-finite loss or weight, a failed write) during it; its message
+      names the value and the fix.
     loop.TrainingInterrupted: SIGTERM or SIGINT; a checkpoint was saved.
   """
   path = strategies.get(config.strategy)
   strategies.check(config, deploy_config)
-  workers = _start_workers(config, deploy_config, path, cluster_info)
-  batch = global_batch_size(config, deploy_config)
-  _log_deployment(config, deploy_config, path)
-  if config.deterministic:
-    tf.config.experimental.enable_op_determinism()
-  keras.utils.set_random_seed(config.seed)
-  with tf.device(deploy_config.inputs_device()):
-    dataset = data_override or data.load(
-        config.dataset, global_batch_size=batch, data_dir=config.data_dir,
-        seed=config.seed)
-  total_steps = config.train_steps or (
-      config.epochs * (dataset.train_examples // batch))
-  schedule = build.make_schedule(
-      config, deploy_config.num_clones * deploy_config.num_workers,
-      total_steps)
-  loss_fn = build.make_loss()
-  trainer = trainer_override or path.build(strategies.Setup(
-      config, deploy_config, build.model_and_optimizer(
-          config, deploy_config, input_shape=dataset.input_shape,
-          num_classes=dataset.num_classes, learning_rate=schedule),
-      loss_fn, workers))
-  logging.info('%s: %d parameters; %s: %d train, %d test examples; %d steps '
-               'of %d', config.model, trainer.model.count_params(),
-               config.dataset, dataset.train_examples, dataset.test_examples,
-               total_steps, batch)
-  os.makedirs(config.model_dir, exist_ok=True)
-  out_dir = cluster.output_dir(config.model_dir, cluster_info)
-  try:
-    metrics = _train_into(config, deploy_config, loop.Run(
-        trainer=trainer, dataset=dataset, loss_fn=loss_fn, schedule=schedule,
-        checkpointer=checkpoints.Checkpointer(
-            out_dir, model=trainer.model, optimizer=trainer.optimizer,
-            max_to_keep=config.keep_checkpoints,
-            device=deploy_config.summaries_device(),
-            restore_directory=config.model_dir),
-        summaries=summaries.Summaries(
-            out_dir, device=deploy_config.summaries_device()),
-        global_batch_size=batch, total_steps=total_steps,
-        log_every_steps=config.log_every_steps,
-        checkpoint_steps=config.checkpoint_steps))
-  finally:
-    cluster.remove_output_dir(out_dir, config.model_dir)
-  logging.info('final weights sha256 %s (every worker of a job logs the '
-               'same)', _fingerprint(trainer.model))
-  if cluster_info is None or cluster_info.is_chief:
-    metrics_path = _write_metrics(config.model_dir, metrics)
-    logging.info('done: %d steps, eval accuracy %.4f, train loss %.4f, %.0f '
-                 'images/sec; metrics in %s', metrics['steps'],
-                 metrics['eval_accuracy'], metrics['train_loss'],
-                 metrics['images_per_sec'], metrics_path)
-  return metrics
+  chief = cluster_info is None or cluster_info.is_chief
+  run_dir.check_directory('model_dir', config.model_dir)
+  if config.data_dir and not data_override:
+    run_dir.check_directory('data_dir', config.data_dir)
+  with run_dir.Lock(config.model_dir) if chief else contextlib.nullcontext():
+    workers = _start_workers(config, deploy_config, path, cluster_info)
+    _log_deployment(config, deploy_config, path)
+    if config.deterministic:
+      tf.config.experimental.enable_op_determinism()
+    keras.utils.set_random_seed(config.seed)
+    dataset = data_override or _load(config, deploy_config)
+    batch = global_batch_size(config, deploy_config)
+    total_steps = config.train_steps or (
+        config.epochs * (dataset.train_examples // batch))
+    if chief:
+      run_dir.check_job(
+          config.model_dir, _job(config, deploy_config, dataset),
+          _settings(config, deploy_config, total_steps),
+          resuming=bool(checkpoints.numbered_checkpoints(config.model_dir)))
+    schedule = build.make_schedule(
+        config, deploy_config.num_clones * deploy_config.num_workers,
+        total_steps)
+    loss_fn = build.make_loss()
+    trainer = trainer_override or path.build(strategies.Setup(
+        config, deploy_config, build.model_and_optimizer(
+            config, deploy_config, input_shape=dataset.input_shape,
+            num_classes=dataset.num_classes, learning_rate=schedule),
+        loss_fn, workers))
+    if workers is not None:  # Before the first collective step.
+      cluster.check_agreement(workers, dict(
+          _job(config, deploy_config, dataset), total_steps=total_steps))
+    logging.info('%s: %d parameters; %s: %d train, %d test examples; %d '
+                 'steps of %d', config.model, trainer.model.count_params(),
+                 config.dataset, dataset.train_examples,
+                 dataset.test_examples, total_steps, batch)
+    out_dir = cluster.output_dir(config.model_dir, cluster_info)
+    try:
+      result = _train_into(config, deploy_config, loop.Run(
+          trainer=trainer, dataset=dataset, loss_fn=loss_fn,
+          schedule=schedule, checkpointer=checkpoints.Checkpointer(
+              out_dir, model=trainer.model, optimizer=trainer.optimizer,
+              max_to_keep=config.keep_checkpoints,
+              device=deploy_config.summaries_device(),
+              restore_directory=config.model_dir),
+          summaries=summaries.Summaries(
+              out_dir, device=deploy_config.summaries_device()),
+          global_batch_size=batch, total_steps=total_steps,
+          log_every_steps=config.log_every_steps,
+          checkpoint_steps=config.checkpoint_steps))
+    finally:
+      cluster.remove_output_dir(out_dir, config.model_dir)
+    logging.info('final weights sha256 %s (every worker of a job logs the '
+                 'same)', metrics.fingerprint(trainer.model))
+    if chief:
+      metrics.write(config.model_dir, result)
+  return result
 
 
 def _train_into(config, deploy_config, run):
   """Restores the latest checkpoint, runs the loop; returns the metrics."""
   restored = run.checkpointer.restore_latest()
+  if restored and restored.step >= run.total_steps:
+    logging.info('%s already holds step %d of %d: nothing left to train; '
+                 'evaluating', config.model_dir, restored.step,
+                 run.total_steps)
   try:
     outcome = loop.train(run, restored or checkpoints.Position(0, 0, 0))
   finally:
     run.summaries.close()
-  return {
-      'eval_accuracy': outcome.evaluation['accuracy'],
-      'eval_loss': outcome.evaluation['loss'],
-      'train_loss': outcome.progress.last_window_loss,
-      'steps': outcome.position.step,
-      'resumed_from_step': restored.step if restored else None,
-      'epochs': outcome.position.step / (run.dataset.train_examples //
-                                         run.global_batch_size),
-      'images_per_sec': outcome.progress.images_per_sec,
-      'train_seconds': outcome.progress.train_seconds,
-      'strategy': config.strategy,
-      'num_clones': deploy_config.num_clones,
-      'num_workers': deploy_config.num_workers,
-      'batch_size': config.batch_size,
-      'global_batch_size': run.global_batch_size,
-      'variables_device': deploy_config.variables_device(),
-      'clone_devices': deploy_config.clone_devices(),
-      'model': config.model,
-      'dataset': config.dataset,
-      'optimizer': config.optimizer,
-      'learning_rate': config.learning_rate,
-      'peak_learning_rate': run.schedule.peak,
-      'lr_schedule': config.lr_schedule,
-      'mixed_precision': build.dtype_policy(config.mixed_precision,
-                                            deploy_config.clone_on_cpu),
-      'seed': config.seed,
-      'checkpoint': run.checkpointer.latest,
-  }
+  return metrics.collect(config, deploy_config, run, outcome, restored)
