@@ -1,5 +1,6 @@
 """Tests for tfmulti.checkpoints: round trips, portability, stop signals."""
 
+import errno
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from helpers import (REPO, checkpoint_tensors, make_batch, make_deployed, mlp,
                      weights)
@@ -135,3 +137,100 @@ def test_a_two_clone_checkpoint_continues_on_every_path(run_train, tmp_path):
     for key, value in tensors.items():
       np.testing.assert_allclose(value, reference[key], rtol=1e-5, atol=1e-6,
                                  err_msg=f'{name}: {key}')
+
+
+class TestScan:
+  """The latest intact checkpoint is found whatever else is damaged."""
+
+  def _three_saved(self, directory):
+    """Checkpoints 1, 2 and 3 of a model whose kernel is the step number."""
+    deployed = make_deployed(ONE)
+    checkpointer = _checkpointer(directory, deployed, max_to_keep=5)
+    for step in (1, 2, 3):
+      deployed.model.trainable_variables[0].assign(
+          tf.fill(deployed.model.trainable_variables[0].shape, float(step)))
+      checkpointer.save(checkpoints.Position(step, 0, 8 * step))
+    return deployed
+
+  def _restored_step(self, directory):
+    fresh = make_deployed(ONE, model_fn=lambda: mlp(seed=5))
+    position = _checkpointer(directory, fresh).restore_latest()
+    kernel = fresh.model.trainable_variables[0].numpy()
+    assert (kernel == position.step).all()  # The weights of that step.
+    return position.step
+
+  def test_an_empty_index_file(self, tmp_path):
+    self._three_saved(tmp_path)
+    (tmp_path / 'checkpoint').write_text('')
+    assert self._restored_step(tmp_path) == 3
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith('ckpt-3')
+
+  def test_an_index_naming_a_missing_checkpoint(self, tmp_path):
+    self._three_saved(tmp_path)
+    for path in tmp_path.glob('ckpt-3.*'):
+      path.unlink()
+    assert self._restored_step(tmp_path) == 2
+
+  @pytest.mark.parametrize('damage', ['truncated data', 'garbled index',
+                                      'missing data'])
+  def test_a_damaged_newest_is_skipped_and_kept(self, tmp_path, caplog,
+                                                damage):
+    self._three_saved(tmp_path)
+    data = tmp_path / 'ckpt-3.data-00000-of-00001'
+    if damage == 'truncated data':
+      data.write_bytes(data.read_bytes()[:50])
+    elif damage == 'garbled index':
+      (tmp_path / 'ckpt-3.index').write_bytes(b'not an sstable')
+    else:
+      data.unlink()
+    with caplog.at_level('WARNING'):
+      assert self._restored_step(tmp_path) == 2
+    assert 'skipping damaged checkpoint' in caplog.text
+    assert 'ckpt-3' in caplog.text
+    assert (tmp_path / 'ckpt-3.index').exists()  # Never deleted.
+
+  def test_only_damaged_checkpoints_stop_the_run(self, tmp_path):
+    self._three_saved(tmp_path)
+    for step in (1, 2, 3):
+      (tmp_path / f'ckpt-{step}.index').write_bytes(b'')
+    with pytest.raises(errors.CheckpointDamagedError,
+                       match='no checkpoint in .* can be read.*ckpt-3.*'
+                       'new --model_dir'):
+      _checkpointer(tmp_path, make_deployed(ONE))
+
+  def test_partial_writes_are_removed(self, tmp_path):
+    self._three_saved(tmp_path)
+    partial = tmp_path / 'ckpt-4_temp'
+    partial.mkdir()
+    (partial / 'part-00000-of-00001.data-00000-of-00001').write_bytes(b'x')
+    assert self._restored_step(tmp_path) == 3
+    assert not partial.exists()
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+  deployed = make_deployed(ONE)
+  checkpointer = _checkpointer(tmp_path, deployed)
+  checkpointer.save(checkpoints.Position(1, 0, 8))
+  kernel = deployed.model.trainable_variables[0]
+  kernel.assign(tf.fill(kernel.shape, float('nan')))
+  with pytest.raises(errors.NonFiniteError,
+                     match=r'weights are not finite after step 2.*ckpt-1\)'):
+    checkpointer.save(checkpoints.Position(2, 0, 16))
+  assert not (tmp_path / 'ckpt-2.index').exists()
+  checkpoints.check_intact(checkpointer.latest)  # Named, and finite.
+
+
+def test_a_full_disk_stops_with_one_line_and_keeps_the_last(tmp_path,
+                                                            monkeypatch):
+  deployed = make_deployed(ONE)
+  checkpointer = _checkpointer(tmp_path, deployed)
+  checkpointer.save(checkpoints.Position(1, 0, 8))
+
+  def disk_full(**kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(checkpointer.manager, 'save', disk_full)
+  with pytest.raises(errors.CheckpointWriteError,
+                     match='cannot write checkpoint ckpt-2 .*No space left.*'
+                     'latest good checkpoint is .*ckpt-1'):
+    checkpointer.save(checkpoints.Position(2, 0, 16))
+  assert tf.train.latest_checkpoint(str(tmp_path)).endswith('ckpt-1')

@@ -180,3 +180,48 @@ def test_a_worker_without_its_peer_fails_with_the_address(tmp_path,
   assert (f'error: worker 0 cannot reach its peer localhost:{ports[1]} after '
           '3 s') in result.stderr
   assert time.monotonic() - start < 60
+
+
+def test_workers_started_with_different_flags_stop_with_one_line(
+    tmp_path, digits_dir, run_train):
+  run_train(train_steps=1)  # Prepares digits in digits_dir once.
+  ports = _free_ports(2)
+  workers = []
+  for index, batch_size in enumerate((4, 8)):
+    env = dict(os.environ, TF_CONFIG=_tf_config(ports, index))
+    workers.append(subprocess.Popen(
+        _worker_command(tmp_path / 'job', digits_dir,
+                        '--strategy=multi_worker', '--train_steps=3',
+                        f'--batch_size={batch_size}'),
+        cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
+  logs = [w.communicate(timeout=TIMEOUT_S)[1] for w in workers]
+  for worker, log, batch_size in zip(workers, logs, (4, 8)):
+    assert worker.returncode == 1, log[-2000:]
+    assert ('train.py: error: the workers of this job disagree on '
+            f'global_batch_size (this worker has global_batch_size='
+            f'{batch_size * 2})') in log
+    assert 'Traceback' not in log
+  assert not (tmp_path / 'job' / 'ckpt-1.index').exists()
+
+
+def test_a_peer_lost_mid_run_stops_the_others_with_one_line(
+    tmp_path, digits_dir, run_train):
+  run_train(train_steps=1)  # Prepares digits in digits_dir once.
+  ports = _free_ports(2)
+  workers = [subprocess.Popen(
+      _worker_command(tmp_path / 'job', digits_dir, '--strategy=multi_worker',
+                      '--train_steps=500', '--peer_timeout_s=10'),
+      cwd=REPO, env=dict(os.environ, TF_CONFIG=_tf_config(ports, index)),
+      stderr=subprocess.PIPE, text=True) for index in range(2)]
+  for line in workers[1].stderr:
+    if 'step 5/500' in line:
+      workers[1].kill()  # A machine lost mid-run.
+      break
+  workers[1].communicate(timeout=TIMEOUT_S)
+  start = time.monotonic()
+  log = workers[0].communicate(timeout=TIMEOUT_S)[1]
+  assert workers[0].returncode == 1, log[-2000:]
+  assert ('train.py: error: worker 0 lost a peer mid-step' in log
+          and 'resume from the latest checkpoint' in log)
+  assert 'Traceback' not in log
+  assert time.monotonic() - start < 60

@@ -117,6 +117,7 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
     (dict(train_steps=0), 'train_steps=0: must be an integer >= 1'),
     (dict(seed=2**32), 'seed=4294967296: must be below 2\\*\\*32'),
     (dict(model_dir=''), "model_dir='': name an output directory"),
+    (dict(data_dir='/dev/null'), '--data_dir=/dev/null is a file'),
 ])
 def test_bad_flags_stop_with_one_line(tmp_path, values, message):
   values = dict(dict(model_dir=str(tmp_path / 'run')), **values)
@@ -140,6 +141,22 @@ def test_conflicts_found_before_training_stop_with_one_line(run_train,
   with pytest.raises(SystemExit, match=message):
     run_train(model_dir=str(tmp_path / 'run'), **values)
   assert not (tmp_path / 'run' / 'checkpoint').exists()
+
+
+@pytest.mark.parametrize('where', ['file', 'under_file'])
+def test_an_unusable_model_dir_stops_with_one_line(run_train, tmp_path,
+                                                   where):
+  (tmp_path / 'file').write_text('not a directory')
+  model_dir = tmp_path / 'file' / ('sub' if where == 'under_file' else '')
+  with pytest.raises(SystemExit, match=f'--model_dir={model_dir}'.rstrip('/')
+                     + ' (is a file|cannot be used)'):
+    run_train(model_dir=str(model_dir).rstrip('/'))
+
+
+def test_a_global_batch_larger_than_the_data_stops_with_one_line(run_train):
+  with pytest.raises(SystemExit, match='the global batch of 2048 is larger '
+                     'than the 1437 training examples'):
+    run_train(num_clones=2, batch_size=1024)
 
 
 @pytest.mark.parametrize('name, value', [
@@ -228,7 +245,7 @@ def test_a_killed_run_leaves_a_checkpoint_that_loads(tmp_path, digits_dir,
                                                      run_train):
   run_train(train_steps=1)  # Prepares digits in digits_dir once.
   model_dir = tmp_path / 'killed'
-  command = _train_command(model_dir, digits_dir, '--train_steps=60',
+  command = _train_command(model_dir, digits_dir, '--train_steps=30',
                            '--checkpoint_steps=1', '--keep_checkpoints=2')
   delays = random.Random(0)
   for _ in range(2):
@@ -243,4 +260,4 @@ def test_a_killed_run_leaves_a_checkpoint_that_loads(tmp_path, digits_dir,
                             timeout=SUBPROCESS_TIMEOUT_S)
   assert finished.returncode == 0, finished.stderr[-2000:]
   metrics = json.loads((model_dir / 'metrics.json').read_text())
-  assert metrics['steps'] == 60 and metrics['resumed_from_step'] > 1
+  assert metrics['steps'] == 30 and metrics['resumed_from_step'] > 1

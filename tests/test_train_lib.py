@@ -1,5 +1,6 @@
 """Tests for the training loop: resume, summaries, NaN stop, precision."""
 
+import json
 import os
 import re
 
@@ -8,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import scalars
+from tfmulti import checkpoints
 from tfmulti import summaries
 
 
@@ -69,20 +71,53 @@ def test_gradient_summaries(run_train, tmp_path, strategy):
   assert found[summaries.GLOBAL_GRADIENT_NORM][1] > 0
 
 
-def test_a_diverging_loss_stops_before_it_is_saved(run_train, tmp_path):
+@pytest.mark.parametrize('checkpoint_steps', [1, 4])
+def test_a_diverging_run_stops_and_names_a_finite_checkpoint(
+    run_train, tmp_path, checkpoint_steps):
+  """Huge steps: the weights or the loss go non-finite; nothing non-finite
+  is saved, and the checkpoint the message names is finite."""
   model_dir = str(tmp_path / 'diverges')
   with pytest.raises(SystemExit) as stop:
     run_train(model_dir=model_dir, optimizer='sgd', learning_rate=1e6,
-              train_steps=30, checkpoint_steps=1)
-  found = re.search(r'the loss is (nan|inf) at step (\d+); training stopped',
+              train_steps=30, checkpoint_steps=checkpoint_steps)
+  found = re.search(r'(the loss is (nan|inf) at|the weights are not finite '
+                    r'after) step (\d+); training stopped without saving',
                     str(stop.value))
   assert found, stop.value
-  step = int(found.group(2))
-  assert 1 < step < 30
-  latest = f'ckpt-{step - 1}'
-  assert latest in str(stop.value)  # The message names the last good one.
-  assert tf.train.latest_checkpoint(model_dir).endswith(latest)
+  assert 1 < int(found.group(3)) < 30
+  latest = tf.train.latest_checkpoint(model_dir) or 'none yet'
+  assert f'latest checkpoint ({latest}' in str(stop.value)
+  for _, path in checkpoints.numbered_checkpoints(model_dir):
+    checkpoints.check_intact(path)  # Every tensor of every one is finite.
   assert not os.path.exists(os.path.join(model_dir, 'metrics.json'))
+
+
+def test_nothing_left_to_train_writes_strict_json(run_train, tmp_path):
+  model_dir = str(tmp_path / 'done')
+  run_train(model_dir=model_dir)
+  run_train(model_dir=model_dir)  # The same command again: nothing to do.
+
+  def refuse(constant):
+    raise ValueError(f'{constant} is not JSON')
+  with open(os.path.join(model_dir, 'metrics.json')) as f:
+    metrics = json.load(f, parse_constant=refuse)
+  assert (metrics['resumed_from_step'], metrics['steps']) == (2, 2)
+  assert metrics['images_per_sec'] is None and metrics['train_loss'] is None
+  assert metrics['nulls']['images_per_sec'].startswith('no step ran')
+  assert 0 <= metrics['eval_accuracy'] <= 1
+
+
+def test_a_resume_that_changes_the_job_stops_with_one_line(run_train,
+                                                           tmp_path):
+  model_dir = str(tmp_path / 'adam')
+  run_train(model_dir=model_dir, optimizer='adam')
+  with pytest.raises(SystemExit,
+                     match="holds another job \\(optimizer='adam' there, "
+                     "'sgd' here\\); resume with the flags that started it"):
+    run_train(model_dir=model_dir, optimizer='sgd', train_steps=4)
+  # The rate and the length may change: the run continues from step 2.
+  metrics = run_train(model_dir=model_dir, learning_rate=0.01, train_steps=4)
+  assert (metrics['resumed_from_step'], metrics['steps']) == (2, 4)
 
 
 def test_mixed_precision_trains_in_bfloat16_on_cpus(run_train, tmp_path):

@@ -158,7 +158,8 @@ def _train_config():
                  is not None else os.path.join(
                      'runs', f'{_MODEL.value}-{_DATASET.value}-'
                      f'{_STRATEGY.value}-{_NUM_CLONES.value}clones')),
-      data_dir=_DATA_DIR.value, batch_size=_BATCH_SIZE.value,
+      data_dir=_DATA_DIR.value and os.path.expanduser(_DATA_DIR.value),
+      batch_size=_BATCH_SIZE.value,
       optimizer=_OPTIMIZER.value, learning_rate=_LEARNING_RATE.value,
       lr_scaling=_LR_SCALING.value, lr_schedule=_LR_SCHEDULE.value,
       warmup_steps=_WARMUP_STEPS.value, epochs=_EPOCHS.value,

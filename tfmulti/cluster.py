@@ -11,6 +11,7 @@ alone writes checkpoints, summaries and metrics.json to the model_dir; the
 others write theirs to temporary directories that they remove.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -208,6 +209,24 @@ def check_agreement(strategy, job):
     raise errors.ClusterError(
         f'the workers of this job disagree on {", ".join(differ)} (this '
         f'worker has {mine}); start every worker with the same flags.')
+
+
+@contextlib.contextmanager
+def lost_peers_as_errors(cluster):
+  """Turns a collective that failed for want of a peer into one line.
+
+  With `cluster` None (one process), errors pass unchanged.
+  """
+  try:
+    yield
+  except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+          tf.errors.CancelledError, tf.errors.AbortedError) as e:
+    if cluster is None:
+      raise
+    raise errors.ClusterError(
+        f'worker {cluster.index} lost a peer mid-step ({type(e).__name__}'
+        '); restart every worker with the same command: they resume from '
+        'the latest checkpoint.') from e
 
 
 def output_dir(model_dir, cluster):

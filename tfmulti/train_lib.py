@@ -124,9 +124,9 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
   path = strategies.get(config.strategy)
   strategies.check(config, deploy_config)
   chief = cluster_info is None or cluster_info.is_chief
-  run_dir.check_directory('model_dir', config.model_dir)
   if config.data_dir and not data_override:
     run_dir.check_directory('data_dir', config.data_dir)
+  run_dir.check_directory('model_dir', config.model_dir)
   with run_dir.Lock(config.model_dir) if chief else contextlib.nullcontext():
     workers = _start_workers(config, deploy_config, path, cluster_info)
     _log_deployment(config, deploy_config, path)
@@ -160,18 +160,16 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
                  dataset.test_examples, total_steps, batch)
     out_dir = cluster.output_dir(config.model_dir, cluster_info)
     try:
-      result = _train_into(config, deploy_config, loop.Run(
-          trainer=trainer, dataset=dataset, loss_fn=loss_fn,
-          schedule=schedule, checkpointer=checkpoints.Checkpointer(
-              out_dir, model=trainer.model, optimizer=trainer.optimizer,
-              max_to_keep=config.keep_checkpoints,
-              device=deploy_config.summaries_device(),
-              restore_directory=config.model_dir),
-          summaries=summaries.Summaries(
-              out_dir, device=deploy_config.summaries_device()),
-          global_batch_size=batch, total_steps=total_steps,
-          log_every_steps=config.log_every_steps,
-          checkpoint_steps=config.checkpoint_steps))
+      with cluster.lost_peers_as_errors(cluster_info):
+        result = _train_into(config, deploy_config, loop.Run(
+            trainer=trainer, dataset=dataset, loss_fn=loss_fn,
+            schedule=schedule, checkpointer=_checkpointer(
+                config, deploy_config, trainer, out_dir),
+            summaries=summaries.Summaries(
+                out_dir, device=deploy_config.summaries_device()),
+            global_batch_size=batch, total_steps=total_steps,
+            log_every_steps=config.log_every_steps,
+            checkpoint_steps=config.checkpoint_steps))
     finally:
       cluster.remove_output_dir(out_dir, config.model_dir)
     logging.info('final weights sha256 %s (every worker of a job logs the '
@@ -179,6 +177,15 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     if chief:
       metrics.write(config.model_dir, result)
   return result
+
+
+def _checkpointer(config, deploy_config, trainer, out_dir):
+  """Saves into `out_dir`, restores from the model_dir (the chief's)."""
+  return checkpoints.Checkpointer(
+      out_dir, model=trainer.model, optimizer=trainer.optimizer,
+      max_to_keep=config.keep_checkpoints,
+      device=deploy_config.summaries_device(),
+      restore_directory=config.model_dir)
 
 
 def _train_into(config, deploy_config, run):
