@@ -225,3 +225,27 @@ def test_a_peer_lost_mid_run_stops_the_others_with_one_line(
           and 'resume from the latest checkpoint' in log)
   assert 'Traceback' not in log
   assert time.monotonic() - start < 60
+
+
+def test_a_worker_whose_port_is_taken_stops_with_one_line(tmp_path,
+                                                          digits_dir):
+  taken = socket.create_server(('localhost', 0))
+  peer, = _free_ports(1)
+  env = dict(os.environ, TF_CONFIG=json.dumps(
+      {'cluster': {'worker': [f'localhost:{taken.getsockname()[1]}',
+                              f'localhost:{peer}']},
+       'task': {'type': 'worker', 'index': 0}}))
+  try:
+    # The watchdog holds stderr too: run() returns once it has ended.
+    result = subprocess.run(
+        _worker_command(tmp_path / 'job', digits_dir,
+                        '--strategy=multi_worker', '--peer_timeout_s=30'),
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+  finally:
+    taken.close()
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert ('train.py: error: worker 0 cannot start the multi-worker strategy '
+          'on localhost:') in result.stderr
+  assert 'the port is free' in result.stderr
+  assert 'Traceback' not in result.stderr
+  assert 'cannot reach its peer' not in result.stderr  # No stale watchdog.
