@@ -43,7 +43,8 @@ def run_train(tmp_path, digits_dir):
 
   Tiny by default: 2 steps of 4 rows per clone on logical CPUs, writing to
   a fresh directory under `tmp_path` unless `model_dir` is given (a
-  directory with checkpoints resumes).
+  directory with checkpoints resumes), without the export (test_export.py
+  asks for it).
   """
   from tfmulti import cli  # Defines the flags.
   runs = []
@@ -53,7 +54,7 @@ def run_train(tmp_path, digits_dir):
     values = dict(model_dir=str(tmp_path / f'run{len(runs)}'),
                   data_dir=digits_dir,
                   clone_on_cpu=True, train_steps=2, batch_size=4,
-                  log_every_steps=1)
+                  log_every_steps=1, export=False)
     values.update(flag_values)
     with flagsaver.flagsaver(**values):
       cli.main(['train.py'])

@@ -1,5 +1,6 @@
 """Tests for tfmulti.models: registry, pinned parameter counts, placement."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -80,3 +81,16 @@ def test_resnet18_trains_a_step():
                              rng.integers(0, 10, 4).astype(np.int32))
   assert np.isfinite(float(loss)) and float(loss) > 0
   assert not np.array_equal(before[0], model.trainable_weights[0].numpy())
+
+
+def test_option_a_shortcut_subsamples_and_zero_pads_with_keras_layers():
+  images = np.random.default_rng(0).random((2, 8, 8, 4)).astype(np.float32)
+  inputs = keras.Input((8, 8, 4))
+  shortcut = keras.Model(inputs, resnet._option_a_shortcut(inputs, 8, 2))
+  np.testing.assert_array_equal(
+      shortcut(images), np.pad(images[:, ::2, ::2, :],
+                               ((0, 0), (0, 0), (0, 0), (2, 2))))
+  # Keras's own layers only: a saved model loads without tfmulti's code.
+  assert not any(isinstance(layer, keras.layers.Lambda)
+                 for layer in models.get_model(
+                     'resnet20', input_shape=CIFAR, num_classes=10).layers)

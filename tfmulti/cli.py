@@ -120,6 +120,10 @@ _WORKER_INDEX = flags.DEFINE_integer(
 _PEER_TIMEOUT_S = flags.DEFINE_float(
     'peer_timeout_s', 120.0, 'Seconds a multi-worker task waits for its '
     'peers, and for each collective, before it fails.')
+_EXPORT = flags.DEFINE_bool(
+    'export', True, 'At the end, write <model_dir>/export/<step>/: a '
+    'SavedModel (serving_default: images -> logits, probabilities) and '
+    'model.keras, for one device.')
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (towers only).")
 _MIXED_PRECISION = flags.DEFINE_bool(
@@ -172,7 +176,8 @@ def _train_config():
       batch_norm_policy=_BATCH_NORM_POLICY.value,
       synchronized_batch_norm=_SYNC_BATCH_NORM.value,
       mixed_precision=_MIXED_PRECISION.value, xla=_XLA.value,
-      strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value)
+      strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value,
+      export=_EXPORT.value)
 
 
 def configs_from_flags():

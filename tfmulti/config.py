@@ -56,6 +56,7 @@ class TrainConfig:
     strategy: a name in `strategies.NAMES`: how the step runs.
     peer_timeout_s: seconds a multi-worker task waits for its peers, and
       for each collective, before it fails.
+    export: write `export/<step>/` (SavedModel and .keras) at the end.
   """
   model: str = 'lenet'
   dataset: str = 'digits'
@@ -81,6 +82,7 @@ class TrainConfig:
   xla: bool = False
   strategy: str = strategies.TOWERS
   peer_timeout_s: float = 120.0
+  export: bool = True
 
   def __post_init__(self):
     choices = [('dataset', data.DATASETS), ('strategy', strategies.NAMES),

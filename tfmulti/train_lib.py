@@ -20,6 +20,7 @@ from tfmulti import checkpoints
 from tfmulti import cluster
 from tfmulti import data
 from tfmulti import errors
+from tfmulti import export
 from tfmulti import loop
 from tfmulti import metrics
 from tfmulti import run_dir
@@ -74,7 +75,8 @@ def _job(config, deploy_config, dataset):
   return {'model': config.model, 'dataset': config.dataset,
           'optimizer': config.optimizer,
           'global_batch_size': global_batch_size(config, deploy_config),
-          'mixed_precision': config.mixed_precision,
+          'dtype_policy': build.dtype_policy(config.mixed_precision,
+                                             deploy_config.clone_on_cpu),
           'input_shape': list(dataset.input_shape),
           'num_classes': dataset.num_classes}
 
@@ -175,6 +177,9 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     logging.info('final weights sha256 %s (every worker of a job logs the '
                  'same)', metrics.fingerprint(trainer.model))
     if chief:
+      if config.export:
+        result['export'] = export.export(trainer.model, config.model_dir,
+                                         result['steps'])
       metrics.write(config.model_dir, result)
   return result
 

@@ -55,6 +55,21 @@ def resnet18(input_shape, num_classes, *, synchronized_batch_norm=False):
   return keras.Model(inputs, outputs, name='resnet18')
 
 
+def _option_a_shortcut(x, filters, strides):
+  """Subsample, then zero-pad the new channels: no parameters.
+
+  Built from Keras's own layers (no Lambda), so a saved `.keras` file loads
+  anywhere without tfmulti's code.
+  """
+  if strides > 1:  # A 1x1 pool with stride s keeps rows and columns ::s.
+    x = layers.MaxPooling2D(pool_size=1, strides=strides)(x)
+  height, width, channels = x.shape[1:]
+  pad = filters - channels
+  x = layers.Reshape((height, width, channels, 1))(x)
+  x = layers.ZeroPadding3D(((0, 0), (0, 0), (pad // 2, pad - pad // 2)))(x)
+  return layers.Reshape((height, width, filters))(x)
+
+
 def _cifar_block(x, filters, strides, regularizer, batch_norm):
   """He et al.'s basic block with the parameter-free shortcut (option A)."""
   def conv(strides):
@@ -64,11 +79,7 @@ def _cifar_block(x, filters, strides, regularizer, batch_norm):
   y = layers.ReLU()(batch_norm()(conv(strides)(x)))
   y = batch_norm()(conv(1)(y))
   if strides > 1 or x.shape[-1] != filters:
-    # Option A: subsample, then zero-pad the new channels (no parameters).
-    pad = filters - x.shape[-1]
-    channels = (pad // 2, pad - pad // 2)
-    x = layers.Lambda(lambda t: keras.ops.pad(
-        t[:, ::strides, ::strides, :], ((0, 0), (0, 0), (0, 0), channels)))(x)
+    x = _option_a_shortcut(x, filters, strides)
   return layers.ReLU()(layers.Add()([y, x]))
 
 
