@@ -170,9 +170,14 @@ def test_bad_choices_are_refused_by_the_flags(name, value):
       flags.FLAGS(['train.py', f'--{name}={value}'])
 
 
+# TensorFlow's C++ start-up lines on a machine without a GPU (the quiet start
+# holds them back; tests/test_native_logs.py tests how).
+CHATTER = ('absl::InitializeLog', 'cudart_stub', 'cuInit')
+
+
 @pytest.mark.parametrize('argv, message', [
     (['--num_clones=3'], 'train.py: error: --num_clones=3 needs as many GPUs'),
-    (['--model=vgg'], '--model'),
+    (['--model=vgg', '--verbosity=1'], '--model'),
 ])
 def test_bad_flags_exit_without_traceback(argv, message, tmp_path):
   result = subprocess.run(
@@ -181,6 +186,8 @@ def test_bad_flags_exit_without_traceback(argv, message, tmp_path):
   assert result.returncode != 0
   assert message in result.stderr
   assert 'Traceback' not in result.stderr
+  if '--verbosity=1' not in argv:  # A clean screen: no C++ chatter.
+    assert not [part for part in CHATTER if part in result.stderr]
 
 
 def _train_command(model_dir, digits_dir, *extra):
@@ -230,6 +237,9 @@ def test_sigterm_then_rerun_equals_an_uninterrupted_run(tmp_path, digits_dir,
   rerun = subprocess.run(parts, cwd=REPO, capture_output=True, text=True,
                          timeout=SUBPROCESS_TIMEOUT_S)
   assert rerun.returncode == 0, rerun.stderr[-2000:]
+  # The screen holds tfmulti's own lines, not the libraries' INFO lines.
+  assert 'restored ' in rerun.stderr and 'dataset_info.py' not in (
+      rerun.stderr)
 
   metrics = json.loads((tmp_path / 'parts' / 'metrics.json').read_text())
   assert metrics['resumed_from_step'] == int(stopped.group(1))

@@ -11,9 +11,16 @@ the fix (`errors.UserError`), before any training state exists.
 import os
 import sys
 
-# Keep TensorFlow's C++ start-up chatter (CUDA probing) out of the log; it
-# must be set before TensorFlow is imported.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from tfmulti import native_logs
+
+# A clean first screen: TensorFlow's C++ start-up chatter (CUDA probing on a
+# CPU machine, oneDNN notices) is held back unless --verbosity asks for it.
+_VERBOSE = native_logs.verbose(sys.argv)
+if not _VERBOSE:
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+with native_logs.held(enabled=not _VERBOSE):
+  import tensorflow as tf
+  tf.config.list_physical_devices('GPU')  # Probes CUDA now, quietly.
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -206,7 +213,22 @@ def configs_from_flags():
   return train_config, deploy_config, cluster_info
 
 
+def own_lines_only(record):
+  """An absl log filter: tfmulti's lines, and every warning and error.
+
+  Libraries' INFO lines (TFDS reading its files, the checkpoint saver) stay
+  off the screen unless --verbosity asks for them.
+  """
+  return (record.levelno >= logging.converter.STANDARD_WARNING
+          or record.pathname.startswith(_PACKAGE_DIR))
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def main(argv):
+  if not _VERBOSE and logging.get_verbosity() < logging.DEBUG:
+    logging.get_absl_handler().addFilter(own_lines_only)
   if len(argv) > 1:
     sys.exit(f'{PROGRAM}: error: unexpected arguments {argv[1:]}; flags are '
              'written --name=value.')

@@ -40,13 +40,14 @@ def _log_deployment(config, deploy_config, path):
                deploy_config.num_clones, deploy_config.num_workers,
                global_batch_size(config, deploy_config),
                deploy_config.clone_devices())
-  logging.info('%s: %s', config.strategy, path.variables)
   if config.strategy == strategies.TOWERS:
     logging.info('towers: variables and optimizer slots on %s; batch split '
                  'on %s; gradients summed and applied on %s',
                  deploy_config.variables_device(),
                  deploy_config.inputs_device(),
                  deploy_config.optimizer_device())
+  else:
+    logging.info('%s: %s', config.strategy, path.variables)
 
 
 def _start_workers(config, deploy_config, path, cluster_info):
