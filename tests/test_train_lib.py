@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from helpers import scalars
 from tfmulti import checkpoints
@@ -150,3 +151,28 @@ def test_synchronized_batch_norm_flag_trains_on_both_paths(run_train,
                       sync_batch_norm=True)
   assert metrics['steps'] == 2 and metrics['strategy'] == strategy
   assert np.isfinite(metrics['train_loss'])
+
+
+def test_profile_steps_trace_every_clone(run_train, tmp_path):
+  model_dir = tmp_path / 'profiled'
+  run_train(model_dir=str(model_dir), num_clones=2, train_steps=3,
+            profile_steps=['1', '2'])
+  traces = list(model_dir.glob('plugins/profile/*/*.xplane.pb'))
+  assert len(traces) == 1
+  space = xplane_pb2.XSpace()
+  space.ParseFromString(traces[0].read_bytes())
+  ops = {metadata.name for plane in space.planes
+         for metadata in plane.event_metadata.values()}
+  for clone in ('clone_0/', 'clone_1/'):  # Each clone's forward ops.
+    assert any(name.startswith(clone) and 'MatMul' in name for name in ops)
+  assert any(name.startswith('optimize_clones/') for name in ops)
+
+
+@pytest.mark.parametrize('steps, message', [
+    (['2', '1'], 'profile_steps=2,1: the last step must be >= the first'),
+    (['0', '3'], 'profile_steps=0: must be an integer >= 1'),
+    (['x'], '--profile_steps=x: give two global steps'),
+])
+def test_bad_profile_steps(run_train, steps, message):
+  with pytest.raises(SystemExit, match=message):
+    run_train(profile_steps=steps)

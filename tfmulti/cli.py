@@ -131,6 +131,10 @@ _EXPORT = flags.DEFINE_bool(
     'export', True, 'At the end, write <model_dir>/export/<step>/: a '
     'SavedModel (serving_default: images -> logits, probabilities) and '
     'model.keras, for one device.')
+_PROFILE_STEPS = flags.DEFINE_list(
+    'profile_steps', None, 'FIRST,LAST: write a TensorBoard profile of '
+    'these global steps (e.g. 5,7) to <model_dir>/plugins/profile; view it '
+    "with pip install -e '.[profile]' and tensorboard --logdir.")
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (towers only).")
 _MIXED_PRECISION = flags.DEFINE_bool(
@@ -146,6 +150,19 @@ def _variables_gpu(value):
     return int(value[4:])
   raise errors.ConfigError(f"--variables_device={value}: use 'cpu' or "
                            "'gpu:N', e.g. --variables_device=gpu:0.")
+
+
+def _profile_steps(values):
+  """(first, last) of --profile_steps, or None."""
+  if values is None:
+    return None
+  try:
+    first, last = (int(v) for v in values)
+  except ValueError:
+    raise errors.ConfigError(
+        f'--profile_steps={",".join(values)}: give two global steps, '
+        'FIRST,LAST, e.g. --profile_steps=5,7.') from None
+  return first, last
 
 
 def _cluster(path):
@@ -184,7 +201,8 @@ def _train_config():
       synchronized_batch_norm=_SYNC_BATCH_NORM.value,
       mixed_precision=_MIXED_PRECISION.value, xla=_XLA.value,
       strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value,
-      export=_EXPORT.value)
+      export=_EXPORT.value,
+      profile_steps=_profile_steps(_PROFILE_STEPS.value))
 
 
 def configs_from_flags():

@@ -7,7 +7,7 @@ names the value and the fix; a path's own rules are in `strategies`.
 """
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 from tfmulti import build
 from tfmulti import data
@@ -57,6 +57,8 @@ class TrainConfig:
     peer_timeout_s: seconds a multi-worker task waits for its peers, and
       for each collective, before it fails.
     export: write `export/<step>/` (SavedModel and .keras) at the end.
+    profile_steps: (first, last) global steps to profile into
+      `<model_dir>/plugins/profile/` for TensorBoard; None for no profile.
   """
   model: str = 'lenet'
   dataset: str = 'digits'
@@ -83,6 +85,7 @@ class TrainConfig:
   strategy: str = strategies.TOWERS
   peer_timeout_s: float = 120.0
   export: bool = True
+  profile_steps: Optional[Tuple[int, int]] = None
 
   def __post_init__(self):
     choices = [('dataset', data.DATASETS), ('strategy', strategies.NAMES),
@@ -106,5 +109,12 @@ class TrainConfig:
                                f'({_SEED_LIMIT}), as NumPy requires.')
     errors.check_positive('learning_rate', self.learning_rate)
     errors.check_positive('peer_timeout_s', self.peer_timeout_s)
+    if self.profile_steps is not None:
+      first, last = self.profile_steps
+      errors.check_count('profile_steps', first, 1)
+      if not isinstance(last, int) or last < first:
+        raise errors.ConfigError(
+            f'profile_steps={first},{last}: the last step must be >= the '
+            'first, e.g. --profile_steps=5,7.')
     if not self.model_dir:
       raise errors.ConfigError("model_dir='': name an output directory.")

@@ -12,7 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -21,6 +21,7 @@ from absl import logging
 from tfmulti import checkpoints
 from tfmulti import data
 from tfmulti import errors
+from tfmulti import profiling
 from tfmulti import summaries as summaries_lib
 from tfmulti import trainer as trainer_lib
 
@@ -139,6 +140,8 @@ class Run:
     total_steps: the last global step.
     log_every_steps: steps between progress lines and summaries.
     checkpoint_steps: steps between checkpoints.
+    profile_steps: (first, last) global steps to profile, or None.
+    profile_dir: where the profile goes (the run's output directory).
   """
   trainer: trainer_lib.Trainer
   dataset: data.Data
@@ -150,6 +153,8 @@ class Run:
   total_steps: int
   log_every_steps: int
   checkpoint_steps: int
+  profile_steps: Optional[tuple] = None
+  profile_dir: Optional[str] = None
 
 
 def _read_losses(run, last_step, pending):
@@ -167,7 +172,7 @@ def _read_losses(run, last_step, pending):
   return losses
 
 
-def _train_epoch(run, position, signals, progress):
+def _train_epoch(run, position, signals, progress, profiler):
   """Trains on the rest of epoch `position.epoch`; returns the new position."""
   step, epoch, examples = position
   batches = run.dataset.train_epoch(
@@ -175,8 +180,10 @@ def _train_epoch(run, position, signals, progress):
           run.total_steps - step)
   pending = []  # Total losses of the steps not yet read back.
   for images, labels in run.trainer.distribute_dataset(batches):
+    profiler.before(step + 1)
     outputs = run.trainer.train_step_outputs(images, labels)
     step += 1
+    profiler.after(step, outputs)
     examples += run.global_batch_size
     pending.append(outputs.total)
     stop = signals.received  # Read once: a signal may land at any line.
@@ -229,11 +236,15 @@ def train(run, position):
   """
   progress = Progress(run.total_steps, run.global_batch_size,
                       run.log_every_steps)
+  profiler = profiling.StepProfiler(run.profile_steps, run.profile_dir)
   evaluation = None
   with checkpoints.StopSignals() as signals:
-    while position.step < run.total_steps:
-      position = _train_epoch(run, position, signals, progress)
-      evaluation = _evaluate(run, position.step, progress)
+    try:
+      while position.step < run.total_steps:
+        position = _train_epoch(run, position, signals, progress, profiler)
+        evaluation = _evaluate(run, position.step, progress)
+    finally:
+      profiler.close()
   run.checkpointer.save(position)
   return Outcome(position, evaluation or _evaluate(run, position.step,
                                                    progress), progress)

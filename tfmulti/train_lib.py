@@ -172,7 +172,8 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
                 out_dir, device=deploy_config.summaries_device()),
             global_batch_size=batch, total_steps=total_steps,
             log_every_steps=config.log_every_steps,
-            checkpoint_steps=config.checkpoint_steps))
+            checkpoint_steps=config.checkpoint_steps,
+            profile_steps=config.profile_steps, profile_dir=out_dir))
     finally:
       cluster.remove_output_dir(out_dir, config.model_dir)
     logging.info('final weights sha256 %s (every worker of a job logs the '
