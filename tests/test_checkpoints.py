@@ -183,7 +183,7 @@ class TestScan:
       (tmp_path / 'ckpt-3.index').write_bytes(b'not an sstable')
     else:
       data.unlink()
-    with caplog.at_level('WARNING'):
+    with caplog.at_level('WARNING', logger='absl'):
       assert self._restored_step(tmp_path) == 2
     assert 'skipping damaged checkpoint' in caplog.text
     assert 'ckpt-3' in caplog.text

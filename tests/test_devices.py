@@ -45,7 +45,7 @@ class TestPlaceClones:
   def test_one_clone_without_a_gpu_runs_on_the_cpu(self, monkeypatch,
                                                    caplog):
     self._gpus(monkeypatch, 0)
-    with caplog.at_level('INFO'):
+    with caplog.at_level('INFO', logger='absl'):
       assert devices.place_clones(1, clone_on_cpu=False) is True
     assert 'no GPU found: the clone runs on the CPU (CPU:0)' in caplog.text
 

@@ -13,13 +13,13 @@ import tensorflow as tf
 from tfmulti import export
 from tfmulti import models
 
-# Loads both exports in a process that imports only TensorFlow, Keras and
-# TFDS (for the prepared digits files), and prints each one's accuracy on
-# the test split, as the training run evaluated it: float images in [0, 1].
+# Loads each export in a process that imports only TensorFlow, Keras and
+# TFDS (for the prepared digits files), and prints each one's accuracy on the
+# test split, as the training run evaluated it: float images in [0, 1].
 _LOAD_AND_EVALUATE = '''
 import json, sys
 import keras, numpy as np, tensorflow as tf, tensorflow_datasets as tfds
-export_dir, digits_dir = sys.argv[1], sys.argv[2]
+digits_dir, export_dirs = sys.argv[1], sys.argv[2:]
 assert not any(name.startswith('tfmulti') for name in sys.modules)
 builder = tfds.builder_from_directory(digits_dir)
 images, labels = [], []
@@ -27,44 +27,48 @@ for image, label in builder.as_dataset(split='test', as_supervised=True):
   images.append(image.numpy()); labels.append(label.numpy())
 images = np.stack(images).astype(np.float32) / 255.0
 labels = np.array(labels)
-serve = tf.saved_model.load(export_dir).signatures['serving_default']
-outputs = serve(images=tf.constant(images))
-assert np.allclose(np.sum(outputs['probabilities'], axis=-1), 1.0, atol=1e-5)
-model = keras.models.load_model(export_dir + '/model.keras')
-print(json.dumps({
-    'saved_model': float(np.mean(np.argmax(outputs['logits'], -1) == labels)),
-    'keras': float(np.mean(np.argmax(model.predict(images, verbose=0), -1)
-                           == labels))}))
+accuracies = []
+for export_dir in export_dirs:
+  serve = tf.saved_model.load(export_dir).signatures['serving_default']
+  outputs = serve(images=tf.constant(images))
+  probabilities = np.sum(outputs['probabilities'], axis=-1)
+  assert np.allclose(probabilities, 1.0, atol=1e-5)
+  model = keras.models.load_model(export_dir + '/model.keras')
+  predicted = np.argmax(model.predict(images, verbose=0), -1)
+  accuracies.append({
+      'saved_model': float(np.mean(np.argmax(outputs['logits'], -1)
+                                   == labels)),
+      'keras': float(np.mean(predicted == labels))})
+print(json.dumps(accuracies))
 '''
 
 
-def _digits_version_dir(digits_dir):
-  return os.path.join(digits_dir, 'digits', '1.0.0')
-
-
-@pytest.mark.parametrize('model, num_clones, strategy', [
-    ('lenet', 2, 'towers'), ('resnet8_thin', 2, 'mirrored')])
-def test_a_run_exports_a_model_that_loads_without_tfmulti(
-    run_train, digits_dir, model, num_clones, strategy):
-  metrics = run_train(model=model, num_clones=num_clones, strategy=strategy,
-                      batch_size=32, train_steps=20, optimizer='adam',
-                      learning_rate=0.003, export=True)
-  path = metrics['export']
-  assert path.endswith(os.path.join('export', '20'))
-  assert sorted(os.listdir(os.path.dirname(path))) == ['20']  # No leftover.
+def test_runs_export_models_that_load_without_tfmulti(run_train,
+                                                      digits_dir):
+  """A 2-clone towers run and a 2-replica mirrored (BatchNorm) run."""
+  runs = [run_train(model=model, num_clones=2, strategy=strategy,
+                    batch_size=32, train_steps=20, optimizer='adam',
+                    learning_rate=0.003, export=True)
+          for model, strategy in (('lenet', 'towers'),
+                                  ('resnet8_thin', 'mirrored'))]
+  for metrics in runs:
+    path = metrics['export']
+    assert path.endswith(os.path.join('export', '20'))
+    assert sorted(os.listdir(os.path.dirname(path))) == ['20']  # Nothing
+    # else: no partial export is left.
+    # Placed for one device: no op of the served graph names a device.
+    serve = tf.saved_model.load(path).signatures[export.SIGNATURE]
+    assert {op.device for op in serve.graph.get_operations()} == {''}
   result = subprocess.run(
-      [sys.executable, '-c', _LOAD_AND_EVALUATE, path,
-       _digits_version_dir(digits_dir)],
+      [sys.executable, '-c', _LOAD_AND_EVALUATE,
+       os.path.join(digits_dir, 'digits', '1.0.0')] +
+      [metrics['export'] for metrics in runs],
       cwd='/', capture_output=True, text=True, timeout=240)
   assert result.returncode == 0, result.stderr[-3000:]
-  accuracy = json.loads(result.stdout.strip().splitlines()[-1])
-  assert accuracy['saved_model'] == pytest.approx(metrics['eval_accuracy'],
-                                                  abs=1e-9)
-  assert accuracy['keras'] == pytest.approx(metrics['eval_accuracy'],
-                                            abs=1e-9)
-  # Placed for one device: no op of the served graph names a device.
-  serve = tf.saved_model.load(path).signatures[export.SIGNATURE]
-  assert {op.device for op in serve.graph.get_operations()} == {''}
+  accuracies = json.loads(result.stdout.strip().splitlines()[-1])
+  for metrics, accuracy in zip(runs, accuracies):
+    assert accuracy == {'saved_model': metrics['eval_accuracy'],
+                        'keras': metrics['eval_accuracy']}
 
 
 def test_export_an_existing_model_dir(run_train, tmp_path):

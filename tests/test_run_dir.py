@@ -83,7 +83,7 @@ class TestCheckJob:
 
   def test_settings_may_change_and_are_logged(self, tmp_path, caplog):
     run_dir.check_job(str(tmp_path), JOB, SETTINGS, resuming=False)
-    with caplog.at_level('INFO'):
+    with caplog.at_level('INFO', logger='absl'):
       run_dir.check_job(str(tmp_path), JOB,
                         dict(SETTINGS, learning_rate=0.01), resuming=True)
     assert 'resuming with changed settings: learning_rate 0.001 -> 0.01' in (

@@ -13,7 +13,6 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import flags
-from absl import logging
 from absl.testing import flagsaver
 
 from helpers import REPO, checkpoint_tensors
@@ -39,9 +38,9 @@ def test_each_model_trains(run_train, model, num_clones):
   assert 0.0 <= metrics['eval_accuracy'] <= 1.0
 
 
-@pytest.mark.parametrize('dataset', ['digits', 'mnist', 'fashion_mnist',
-                                     'cifar10', 'synthetic'])
-@pytest.mark.parametrize('num_clones', [1, 2])
+@pytest.mark.parametrize('dataset, num_clones', [
+    ('digits', 1), ('digits', 2), ('mnist', 2), ('fashion_mnist', 2),
+    ('cifar10', 2), ('synthetic', 1), ('synthetic', 2)])
 def test_each_dataset_trains(run_train, dataset, num_clones):
   with tfds.testing.mock_data(num_examples=16):  # Only TFDS's own sets.
     metrics = run_train(dataset=dataset, num_clones=num_clones,
@@ -52,13 +51,13 @@ def test_each_dataset_trains(run_train, dataset, num_clones):
 
 
 def test_digits_learns(run_train):
-  metrics = run_train(num_clones=2, train_steps=None, epochs=15,
+  metrics = run_train(num_clones=2, train_steps=None, epochs=8,
                       batch_size=64, log_every_steps=50)
   assert metrics['eval_accuracy'] >= 0.9
   assert metrics['train_loss'] < 0.5
   assert metrics['strategy'] == 'towers'
   assert metrics['global_batch_size'] == 128
-  assert metrics['steps'] == 15 * (1437 // 128)
+  assert metrics['steps'] == 8 * (1437 // 128)
 
 
 @pytest.mark.parametrize('strategy', ['mirrored', 'single'])
@@ -70,8 +69,11 @@ def test_distribute_paths_share_the_contract(run_train, strategy):
 
 
 def test_batch_norm_model_learns_alike_on_every_path(run_train):
+  # Mirrored equals the towers to 1e-5 step for step on a BatchNorm model
+  # (tests/test_distribute.py); here the towers and one device, trained
+  # alike, must end alike.
   accuracy = {}
-  for strategy in ('towers', 'mirrored', 'single'):
+  for strategy in ('towers', 'single'):
     accuracy[strategy] = run_train(
         strategy=strategy, model='resnet8_thin', num_clones=2, batch_size=32,
         train_steps=None, epochs=4, optimizer='adam', learning_rate=0.008,
@@ -85,7 +87,7 @@ def test_batch_norm_model_learns_alike_on_every_path(run_train):
 
 def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
   """`python train.py` on a machine without a GPU: one clone, on CPU:0."""
-  caplog.set_level(logging.INFO)
+  caplog.set_level('INFO', logger='absl')
   metrics = run_train(clone_on_cpu=False, batch_size=64)
   assert metrics['clone_devices'] == ['/device:CPU:0']
   assert metrics['variables_device'] == '/device:CPU:0'
@@ -220,20 +222,20 @@ def _checkpoint_tensors(path):
 def test_sigterm_then_rerun_equals_an_uninterrupted_run(tmp_path, digits_dir,
                                                         run_train):
   run_train(train_steps=1)  # Prepares digits in digits_dir once.
-  steps = ['--train_steps=40', '--deterministic']
+  steps = ['--train_steps=24', '--deterministic']
   whole = subprocess.run(
       _train_command(tmp_path / 'whole', digits_dir, *steps), cwd=REPO,
       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
   assert whole.returncode == 0, whole.stderr[-2000:]
 
   parts = _train_command(tmp_path / 'parts', digits_dir, *steps)
-  code, stderr = _start_and_signal(parts, 'step 10/40', signal.SIGTERM)
+  code, stderr = _start_and_signal(parts, 'step 6/24', signal.SIGTERM)
   assert code == 128 + signal.SIGTERM, stderr[-2000:]
   assert 'Traceback' not in stderr
   stopped = re.search(r'SIGTERM at step (\d+): saved \S+ckpt-(\d+); run the '
                       'same command again to resume', stderr)
   assert stopped and stopped.group(1) == stopped.group(2), stderr[-2000:]
-  assert 10 <= int(stopped.group(1)) < 40
+  assert 6 <= int(stopped.group(1)) < 24
   rerun = subprocess.run(parts, cwd=REPO, capture_output=True, text=True,
                          timeout=SUBPROCESS_TIMEOUT_S)
   assert rerun.returncode == 0, rerun.stderr[-2000:]
@@ -243,8 +245,8 @@ def test_sigterm_then_rerun_equals_an_uninterrupted_run(tmp_path, digits_dir,
 
   metrics = json.loads((tmp_path / 'parts' / 'metrics.json').read_text())
   assert metrics['resumed_from_step'] == int(stopped.group(1))
-  assert metrics['steps'] == 40
-  expected = _checkpoint_tensors(str(tmp_path / 'whole' / 'ckpt-40'))
+  assert metrics['steps'] == 24
+  expected = _checkpoint_tensors(str(tmp_path / 'whole' / 'ckpt-24'))
   got = _checkpoint_tensors(metrics['checkpoint'])
   assert got.keys() == expected.keys()
   for key, value in expected.items():  # Bitwise, not approximately.
@@ -255,7 +257,7 @@ def test_a_killed_run_leaves_a_checkpoint_that_loads(tmp_path, digits_dir,
                                                      run_train):
   run_train(train_steps=1)  # Prepares digits in digits_dir once.
   model_dir = tmp_path / 'killed'
-  command = _train_command(model_dir, digits_dir, '--train_steps=30',
+  command = _train_command(model_dir, digits_dir, '--train_steps=20',
                            '--checkpoint_steps=1', '--keep_checkpoints=2')
   delays = random.Random(0)
   for _ in range(2):
@@ -270,4 +272,4 @@ def test_a_killed_run_leaves_a_checkpoint_that_loads(tmp_path, digits_dir,
                             timeout=SUBPROCESS_TIMEOUT_S)
   assert finished.returncode == 0, finished.stderr[-2000:]
   metrics = json.loads((model_dir / 'metrics.json').read_text())
-  assert metrics['steps'] == 30 and metrics['resumed_from_step'] > 1
+  assert metrics['steps'] == 20 and metrics['resumed_from_step'] > 1

@@ -245,8 +245,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def main(argv):
-  if not _VERBOSE and logging.get_verbosity() < logging.DEBUG:
-    logging.get_absl_handler().addFilter(own_lines_only)
+  handler = logging.get_absl_handler()
+  if (not _VERBOSE and logging.get_verbosity() < logging.DEBUG
+      and own_lines_only not in handler.filters):
+    handler.addFilter(own_lines_only)
   if len(argv) > 1:
     sys.exit(f'{PROGRAM}: error: unexpected arguments {argv[1:]}; flags are '
              'written --name=value.')

@@ -48,17 +48,20 @@ class TrainingInterrupted(Exception):
 
 
 def evaluate(trainer, dataset, loss_fn):
-  """{'accuracy', 'loss'} of `trainer.predict` over every test example."""
+  """{'accuracy', 'loss'} of `trainer.predict` over every test example.
+
+  The sums stay tensors until the end: one host read, not two per batch.
+  """
   correct, loss_sum, count = 0, 0.0, 0
   for images, labels in dataset:
     logits = trainer.predict(images)
     rows = int(labels.shape[0])
-    loss_sum += float(loss_fn(labels, logits)) * rows
-    correct += int(tf.reduce_sum(tf.cast(
+    loss_sum += loss_fn(labels, logits) * rows
+    correct += tf.reduce_sum(tf.cast(
         tf.argmax(logits, axis=-1, output_type=tf.int32) == labels,
-        tf.int32)))
+        tf.int32))
     count += rows
-  return {'accuracy': correct / count, 'loss': loss_sum / count}
+  return {'accuracy': int(correct) / count, 'loss': float(loss_sum) / count}
 
 
 class Progress:
@@ -79,17 +82,24 @@ class Progress:
     self.timed_steps = 0
     self.steps_run = 0
     self._started = None
+    # Where the time went (seconds; perf_counter for `first_step_started`).
+    self.first_step_started = None
+    self.first_step_seconds = float('nan')
+    self.evaluation_seconds = 0.0
+    self.checkpoint_seconds = 0.0
 
   @contextlib.contextmanager
   def paused(self):
     """Leaves what runs inside (evaluation) out of the training time."""
     running = self._started is not None
+    paused_at = time.perf_counter()
     if running:
-      self.train_seconds += time.perf_counter() - self._started
+      self.train_seconds += paused_at - self._started
       self._started = None
     try:
       yield
     finally:
+      self.evaluation_seconds += time.perf_counter() - paused_at
       if running:
         self._started = time.perf_counter()
 
@@ -108,6 +118,7 @@ class Progress:
     timed = len(losses)
     if not self.steps_run:  # The first step traced the function: untimed.
       self._started = time.perf_counter()
+      self.first_step_seconds = self._started - self.first_step_started
       timed -= 1
     self.steps_run += len(losses)
     self.timed_steps += timed
@@ -180,6 +191,8 @@ def _train_epoch(run, position, signals, progress, profiler):
           run.total_steps - step)
   pending = []  # Total losses of the steps not yet read back.
   for images, labels in run.trainer.distribute_dataset(batches):
+    if progress.first_step_started is None:
+      progress.first_step_started = time.perf_counter()
     profiler.before(step + 1)
     outputs = run.trainer.train_step_outputs(images, labels)
     step += 1
@@ -200,7 +213,9 @@ def _train_epoch(run, position, signals, progress, profiler):
       if outputs.gradients:
         run.summaries.gradients(step, outputs.gradients)
     if save:
+      saving = time.perf_counter()
       run.checkpointer.save(checkpoints.Position(step, epoch, examples))
+      progress.checkpoint_seconds += time.perf_counter() - saving
     if stop:
       raise TrainingInterrupted(stop, step, run.checkpointer.latest,
                                 signals.exit_code)

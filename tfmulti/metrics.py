@@ -21,10 +21,23 @@ TIMED = ('train_loss', 'images_per_sec')
 NO_STEP_RAN = 'no step ran in this session (nothing was left to train)'
 
 
-def collect(config, deploy_config, run, outcome, restored):
+def phases(progress, started):
+  """Where a run's time went, in seconds: start-up (from `started`, a
+  perf_counter reading, to the first step), the first step (tracing),
+  training after it, evaluation and checkpoints (part of training)."""
+  first = progress.first_step_started
+  return {'startup': first - started if first else float('nan'),
+          'first_step': progress.first_step_seconds,
+          'train_after_first_step': progress.train_seconds,
+          'evaluation': progress.evaluation_seconds,
+          'checkpoints': progress.checkpoint_seconds}
+
+
+def collect(config, deploy_config, run, outcome, restored, started):
   """The metrics of a finished `loop.Run` and its `loop.Outcome`."""
   steps_per_epoch = run.dataset.train_examples // run.global_batch_size
   return {
+      'phases_seconds': strict(phases(outcome.progress, started)),
       'eval_accuracy': outcome.evaluation['accuracy'],
       'eval_loss': outcome.evaluation['loss'],
       'train_loss': outcome.progress.last_window_loss,

@@ -10,6 +10,7 @@ their own data and trainer (`data_override`, `trainer_override`).
 """
 
 import contextlib
+import time
 
 import keras
 import tensorflow as tf
@@ -124,6 +125,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
       names the value and the fix.
     loop.TrainingInterrupted: SIGTERM or SIGINT; a checkpoint was saved.
   """
+  started = time.perf_counter()  # For the start-up phase in metrics.
   path = strategies.get(config.strategy)
   strategies.check(config, deploy_config)
   chief = cluster_info is None or cluster_info.is_chief
@@ -164,7 +166,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     out_dir = cluster.output_dir(config.model_dir, cluster_info)
     try:
       with cluster.lost_peers_as_errors(cluster_info):
-        result = _train_into(config, deploy_config, loop.Run(
+        result = _train_into(config, deploy_config, started, loop.Run(
             trainer=trainer, dataset=dataset, loss_fn=loss_fn,
             schedule=schedule, checkpointer=_checkpointer(
                 config, deploy_config, trainer, out_dir),
@@ -195,7 +197,7 @@ def _checkpointer(config, deploy_config, trainer, out_dir):
       restore_directory=config.model_dir)
 
 
-def _train_into(config, deploy_config, run):
+def _train_into(config, deploy_config, started, run):
   """Restores the latest checkpoint, runs the loop; returns the metrics."""
   restored = run.checkpointer.restore_latest()
   if restored and restored.step >= run.total_steps:
@@ -206,4 +208,5 @@ def _train_into(config, deploy_config, run):
     outcome = loop.train(run, restored or checkpoints.Position(0, 0, 0))
   finally:
     run.summaries.close()
-  return metrics.collect(config, deploy_config, run, outcome, restored)
+  return metrics.collect(config, deploy_config, run, outcome, restored,
+                         started)
