@@ -10,9 +10,10 @@ PHASES = {'startup', 'first_step', 'train_after_first_step', 'evaluation'}
 def test_every_variant_runs_the_whole_job_and_is_compared(digits_dir):
   e2e = bench_e2e.E2EConfig(model='lenet', global_batch_size=256, epochs=1,
                             rounds=1, data_dir=digits_dir)
-  rounds = bench_e2e.run(e2e)
-  assert set(rounds) == set(bench_e2e.TFMULTI_VARIANTS +
-                            bench_e2e.FIT_VARIANTS)
+  # One of each kind (the others differ by a flag, and the benchmark's
+  # own runs use them all).
+  rounds = bench_e2e.run(e2e, variants=('tfmulti_2clones', 'fit_one_device'))
+  assert set(rounds) == {'tfmulti_2clones', 'fit_one_device'}
   for name, runs in rounds.items():
     (entry,) = runs
     assert PHASES <= set(entry), name

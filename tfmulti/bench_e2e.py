@@ -155,13 +155,13 @@ def _fit(e2e, mirrored):
                   phases.times['train_after_first_step']))
 
 
-def run(e2e):
+def run(e2e, variants=TFMULTI_VARIANTS + FIT_VARIANTS):
   """{variant: [per-round dicts with wall, cpu and the phases]}."""
   jobs = {'tfmulti_2clones': lambda: _tfmulti(e2e, 2),
           'tfmulti_1clone': lambda: _tfmulti(e2e, 1),
           'fit_one_device': lambda: _fit(e2e, mirrored=False),
           'fit_mirrored': lambda: _fit(e2e, mirrored=True)}
-  names = list(jobs)
+  names = [name for name in jobs if name in variants]
   rounds = {name: [] for name in names}
   for k in range(e2e.rounds):
     for name in names[k % len(names):] + names[:k % len(names)]:
