@@ -1,5 +1,7 @@
 """Tests for tfmulti.data: digits offline, mocked TFDS sets, clear errors."""
 
+import errno
+import os
 import socket
 
 import numpy as np
@@ -98,3 +100,18 @@ def test_unknown_dataset():
 def test_batch_larger_than_the_data(digits_dir):
   with pytest.raises(errors.ConfigError, match='global batch of 2048'):
     data.load('digits', global_batch_size=2048, data_dir=digits_dir)
+
+
+def test_a_dataset_that_cannot_be_prepared_says_so(tmp_path, monkeypatch):
+  real_load = tfds.load
+
+  def disk_full(name, *, download, **kwargs):
+    if download:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real_load(name, download=download, **kwargs)
+  monkeypatch.setattr(tfds, 'load', disk_full)
+  with pytest.raises(errors.DatasetUnavailableError,
+                     match=r"'digits' cannot be prepared in .* \(No space "
+                     'left on device\\); free some space or pass another '
+                     '--data_dir'):
+    data.load('digits', global_batch_size=8, data_dir=str(tmp_path))

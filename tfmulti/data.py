@@ -86,7 +86,13 @@ def _tfds_split(name, split, data_dir, seed):
     return tfds.load(name, download=False, **kwargs)
   except AssertionError:  # TFDS's answer when data_dir has no prepared copy.
     _check_reachable(name, data_dir)
+  try:
     return tfds.load(name, download=True, **kwargs)
+  except OSError as e:  # Disk full, or the directory vanished or is locked.
+    raise errors.DatasetUnavailableError(
+        f'dataset {name!r} cannot be prepared in '
+        f'{data_dir or "~/tensorflow_datasets"} ({e.strerror or e}); free '
+        'some space or pass another --data_dir.') from e
 
 
 def _normalise(image, label):
