@@ -249,6 +249,7 @@ def main(argv):
   if (not _VERBOSE and logging.get_verbosity() < logging.DEBUG
       and own_lines_only not in handler.filters):
     handler.addFilter(own_lines_only)
+    tf.get_logger().setLevel('WARNING')  # "Assets written to ..." and such.
   if len(argv) > 1:
     sys.exit(f'{PROGRAM}: error: unexpected arguments {argv[1:]}; flags are '
              'written --name=value.')
