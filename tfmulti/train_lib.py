@@ -150,12 +150,11 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     schedule = build.make_schedule(
         config, deploy_config.num_clones * deploy_config.num_workers,
         total_steps)
-    loss_fn = build.make_loss()
     trainer = trainer_override or path.build(strategies.Setup(
         config, deploy_config, build.model_and_optimizer(
             config, deploy_config, input_shape=dataset.input_shape,
             num_classes=dataset.num_classes, learning_rate=schedule),
-        loss_fn, workers))
+        build.make_loss(), workers))
     if workers is not None:  # Before the first collective step.
       cluster.check_agreement(workers, dict(
           _job(config, deploy_config, dataset), total_steps=total_steps))
@@ -166,16 +165,9 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     out_dir = cluster.output_dir(config.model_dir, cluster_info)
     try:
       with cluster.lost_peers_as_errors(cluster_info):
-        result = _train_into(config, deploy_config, started, loop.Run(
-            trainer=trainer, dataset=dataset, loss_fn=loss_fn,
-            schedule=schedule, checkpointer=_checkpointer(
-                config, deploy_config, trainer, out_dir),
-            summaries=summaries.Summaries(
-                out_dir, device=deploy_config.summaries_device()),
-            global_batch_size=batch, total_steps=total_steps,
-            log_every_steps=config.log_every_steps,
-            checkpoint_steps=config.checkpoint_steps,
-            profile_steps=config.profile_steps, profile_dir=out_dir))
+        result = _train_into(config, deploy_config, started, _run(
+            config, deploy_config, trainer, dataset, schedule, total_steps,
+            out_dir))
     finally:
       cluster.remove_output_dir(out_dir, config.model_dir)
     logging.info('final weights sha256 %s (every worker of a job logs the '
@@ -188,13 +180,22 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
   return result
 
 
-def _checkpointer(config, deploy_config, trainer, out_dir):
-  """Saves into `out_dir`, restores from the model_dir (the chief's)."""
-  return checkpoints.Checkpointer(
-      out_dir, model=trainer.model, optimizer=trainer.optimizer,
-      max_to_keep=config.keep_checkpoints,
-      device=deploy_config.summaries_device(),
-      restore_directory=config.model_dir)
+def _run(config, deploy_config, trainer, dataset, schedule, total_steps,
+         out_dir):
+  """The loop's `Run`: it saves into `out_dir` and restores from the
+  model_dir (the chief's, in a multi-worker job)."""
+  device = deploy_config.summaries_device()
+  return loop.Run(
+      trainer=trainer, dataset=dataset, loss_fn=build.make_loss(),
+      schedule=schedule, checkpointer=checkpoints.Checkpointer(
+          out_dir, model=trainer.model, optimizer=trainer.optimizer,
+          max_to_keep=config.keep_checkpoints, device=device,
+          restore_directory=config.model_dir),
+      summaries=summaries.Summaries(out_dir, device=device),
+      global_batch_size=global_batch_size(config, deploy_config),
+      total_steps=total_steps, log_every_steps=config.log_every_steps,
+      checkpoint_steps=config.checkpoint_steps,
+      profile_steps=config.profile_steps, profile_dir=out_dir)
 
 
 def _train_into(config, deploy_config, started, run):
