@@ -113,6 +113,8 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
     (dict(sync_batch_norm=True, strategy='mirrored'),
      "model='lenet' has no BatchNorm"),
     (dict(num_clones=0), 'num_clones=0: must be an integer >= 1'),
+    (dict(num_clones=0, clone_on_cpu=True),
+     'num_clones=0: must be an integer >= 1'),
     (dict(batch_size=-1), 'batch_size=-1: must be an integer >= 1'),
     (dict(learning_rate=0.0), 'learning_rate=0.0: must be a finite'),
     (dict(epochs=0), 'epochs=0: must be an integer >= 1'),

@@ -48,11 +48,6 @@ Position = collections.namedtuple('Position',
                                   ['step', 'epoch', 'epoch_examples'])
 
 
-def _first_line(error):
-  return str(error).strip().splitlines()[0] if str(error).strip() else (
-      type(error).__name__)
-
-
 def numbered_checkpoints(directory):
   """[(step, path prefix)] of the `ckpt-<step>` files in `directory`, newest
   first, whatever the index file says."""
@@ -90,8 +85,8 @@ def latest_intact(directory):
     except _DAMAGE as e:
       logging.warning('skipping damaged checkpoint %s (%s); it stays on disk '
                       'until this run saves step %d again', path,
-                      _first_line(e), step)
-      damaged.append(f'{os.path.basename(path)}: {_first_line(e)}')
+                      errors.first_line(e), step)
+      damaged.append(f'{os.path.basename(path)}: {errors.first_line(e)}')
       continue
     return step, path
   if damaged:
@@ -115,7 +110,7 @@ def _repair_index(directory, latest):
   try:
     named = tf.train.latest_checkpoint(directory)
   except _DAMAGE as e:
-    named = f'unreadable ({_first_line(e)})'
+    named = f'unreadable ({errors.first_line(e)})'
   if latest is None or named == latest[1]:
     return
   logging.warning('the checkpoint index in %s names %s; resuming from %s, '
@@ -195,8 +190,8 @@ class Checkpointer:
     except (AssertionError, ValueError, tf.errors.OpError) as e:
       raise errors.CheckpointMismatchError(
           f'checkpoint {path} does not fit this model and optimizer '
-          f'({_first_line(e)}). Resume with the flags that wrote it, or pass '
-          'a new --model_dir.') from e
+          f'({errors.first_line(e)}). Resume with the flags that wrote it, '
+          'or pass a new --model_dir.') from e
     position = Position(int(self._step.numpy()), int(self._epoch.numpy()),
                         int(self._epoch_examples.numpy()))
     logging.info('restored %s: step %d, epoch %d after %d examples', path,
@@ -230,8 +225,9 @@ class Checkpointer:
     except (OSError, tf.errors.OpError) as e:
       raise errors.CheckpointWriteError(
           f'cannot write checkpoint {CHECKPOINT_NAME}-{position.step} in '
-          f'{self.manager.directory} ({_first_line(e)}); free some space or '
-          'fix the directory, then run the same command again: the latest '
+          f'{self.manager.directory} ({errors.first_line(e)}); free some '
+          'space or fix the directory, then run the same command again: the '
+          'latest '
           f'good checkpoint is {self.describe_latest()}.') from e
     self._saved_step = position.step
     logging.info('saved %s', path)

@@ -173,7 +173,7 @@ def make_strategy(cluster, *, one_replica_per_worker, timeout_s):
   except (tf.errors.OpError, ValueError, RuntimeError) as e:
     raise errors.ClusterError(
         f'worker {cluster.index} cannot start the multi-worker strategy on '
-        f'{cluster.workers[cluster.index]} ({str(e).strip().splitlines()[0]})'
+        f'{cluster.workers[cluster.index]} ({errors.first_line(e)})'
         '; check that the address is this machine and the port is free.'
     ) from e
   finally:

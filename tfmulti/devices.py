@@ -100,6 +100,7 @@ def place_clones(num_clones, *, clone_on_cpu, variables_gpu=None):
     errors.DeviceError: more clones than GPUs, or a variables GPU that this
       machine lacks; the message names the flag and the fix.
   """
+  errors.check_count('num_clones', num_clones, 1)
   gpus = len(tf.config.list_physical_devices('GPU'))
   if variables_gpu is not None and variables_gpu >= gpus:
     raise errors.DeviceError(

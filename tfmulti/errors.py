@@ -56,6 +56,13 @@ class NonFiniteError(UserError):
   without saving them."""
 
 
+def first_line(error):
+  """The first line of `error`'s message (TensorFlow's run to pages), or
+  its type's name if it has none."""
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
+
+
 def check_choice(name, value, choices):
   """Raises `ConfigError` unless `value` is one of `choices`."""
   if value not in choices:
