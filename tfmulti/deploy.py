@@ -32,13 +32,16 @@ is `towers_in_strategy`.
 
 import collections
 import contextlib
+import functools
 
+import keras
 import tensorflow as tf
 
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import towers_in_strategy
 from tfmulti import trainer
+from tfmulti.pipeline import check_pipeline_options, Pipeline, PipelineConfig
 # Slim's config, where its users look for it: deploy.DeploymentConfig.
 from tfmulti.placement import DeploymentConfig  # noqa: F401
 # The loss rules every path shares, also reachable as deploy.<name>.
@@ -46,16 +49,21 @@ from tfmulti.trainer import mean_loss, shard_loss  # noqa: F401
 
 # Batch-norm moving statistics: which clones' values are kept each step.
 BN_CLONE_0 = 'clone_0'  # slim's rule, and what MirroredStrategy reads back.
-BN_MEAN = 'mean'  # The mean over clones (non-float state: clone 0's).
-BATCH_NORM_POLICIES = (BN_CLONE_0, BN_MEAN)
+BN_MEAN = 'mean'  # The mean over clones, weighted by rows (non-float
+# state: clone 0's).
+# The mean, with each BatchNorm moving variance corrected by the spread of
+# the pieces' means: exactly one update from the whole batch's statistics.
+BN_FULL_BATCH = 'full_batch'
+BATCH_NORM_POLICIES = (BN_CLONE_0, BN_MEAN, BN_FULL_BATCH)
 
 
 # A clone's share of one step (slim: Clone(outputs, scope, device)).
 # `loss` is the clone's part of the total loss (its mean loss weighted by
 # its share of the global batch, plus the regularization losses on clone 0);
 # `gradients` are d loss / d trainable variable, computed on `device`;
-# `non_trainable` are the model's non-trainable variables as this clone's
-# forward pass left them.
+# `non_trainable` is a list of (rows, values): the model's non-trainable
+# variables as the forward pass of each piece of the clone's rows (one, or
+# one a micro-batch) left them.
 Clone = collections.namedtuple(
     'Clone', ['outputs', 'loss', 'regularization_loss', 'gradients',
               'non_trainable', 'scope', 'device'])
@@ -87,7 +95,7 @@ def _clone_step(model, loss_fn, global_rows, trainable, non_trainable,
     loss += regularization
     scaled_loss = loss * tf.cast(loss_scale, loss.dtype)
   gradients = tape.gradient(scaled_loss, trainable)
-  return outputs, loss, regularization, gradients, new_non_trainable
+  return outputs, loss, regularization, gradients, [new_non_trainable]
 
 
 @contextlib.contextmanager
@@ -114,7 +122,8 @@ def _values(variables):
 
 
 def create_clones(config, model, loss_fn, images, labels, *,
-                  jit_compile=False, loss_scale=1.0, lockstep=None):
+                  jit_compile=False, loss_scale=1.0, lockstep=None,
+                  pipeline=None):
   """Runs every clone on its device and its shard of the batch.
 
   Args:
@@ -133,6 +142,8 @@ def create_clones(config, model, loss_fn, images, labels, *,
     lockstep: None, or a `tf.distribute.MirroredStrategy` over the clone
       devices whose replicas run the clones at once (for synchronized
       BatchNorm; see `towers_in_strategy.run_clones_in_lockstep`).
+    pipeline: None, or a `pipeline.Pipeline`: each clone runs its rows in
+      micro-batches through its stages, on `config.stage_devices(clone)`.
 
   Returns:
     A list of `Clone`, one per clone.
@@ -158,15 +169,25 @@ def create_clones(config, model, loss_fn, images, labels, *,
   else:
     results = []
     for i in range(config.num_clones):
+      if pipeline is not None:
+        clone_fn = functools.partial(pipeline.clone_step,
+                                     config.stage_devices(i), loss_fn,
+                                     global_rows)
       with _on_clone(config, i):
         # Each clone reads the variables from the variables device.
         results.append(clone_fn(
             _values(model.trainable_variables),
             _values(model.non_trainable_variables), image_shards[i],
             label_shards[i], weights[i], loss_scale))
-  return [Clone(*result, scope=config.clone_scope(i),
-                device=config.clone_device(i))
-          for i, result in enumerate(results)]
+  clones = []
+  for i, result in enumerate(results):
+    *result, states = result
+    rows = image_shards[i].shape[0]
+    piece_rows = [rows] if pipeline is None else pipeline.microbatch_rows(rows)
+    clones.append(Clone(*result, list(zip(piece_rows, states)),
+                        scope=config.clone_scope(i),
+                        device=config.clone_device(i)))
+  return clones
 
 
 def optimize_clones(clones, variables):
@@ -192,16 +213,47 @@ def optimize_clones(clones, variables):
   return total_loss, grads_and_vars
 
 
-def combine_non_trainable(clones, policy):
-  """The non-trainable values to keep after a step, under `policy`."""
+def batch_norm_moments(model):
+  """[(mean index, variance index, momentum)] of the model's BatchNorm
+  layers' moving statistics in `model.non_trainable_variables`."""
+  where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+  return [(where[id(layer.moving_mean)], where[id(layer.moving_variance)],
+           layer.momentum)
+          for layer in model._flatten_layers()
+          if isinstance(layer, keras.layers.BatchNormalization)
+          and id(layer.moving_mean) in where]
+
+
+def combine_non_trainable(clones, policy, moments=()):
+  """The non-trainable values to keep after a step, under `policy`.
+
+  Each clone brings one piece of rows, or one a micro-batch. `clone_0`
+  keeps clone 0's first piece; `mean` the row-weighted mean of the pieces;
+  `full_batch` also adds to each BatchNorm moving variance the spread of
+  the pieces' batch means, so the update equals one from the whole batch's
+  mean and (biased) variance. `moments` is `batch_norm_moments(model)`.
+  """
+  pieces = [piece for clone in clones for piece in clone.non_trainable]
   if policy == BN_CLONE_0:
-    return list(clones[0].non_trainable)
+    return list(pieces[0][1])
+  total = sum(rows for rows, _ in pieces)
+  weights = [rows / total for rows, _ in pieces]
   combined = []
-  for values in zip(*(c.non_trainable for c in clones)):
+  for values in zip(*(values for _, values in pieces)):
     if values[0].dtype.is_floating:
-      combined.append(tf.add_n(list(values)) / len(values))
+      combined.append(tf.add_n([w * v for w, v in zip(weights, values)]))
     else:  # Random-generator state and counters are not averaged.
       combined.append(values[0])
+  if policy == BN_FULL_BATCH:
+    for mean_index, variance_index, momentum in moments:
+      # A piece's new moving mean is m * momentum + mean_p * (1 - momentum),
+      # so mean_p - mean = (new_p - new) / (1 - momentum), and the whole
+      # batch's variance is the pieces' mean variance plus the weighted
+      # variance of their means.
+      spread = tf.add_n([
+          w * tf.square(values[mean_index] - combined[mean_index])
+          for w, (_, values) in zip(weights, pieces)])
+      combined[variance_index] += spread / (1.0 - momentum)
   return combined
 
 
@@ -212,12 +264,12 @@ class DeployedModel(trainer.Trainer):
   `tf.function` that runs one step. Attributes: `config`, `model`,
   `loss_fn`, `optimizer`, `batch_norm_policy`, `jit_compile`,
   `return_gradients` (steps also return the summed gradients), `lockstep`
-  (see `create_clones`).
+  and `pipeline` (see `create_clones`).
   """
 
   def __init__(self, config, model, loss_fn, optimizer, *,
                batch_norm_policy, jit_compile, return_gradients=False,
-               lockstep=None):
+               lockstep=None, pipeline=None):
     self.config = config
     self.model = model
     self.loss_fn = loss_fn
@@ -226,6 +278,8 @@ class DeployedModel(trainer.Trainer):
     self.jit_compile = jit_compile
     self.return_gradients = return_gradients
     self.lockstep = lockstep
+    self.pipeline = pipeline
+    self._moments = batch_norm_moments(model)
     self._step = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
 
@@ -239,7 +293,7 @@ class DeployedModel(trainer.Trainer):
       scale = 1.0 if loss_scale is None else tf.identity(loss_scale)
     clones = create_clones(config, model, self.loss_fn, images, labels,
                            jit_compile=self.jit_compile, loss_scale=scale,
-                           lockstep=self.lockstep)
+                           lockstep=self.lockstep, pipeline=self.pipeline)
     with tf.device(config.optimizer_device()):
       total_loss, grads_and_vars = optimize_clones(
           clones, model.trainable_variables)
@@ -251,7 +305,8 @@ class DeployedModel(trainer.Trainer):
         gradients = trainer.gradients_by_path(
             grads_and_vars, None if loss_scale is None else scale)
     with tf.device(config.variables_device()), tf.name_scope('update_state'):
-      new_values = combine_non_trainable(clones, self.batch_norm_policy)
+      new_values = combine_non_trainable(clones, self.batch_norm_policy,
+                                         self._moments)
       for variable, value in zip(model.non_trainable_variables, new_values):
         variable.assign(value)
     return trainer.StepOutputs(total_loss, clones[0].regularization_loss,
@@ -276,9 +331,14 @@ class DeployedModel(trainer.Trainer):
       shards = tf.split(images, sizes, axis=0)
     outputs = []
     for i in range(n):
-      if sizes[i]:
-        with _on_clone(self.config, i):
+      if not sizes[i]:
+        continue
+      with _on_clone(self.config, i):
+        if self.pipeline is None:
           outputs.append(self.model(shards[i], training=False))
+        else:
+          outputs.append(self.pipeline.predict(
+              self.config.stage_devices(i), shards[i]))
     with tf.device(self.config.inputs_device()):
       return tf.concat(outputs, axis=0)
 
@@ -289,7 +349,7 @@ class DeployedModel(trainer.Trainer):
 
 def deploy(config, model, loss_fn, optimizer, *,
            batch_norm_policy=BN_CLONE_0, jit_compile=False,
-           return_gradients=False, lockstep=None):
+           return_gradients=False, lockstep=None, pipeline=None):
   """Deploys `model` over `config`'s clones.
 
   Builds the optimizer's slot variables on the variables device, and checks,
@@ -303,13 +363,17 @@ def deploy(config, model, loss_fn, optimizer, *,
     loss_fn: `loss_fn(labels, outputs)` -> mean loss (any `keras.losses`
       object with its default reduction).
     optimizer: a Keras optimizer created under the variables device.
-    batch_norm_policy: `BN_CLONE_0` (slim) or `BN_MEAN`; see the module doc.
+    batch_norm_policy: one of `BATCH_NORM_POLICIES`; see
+      `combine_non_trainable`.
     jit_compile: compile each clone's forward and backward pass with XLA.
     return_gradients: steps also return the summed gradients (for
       summaries).
     lockstep: a `tf.distribute.MirroredStrategy` over exactly the clone
       devices, to run the clones at once; needed by Keras's synchronized
       BatchNorm, which all-reduces batch statistics between replicas.
+    pipeline: a `pipeline.PipelineConfig`: cut each clone into
+      `config.num_stages` stages and its rows into micro-batches. None is
+      one stage and one micro-batch (no pipeline).
 
   Returns:
     A `DeployedModel`.
@@ -328,9 +392,15 @@ def deploy(config, model, loss_fn, optimizer, *,
   if lockstep is not None:
     towers_in_strategy.check_lockstep(lockstep, config.clone_devices(),
                                       jit_compile)
+  stages = None
+  pipeline = pipeline or PipelineConfig()
+  if config.num_stages > 1 or pipeline.num_microbatches > 1:
+    check_pipeline_options(jit_compile=jit_compile,
+                           lockstep=lockstep is not None)
+    stages = Pipeline(model, config.num_stages, pipeline)
   devices.check_devices_exist(
       [config.variables_device(), config.optimizer_device(),
-       config.inputs_device()] + config.clone_devices())
+       config.inputs_device()] + config.compute_devices())
   if not optimizer.built:
     with tf.device(config.variables_device()):
       optimizer.build(model.trainable_variables)
@@ -339,4 +409,5 @@ def deploy(config, model, loss_fn, optimizer, *,
   return DeployedModel(config, model, loss_fn, optimizer,
                        batch_norm_policy=batch_norm_policy,
                        jit_compile=jit_compile,
-                       return_gradients=return_gradients, lockstep=lockstep)
+                       return_gradients=return_gradients, lockstep=lockstep,
+                       pipeline=stages)

@@ -45,6 +45,11 @@ class DeploymentConfig:
     num_ps_tasks: parameter-server tasks; 0 keeps the variables local.
     worker_job_name: job name of the workers in the cluster spec.
     ps_job_name: job name of the parameter servers in the cluster spec.
+    num_stages: consecutive parts of the model (stages) each clone is cut
+      into, each on its own device (`tfmulti.pipeline`); 1 keeps each clone
+      whole on one device. Clone c's stage s runs on device c * num_stages
+      + s (GPU, or logical CPU with `clone_on_cpu`), so a worker uses
+      num_clones * num_stages devices.
   """
   num_clones: int
   clone_on_cpu: bool
@@ -53,13 +58,15 @@ class DeploymentConfig:
   num_ps_tasks: int
   worker_job_name: str
   ps_job_name: str
+  num_stages: int
   _variables_device: Optional[str]
 
   def __init__(self, num_clones=1, clone_on_cpu=False, variables_device=None,
                replica_id=0, num_replicas=1, num_ps_tasks=0,
-               worker_job_name='worker', ps_job_name='ps'):
+               worker_job_name='worker', ps_job_name='ps', *, num_stages=1):
     """Validates the arguments; raises `ConfigError` naming the bad value."""
     errors.check_count('num_clones', num_clones, 1)
+    errors.check_count('num_stages', num_stages, 1)
     errors.check_count('num_replicas', num_replicas, 1)
     errors.check_count('num_ps_tasks', num_ps_tasks, 0)
     errors.check_count('replica_id', replica_id, 0)
@@ -83,7 +90,8 @@ class DeploymentConfig:
     values = dict(num_clones=num_clones, clone_on_cpu=bool(clone_on_cpu),
                   replica_id=replica_id, num_replicas=num_replicas,
                   num_ps_tasks=num_ps_tasks, worker_job_name=worker_job_name,
-                  ps_job_name=ps_job_name, _variables_device=variables_device)
+                  ps_job_name=ps_job_name, num_stages=num_stages,
+                  _variables_device=variables_device)
     for name, value in values.items():
       object.__setattr__(self, name, value)
 
@@ -111,10 +119,29 @@ class DeploymentConfig:
                                f'[0, num_clones={self.num_clones}).')
 
   def clone_device(self, clone_index):
-    """Device of clone `clone_index`: GPU:i, or CPU:i with `clone_on_cpu`."""
+    """Device of clone `clone_index` (of its first stage): GPU:i, or CPU:i
+    with `clone_on_cpu` (i = clone_index * num_stages)."""
+    return self.stage_device(clone_index, 0)
+
+  def stage_device(self, clone_index, stage_index):
+    """Device of stage `stage_index` of clone `clone_index`."""
     self._check_clone_index(clone_index)
+    if (isinstance(stage_index, bool) or not isinstance(stage_index, int)
+        or not 0 <= stage_index < self.num_stages):
+      raise errors.ConfigError(f'stage_index={stage_index!r} must be in '
+                               f'[0, num_stages={self.num_stages}).')
     device_type = 'CPU' if self.clone_on_cpu else 'GPU'
-    return f'{self._worker_prefix()}/device:{device_type}:{clone_index}'
+    index = clone_index * self.num_stages + stage_index
+    return f'{self._worker_prefix()}/device:{device_type}:{index}'
+
+  def stage_devices(self, clone_index):
+    """The devices of clone `clone_index`'s stages, in stage order."""
+    return [self.stage_device(clone_index, s) for s in range(self.num_stages)]
+
+  def compute_devices(self):
+    """Every device a clone or stage runs on: num_clones * num_stages."""
+    return [device for c in range(self.num_clones)
+            for device in self.stage_devices(c)]
 
   def clone_scope(self, clone_index):
     """Name scope of clone `clone_index`: '' for a single clone."""
@@ -122,7 +149,7 @@ class DeploymentConfig:
     return '' if self.num_clones == 1 else f'clone_{clone_index}'
 
   def clone_devices(self):
-    """All clone devices, in clone order."""
+    """All clone devices (their first stages'), in clone order."""
     return [self.clone_device(i) for i in range(self.num_clones)]
 
   def optimizer_device(self):

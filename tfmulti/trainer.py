@@ -121,6 +121,24 @@ def gradients_by_path(grads_and_vars, scale=None):
           for gradient, variable in grads_and_vars}
 
 
+def split_rows(rows, shares):
+  """`rows` split in proportion to `shares`, by largest remainder.
+
+  Each part gets the floor of its quota rows * share / sum(shares); the
+  rows left over go one each to the parts with the largest remainders (the
+  first part on a tie). Equal shares give parts that differ by one row at
+  most, the longer ones first.
+  """
+  total = sum(shares)
+  quotas = [rows * share / total for share in shares]
+  sizes = [int(quota) for quota in quotas]
+  by_remainder = sorted(range(len(shares)),
+                        key=lambda i: (sizes[i] - quotas[i], i))
+  for i in by_remainder[:rows - sum(sizes)]:
+    sizes[i] += 1
+  return sizes
+
+
 def check_batch(images, labels, num_shards, shard_word='num_clones'):
   """Raises `ConfigError` unless the batch splits evenly into `num_shards`."""
   rows, label_rows = images.shape[0], labels.shape[0]
