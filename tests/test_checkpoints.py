@@ -104,8 +104,27 @@ class TestStopSignals:
     assert 'Traceback' not in result.stderr
 
 
+def test_a_pipelined_checkpoint_continues_on_the_towers(run_train, tmp_path):
+  """2 stages x 2 micro-batches for 3 steps, then plain towers to step 5,
+  ends where 2 plain clones trained for 5 steps end."""
+  common = dict(batch_size=4, optimizer='momentum', learning_rate=0.05,
+                num_clones=2)
+  model_dir = str(tmp_path / 'pipelined')
+  run_train(model_dir=model_dir, train_steps=3, num_stages=2,
+            num_microbatches=2, **common)
+  metrics = run_train(model_dir=model_dir, train_steps=5, **common)
+  assert (metrics['resumed_from_step'], metrics['steps']) == (3, 5)
+  whole = run_train(model_dir=str(tmp_path / 'whole'), train_steps=5,
+                    **common)
+  got = checkpoint_tensors(metrics['checkpoint'])
+  for key, value in checkpoint_tensors(whole['checkpoint']).items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+
+
 def test_a_two_clone_checkpoint_continues_on_every_path(run_train, tmp_path):
-  """2 clones -> mirrored, one device and 4 clones, at the same step.
+  """2 clones -> mirrored, one device, 4 clones and 2 clones of 2 stages,
+  at the same step.
 
   The global batch stays 8 rows; lenet has no BatchNorm, so every path
   continues to the weights of one uninterrupted 2-clone run: the resume
@@ -120,7 +139,9 @@ def test_a_two_clone_checkpoint_continues_on_every_path(run_train, tmp_path):
   layouts = {'towers_2': dict(num_clones=2),
              'mirrored_2': dict(strategy='mirrored', num_clones=2),
              'single': dict(strategy='single', num_clones=1, batch_size=8),
-             'towers_4': dict(num_clones=4, batch_size=2)}
+             'towers_4': dict(num_clones=4, batch_size=2),
+             'pipelined_2x2': dict(num_clones=2, num_stages=2,
+                                   num_microbatches=2)}
   finals = {}
   for name, flag_values in layouts.items():
     model_dir = str(tmp_path / name)

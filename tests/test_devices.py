@@ -60,10 +60,12 @@ class TestPlaceClones:
     assert devices.place_clones(3, clone_on_cpu=True, variables_gpu=0)
 
   @pytest.mark.parametrize('gpus, kwargs, message', [
-      (0, dict(num_clones=2), '--num_clones=2 needs as many GPUs, and this '
+      (0, dict(num_clones=2), '--num_clones=2 needs 2 GPUs, and this '
        'machine has 0; add --clone_on_cpu'),
-      (2, dict(num_clones=3), '--num_clones=3 needs as many GPUs, and this '
+      (2, dict(num_clones=3), '--num_clones=3 needs 3 GPUs, and this '
        'machine has 2'),
+      (3, dict(num_clones=2, num_stages=2), '--num_clones=2 --num_stages=2 '
+       'needs 4 GPUs, and this machine has 3'),
       (2, dict(num_clones=1, variables_gpu=2),
        r'--variables_device=gpu:2: this machine has 2 GPU\(s\); use '
        '--variables_device=cpu or gpu:N with N < 2'),

@@ -29,9 +29,13 @@ def _trainable_params(model):
     # He et al.'s ResNet-20 with option-A shortcuts: 0.27M parameters.
     ('resnet20', CIFAR, 269_722, 271_098),
     ('resnet8_thin', CIFAR, 5_006, 5_126),
+    # torchvision's resnet50: 25,557,032 trainable; BatchNorm's moving
+    # statistics add 53,120.
+    ('resnet50', (224, 224, 3), 25_557_032, 25_610_152),
 ])
 def test_parameter_counts(name, shape, trainable, total):
-  model = models.get_model(name, input_shape=shape, num_classes=10)
+  num_classes = 1000 if name == 'resnet50' else 10
+  model = models.get_model(name, input_shape=shape, num_classes=num_classes)
   assert _trainable_params(model) == trainable
   assert model.count_params() == total
 

@@ -50,6 +50,16 @@ def test_each_dataset_trains(run_train, dataset, num_clones):
   assert METRIC_KEYS <= set(metrics)
 
 
+def test_a_pipelined_clone_learns_digits(run_train, caplog):
+  with caplog.at_level('INFO', logger='absl'):
+    metrics = run_train(num_stages=2, num_microbatches=4, train_steps=None,
+                        epochs=8, batch_size=64, log_every_steps=50)
+  assert metrics['eval_accuracy'] >= 0.9
+  assert metrics['global_batch_size'] == 64
+  assert "stage 1: from layer" in caplog.text
+  assert "['/device:CPU:1']" in caplog.text
+
+
 def test_digits_learns(run_train):
   metrics = run_train(num_clones=2, train_steps=None, epochs=8,
                       batch_size=64, log_every_steps=50)
@@ -96,7 +106,7 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
 
 @pytest.mark.parametrize('values, message', [
     (dict(num_clones=2, clone_on_cpu=False),
-     '--num_clones=2 needs as many GPUs.*add --clone_on_cpu'),
+     '--num_clones=2 needs 2 GPUs.*add --clone_on_cpu'),
     (dict(variables_device='gpu:3'),
      '--variables_device=gpu:3: this machine has 0 GPU'),
     (dict(variables_device='tpu:0'), "--variables_device=tpu:0: use 'cpu'"),
@@ -122,6 +132,15 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
     (dict(seed=2**32), 'seed=4294967296: must be below 2\\*\\*32'),
     (dict(model_dir=''), "model_dir='': name an output directory"),
     (dict(data_dir='/dev/null'), '--data_dir=/dev/null is a file'),
+    (dict(num_stages=2, strategy='mirrored', clone_on_cpu=True),
+     "strategy='mirrored' runs whole model copies; stages and micro-batches"),
+    (dict(num_stages=2, xla=True, clone_on_cpu=True),
+     'xla=True compiles a whole clone'),
+    (dict(num_microbatches=2, model='resnet8_thin', sync_batch_norm=True),
+     'synchronized BatchNorm runs whole clones in lockstep'),
+    (dict(num_microbatches=5, batch_size=4),
+     'num_microbatches=5 is more than batch_size=4'),
+    (dict(num_stages=0), 'num_stages=0: must be an integer >= 1'),
 ])
 def test_bad_flags_stop_with_one_line(tmp_path, values, message):
   values = dict(dict(model_dir=str(tmp_path / 'run')), **values)
@@ -180,7 +199,7 @@ CHATTER = ('absl::InitializeLog', 'cudart_stub', 'cuInit')
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--num_clones=3'], 'train.py: error: --num_clones=3 needs as many GPUs'),
+    (['--num_clones=3'], 'train.py: error: --num_clones=3 needs 3 GPUs'),
     (['--model=vgg', '--verbosity=1'], '--model'),
 ])
 def test_bad_flags_exit_without_traceback(argv, message, tmp_path):

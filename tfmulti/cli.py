@@ -135,6 +135,20 @@ _PROFILE_STEPS = flags.DEFINE_list(
     'profile_steps', None, 'FIRST,LAST: write a TensorBoard profile of '
     'these global steps (e.g. 5,7) to <model_dir>/plugins/profile; view it '
     "with pip install -e '.[profile]' and tensorboard --logdir.")
+_NUM_STAGES = flags.DEFINE_integer(
+    'num_stages', 1, 'Cut each clone into this many consecutive stages, '
+    'each on its own device (clone c, stage s on device c * num_stages + '
+    's): model parallelism. Towers only.')
+_NUM_MICROBATCHES = flags.DEFINE_integer(
+    'num_microbatches', 1, "Cut each clone's rows into this many "
+    'micro-batches flowing through its stages (GPipe pipelining).')
+_STAGE_BOUNDARIES = flags.DEFINE_list(
+    'stage_boundaries', None, 'The first layer of stages 1..N-1, e.g. '
+    'stage2_block0_conv1; default: cut where the estimated layer costs '
+    'balance.')
+_RECOMPUTE = flags.DEFINE_bool(
+    'recompute', False, "Recompute each stage's activations in the backward "
+    'pass (less memory, one more forward pass).')
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (towers only).")
 _MIXED_PRECISION = flags.DEFINE_bool(
@@ -202,7 +216,11 @@ def _train_config():
       mixed_precision=_MIXED_PRECISION.value, xla=_XLA.value,
       strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value,
       export=_EXPORT.value,
-      profile_steps=_profile_steps(_PROFILE_STEPS.value))
+      profile_steps=_profile_steps(_PROFILE_STEPS.value),
+      num_microbatches=_NUM_MICROBATCHES.value,
+      stage_boundaries=(tuple(_STAGE_BOUNDARIES.value)
+                        if _STAGE_BOUNDARIES.value else None),
+      recompute=_RECOMPUTE.value)
 
 
 def configs_from_flags():
@@ -218,15 +236,17 @@ def configs_from_flags():
   train_config = _train_config()
   path = strategies.get(train_config.strategy)
   cluster_info = _cluster(path)
+  errors.check_count('num_stages', _NUM_STAGES.value, 1)
   clone_on_cpu = devices.place_clones(
       _NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
-      variables_gpu=variables_gpu)
+      variables_gpu=variables_gpu, num_stages=_NUM_STAGES.value)
   deploy_config = deploy.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=clone_on_cpu,
       variables_device=None if variables_gpu is None
       else f'/device:GPU:{variables_gpu}',
       replica_id=cluster_info.index if cluster_info else 0,
-      num_replicas=cluster_info.num_workers if cluster_info else 1)
+      num_replicas=cluster_info.num_workers if cluster_info else 1,
+      num_stages=_NUM_STAGES.value)
   strategies.check(train_config, deploy_config)
   return train_config, deploy_config, cluster_info
 

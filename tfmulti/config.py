@@ -14,6 +14,7 @@ from tfmulti import data
 from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import models
+from tfmulti import pipeline
 from tfmulti import schedules
 from tfmulti import strategies
 
@@ -59,6 +60,11 @@ class TrainConfig:
     export: write `export/<step>/` (SavedModel and .keras) at the end.
     profile_steps: (first, last) global steps to profile into
       `<model_dir>/plugins/profile/` for TensorBoard; None for no profile.
+    num_microbatches: pieces each clone's rows are cut into, flowing
+      through its stages (`pipeline`); towers only.
+    stage_boundaries: the first layer of each stage but the first; None
+      to cut where the estimated costs balance.
+    recompute: recompute each stage's activations in its backward pass.
   """
   model: str = 'lenet'
   dataset: str = 'digits'
@@ -86,6 +92,15 @@ class TrainConfig:
   peer_timeout_s: float = 120.0
   export: bool = True
   profile_steps: Optional[Tuple[int, int]] = None
+  num_microbatches: int = 1
+  stage_boundaries: Optional[Tuple[str, ...]] = None
+  recompute: bool = False
+
+  def pipeline(self):
+    """The `pipeline.PipelineConfig` of this run."""
+    return pipeline.PipelineConfig(num_microbatches=self.num_microbatches,
+                                   boundaries=self.stage_boundaries,
+                                   recompute=self.recompute)
 
   def __post_init__(self):
     choices = [('dataset', data.DATASETS), ('strategy', strategies.NAMES),
@@ -98,7 +113,7 @@ class TrainConfig:
     models.check(self.model,
                  synchronized_batch_norm=self.synchronized_batch_norm)
     for name in ('batch_size', 'epochs', 'log_every_steps',
-                 'checkpoint_steps', 'keep_checkpoints'):
+                 'checkpoint_steps', 'keep_checkpoints', 'num_microbatches'):
       errors.check_count(name, getattr(self, name), 1)
     if self.train_steps is not None:
       errors.check_count('train_steps', self.train_steps, 1)
@@ -116,5 +131,10 @@ class TrainConfig:
         raise errors.ConfigError(
             f'profile_steps={first},{last}: the last step must be >= the '
             'first, e.g. --profile_steps=5,7.')
+    if self.num_microbatches > self.batch_size:
+      raise errors.ConfigError(
+          f'num_microbatches={self.num_microbatches} is more than '
+          f'batch_size={self.batch_size} rows a clone; use at most '
+          f'{self.batch_size}.')
     if not self.model_dir:
       raise errors.ConfigError("model_dir='': name an output directory.")

@@ -320,6 +320,8 @@ class DeployedModel(trainer.Trainer):
     """One step on this worker's batch; returns its `StepOutputs`."""
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
     trainer.check_batch(images, labels, self.config.num_clones)
+    if self.pipeline is not None:  # Raises if a micro-batch would be empty.
+      self.pipeline.microbatch_rows(images.shape[0] // self.config.num_clones)
     return self._step(images, labels)
 
   def _predict_graph(self, images):

@@ -13,7 +13,8 @@ from tfmulti import errors
 
 _LOGICAL_CPU_HINT = (
     'create logical CPU devices before TensorFlow initialises, e.g. '
-    'tfmulti.devices.create_logical_cpus(num_clones) at the top of main(), or '
+    'tfmulti.devices.create_logical_cpus(num_clones * num_stages) at the '
+    'top of main(), or '
     'train.py --clone_on_cpu')
 
 
@@ -80,7 +81,8 @@ def split_gpu(count, memory_mb):
   logging.info('Split GPU 0 into %d logical GPUs of %d MB.', count, memory_mb)
 
 
-def place_clones(num_clones, *, clone_on_cpu, variables_gpu=None):
+def place_clones(num_clones, *, clone_on_cpu, variables_gpu=None,
+                 num_stages=1):
   """Where a command-line run's clones go; call it before TensorFlow starts.
 
   It counts physical GPUs only (that does not initialise the runtime), then
@@ -91,6 +93,7 @@ def place_clones(num_clones, *, clone_on_cpu, variables_gpu=None):
     num_clones: clones asked for.
     clone_on_cpu: clones on logical CPUs, asked for explicitly.
     variables_gpu: the index N of `--variables_device=gpu:N`, or None.
+    num_stages: devices each clone is cut over (`--num_stages`).
 
   Returns:
     Whether the clones run on (logical) CPUs: asked for, or the one clone of
@@ -101,22 +104,25 @@ def place_clones(num_clones, *, clone_on_cpu, variables_gpu=None):
       machine lacks; the message names the flag and the fix.
   """
   errors.check_count('num_clones', num_clones, 1)
+  errors.check_count('num_stages', num_stages, 1)
+  needed = num_clones * num_stages
   gpus = len(tf.config.list_physical_devices('GPU'))
   if variables_gpu is not None and variables_gpu >= gpus:
     raise errors.DeviceError(
         f'--variables_device=gpu:{variables_gpu}: this machine has {gpus} '
         'GPU(s); use --variables_device=cpu' +
         (f' or gpu:N with N < {gpus}.' if gpus else '.'))
-  if not clone_on_cpu and gpus == 0 and num_clones == 1:
+  if not clone_on_cpu and gpus == 0 and needed == 1:
     logging.info('no GPU found: the clone runs on the CPU (CPU:0)')
     clone_on_cpu = True
   if clone_on_cpu:
-    create_logical_cpus(num_clones)
+    create_logical_cpus(needed)
     return True
-  if num_clones > gpus:
+  if needed > gpus:
+    stages = f' --num_stages={num_stages}' if num_stages > 1 else ''
     raise errors.DeviceError(
-        f'--num_clones={num_clones} needs as many GPUs, and this machine has '
-        f'{gpus}; add --clone_on_cpu to run the clones on logical CPU '
+        f'--num_clones={num_clones}{stages} needs {needed} GPUs, and this '
+        f'machine has {gpus}; add --clone_on_cpu to run on logical CPU '
         'devices, or lower --num_clones.')
   return False
 
@@ -155,7 +161,7 @@ def check_devices_exist(device_names):
     raise errors.DeviceError(
         f'devices {missing} do not exist (this runtime has {have}). For '
         f'clones on one CPU, {_LOGICAL_CPU_HINT}; for GPUs, lower num_clones '
-        'to the number of GPUs.')
+        '* num_stages to the number of GPUs.')
 
 
 def device_of(variable):

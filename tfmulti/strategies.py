@@ -18,10 +18,12 @@ from typing import Callable, Optional
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
+from tfmulti import pipeline
 from tfmulti import towers_in_strategy
 from tfmulti import trainer
 
@@ -57,15 +59,27 @@ def _towers(setup):
   lockstep = None
   if config.synchronized_batch_norm:  # The clones run as replicas at once.
     lockstep = distribute.make_strategy(distribute.MIRRORED, deploy_config)
-  return deploy.deploy(deploy_config, model, setup.loss_fn, optimizer,
-                       batch_norm_policy=config.batch_norm_policy,
-                       jit_compile=config.xla,
-                       return_gradients=config.summarize_gradients,
-                       lockstep=lockstep)
+  towers = deploy.deploy(deploy_config, model, setup.loss_fn, optimizer,
+                         batch_norm_policy=config.batch_norm_policy,
+                         jit_compile=config.xla,
+                         return_gradients=config.summarize_gradients,
+                         lockstep=lockstep, pipeline=config.pipeline())
+  if towers.pipeline is not None:
+    for s, stage in enumerate(towers.pipeline.stages):
+      logging.info('stage %d: from layer %r, on %s', s, stage.first_layer,
+                   [deploy_config.stage_device(c, s)
+                    for c in range(deploy_config.num_clones)])
+  return towers
+
+
+def _pipelined(config, deploy_config):
+  return deploy_config.num_stages > 1 or config.num_microbatches > 1
 
 
 def _check_towers(config, deploy_config):
-  del deploy_config  # Every deployment suits the towers.
+  if _pipelined(config, deploy_config):
+    pipeline.check_pipeline_options(
+        jit_compile=config.xla, lockstep=config.synchronized_batch_norm)
   if config.synchronized_batch_norm:
     towers_in_strategy.check_lockstep_options(config.xla)
 
@@ -191,6 +205,12 @@ def check(config, deploy_config):
   built.
   """
   path = get(config.strategy)
+  if config.strategy != TOWERS and _pipelined(config, deploy_config):
+    raise errors.UnsupportedError(
+        f'strategy={config.strategy!r} runs whole model copies; stages and '
+        f'micro-batches (num_stages={deploy_config.num_stages}, '
+        f'num_microbatches={config.num_microbatches}) run on '
+        f'--strategy={TOWERS}.')
   if config.xla and not path.xla:
     raise errors.ConfigError(
         f'xla=True works with the towers only, not strategy='

@@ -10,15 +10,16 @@ import keras
 
 from tfmulti import errors
 from tfmulti.models.lenet import lenet
-from tfmulti.models.resnet import resnet18, resnet20, resnet8_thin
+from tfmulti.models.resnet import resnet18, resnet20, resnet50, resnet8_thin
 
 _FACTORIES = {
     'lenet': lenet,
     'resnet18': resnet18,
     'resnet20': resnet20,
+    'resnet50': resnet50,
     'resnet8_thin': resnet8_thin,
 }
-_WITH_BATCH_NORM = ('resnet18', 'resnet20', 'resnet8_thin')
+_WITH_BATCH_NORM = ('resnet18', 'resnet20', 'resnet50', 'resnet8_thin')
 
 
 def names():

@@ -134,3 +134,53 @@ def resnet8_thin(input_shape, num_classes, **options):
   """A shallow and thin CIFAR ResNet (depth 8, width 4) for fast tests."""
   return cifar_resnet(input_shape, num_classes, depth=8, width=4,
                       name='resnet8_thin', **options)
+
+
+def _bottleneck(x, planes, strides, batch_norm, name):
+  """torchvision's Bottleneck (ResNet v1.5): 1x1, 3x3 (strided), 1x1 x4."""
+  def conv(filters, size, strides, suffix):
+    return layers.Conv2D(filters, size, strides=strides, padding='same',
+                         use_bias=False, name=f'{name}_{suffix}')
+  y = layers.ReLU()(batch_norm()(conv(planes, 1, 1, 'conv1')(x)))
+  y = layers.ReLU()(batch_norm()(conv(planes, 3, strides, 'conv2')(y)))
+  y = batch_norm()(conv(planes * 4, 1, 1, 'conv3')(y))
+  if strides > 1 or x.shape[-1] != planes * 4:
+    x = batch_norm()(conv(planes * 4, 1, strides, 'downsample')(x))
+  return layers.ReLU()(layers.Add(name=f'{name}_add')([y, x]))
+
+
+def resnet50(input_shape, num_classes, *, synchronized_batch_norm=False):
+  """ResNet-50 (He et al. 2016), as torchvision builds it.
+
+  A 7x7 stride-2 stem and 3x3 stride-2 max pooling, bottleneck blocks
+  [3, 4, 6, 3] of 64, 128, 256, 512 planes (the stride on the 3x3, v1.5),
+  convolutions without bias, global average pooling and a dense layer:
+  25,557,032 parameters with 1,000 classes. Blocks are named
+  `layer<L>_block<B>_...` as torchvision's `layer<L>.<B>`, so stage
+  boundaries read like the classic split (e.g. `layer3_block0_conv1`).
+
+  Args:
+    input_shape: (height, width, channels) of one image.
+    num_classes: number of output logits.
+    synchronized_batch_norm: see `cifar_resnet`.
+
+  Returns:
+    A functional `keras.Model` mapping images to logits.
+  """
+  batch_norm = functools.partial(layers.BatchNormalization,
+                                 momentum=_BATCH_NORM_MOMENTUM, epsilon=1e-5,
+                                 synchronized=synchronized_batch_norm)
+  inputs = keras.Input(input_shape, name='images')
+  x = layers.Conv2D(64, 7, strides=2, padding='same', use_bias=False,
+                    name='stem_conv')(inputs)
+  x = layers.ReLU()(batch_norm()(x))
+  x = layers.MaxPooling2D(3, strides=2, padding='same', name='stem_pool')(x)
+  for layer, (planes, blocks) in enumerate(
+      zip((64, 128, 256, 512), (3, 4, 6, 3)), start=1):
+    for block in range(blocks):
+      strides = 2 if layer > 1 and block == 0 else 1
+      x = _bottleneck(x, planes, strides, batch_norm,
+                      name=f'layer{layer}_block{block}')
+  x = layers.GlobalAveragePooling2D()(x)
+  outputs = layers.Dense(num_classes, name='logits')(x)
+  return keras.Model(inputs, outputs, name='resnet50')
