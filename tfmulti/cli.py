@@ -105,8 +105,9 @@ _SUMMARIZE_GRADIENTS = flags.DEFINE_bool(
     'variable to TensorBoard.')
 _BATCH_NORM_POLICY = flags.DEFINE_enum(
     'batch_norm_policy', deploy.BN_CLONE_0, deploy.BATCH_NORM_POLICIES,
-    "BatchNorm moving statistics each step: clone 0's (slim) or the clones' "
-    'mean (towers).')
+    "BatchNorm moving statistics each step: clone 0's (slim), the clones' "
+    "(and micro-batches') row-weighted mean, or full_batch: one update from "
+    "the whole batch's mean and variance (towers).")
 _SYNC_BATCH_NORM = flags.DEFINE_bool(
     'sync_batch_norm', False, "Keras's synchronized BatchNorm: statistics "
     'of the global batch, all-reduced over the clones or replicas.')
