@@ -110,10 +110,11 @@ def _on_clone(config, clone_index):
       yield
 
 
-def split_batch(config, tensor):
-  """Splits `tensor`'s rows evenly over the clones, on the inputs device."""
+def split_batch(config, tensor, sizes=None):
+  """Splits `tensor`'s rows over the clones, on the inputs device: evenly,
+  or `sizes[i]` rows to clone i."""
   with tf.device(config.inputs_device()), tf.name_scope('split_batch'):
-    return tf.split(tensor, config.num_clones, axis=0)
+    return tf.split(tensor, sizes or config.num_clones, axis=0)
 
 
 def _values(variables):
@@ -123,7 +124,8 @@ def _values(variables):
 
 def create_clones(config, model, loss_fn, images, labels, *,
                   jit_compile=False, loss_scale=1.0, lockstep=None,
-                  pipeline=None):
+                  pipeline=None, shard_sizes=None, global_rows=None,
+                  regularization=True):
   """Runs every clone on its device and its shard of the batch.
 
   Args:
@@ -144,21 +146,28 @@ def create_clones(config, model, loss_fn, images, labels, *,
       BatchNorm; see `towers_in_strategy.run_clones_in_lockstep`).
     pipeline: None, or a `pipeline.Pipeline`: each clone runs its rows in
       micro-batches through its stages, on `config.stage_devices(clone)`.
+    shard_sizes: rows of each clone (uneven clone shares); None for equal.
+    global_rows: rows of the whole job's batch that the clones' losses are
+      a part of; None for this batch on every worker (a gradient
+      accumulation step passes the rows of all its micro-steps).
+    regularization: count the regularization losses (on clone 0); a
+      gradient accumulation step counts them on its first micro-step only.
 
   Returns:
     A list of `Clone`, one per clone.
   """
-  # Every clone of every worker takes an equal share of the job's batch.
-  global_rows = tf.shape(labels)[0] * config.num_workers
+  if global_rows is None:  # Each worker brings a batch of as many rows.
+    global_rows = tf.shape(labels)[0] * config.num_workers
 
   def clone_fn(*args):
     return _clone_step(model, loss_fn, global_rows, *args)
   if jit_compile:
     clone_fn = tf.function(clone_fn, jit_compile=True)
-  image_shards = split_batch(config, images)
-  label_shards = split_batch(config, labels)
+  image_shards = split_batch(config, images, shard_sizes)
+  label_shards = split_batch(config, labels, shard_sizes)
   # Each worker's clone 0 carries its share of the penalty.
-  weights = [1.0 / config.num_workers] + [0.0] * (config.num_clones - 1)
+  weights = [1.0 / config.num_workers if regularization else 0.0] + [
+      0.0] * (config.num_clones - 1)
   if lockstep is not None:
     with tf.device(config.variables_device()):
       variables = (_values(model.trainable_variables),
@@ -264,12 +273,15 @@ class DeployedModel(trainer.Trainer):
   `tf.function` that runs one step. Attributes: `config`, `model`,
   `loss_fn`, `optimizer`, `batch_norm_policy`, `jit_compile`,
   `return_gradients` (steps also return the summed gradients), `lockstep`
-  and `pipeline` (see `create_clones`).
+  and `pipeline` (see `create_clones`), `clone_shares` (each clone's
+  share of a step's rows; None for equal; settable between steps, see
+  `balance`) and `accumulation_steps`.
   """
 
   def __init__(self, config, model, loss_fn, optimizer, *,
                batch_norm_policy, jit_compile, return_gradients=False,
-               lockstep=None, pipeline=None):
+               lockstep=None, pipeline=None, clone_shares=None,
+               accumulation_steps=1):
     self.config = config
     self.model = model
     self.loss_fn = loss_fn
@@ -279,50 +291,101 @@ class DeployedModel(trainer.Trainer):
     self.return_gradients = return_gradients
     self.lockstep = lockstep
     self.pipeline = pipeline
+    self.clone_shares = clone_shares
+    self.accumulation_steps = accumulation_steps
     self._moments = batch_norm_moments(model)
     self._step = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
 
-  def step_graph(self, images, labels):
+  def step_graph(self, images, labels, sizes=None):
     """The step, untraced: for `tf.function`, or inside a replica context
     (each worker of a multi-worker job runs it; Keras's `apply_gradients`
-    then all-reduces the workers' summed gradients before the update)."""
+    then all-reduces the workers' summed gradients before the update).
+
+    `sizes`: each clone's rows of a micro-step (None: equal). With
+    `accumulation_steps` K the batch holds K micro-steps; their gradients
+    are summed on the optimizer device and applied once.
+    """
     config, model = self.config, self.model
+    variables = model.trainable_variables
     loss_scale = trainer.loss_scale_of(self.optimizer)
     with tf.device(config.variables_device()):
       scale = 1.0 if loss_scale is None else tf.identity(loss_scale)
-    clones = create_clones(config, model, self.loss_fn, images, labels,
-                           jit_compile=self.jit_compile, loss_scale=scale,
-                           lockstep=self.lockstep, pipeline=self.pipeline)
+    # Every micro-step of every worker is a part of the job's batch.
+    global_rows = tf.shape(labels)[0] * config.num_workers
+
+    def microstep(images, labels, first):
+      clones = create_clones(config, model, self.loss_fn, images, labels,
+                             jit_compile=self.jit_compile, loss_scale=scale,
+                             lockstep=self.lockstep, pipeline=self.pipeline,
+                             shard_sizes=sizes, global_rows=global_rows,
+                             regularization=first)
+      with tf.device(config.optimizer_device()):
+        total_loss, grads_and_vars = optimize_clones(clones, variables)
+      self._update_state(clones)
+      by_variable = {id(v): g for g, v in grads_and_vars}
+      return ([by_variable.get(id(v)) for v in variables],
+              [total_loss, clones[0].regularization_loss] +
+              [clone.loss for clone in clones])
+
+    gradients, (total_loss, regularization, *clone_losses) = (
+        trainer.sum_microsteps(microstep, images, labels,
+                               self.accumulation_steps,
+                               config.optimizer_device()))
     with tf.device(config.optimizer_device()):
-      total_loss, grads_and_vars = optimize_clones(
-          clones, model.trainable_variables)
+      grads_and_vars = [(g, v) for g, v in zip(gradients, variables)
+                        if g is not None]
       # A LossScaleOptimizer divides by the scale, and skips the update
       # (halving the scale) when a gradient is not finite.
       self.optimizer.apply_gradients(grads_and_vars)
-      gradients = {}
+      summed = {}
       if self.return_gradients:
-        gradients = trainer.gradients_by_path(
+        summed = trainer.gradients_by_path(
             grads_and_vars, None if loss_scale is None else scale)
-    with tf.device(config.variables_device()), tf.name_scope('update_state'):
+    return trainer.StepOutputs(total_loss, regularization, clone_losses,
+                               summed)
+
+  def _update_state(self, clones):
+    """Assigns the non-trainable variables once, under the BN policy."""
+    model = self.model
+    with tf.device(self.config.variables_device()), \
+        tf.name_scope('update_state'):
       new_values = combine_non_trainable(clones, self.batch_norm_policy,
                                          self._moments)
       for variable, value in zip(model.non_trainable_variables, new_values):
         variable.assign(value)
-    return trainer.StepOutputs(total_loss, clones[0].regularization_loss,
-                               [clone.loss for clone in clones], gradients)
 
   def distribute_dataset(self, dataset):
     """`dataset` itself: each step splits its batch over the clones."""
     return dataset
 
+  def clone_rows(self, rows):
+    """Each clone's rows of a micro-step of a worker batch of `rows`, or
+    None for equal rows; raises `ConfigError` for a batch that cannot be
+    split so."""
+    steps, n = self.accumulation_steps, self.config.num_clones
+    if rows % steps:
+      raise errors.ConfigError(
+          f'a batch of {rows} rows does not split into accumulation_steps='
+          f'{steps} equal micro-steps; pass a multiple of {steps}.')
+    sizes = trainer.shard_rows(rows // steps, self.clone_shares, n)
+    if sizes is None and rows // steps % n:
+      raise errors.ConfigError(
+          f'a micro-step of {rows // steps} rows does not split evenly over '
+          f'num_clones={n}; pass batch_size * num_clones * '
+          f'accumulation_steps rows.')
+    if self.pipeline is not None:  # Raises if a micro-batch would be empty.
+      for size in sizes or [rows // steps // n]:
+        self.pipeline.microbatch_rows(size)
+    return sizes
+
   def train_step_outputs(self, images, labels):
     """One step on this worker's batch; returns its `StepOutputs`."""
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    trainer.check_batch(images, labels, self.config.num_clones)
-    if self.pipeline is not None:  # Raises if a micro-batch would be empty.
-      self.pipeline.microbatch_rows(images.shape[0] // self.config.num_clones)
-    return self._step(images, labels)
+    trainer.check_batch(images, labels, 1 if self.clone_shares else
+                        self.config.num_clones)
+    # One trace per distinct split: `sizes` is a tuple of Python ints.
+    return self._step(images, labels, self.clone_rows(images.shape[0]))
 
   def _predict_graph(self, images):
     rows, n = images.shape[0], self.config.num_clones
@@ -351,7 +414,8 @@ class DeployedModel(trainer.Trainer):
 
 def deploy(config, model, loss_fn, optimizer, *,
            batch_norm_policy=BN_CLONE_0, jit_compile=False,
-           return_gradients=False, lockstep=None, pipeline=None):
+           return_gradients=False, lockstep=None, pipeline=None,
+           clone_shares=None, accumulation_steps=1):
   """Deploys `model` over `config`'s clones.
 
   Builds the optimizer's slot variables on the variables device, and checks,
@@ -376,6 +440,16 @@ def deploy(config, model, loss_fn, optimizer, *,
     pipeline: a `pipeline.PipelineConfig`: cut each clone into
       `config.num_stages` stages and its rows into micro-batches. None is
       one stage and one micro-batch (no pipeline).
+    clone_shares: each clone's share of the rows of every step, e.g.
+      (3, 1) for a device three times as fast (split by largest
+      remainder); None splits evenly. A step still equals one device on
+      the whole batch: each clone's loss is weighted by its rows. The
+      shares are a `deploy()` argument, not a `DeploymentConfig` field:
+      they say how rows are split, not where anything lives, and an
+      automatic balance changes them during training.
+    accumulation_steps: K: each step's batch holds K micro-steps whose
+      summed gradients make one update (gradient accumulation): one device
+      on the K micro-steps' rows.
 
   Returns:
     A `DeployedModel`.
@@ -387,6 +461,12 @@ def deploy(config, model, loss_fn, optimizer, *,
   """
   errors.check_choice('batch_norm_policy', batch_norm_policy,
                       BATCH_NORM_POLICIES)
+  trainer.check_shares(clone_shares, config.num_clones)
+  errors.check_count('accumulation_steps', accumulation_steps, 1)
+  if accumulation_steps > 1 and lockstep is not None:
+    raise errors.UnsupportedError(
+        'accumulation_steps with synchronized BatchNorm is not supported: '
+        'drop --sync_batch_norm or --accumulation_steps.')
   if not model.built:
     raise errors.ConfigError(
         f'model {model.name!r} is not built; build a functional model '
@@ -412,4 +492,5 @@ def deploy(config, model, loss_fn, optimizer, *,
                        batch_norm_policy=batch_norm_policy,
                        jit_compile=jit_compile,
                        return_gradients=return_gradients, lockstep=lockstep,
-                       pipeline=stages)
+                       pipeline=stages, clone_shares=clone_shares,
+                       accumulation_steps=accumulation_steps)

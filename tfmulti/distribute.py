@@ -81,10 +81,18 @@ class DistributedModel(trainer.Trainer):
   """
 
   def __init__(self, strategy, model, loss_fn, optimizer, *,
-               return_gradients=False, worker_index=0, num_workers=1):
+               return_gradients=False, worker_index=0, num_workers=1,
+               clone_shares=None, accumulation_steps=1):
     """`worker_index` and `num_workers`: this process's place in a
     multi-worker job (MultiWorkerMirroredStrategy), whose replicas span the
-    workers."""
+    workers. `clone_shares`: each replica's share of a step's rows (one
+    process only; None for equal). `accumulation_steps`: micro-steps a
+    step (see `trainer.sum_microsteps`), all-reduced once."""
+    trainer.check_shares(clone_shares, strategy.num_replicas_in_sync,
+                         'num_replicas')
+    errors.check_count('accumulation_steps', accumulation_steps, 1)
+    self.clone_shares = clone_shares
+    self.accumulation_steps = accumulation_steps
     self.worker_index = worker_index
     self.num_workers = num_workers
     self.strategy = strategy
@@ -103,7 +111,12 @@ class DistributedModel(trainer.Trainer):
     """tf.distribute replicas in sync, over every worker."""
     return self.strategy.num_replicas_in_sync
 
-  def _replica_step(self, images, labels, global_rows):
+  def _microstep(self, images, labels, first, global_rows):
+    """One micro-step of a replica: (gradients, [loss, regularization]).
+
+    The regularization counts on the `first` micro-step only: the weights
+    do not change between micro-steps.
+    """
     model = self.model
     loss_scale = trainer.loss_scale_of(self.optimizer)
     with tf.GradientTape() as tape:
@@ -111,14 +124,24 @@ class DistributedModel(trainer.Trainer):
       mean = trainer.mean_loss(self.loss_fn, labels, outputs)
       loss = trainer.shard_loss(mean, tf.shape(labels)[0], global_rows)
       regularization = tf.zeros([], loss.dtype)
-      if model.losses:
+      if model.losses and first:
         # Every replica adds its share; summed, the penalty counts once.
         regularization = tf.add_n(model.losses) / self.num_replicas
       loss += regularization
       scaled_loss = loss if loss_scale is None else loss * loss_scale
-    gradients = tape.gradient(scaled_loss, model.trainable_variables)
+    return (tape.gradient(scaled_loss, model.trainable_variables),
+            [loss, regularization])
+
+  def _replica_step(self, images, labels, global_rows):
+    model = self.model
+    loss_scale = trainer.loss_scale_of(self.optimizer)
+    # The sums live on the replica's device, beside its copy of the
+    # variables (device None: the replica's own).
+    gradients, (loss, regularization) = trainer.sum_microsteps(
+        lambda x, y, first: self._microstep(x, y, first, global_rows),
+        images, labels, self.accumulation_steps, None)
     # Keras all-reduces (sums) the replicas' gradients inside
-    # apply_gradients; a LossScaleOptimizer also unscales them.
+    # apply_gradients, once a step; a LossScaleOptimizer also unscales them.
     self.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
     if not self.return_gradients:
       gradients = []
@@ -140,9 +163,11 @@ class DistributedModel(trainer.Trainer):
         list(self.strategy.experimental_local_results(losses)),
         trainer.gradients_by_path(zip(summed, self.model.trainable_variables)))
 
-  def _shard(self, tensor):
-    """Replica i gets the i-th of num_replicas equal row blocks."""
-    blocks = tf.split(tensor, self.num_replicas)  # Once, not per replica.
+  def _shard(self, tensor, sizes=None):
+    """Replica i gets the i-th of num_replicas equal row blocks, or the
+    i-th block of `sizes[i]` rows."""
+    # Split once, not per replica.
+    blocks = tf.split(tensor, sizes or self.num_replicas)
     return self.strategy.experimental_distribute_values_from_function(
         lambda ctx: blocks[ctx.replica_id_in_sync_group])
 
@@ -150,8 +175,11 @@ class DistributedModel(trainer.Trainer):
     """`dataset`'s global batches, split over the replicas by tf.distribute.
 
     Replica i gets the i-th of num_replicas equal row blocks, prefetched to
-    its device (on several workers, through `trainer.worker_blocks`).
+    its device (on several workers, through `trainer.worker_blocks`). With
+    clone shares, the global batches themselves: each step splits them.
     """
+    if self.clone_shares is not None:
+      return dataset
     if self.num_workers == 1:
       return self.strategy.experimental_distribute_dataset(dataset)
     local_replicas = self.num_replicas // self.num_workers
@@ -173,9 +201,20 @@ class DistributedModel(trainer.Trainer):
       global_rows = worker_rows * self.num_workers  # Equal blocks a worker.
       return self._step(images, labels, global_rows)
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    trainer.check_batch(images, labels, self.num_replicas, 'num_replicas')
-    return self._step(self._shard(images), self._shard(labels),
-                      tf.shape(labels)[0])
+    steps = self.accumulation_steps
+    trainer.check_batch(images, labels, 1 if self.clone_shares else
+                        self.num_replicas * steps, 'num_replicas')
+    if images.shape[0] % steps:
+      raise errors.ConfigError(
+          f'a batch of {images.shape[0]} rows does not split into '
+          f'accumulation_steps={steps} equal micro-steps.')
+    sizes = trainer.shard_rows(images.shape[0] // steps, self.clone_shares,
+                               self.num_replicas)
+    # Replica i takes steps * sizes[i] consecutive rows: its part of each
+    # micro-step (the update sees every row of the batch once).
+    sizes = sizes and [steps * size for size in sizes]
+    return self._step(self._shard(images, sizes),
+                      self._shard(labels, sizes), tf.shape(labels)[0])
 
   def _predict_graph(self, images):
     return self.model(images, training=False)

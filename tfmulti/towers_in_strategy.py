@@ -123,6 +123,7 @@ class WorkerTowers(trainer.Trainer):
     """One step on this worker's block; returns the job's `StepOutputs`."""
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
     trainer.check_batch(images, labels, self.towers.config.num_clones)
+    self.towers.clone_rows(images.shape[0])  # Raises for a bad split.
     return self._step(images, labels)
 
   def predict(self, images):

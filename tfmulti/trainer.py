@@ -139,6 +139,83 @@ def split_rows(rows, shares):
   return sizes
 
 
+def check_shares(shares, num_shards, shard_word='num_clones'):
+  """Raises `ConfigError` unless `shares` is one positive number a shard."""
+  if shares is None:
+    return
+  text = ','.join(str(share) for share in shares)
+  if len(shares) != num_shards:
+    raise errors.ConfigError(
+        f'clone_shares={text}: give one share per clone ({shard_word}='
+        f'{num_shards}), e.g. --clone_shares={",".join(["1"] * num_shards)}.')
+  for share in shares:
+    if (isinstance(share, bool) or not isinstance(share, (int, float))
+        or not 0 < share < float('inf')):
+      raise errors.ConfigError(
+          f'clone_shares={text}: every share must be a number > 0, e.g. '
+          '--clone_shares=3,1.')
+
+
+def shard_rows(rows, shares, num_shards):
+  """The rows of each shard of a batch of `rows`: by `shares` (largest
+  remainder), or equal (`shares` None; the batch must split evenly).
+
+  Raises:
+    errors.ConfigError: a shard would get no rows.
+  """
+  if shares is None:
+    return None  # tf.split's even split.
+  sizes = split_rows(rows, shares)
+  if not all(sizes):
+    empty = sizes.index(0)
+    raise errors.ConfigError(
+        f'clone_shares={",".join(map(str, shares))} leaves clone {empty} no '
+        f'rows of a batch of {rows}; raise its share or the batch size.')
+  return tuple(sizes)
+
+
+def sum_microsteps(microstep, images, labels, steps, device):
+  """Gradient accumulation: `steps` micro-steps of the batch, summed.
+
+  The batch's rows are cut into `steps` equal consecutive blocks; block k
+  is micro-step k. Micro-step 0 runs first, and the others in a
+  `tf.while_loop`, so only one micro-step's activations live at a time;
+  their gradients and scalars are summed on `device`.
+
+  Args:
+    microstep: `microstep(images, labels, first)` -> (gradients, scalars):
+      a list of gradients (None where a variable is not reached) and a list
+      of scalar tensors; `first` (a Python bool) is True for micro-step 0,
+      which counts the regularization.
+    images, labels: the batch of all micro-steps.
+    steps: how many micro-steps.
+    device: where the sums live.
+
+  Returns:
+    (summed gradients, summed scalars).
+  """
+  if steps == 1:
+    return microstep(images, labels, True)
+  rows = images.shape[0] // steps
+  with tf.device(device), tf.name_scope('accumulate'):
+    images = tf.reshape(images, [steps, rows, *images.shape[1:]])
+    labels = tf.reshape(labels, [steps, rows, *labels.shape[1:]])
+  gradients, scalars = microstep(images[0], labels[0], True)
+  reached = [g is not None for g in gradients]
+
+  def body(k, sums, totals):
+    grads, values = microstep(images[k], labels[k], False)
+    with tf.device(device), tf.name_scope('accumulate'):
+      grads = [g for g, r in zip(grads, reached) if r]
+      return (k + 1, [a + g for a, g in zip(sums, grads)],
+              [a + v for a, v in zip(totals, values)])
+  _, sums, scalars = tf.while_loop(
+      lambda k, *_: k < steps, body,
+      (tf.constant(1), [g for g in gradients if g is not None], scalars))
+  sums = iter(sums)
+  return [next(sums) if r else None for r in reached], scalars
+
+
 def check_batch(images, labels, num_shards, shard_word='num_clones'):
   """Raises `ConfigError` unless the batch splits evenly into `num_shards`."""
   rows, label_rows = images.shape[0], labels.shape[0]

@@ -1,0 +1,221 @@
+"""Uneven clone shares and gradient accumulation: exact, on every path."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmulti import deploy
+from tfmulti import distribute
+from tfmulti import errors
+from tfmulti import pipeline
+from tfmulti import trainer
+from tests.helpers import make_batch, make_deployed, make_loss, mlp, weights
+
+OPTIMIZERS = {
+    'sgd': lambda: keras.optimizers.SGD(0.1),
+    'momentum': lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    'adam': lambda: keras.optimizers.Adam(0.01),
+}
+
+
+def _reference(optimizer='momentum'):
+  return make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
+                       optimizer_fn=OPTIMIZERS[optimizer],
+                       return_gradients=True)
+
+
+def _mirrored(num_replicas, optimizer='momentum', **kwargs):
+  config = deploy.DeploymentConfig(num_clones=num_replicas, clone_on_cpu=True)
+  strategy = distribute.make_strategy(distribute.MIRRORED, config)
+  with strategy.scope():
+    model, optimizer = mlp(), OPTIMIZERS[optimizer]()
+  return distribute.DistributedModel(strategy, model, make_loss(), optimizer,
+                                     return_gradients=True, **kwargs)
+
+
+def _towers(num_clones, optimizer='momentum', **kwargs):
+  config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True)
+  return make_deployed(config, optimizer_fn=OPTIMIZERS[optimizer],
+                       return_gradients=True, **kwargs)
+
+
+def _assert_equal_steps(run, reference, rows, steps=2):
+  for step in range(steps):
+    images, labels = make_batch(rows, seed=step)
+    want = reference.train_step_outputs(images, labels)
+    got = run.train_step_outputs(images, labels)
+    np.testing.assert_allclose(got.total, want.total, atol=1e-5)
+    np.testing.assert_allclose(got.regularization, want.regularization,
+                               atol=1e-6)
+    # The same variables in the same order (their paths differ by model).
+    assert len(got.gradients) == len(want.gradients)
+    for path, mine, theirs in zip(want.gradients, got.gradients.values(),
+                                  want.gradients.values()):
+      np.testing.assert_allclose(mine, theirs, atol=1e-5, err_msg=path)
+  for got, want in zip(weights(run.model), weights(reference.model)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_split_rows_by_largest_remainder():
+  assert trainer.split_rows(8, [3, 1]) == [6, 2]
+  assert trainer.split_rows(8, [5, 3]) == [5, 3]
+  assert trainer.split_rows(10, [1, 1, 2]) == [3, 2, 5]  # Leftover to 0.
+  assert trainer.split_rows(7, [1, 1]) == [4, 3]
+  assert trainer.split_rows(5, [0.75, 0.25]) == [4, 1]
+
+
+@pytest.mark.parametrize('shares,rows', [((3, 1), 8), ((5, 3), 8),
+                                         ((1, 1, 2), 10)])
+def test_shares_on_the_towers_equal_one_device(shares, rows):
+  towers = _towers(len(shares), clone_shares=shares)
+  _assert_equal_steps(towers, _reference(), rows)
+
+
+@pytest.mark.parametrize('shares,rows', [((3, 1), 8), ((1, 1, 2), 10)])
+def test_shares_on_mirrored_equal_one_device(shares, rows):
+  mirrored = _mirrored(len(shares), clone_shares=shares)
+  _assert_equal_steps(mirrored, _reference(), rows)
+
+
+def test_clones_are_weighted_by_rows_not_equally():
+  # With shares 3:1 the clones' mean losses, averaged equally, are not the
+  # batch's mean loss; each clone's part is its mean times rows / 8.
+  towers = _towers(2, clone_shares=(3, 1))
+  images, labels = make_batch(8)
+  model = towers.model
+  means = [float(make_loss()(labels[a:b], model(images[a:b])))
+           for a, b in ((0, 6), (6, 8))]
+  outputs = towers.train_step_outputs(images, labels)
+  data_loss = float(outputs.total - outputs.regularization)
+  np.testing.assert_allclose(data_loss, means[0] * 6 / 8 + means[1] * 2 / 8,
+                             rtol=1e-5)
+  assert abs(data_loss - sum(means) / 2) > 1e-3
+  np.testing.assert_allclose(
+      float(outputs.clones[1]), means[1] * 2 / 8, rtol=1e-5)
+
+
+def test_mean_batch_norm_policy_weights_clones_by_rows():
+  momentum = 0.5
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.BatchNormalization(
+        momentum=momentum)(inputs))
+  deployed = deploy.deploy(config, model,
+                           lambda y, out: tf.reduce_mean(out * y),
+                           keras.optimizers.SGD(0.0),
+                           batch_norm_policy=deploy.BN_MEAN,
+                           clone_shares=(3, 1))
+  images = np.array([[1., 2.], [3., 6.], [10., 0.], [20., 4.],
+                     [-1., 0.5], [2., 2.], [7., -3.], [0., 1.]], np.float32)
+  deployed.train_step(images, np.ones((8, 2), np.float32))
+  shards = (images[:6], images[6:])
+  want_mean = sum(w * (1 - momentum) * s.mean(axis=0)
+                  for w, s in zip((0.75, 0.25), shards))
+  want_variance = sum(w * (momentum + (1 - momentum) * s.var(axis=0))
+                      for w, s in zip((0.75, 0.25), shards))
+  layer = model.layers[1]
+  np.testing.assert_allclose(layer.moving_mean, want_mean, atol=1e-6)
+  np.testing.assert_allclose(layer.moving_variance, want_variance, atol=1e-6)
+
+
+@pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
+def test_accumulation_on_the_towers_equals_one_device_on_k_batches(optimizer):
+  towers = _towers(2, optimizer, accumulation_steps=3)
+  _assert_equal_steps(towers, _reference(optimizer), rows=12)
+
+
+@pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
+def test_accumulation_on_mirrored_equals_one_device_on_k_batches(optimizer):
+  mirrored = _mirrored(2, optimizer, accumulation_steps=2)
+  _assert_equal_steps(mirrored, _reference(optimizer), rows=8)
+  # The distributed dataset's elements hold each replica's micro-steps.
+  images, labels = make_batch(8, seed=5)
+  element = next(iter(mirrored.distribute_dataset(
+      tf.data.Dataset.from_tensors((images, labels)))))
+  reference = _reference(optimizer)
+  for _ in range(2):  # The same weights as the reference's after 2 steps.
+    reference.train_step(*make_batch(8, seed=_))
+  want = reference.train_step_outputs(images, labels)
+  np.testing.assert_allclose(mirrored.train_step_outputs(*element).total,
+                             want.total, atol=1e-5)
+
+
+def test_shares_accumulation_and_stages_compose():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
+                                   num_stages=2)
+  composed = make_deployed(
+      config, return_gradients=True, clone_shares=(3, 1),
+      accumulation_steps=2,
+      pipeline=pipeline.PipelineConfig(num_microbatches=2))
+  _assert_equal_steps(composed, _reference(), rows=16)
+
+
+def test_accumulators_live_on_the_variables_device_in_a_loop():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
+                                   variables_device='/device:CPU:2')
+  towers = make_deployed(config, accumulation_steps=4)
+  graph = towers._step.get_concrete_function(
+      *map(tf.constant, make_batch(16)), None).graph
+  loops = [op for op in graph.get_operations() if op.type == 'While']
+  assert len(loops) == 1  # Micro-steps 1..3; micro-step 0 comes first.
+  body = graph._functions[loops[0].get_attr('body').name].definition
+  sums = [node for node in body.node_def
+          if node.name.startswith('while/accumulate/') and node.op == 'AddV2']
+  # One sum per variable (4), per scalar (total, regularization, 2 clones),
+  # and the micro-step counter.
+  assert len(sums) == 4 + 4 + 1
+  assert {node.device for node in sums} == {'/device:CPU:2'}
+
+
+def test_one_overflowing_micro_step_skips_the_whole_update_once():
+  towers = make_deployed(
+      deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True),
+      model_fn=lambda: mlp(dtype='mixed_float16'),
+      optimizer_fn=lambda: keras.optimizers.LossScaleOptimizer(
+          keras.optimizers.SGD(0.1)),
+      accumulation_steps=2)
+  before = weights(towers.model)
+  scale = float(towers.optimizer.dynamic_scale)
+  images, labels = make_batch(8)
+  images[5] = 1e6  # Overflows float16 (max 65504) in micro-step 1 only.
+  towers.train_step(images, labels)
+  for got, want in zip(weights(towers.model), before):
+    np.testing.assert_array_equal(got, want)
+  assert float(towers.optimizer.dynamic_scale) == scale / 2
+  towers.train_step(*make_batch(8))  # A finite step then updates.
+  assert any(np.any(a != b) for a, b in zip(weights(towers.model), before))
+
+
+class TestClearErrors:
+
+  @pytest.mark.parametrize('shares,match', [
+      ((1, 2, 3), r'clone_shares=1,2,3: give one share per clone '
+       r'\(num_clones=2\)'),
+      ((1, 0), 'clone_shares=1,0: every share must be a number > 0'),
+      ((1, -2), 'clone_shares=1,-2: every share'),
+  ])
+  def test_bad_shares(self, shares, match):
+    with pytest.raises(errors.ConfigError, match=match):
+      _towers(2, clone_shares=shares)
+    with pytest.raises(errors.ConfigError, match=match.replace(
+        'num_clones', 'num_replicas')):
+      _mirrored(2, clone_shares=shares)
+
+  def test_a_share_that_leaves_a_clone_no_rows(self):
+    towers = _towers(2, clone_shares=(100, 1))
+    with pytest.raises(errors.ConfigError,
+                       match='clone_shares=100,1 leaves clone 1 no rows'):
+      towers.train_step(*make_batch(8))
+    assert int(towers.optimizer.iterations) == 0
+
+  def test_accumulation_of_zero(self):
+    with pytest.raises(errors.ConfigError,
+                       match='accumulation_steps=0: must be an integer >= 1'):
+      _towers(2, accumulation_steps=0)
+
+  def test_a_batch_that_does_not_make_equal_micro_steps(self):
+    towers = _towers(2, accumulation_steps=3)
+    with pytest.raises(errors.ConfigError, match='accumulation_steps=3'):
+      towers.train_step(*make_batch(8))
