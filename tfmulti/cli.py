@@ -150,6 +150,17 @@ _STAGE_BOUNDARIES = flags.DEFINE_list(
 _RECOMPUTE = flags.DEFINE_bool(
     'recompute', False, "Recompute each stage's activations in the backward "
     'pass (less memory, one more forward pass).')
+_CLONE_SHARES = flags.DEFINE_list(
+    'clone_shares', None, "Each clone's share of a step's rows, e.g. 3,1 "
+    "for a device 3x as fast (towers, mirrored), or 'auto': measure the "
+    'clones and balance them (towers). Default: equal.')
+_REBALANCE_EVERY_STEPS = flags.DEFINE_integer(
+    'rebalance_every_steps', 100, 'With --clone_shares=auto: steps between '
+    "measurements of the clones' speeds.")
+_ACCUMULATION_STEPS = flags.DEFINE_integer(
+    'accumulation_steps', 1, 'Sum the gradients of this many micro-steps '
+    '(each batch_size * num_clones rows) into one update; steps count '
+    'updates.')
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (towers only).")
 _MIXED_PRECISION = flags.DEFINE_bool(
@@ -178,6 +189,18 @@ def _profile_steps(values):
         f'--profile_steps={",".join(values)}: give two global steps, '
         'FIRST,LAST, e.g. --profile_steps=5,7.') from None
   return first, last
+
+
+def _clone_shares(values):
+  """--clone_shares as numbers, 'auto', or None."""
+  if values is None or values == [config.AUTO]:
+    return values and config.AUTO
+  try:
+    return tuple(int(v) if v.strip().isdigit() else float(v) for v in values)
+  except ValueError:
+    raise errors.ConfigError(
+        f'--clone_shares={",".join(values)}: give numbers, e.g. 3,1, or '
+        'auto.') from None
 
 
 def _cluster(path):
@@ -221,7 +244,10 @@ def _train_config():
       num_microbatches=_NUM_MICROBATCHES.value,
       stage_boundaries=(tuple(_STAGE_BOUNDARIES.value)
                         if _STAGE_BOUNDARIES.value else None),
-      recompute=_RECOMPUTE.value)
+      recompute=_RECOMPUTE.value,
+      clone_shares=_clone_shares(_CLONE_SHARES.value),
+      rebalance_every_steps=_REBALANCE_EVERY_STEPS.value,
+      accumulation_steps=_ACCUMULATION_STEPS.value)
 
 
 def configs_from_flags():

@@ -7,7 +7,7 @@ names the value and the fix; a path's own rules are in `strategies`.
 """
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 from tfmulti import build
 from tfmulti import data
@@ -18,6 +18,7 @@ from tfmulti import pipeline
 from tfmulti import schedules
 from tfmulti import strategies
 
+AUTO = 'auto'  # --clone_shares=auto.
 _SEED_LIMIT = 2**32  # NumPy's seeds are unsigned 32-bit integers.
 
 
@@ -65,6 +66,14 @@ class TrainConfig:
     stage_boundaries: the first layer of each stage but the first; None
       to cut where the estimated costs balance.
     recompute: recompute each stage's activations in its backward pass.
+    clone_shares: each clone's share of a step's rows (towers, mirrored),
+      e.g. (3, 1); 'auto' to measure the clones and balance them (towers);
+      None for equal shares.
+    rebalance_every_steps: with 'auto', steps between measurements.
+    accumulation_steps: micro-steps of batch_size * num_clones rows a
+      clone summed into one update (gradient accumulation); the global
+      batch of an update is batch_size * num_clones * num_workers *
+      accumulation_steps, and steps count updates.
   """
   model: str = 'lenet'
   dataset: str = 'digits'
@@ -95,6 +104,14 @@ class TrainConfig:
   num_microbatches: int = 1
   stage_boundaries: Optional[Tuple[str, ...]] = None
   recompute: bool = False
+  clone_shares: Optional[Union[Tuple[float, ...], str]] = None
+  rebalance_every_steps: int = 100
+  accumulation_steps: int = 1
+
+  @property
+  def auto_shares(self):
+    """Whether the clones' shares are measured and balanced."""
+    return self.clone_shares == AUTO
 
   def pipeline(self):
     """The `pipeline.PipelineConfig` of this run."""
@@ -113,7 +130,8 @@ class TrainConfig:
     models.check(self.model,
                  synchronized_batch_norm=self.synchronized_batch_norm)
     for name in ('batch_size', 'epochs', 'log_every_steps',
-                 'checkpoint_steps', 'keep_checkpoints', 'num_microbatches'):
+                 'checkpoint_steps', 'keep_checkpoints', 'num_microbatches',
+                 'rebalance_every_steps', 'accumulation_steps'):
       errors.check_count(name, getattr(self, name), 1)
     if self.train_steps is not None:
       errors.check_count('train_steps', self.train_steps, 1)
@@ -136,5 +154,9 @@ class TrainConfig:
           f'num_microbatches={self.num_microbatches} is more than '
           f'batch_size={self.batch_size} rows a clone; use at most '
           f'{self.batch_size}.')
+    if isinstance(self.clone_shares, str) and not self.auto_shares:
+      raise errors.ConfigError(
+          f'clone_shares={self.clone_shares!r}: give numbers, e.g. 3,1, or '
+          f'{AUTO!r}.')
     if not self.model_dir:
       raise errors.ConfigError("model_dir='': name an output directory.")

@@ -37,6 +37,7 @@ import functools
 import keras
 import tensorflow as tf
 
+from tfmulti import balance
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import towers_in_strategy
@@ -294,6 +295,7 @@ class DeployedModel(trainer.Trainer):
     self.clone_shares = clone_shares
     self.accumulation_steps = accumulation_steps
     self._moments = batch_norm_moments(model)
+    self._probes = {}  # Clone index -> its timing function.
     self._step = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
 
@@ -386,6 +388,37 @@ class DeployedModel(trainer.Trainer):
                         self.config.num_clones)
     # One trace per distinct split: `sizes` is a tuple of Python ints.
     return self._step(images, labels, self.clone_rows(images.shape[0]))
+
+  def _probe_graph(self, clone_index, images, labels):
+    """Clone `clone_index` alone: its forward and backward pass on its
+    device(s), reduced to one number so nothing is pruned."""
+    config, model = self.config, self.model
+    rows = tf.shape(labels)[0]
+    with _on_clone(config, clone_index):
+      args = (_values(model.trainable_variables),
+              _values(model.non_trainable_variables), images, labels, 0.0,
+              1.0)
+      if self.pipeline is None:
+        _, loss, _, gradients, _ = _clone_step(model, self.loss_fn, rows,
+                                               *args)
+      else:
+        _, loss, _, gradients, _ = self.pipeline.clone_step(
+            config.stage_devices(clone_index), self.loss_fn, rows, *args)
+      return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
+                              if g is not None])
+
+  def clone_throughputs(self, images, labels):
+    """Each clone's rows a second alone, on an equal share of a micro-step
+    of this batch (for `balance.Balanced`)."""
+    rows = images.shape[0] // self.accumulation_steps // self.config.num_clones
+    images, labels = images[:rows], labels[:rows]
+    speeds = []
+    for i in range(self.config.num_clones):
+      if i not in self._probes:
+        self._probes[i] = tf.function(functools.partial(self._probe_graph, i))
+      run = functools.partial(self._probes[i], images, labels)
+      speeds.append(rows / balance.time_clone(lambda run=run: float(run())))
+    return speeds
 
   def _predict_graph(self, images):
     rows, n = images.shape[0], self.config.num_clones

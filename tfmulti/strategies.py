@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfmulti import balance
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
@@ -63,13 +64,21 @@ def _towers(setup):
                          batch_norm_policy=config.batch_norm_policy,
                          jit_compile=config.xla,
                          return_gradients=config.summarize_gradients,
-                         lockstep=lockstep, pipeline=config.pipeline())
+                         lockstep=lockstep, pipeline=config.pipeline(),
+                         clone_shares=_fixed_shares(config),
+                         accumulation_steps=config.accumulation_steps)
   if towers.pipeline is not None:
     for s, stage in enumerate(towers.pipeline.stages):
       logging.info('stage %d: from layer %r, on %s', s, stage.first_layer,
                    [deploy_config.stage_device(c, s)
                     for c in range(deploy_config.num_clones)])
+  if config.auto_shares:
+    return balance.Balanced(towers, config.rebalance_every_steps)
   return towers
+
+
+def _fixed_shares(config):
+  return None if config.auto_shares else config.clone_shares
 
 
 def _pipelined(config, deploy_config):
@@ -93,7 +102,9 @@ def _local_strategy(name):
     distribute.check_supported(name, model, strategy.num_replicas_in_sync)
     return distribute.DistributedModel(
         strategy, model, setup.loss_fn, optimizer,
-        return_gradients=setup.config.summarize_gradients)
+        return_gradients=setup.config.summarize_gradients,
+        clone_shares=setup.config.clone_shares,
+        accumulation_steps=setup.config.accumulation_steps)
   return build
 
 
@@ -103,7 +114,8 @@ def _worker_towers(setup):
     towers = deploy.deploy(
         setup.deploy_config, model, setup.loss_fn, optimizer,
         batch_norm_policy=setup.config.batch_norm_policy,
-        return_gradients=setup.config.summarize_gradients)
+        return_gradients=setup.config.summarize_gradients,
+        accumulation_steps=setup.config.accumulation_steps)
   return towers_in_strategy.WorkerTowers(setup.workers, towers)
 
 
@@ -114,7 +126,8 @@ def _worker_mirrored(setup):
       setup.workers, model, setup.loss_fn, optimizer,
       return_gradients=setup.config.summarize_gradients,
       worker_index=setup.deploy_config.worker_index,
-      num_workers=setup.deploy_config.num_workers)
+      num_workers=setup.deploy_config.num_workers,
+      accumulation_steps=setup.config.accumulation_steps)
 
 
 def _check_workers(config, deploy_config):
@@ -192,6 +205,27 @@ PATHS = {
 NAMES = tuple(PATHS)
 
 
+_SHARES_PATHS = (TOWERS, distribute.MIRRORED)
+
+
+def _check_shares(config, deploy_config):
+  """Clone shares run on the towers and mirrored; 'auto' on the towers."""
+  if config.clone_shares is None:
+    return
+  if config.strategy not in _SHARES_PATHS or (
+      config.auto_shares and config.strategy != TOWERS):
+    raise errors.UnsupportedError(
+        f'clone_shares={config.clone_shares!r} is not available with '
+        f'strategy={config.strategy!r}; use --strategy=towers' + (
+            '.' if config.auto_shares else ' or mirrored.'))
+  if config.synchronized_batch_norm:
+    raise errors.UnsupportedError(
+        'clone_shares with synchronized BatchNorm is not supported: its '
+        'replicas all-reduce equal batches; drop --sync_batch_norm.')
+  if not config.auto_shares:
+    trainer.check_shares(config.clone_shares, deploy_config.num_clones)
+
+
 def get(name):
   """The `Path` of strategy `name`; raises `ConfigError` for others."""
   errors.check_choice('strategy', name, NAMES)
@@ -211,6 +245,11 @@ def check(config, deploy_config):
         f'micro-batches (num_stages={deploy_config.num_stages}, '
         f'num_microbatches={config.num_microbatches}) run on '
         f'--strategy={TOWERS}.')
+  _check_shares(config, deploy_config)
+  if config.accumulation_steps > 1 and config.synchronized_batch_norm:
+    raise errors.UnsupportedError(
+        'accumulation_steps with synchronized BatchNorm is not supported: '
+        'drop --sync_batch_norm or --accumulation_steps.')
   if config.xla and not path.xla:
     raise errors.ConfigError(
         f'xla=True works with the towers only, not strategy='

@@ -30,17 +30,21 @@ from tfmulti import summaries
 
 
 def global_batch_size(config, deploy_config):
-  """Rows of one step of the whole job: every clone of every worker."""
+  """Rows of one step (one update) of the whole job: every clone of every
+  worker, every accumulation micro-step."""
   return (config.batch_size * deploy_config.num_clones *
-          deploy_config.num_workers)
+          deploy_config.num_workers * config.accumulation_steps)
 
 
 def _log_deployment(config, deploy_config, path):
-  logging.info('batch_size %d per clone x %d clones x %d workers = global '
-               'batch %d; the clones run on %s', config.batch_size,
-               deploy_config.num_clones, deploy_config.num_workers,
+  logging.info('batch_size %d per clone x %d clones x %d workers x %d '
+               'accumulation steps = global batch %d; the clones run on %s',
+               config.batch_size, deploy_config.num_clones,
+               deploy_config.num_workers, config.accumulation_steps,
                global_batch_size(config, deploy_config),
                deploy_config.clone_devices())
+  if config.clone_shares:
+    logging.info('clone shares: %s', config.clone_shares)
   if config.strategy == strategies.TOWERS:
     logging.info('towers: variables and optimizer slots on %s; batch split '
                  'on %s; gradients summed and applied on %s',
