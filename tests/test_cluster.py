@@ -167,6 +167,25 @@ def test_two_workers_train_like_one_process(tmp_path, digits_dir, run_train,
     assert (metrics['resumed_from_step'], metrics['steps']) == (3, 5)
 
 
+def test_two_workers_accumulate_like_one_process(tmp_path, digits_dir,
+                                                 run_train):
+  """2 workers x 2 clones x 2 micro-steps = one process with 4 clones x 2
+  micro-steps: one all-reduce an update, after both micro-steps."""
+  reference = run_train(model_dir=str(tmp_path / 'one'), num_clones=4,
+                        batch_size=4, train_steps=3, optimizer='momentum',
+                        learning_rate=0.05, accumulation_steps=2)
+  model_dir = tmp_path / 'job'
+  _run_job(model_dir, digits_dir, tmp_path, '--strategy=multi_worker',
+           '--num_clones=2', '--accumulation_steps=2', '--train_steps=3')
+  metrics = json.loads((model_dir / 'metrics.json').read_text())
+  assert metrics['global_batch_size'] == 32 and metrics['steps'] == 3
+  got, want = (checkpoint_tensors(metrics['checkpoint']),
+               checkpoint_tensors(reference['checkpoint']))
+  for key, value in want.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+
+
 def test_a_worker_without_its_peer_fails_with_the_address(tmp_path,
                                                           digits_dir):
   ports = _free_ports(2)

@@ -10,7 +10,8 @@ from tfmulti import distribute
 from tfmulti import errors
 from tfmulti import pipeline
 from tfmulti import trainer
-from tests.helpers import make_batch, make_deployed, make_loss, mlp, weights
+from tests.helpers import (checkpoint_tensors, make_batch, make_deployed,
+                           make_loss, mlp, weights)
 
 OPTIMIZERS = {
     'sgd': lambda: keras.optimizers.SGD(0.1),
@@ -219,3 +220,79 @@ class TestClearErrors:
     towers = _towers(2, accumulation_steps=3)
     with pytest.raises(errors.ConfigError, match='accumulation_steps=3'):
       towers.train_step(*make_batch(8))
+
+
+def _final(metrics):
+  return checkpoint_tensors(metrics['checkpoint'])
+
+
+def _assert_same_checkpoints(got, want):
+  assert got.keys() == want.keys()
+  for key, value in want.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+
+
+def test_train_py_shares_equal_one_device_on_towers_and_mirrored(run_train,
+                                                                 caplog):
+  common = dict(optimizer='momentum', learning_rate=0.05, train_steps=3)
+  one = _final(run_train(strategy='single', num_clones=1, batch_size=8,
+                         **common))
+  for strategy in ('towers', 'mirrored'):
+    with caplog.at_level('INFO', logger='absl'):
+      metrics = run_train(strategy=strategy, num_clones=2, batch_size=4,
+                          clone_shares=['3', '1'], **common)
+    assert 'clone shares: (3, 1)' in caplog.text
+    assert metrics['global_batch_size'] == 8
+    _assert_same_checkpoints(_final(metrics), one)
+
+
+def test_train_py_auto_shares_balance_and_train(run_train, caplog):
+  with caplog.at_level('INFO', logger='absl'):
+    metrics = run_train(num_clones=2, batch_size=8, clone_shares=['auto'],
+                        rebalance_every_steps=2, train_steps=3)
+  assert metrics['steps'] == 3
+  assert 'clone shares ' in caplog.text and 'predicted step' in caplog.text
+
+
+def test_train_py_accumulation_equals_the_bigger_batch(run_train):
+  common = dict(optimizer='adam', num_clones=2, train_steps=3)
+  accumulated = run_train(batch_size=4, accumulation_steps=2, **common)
+  assert accumulated['global_batch_size'] == 16  # Rows of one update.
+  assert accumulated['steps'] == 3  # Steps count updates.
+  bigger = run_train(batch_size=8, **common)
+  _assert_same_checkpoints(_final(accumulated), _final(bigger))
+
+
+def test_train_py_accumulation_resumes_exactly(run_train, tmp_path):
+  common = dict(optimizer='momentum', learning_rate=0.05, num_clones=2,
+                batch_size=4, accumulation_steps=2)
+  model_dir = str(tmp_path / 'resumed')
+  run_train(model_dir=model_dir, train_steps=2, **common)
+  resumed = run_train(model_dir=model_dir, train_steps=4, **common)
+  assert (resumed['resumed_from_step'], resumed['steps']) == (2, 4)
+  whole = run_train(model_dir=str(tmp_path / 'whole'), train_steps=4,
+                    **common)
+  _assert_same_checkpoints(_final(resumed), _final(whole))
+
+
+@pytest.mark.parametrize('values, message', [
+    (dict(clone_shares=['1', '2', '3']),
+     r'clone_shares=1,2,3: give one share per clone \(num_clones=2\)'),
+    (dict(clone_shares=['0', '1']), 'clone_shares=0,1: every share must'),
+    (dict(clone_shares=['a', 'b']), '--clone_shares=a,b: give numbers'),
+    (dict(clone_shares=['3', '1'], strategy='central_storage'),
+     "clone_shares=.* is not available with strategy='central_storage'; "
+     'use --strategy=towers or mirrored'),
+    (dict(clone_shares=['auto'], strategy='mirrored'),
+     "clone_shares='auto' is not available with strategy='mirrored'; use "
+     '--strategy=towers.'),
+    (dict(accumulation_steps=0), 'accumulation_steps=0: must be an integer'),
+    (dict(rebalance_every_steps=0), 'rebalance_every_steps=0: must be'),
+])
+def test_bad_share_and_accumulation_flags_stop_with_one_line(run_train,
+                                                             tmp_path, values,
+                                                             message):
+  with pytest.raises(SystemExit, match=message):
+    run_train(model_dir=str(tmp_path / 'run'), num_clones=2, **values)
+  assert not (tmp_path / 'run').exists()

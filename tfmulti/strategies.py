@@ -126,8 +126,7 @@ def _worker_mirrored(setup):
       setup.workers, model, setup.loss_fn, optimizer,
       return_gradients=setup.config.summarize_gradients,
       worker_index=setup.deploy_config.worker_index,
-      num_workers=setup.deploy_config.num_workers,
-      accumulation_steps=setup.config.accumulation_steps)
+      num_workers=setup.deploy_config.num_workers)
 
 
 def _check_workers(config, deploy_config):
@@ -144,6 +143,11 @@ def _check_workers(config, deploy_config):
 
 def _check_worker_mirrored(config, deploy_config):
   _check_workers(config, deploy_config)
+  if config.accumulation_steps > 1:
+    raise errors.UnsupportedError(
+        f'accumulation_steps={config.accumulation_steps} is not available '
+        f'with strategy={MULTI_WORKER_MIRRORED!r}; use --strategy='
+        f'{MULTI_WORKER} (the towers on every worker).')
   if deploy_config.clone_on_cpu and deploy_config.num_clones != 1:
     raise errors.ConfigError(
         f'num_clones={deploy_config.num_clones}: multi_worker_mirrored on '
