@@ -70,7 +70,7 @@ def test_a_new_split_retraces_once_and_stays_exact():
 def test_clone_throughputs_are_measured_on_every_clone():
   towers = make_deployed(deploy.DeploymentConfig(num_clones=2,
                                                  clone_on_cpu=True))
-  speeds = towers.clone_throughputs(*make_batch(8))
+  speeds = balance.clone_throughputs(towers, *make_batch(8))
   assert len(speeds) == 2 and all(s > 0 for s in speeds)
   assert towers.trace_count == 0  # Measuring never traces the step.
 

@@ -92,14 +92,14 @@ def _rate(towers, images, labels, steps):
 def run(model_name='lenet', batch_size=64, slowdown=3.0, rounds=5, steps=10):
   """The report: solo throughputs, ideal, even and balanced splits."""
   towers, extra, images, labels = _towers(model_name, batch_size)
-  base = towers.clone_throughputs(images, labels)  # No extra work yet.
+  base = balance.clone_throughputs(towers, images, labels)  # No extra yet.
   extra.seconds_per_row = (slowdown - 1) / base[0]
-  solo = towers.clone_throughputs(images, labels)
+  solo = balance.clone_throughputs(towers, images, labels)
   balanced = balance.Balanced(towers, every_steps=10**9)
   auto_shares = balanced.rebalance(images, labels)
   splits = {'even': None, 'auto': auto_shares}
   rates = {name: [] for name in splits}
-  for name, shares in splits.items():  # Traces each split once.
+  for shares in splits.values():  # Traces each split once.
     towers.clone_shares = shares
     _rate(towers, images, labels, 2)
   for round_index in range(rounds):

@@ -34,29 +34,21 @@ import collections
 import contextlib
 import functools
 
-import keras
 import tensorflow as tf
 
-from tfmulti import balance
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import towers_in_strategy
 from tfmulti import trainer
+# The BatchNorm policies, where slim users look for them: deploy.BN_*.
+from tfmulti.batch_norm import (  # noqa: F401
+    BATCH_NORM_POLICIES, BN_CLONE_0, BN_FULL_BATCH, BN_MEAN,
+    combine_non_trainable, moments_of)
 from tfmulti.pipeline import check_pipeline_options, Pipeline, PipelineConfig
 # Slim's config, where its users look for it: deploy.DeploymentConfig.
 from tfmulti.placement import DeploymentConfig  # noqa: F401
 # The loss rules every path shares, also reachable as deploy.<name>.
 from tfmulti.trainer import mean_loss, shard_loss  # noqa: F401
-
-# Batch-norm moving statistics: which clones' values are kept each step.
-BN_CLONE_0 = 'clone_0'  # slim's rule, and what MirroredStrategy reads back.
-BN_MEAN = 'mean'  # The mean over clones, weighted by rows (non-float
-# state: clone 0's).
-# The mean, with each BatchNorm moving variance corrected by the spread of
-# the pieces' means: exactly one update from the whole batch's statistics.
-BN_FULL_BATCH = 'full_batch'
-BATCH_NORM_POLICIES = (BN_CLONE_0, BN_MEAN, BN_FULL_BATCH)
-
 
 # A clone's share of one step (slim: Clone(outputs, scope, device)).
 # `loss` is the clone's part of the total loss (its mean loss weighted by
@@ -223,50 +215,6 @@ def optimize_clones(clones, variables):
   return total_loss, grads_and_vars
 
 
-def batch_norm_moments(model):
-  """[(mean index, variance index, momentum)] of the model's BatchNorm
-  layers' moving statistics in `model.non_trainable_variables`."""
-  where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
-  return [(where[id(layer.moving_mean)], where[id(layer.moving_variance)],
-           layer.momentum)
-          for layer in model._flatten_layers()
-          if isinstance(layer, keras.layers.BatchNormalization)
-          and id(layer.moving_mean) in where]
-
-
-def combine_non_trainable(clones, policy, moments=()):
-  """The non-trainable values to keep after a step, under `policy`.
-
-  Each clone brings one piece of rows, or one a micro-batch. `clone_0`
-  keeps clone 0's first piece; `mean` the row-weighted mean of the pieces;
-  `full_batch` also adds to each BatchNorm moving variance the spread of
-  the pieces' batch means, so the update equals one from the whole batch's
-  mean and (biased) variance. `moments` is `batch_norm_moments(model)`.
-  """
-  pieces = [piece for clone in clones for piece in clone.non_trainable]
-  if policy == BN_CLONE_0:
-    return list(pieces[0][1])
-  total = sum(rows for rows, _ in pieces)
-  weights = [rows / total for rows, _ in pieces]
-  combined = []
-  for values in zip(*(values for _, values in pieces)):
-    if values[0].dtype.is_floating:
-      combined.append(tf.add_n([w * v for w, v in zip(weights, values)]))
-    else:  # Random-generator state and counters are not averaged.
-      combined.append(values[0])
-  if policy == BN_FULL_BATCH:
-    for mean_index, variance_index, momentum in moments:
-      # A piece's new moving mean is m * momentum + mean_p * (1 - momentum),
-      # so mean_p - mean = (new_p - new) / (1 - momentum), and the whole
-      # batch's variance is the pieces' mean variance plus the weighted
-      # variance of their means.
-      spread = tf.add_n([
-          w * tf.square(values[mean_index] - combined[mean_index])
-          for w, (_, values) in zip(weights, pieces)])
-      combined[variance_index] += spread / (1.0 - momentum)
-  return combined
-
-
 class DeployedModel(trainer.Trainer):
   """A model deployed over clones, with its compiled training step.
 
@@ -294,7 +242,7 @@ class DeployedModel(trainer.Trainer):
     self.pipeline = pipeline
     self.clone_shares = clone_shares
     self.accumulation_steps = accumulation_steps
-    self._moments = batch_norm_moments(model)
+    self._moments = moments_of(model)
     self._probes = {}  # Clone index -> its timing function.
     self._step = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
@@ -407,18 +355,13 @@ class DeployedModel(trainer.Trainer):
       return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
                               if g is not None])
 
-  def clone_throughputs(self, images, labels):
-    """Each clone's rows a second alone, on an equal share of a micro-step
-    of this batch (for `balance.Balanced`)."""
-    rows = images.shape[0] // self.accumulation_steps // self.config.num_clones
-    images, labels = images[:rows], labels[:rows]
-    speeds = []
-    for i in range(self.config.num_clones):
-      if i not in self._probes:
-        self._probes[i] = tf.function(functools.partial(self._probe_graph, i))
-      run = functools.partial(self._probes[i], images, labels)
-      speeds.append(rows / balance.time_clone(lambda run=run: float(run())))
-    return speeds
+  def probe(self, clone_index):
+    """A `tf.function(images, labels)` of clone `clone_index` alone, for
+    timing it (`balance.clone_throughputs`)."""
+    if clone_index not in self._probes:
+      self._probes[clone_index] = tf.function(
+          functools.partial(self._probe_graph, clone_index))
+    return self._probes[clone_index]
 
   def _predict_graph(self, images):
     rows, n = images.shape[0], self.config.num_clones
