@@ -244,6 +244,7 @@ def test_train_py_shares_equal_one_device_on_towers_and_mirrored(run_train,
                           clone_shares=['3', '1'], **common)
     assert 'clone shares: (3, 1)' in caplog.text
     assert metrics['global_batch_size'] == 8
+    assert metrics['clone_shares'] == [3, 1]
     _assert_same_checkpoints(_final(metrics), one)
 
 
@@ -253,6 +254,7 @@ def test_train_py_auto_shares_balance_and_train(run_train, caplog):
                         rebalance_every_steps=2, train_steps=3)
   assert metrics['steps'] == 3
   assert 'clone shares ' in caplog.text and 'predicted step' in caplog.text
+  assert sum(metrics['clone_shares']) == 16  # Measured, out of 16.
 
 
 def test_train_py_accumulation_equals_the_bigger_batch(run_train):
@@ -260,6 +262,7 @@ def test_train_py_accumulation_equals_the_bigger_batch(run_train):
   accumulated = run_train(batch_size=4, accumulation_steps=2, **common)
   assert accumulated['global_batch_size'] == 16  # Rows of one update.
   assert accumulated['steps'] == 3  # Steps count updates.
+  assert accumulated['accumulation_steps'] == 2
   bigger = run_train(batch_size=8, **common)
   _assert_same_checkpoints(_final(accumulated), _final(bigger))
 

@@ -53,6 +53,10 @@ def collect(config, deploy_config, run, outcome, restored, started):
       'global_batch_size': run.global_batch_size,
       'variables_device': deploy_config.variables_device(),
       'clone_devices': deploy_config.clone_devices(),
+      'num_stages': deploy_config.num_stages,
+      'num_microbatches': config.num_microbatches,
+      'accumulation_steps': config.accumulation_steps,
+      'clone_shares': _shares(run.trainer),
       'model': config.model,
       'dataset': config.dataset,
       'optimizer': config.optimizer,
@@ -64,6 +68,12 @@ def collect(config, deploy_config, run, outcome, restored, started):
       'seed': config.seed,
       'checkpoint': run.checkpointer.latest,
   }
+
+
+def _shares(trainer):
+  """The clones' shares at the end (measured ones with 'auto'), or None."""
+  shares = getattr(getattr(trainer, 'towers', trainer), 'clone_shares', None)
+  return list(shares) if shares else None
 
 
 def strict(metrics):
