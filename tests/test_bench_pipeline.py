@@ -38,7 +38,8 @@ def test_a_tiny_run_reports_every_design(tmp_path):
       rounds=2, clone_on_cpu=True)
   report = bench_pipeline.run(config)
   rows = {row['design']: row for row in report['rows']}
-  assert list(rows) == ['one_device', 'model_parallel', 'pipelined_2']
+  assert list(rows) == ['one_device', 'model_parallel', 'one_device_2',
+                        'pipelined_2']
   assert rows['one_device']['x_one_device'] == 1.0
   piped = rows['pipelined_2']
   assert piped['busy_predicted'] == pytest.approx(2 / 3)  # M / (M + K - 1).

@@ -10,6 +10,9 @@ training code (`--strategy=towers` with `--num_stages` and
   one_device        one clone, one stage
   model_parallel    one clone in 2 stages, 1 micro-batch
   pipelined_M       one clone in 2 stages, M micro-batches
+  one_device_M      one stage, the rows in M micro-batches (M the smallest
+                    of the sweep): the control for what smaller batches
+                    alone change
 
 Each design is timed over `--rounds` interleaved rounds of 3 steps (the
 order rotates each round, so a noisy neighbour slows all alike); the report
@@ -38,6 +41,7 @@ from typing import Tuple
 
 import keras
 import tensorflow as tf
+from absl import logging
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from tfmulti import bench
@@ -126,6 +130,10 @@ def designs(config):
   """{name: (trainer, images, labels)}, each traced and run once."""
   built = {'one_device': _design(config, 1, 1),
            'model_parallel': _design(config, NUM_STAGES, 1)}
+  # The control: one device, its rows in the smallest sweep's micro-batches
+  # (what smaller batches alone change, without a second stage).
+  smallest = min(config.microbatches)
+  built[f'one_device_{smallest}'] = _design(config, 1, smallest)
   for count in config.microbatches:
     built[f'pipelined_{count}'] = _design(config, NUM_STAGES, count)
   return built
@@ -138,6 +146,7 @@ def time_designs(built, rounds):
     start = time.perf_counter()
     _three_batches(design)  # Traces, then warms up.
     first[name] = time.perf_counter() - start
+    logging.info('%s: traced and warmed up in %.1f s', name, first[name])
   seconds = {name: [] for name in built}
   names = list(built)
   for round_index in range(rounds):
@@ -146,6 +155,7 @@ def time_designs(built, rounds):
       start = time.perf_counter()
       _three_batches(built[name])
       seconds[name].append(time.perf_counter() - start)
+    logging.info('round %d of %d done', round_index + 1, rounds)
   retraced = [name for name, (towers, _, _) in built.items()
               if towers.trace_count != 1]
   if retraced:
@@ -253,16 +263,16 @@ def write_chart(report, path):
   import matplotlib
   matplotlib.use('Agg')
   from matplotlib import pyplot
-  rows = {row['design']: row for row in report['rows']}
   piped = [row for row in report['rows'] if 'microbatches' in row]
   figure, axes = pyplot.subplots(figsize=(6, 3.8))
   axes.errorbar([r['microbatches'] for r in piped],
                 [r['seconds_mean'] for r in piped],
                 yerr=[r['seconds_stdev'] for r in piped], fmt='o-',
                 capsize=3, label='pipelined (2 stages)')
-  for name, style in (('one_device', '--'), ('model_parallel', ':')):
-    axes.axhline(rows[name]['seconds_mean'], linestyle=style, color='grey',
-                 label=name.replace('_', ' '))
+  flat = [row for row in report['rows'] if 'microbatches' not in row]
+  for row, style in zip(flat, ('--', ':', '-.')):
+    axes.axhline(row['seconds_mean'], linestyle=style, color='grey',
+                 label=row['design'].replace('_', ' '))
   config = report['config']
   axes.set(xlabel='micro-batches', ylabel='seconds per 3 batches',
            title=f"{config['model']}, {config['batch_size']} images of "

@@ -249,8 +249,9 @@ class Pipeline:
     """One clone's forward and backward passes over its stages.
 
     Same arguments and results as `deploy._clone_step`, with `devices` the
-    clone's stage devices; the new non-trainable values are a list of
-    (rows, values) a micro-batch, for `deploy.combine_non_trainable`.
+    clone's stage devices; the new non-trainable values come as a list,
+    one a micro-batch (of `microbatch_rows` rows), for
+    `batch_norm.combine_non_trainable`.
     """
     sizes = self.microbatch_rows(images.shape[0])
     with tf.device(devices[0]):
