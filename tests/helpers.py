@@ -72,3 +72,22 @@ def scalars(model_dir):
         found.setdefault(value.tag, {})[event.step] = tf.make_ndarray(
             value.tensor)
   return found
+
+
+def assert_same_steps(run, reference, rows, steps=2):
+  """`steps` steps of `run` and `reference` on the same batches of `rows`
+  give the same losses and gradients (in variable order), and weights."""
+  for step in range(steps):
+    images, labels = make_batch(rows, seed=step)
+    want = reference.train_step_outputs(images, labels)
+    got = run.train_step_outputs(images, labels)
+    np.testing.assert_allclose(got.total, want.total, atol=1e-5)
+    np.testing.assert_allclose(got.regularization, want.regularization,
+                               atol=1e-6)
+    # The same variables in the same order (their paths differ by model).
+    assert len(got.gradients) == len(want.gradients)
+    for path, mine, theirs in zip(want.gradients, got.gradients.values(),
+                                  want.gradients.values()):
+      np.testing.assert_allclose(mine, theirs, atol=1e-5, err_msg=path)
+  for got, want in zip(weights(run.model), weights(reference.model)):
+    np.testing.assert_allclose(got, want, atol=1e-5)

@@ -14,7 +14,8 @@ from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import partition
 from tfmulti import pipeline
-from tests.helpers import L2, REPO, make_batch, make_deployed, weights
+from tests.helpers import (L2, REPO, assert_same_steps, make_batch,
+                           make_deployed)
 
 
 def skip_mlp(seed=0):
@@ -43,19 +44,7 @@ def _assert_same_steps(deployed, steps=3, rows=8):
   """Every step's loss and gradients, and the weights, equal one device's."""
   reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
                             skip_mlp, return_gradients=True)
-  for step in range(steps):
-    images, labels = make_batch(rows, seed=step)
-    want = reference.train_step_outputs(images, labels)
-    got = deployed.train_step_outputs(images, labels)
-    np.testing.assert_allclose(got.total, want.total, atol=1e-5)
-    np.testing.assert_allclose(got.regularization, want.regularization,
-                               atol=1e-6)
-    assert set(got.gradients) == set(want.gradients)
-    for path, gradient in want.gradients.items():
-      np.testing.assert_allclose(got.gradients[path], gradient, atol=1e-5,
-                                 err_msg=path)
-  for got, want in zip(weights(deployed.model), weights(reference.model)):
-    np.testing.assert_allclose(got, want, atol=1e-5)
+  assert_same_steps(deployed, reference, rows, steps)
 
 
 @pytest.mark.parametrize('num_stages,num_microbatches',

@@ -10,8 +10,8 @@ from tfmulti import distribute
 from tfmulti import errors
 from tfmulti import pipeline
 from tfmulti import trainer
-from tests.helpers import (checkpoint_tensors, make_batch, make_deployed,
-                           make_loss, mlp, weights)
+from tests.helpers import (assert_same_steps, checkpoint_tensors,
+                           make_batch, make_deployed, make_loss, mlp, weights)
 
 OPTIMIZERS = {
     'sgd': lambda: keras.optimizers.SGD(0.1),
@@ -41,23 +41,6 @@ def _towers(num_clones, optimizer='momentum', **kwargs):
                        return_gradients=True, **kwargs)
 
 
-def _assert_equal_steps(run, reference, rows, steps=2):
-  for step in range(steps):
-    images, labels = make_batch(rows, seed=step)
-    want = reference.train_step_outputs(images, labels)
-    got = run.train_step_outputs(images, labels)
-    np.testing.assert_allclose(got.total, want.total, atol=1e-5)
-    np.testing.assert_allclose(got.regularization, want.regularization,
-                               atol=1e-6)
-    # The same variables in the same order (their paths differ by model).
-    assert len(got.gradients) == len(want.gradients)
-    for path, mine, theirs in zip(want.gradients, got.gradients.values(),
-                                  want.gradients.values()):
-      np.testing.assert_allclose(mine, theirs, atol=1e-5, err_msg=path)
-  for got, want in zip(weights(run.model), weights(reference.model)):
-    np.testing.assert_allclose(got, want, atol=1e-5)
-
-
 def test_split_rows_by_largest_remainder():
   assert trainer.split_rows(8, [3, 1]) == [6, 2]
   assert trainer.split_rows(8, [5, 3]) == [5, 3]
@@ -70,13 +53,13 @@ def test_split_rows_by_largest_remainder():
                                          ((1, 1, 2), 10)])
 def test_shares_on_the_towers_equal_one_device(shares, rows):
   towers = _towers(len(shares), clone_shares=shares)
-  _assert_equal_steps(towers, _reference(), rows)
+  assert_same_steps(towers, _reference(), rows)
 
 
 @pytest.mark.parametrize('shares,rows', [((3, 1), 8), ((1, 1, 2), 10)])
 def test_shares_on_mirrored_equal_one_device(shares, rows):
   mirrored = _mirrored(len(shares), clone_shares=shares)
-  _assert_equal_steps(mirrored, _reference(), rows)
+  assert_same_steps(mirrored, _reference(), rows)
 
 
 def test_clones_are_weighted_by_rows_not_equally():
@@ -124,13 +107,13 @@ def test_mean_batch_norm_policy_weights_clones_by_rows():
 @pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
 def test_accumulation_on_the_towers_equals_one_device_on_k_batches(optimizer):
   towers = _towers(2, optimizer, accumulation_steps=3)
-  _assert_equal_steps(towers, _reference(optimizer), rows=12)
+  assert_same_steps(towers, _reference(optimizer), rows=12)
 
 
 @pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
 def test_accumulation_on_mirrored_equals_one_device_on_k_batches(optimizer):
   mirrored = _mirrored(2, optimizer, accumulation_steps=2)
-  _assert_equal_steps(mirrored, _reference(optimizer), rows=8)
+  assert_same_steps(mirrored, _reference(optimizer), rows=8)
   # The distributed dataset's elements hold each replica's micro-steps.
   images, labels = make_batch(8, seed=5)
   element = next(iter(mirrored.distribute_dataset(
@@ -150,7 +133,7 @@ def test_shares_accumulation_and_stages_compose():
       config, return_gradients=True, clone_shares=(3, 1),
       accumulation_steps=2,
       pipeline=pipeline.PipelineConfig(num_microbatches=2))
-  _assert_equal_steps(composed, _reference(), rows=16)
+  assert_same_steps(composed, _reference(), rows=16)
 
 
 def test_accumulators_live_on_the_variables_device_in_a_loop():

@@ -200,6 +200,14 @@ def run(config):
   return report
 
 
+def emit(report, text, output=None):
+  """Prints a benchmark's `text` table; writes `report` as JSON to `output`."""
+  print(text)
+  if output:
+    with open(output, 'w') as f:
+      json.dump(report, f, indent=2)
+
+
 def format_report(report):
   """The report as text tables (what the command prints)."""
   comparison = report['comparison']
@@ -304,10 +312,7 @@ def main(argv=None):
   except errors.UserError as e:
     sys.exit(f'tfmulti.bench: error: {e}')
   report = run(config)
-  print(format_report(report))
-  if args.output:
-    with open(args.output, 'w') as f:
-      json.dump(report, f, indent=2)
+  emit(report, format_report(report), args.output)
   if args.chart:
     write_chart(report['sweep'], args.chart)
 

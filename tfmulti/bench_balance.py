@@ -15,7 +15,6 @@ It then reports, side by side in one process (rounds interleaved):
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -166,10 +165,7 @@ def main(argv=None):
     sys.exit(f'tfmulti.bench_balance: error: {e}')
   report = run(args.model, args.batch_size, args.slowdown, args.rounds,
                args.steps)
-  print(format_report(report))
-  if args.output:
-    with open(args.output, 'w') as f:
-      json.dump(report, f, indent=2)
+  bench.emit(report, format_report(report), args.output)
 
 
 if __name__ == '__main__':

@@ -30,7 +30,6 @@ BENCHMARKS.md show the overlap.
 import argparse
 import dataclasses
 import glob
-import json
 import os
 import re
 import statistics
@@ -330,10 +329,7 @@ def main(argv=None):
   except errors.UserError as e:
     sys.exit(f'tfmulti.bench_pipeline: error: {e}')
   report = run(config)
-  print(format_report(report))
-  if args.output:
-    with open(args.output, 'w') as f:
-      json.dump(report, f, indent=2)
+  bench.emit(report, format_report(report), args.output)
   if args.chart:
     write_chart(report, args.chart)
 

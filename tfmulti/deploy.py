@@ -9,6 +9,12 @@ rows evenly over the clones, runs each clone's forward pass, loss and
 gradient on its own device, sums the gradients on the optimizer device and
 applies them once. The result equals one device training on the whole batch.
 
+Three options keep that equality: `clone_shares` splits the rows unevenly
+(for unequal devices; `balance` measures and sets them), `pipeline` cuts
+each clone into stages on `DeploymentConfig.num_stages` devices fed with
+micro-batches (`tfmulti.pipeline`), and `accumulation_steps` sums several
+micro-steps into one update (`trainer.sum_microsteps`).
+
 How this differs from slim (graph-mode TF 1):
   * `create_clones` records each clone under its own `tf.GradientTape` and
     computes that clone's gradient on its device at once; slim built only

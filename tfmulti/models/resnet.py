@@ -14,6 +14,13 @@ from tfmulti import errors
 _BATCH_NORM_MOMENTUM = 0.9
 
 
+def _batch_norm(synchronized, **options):
+  """A BatchNormalization factory with the momentum above."""
+  return functools.partial(layers.BatchNormalization,
+                           momentum=_BATCH_NORM_MOMENTUM,
+                           synchronized=synchronized, **options)
+
+
 def _d2l_residual(x, filters, strides, use_1x1conv, batch_norm):
   """D2L's residual block: two 3x3 convs (with bias) and BN; 1x1 shortcut."""
   y = layers.Conv2D(filters, 3, strides=strides, padding='same')(x)
@@ -39,9 +46,7 @@ def resnet18(input_shape, num_classes, *, synchronized_batch_norm=False):
   Returns:
     A functional `keras.Model` mapping images to logits.
   """
-  batch_norm = functools.partial(layers.BatchNormalization,
-                                 momentum=_BATCH_NORM_MOMENTUM,
-                                 synchronized=synchronized_batch_norm)
+  batch_norm = _batch_norm(synchronized_batch_norm)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(64, 3, padding='same')(inputs)
   x = layers.ReLU()(batch_norm()(x))
@@ -107,9 +112,7 @@ def cifar_resnet(input_shape, num_classes, *, depth=20, width=16,
     raise errors.ConfigError(f'depth={depth}: a CIFAR ResNet has 6n + 2 layers '
                      '(8, 20, 32, ...).')
   regularizer = keras.regularizers.L2(weight_decay) if weight_decay else None
-  batch_norm = functools.partial(layers.BatchNormalization,
-                                 momentum=_BATCH_NORM_MOMENTUM,
-                                 synchronized=synchronized_batch_norm)
+  batch_norm = _batch_norm(synchronized_batch_norm)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(width, 3, padding='same', use_bias=False,
                     kernel_initializer='he_normal',
@@ -167,9 +170,7 @@ def resnet50(input_shape, num_classes, *, synchronized_batch_norm=False):
   Returns:
     A functional `keras.Model` mapping images to logits.
   """
-  batch_norm = functools.partial(layers.BatchNormalization,
-                                 momentum=_BATCH_NORM_MOMENTUM, epsilon=1e-5,
-                                 synchronized=synchronized_batch_norm)
+  batch_norm = _batch_norm(synchronized_batch_norm, epsilon=1e-5)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(64, 7, strides=2, padding='same', use_bias=False,
                     name='stem_conv')(inputs)
