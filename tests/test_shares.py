@@ -194,6 +194,14 @@ class TestClearErrors:
       towers.train_step(*make_batch(8))
     assert int(towers.optimizer.iterations) == 0
 
+  def test_lockstep_clones_refuse_shares_and_accumulation(self):
+    config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+    lockstep = distribute.make_strategy(distribute.MIRRORED, config)
+    for options in (dict(clone_shares=(3, 1)), dict(accumulation_steps=2)):
+      with pytest.raises(errors.UnsupportedError,
+                         match='not supported with synchronized BatchNorm'):
+        make_deployed(config, lockstep=lockstep, **options)
+
   def test_accumulation_of_zero(self):
     with pytest.raises(errors.ConfigError,
                        match='accumulation_steps=0: must be an integer >= 1'):
@@ -275,6 +283,11 @@ def test_train_py_accumulation_resumes_exactly(run_train, tmp_path):
      '--strategy=towers.'),
     (dict(accumulation_steps=0), 'accumulation_steps=0: must be an integer'),
     (dict(rebalance_every_steps=0), 'rebalance_every_steps=0: must be'),
+    (dict(model='resnet8_thin', sync_batch_norm=True, accumulation_steps=2),
+     'accumulation_steps with synchronized BatchNorm is not supported'),
+    (dict(model='resnet8_thin', sync_batch_norm=True,
+          clone_shares=['3', '1']),
+     'clone_shares with synchronized BatchNorm is not supported'),
 ])
 def test_bad_share_and_accumulation_flags_stop_with_one_line(run_train,
                                                              tmp_path, values,

@@ -445,10 +445,10 @@ def deploy(config, model, loss_fn, optimizer, *,
                       BATCH_NORM_POLICIES)
   trainer.check_shares(clone_shares, config.num_clones)
   errors.check_count('accumulation_steps', accumulation_steps, 1)
-  if accumulation_steps > 1 and lockstep is not None:
+  if lockstep is not None and (accumulation_steps > 1 or clone_shares):
     raise errors.UnsupportedError(
-        'accumulation_steps with synchronized BatchNorm is not supported: '
-        'drop --sync_batch_norm or --accumulation_steps.')
+        'clone_shares and accumulation_steps are not supported with '
+        'synchronized BatchNorm (lockstep clones): drop one or the other.')
   if not model.built:
     raise errors.ConfigError(
         f'model {model.name!r} is not built; build a functional model '
