@@ -295,3 +295,32 @@ def test_bad_share_and_accumulation_flags_stop_with_one_line(run_train,
   with pytest.raises(SystemExit, match=message):
     run_train(model_dir=str(tmp_path / 'run'), num_clones=2, **values)
   assert not (tmp_path / 'run').exists()
+
+
+def _loop_and_update_ops(run):
+  """(loops, variable writes inside the step's loops, writes outside)."""
+  graph, = [f.graph for f in run._step._list_all_concrete_functions()]
+  inside, loops = [], 0
+  for op in graph.get_operations():
+    if op.type == 'While':
+      loops += 1
+      body = graph._functions[op.get_attr('body').name].definition
+      inside += [n.op for n in body.node_def if n.op.startswith('Assign')]
+  outside = [op.type for op in graph.get_operations()
+             if op.type.startswith('Assign')]
+  return loops, inside, outside
+
+
+# The towers loop once over their clones' micro-steps; mirrored replicas
+# each loop over their own.
+@pytest.mark.parametrize('make,num_loops', [(_towers, 1), (_mirrored, 2)])
+def test_the_update_and_its_all_reduce_run_once_after_the_micro_steps(
+    make, num_loops):
+  run = make(2, accumulation_steps=3)
+  run.train_step(*make_batch(12))
+  loops, inside, outside = _loop_and_update_ops(run)
+  assert loops == num_loops
+  # Keras all-reduces inside apply_gradients, which writes the variables:
+  # no write inside the micro-steps' loop means one all-reduce a step.
+  assert inside == []
+  assert len(outside) >= len(run.model.trainable_variables)
