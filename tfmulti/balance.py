@@ -6,12 +6,13 @@ wastes the fast ones. `Balanced` measures each clone's throughput alone
 proportion, and measures again every `every_steps` steps, so a device that
 slows down later gets fewer rows at the next measurement.
 
-Shares are whole numbers out of `BUCKETS` (3:1 is 12:4), so a
-re-measurement that moves a clone's speed a little keeps the split, and the
-step, which is traced once per distinct split, retraces a bounded number of
-times (at most the number of splits of BUCKETS, and in practice the few
-that the measurements visit; `Trainer.trace_count` counts them). Any split
-trains exactly as one device on the whole batch (`trainer.shard_loss`).
+Shares are whole numbers out of `BUCKETS` (3:1 is 12:4), and a new split
+is taken only when it predicts a step at least `MIN_GAIN` faster than the
+current split does under the same measurement, so noise does not move it.
+The step, traced once per distinct split, thus retraces a bounded number
+of times (at most the splits of BUCKETS, in practice one or two;
+`Trainer.trace_count` counts them). Any split trains exactly as one device
+on the whole batch (`trainer.shard_loss`).
 """
 
 import functools
@@ -23,6 +24,9 @@ from tfmulti import errors
 from tfmulti import trainer
 
 BUCKETS = 16  # Shares are integers summing to this.
+# A new split must predict a step this much faster than the current one's,
+# so measurement noise on equal devices does not move (and retrace) it.
+MIN_GAIN = 0.05
 
 
 def shares_for(throughputs, buckets=BUCKETS):
@@ -100,20 +104,22 @@ class Balanced(trainer.Trainer):
   def rebalance(self, images, labels):
     """Measures the clones and sets their shares; returns the shares."""
     throughputs = self.measure(images, labels)
-    shares = shares_for(throughputs)
     rows = images.shape[0] // self.towers.accumulation_steps
-    sizes = trainer.split_rows(rows, shares)
-    if shares != self.towers.clone_shares:
+    current = self.towers.clone_shares or [1] * len(throughputs)
+    now = predicted_step_seconds(trainer.split_rows(rows, current),
+                                 throughputs)
+    shares = shares_for(throughputs)
+    new = predicted_step_seconds(trainer.split_rows(rows, shares),
+                                 throughputs)
+    if self.towers.clone_shares is None or new < now * (1 - MIN_GAIN):
       logging.info(
-          'clone shares %s from %s rows/s; predicted step %.1f ms (even '
-          'split: %.1f ms)', '/'.join(map(str, shares)),
-          ', '.join(f'{t:.0f}' for t in throughputs),
-          1e3 * predicted_step_seconds(sizes, throughputs),
-          1e3 * predicted_step_seconds(
-              trainer.split_rows(rows, [1] * len(shares)), throughputs))
-    self.towers.clone_shares = shares
-    self.history.append((self._steps, shares, tuple(throughputs)))
-    return shares
+          'clone shares %s from %s rows/s; predicted step %.1f ms (the '
+          'split before: %.1f ms)', '/'.join(map(str, shares)),
+          ', '.join(f'{t:.0f}' for t in throughputs), 1e3 * new, 1e3 * now)
+      self.towers.clone_shares = shares
+    self.history.append((self._steps, self.towers.clone_shares,
+                         tuple(throughputs)))
+    return self.towers.clone_shares
 
   def train_step_outputs(self, images, labels):
     """Re-balances when due, then runs the towers' step."""
