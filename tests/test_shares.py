@@ -56,7 +56,8 @@ def test_shares_on_the_towers_equal_one_device(shares, rows):
   assert_same_steps(towers, _reference(), rows)
 
 
-@pytest.mark.parametrize('shares,rows', [((3, 1), 8), ((1, 1, 2), 10)])
+@pytest.mark.parametrize('shares,rows', [((3, 1), 8), ((5, 3), 8),
+                                         ((1, 1, 2), 10)])
 def test_shares_on_mirrored_equal_one_device(shares, rows):
   mirrored = _mirrored(len(shares), clone_shares=shares)
   assert_same_steps(mirrored, _reference(), rows)
