@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmulti import costs as costs_lib
 from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import partition
 from tfmulti import pipeline
 from tests.helpers import (L2, REPO, assert_same_steps, make_batch,
-                           make_deployed)
+                           make_deployed, weights)
 
 
 def skip_mlp(seed=0):
@@ -199,7 +200,7 @@ def test_partition_gives_a_faster_device_more_layers():
 
 def test_automatic_cut_balances_estimated_costs():
   # d1, d2 and d3 cost 6*8+8*8+8*8 multiply-adds; the cut falls after d2.
-  costs = dict(pipeline.layer_costs(skip_mlp()))
+  costs = dict(costs_lib.estimated_costs(skip_mlp()))
   assert costs['d1'] == 8 * (1 + 48 / 8) and costs['add'] == 8
   stages = _pipelined(2).pipeline.stages
   assert [s.first_layer for s in stages] == ['d1', 'd3']
@@ -286,3 +287,31 @@ def test_the_toy_example_equals_one_device():
   one_device = toy.train(deploy.DeploymentConfig(clone_on_cpu=True), steps=3)
   np.testing.assert_allclose(two_stages, one_device, atol=1e-6)
   assert two_stages[0] != two_stages[1]  # It trains: the loss moves.
+
+
+def test_measured_costs_time_every_layer_and_change_nothing():
+  config = deploy.DeploymentConfig(clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    x = keras.layers.BatchNormalization(name='bn')(inputs)
+    x = keras.layers.Dense(2048, name='wide')(x)
+    outputs = keras.layers.Dense(3, name='narrow')(
+        keras.layers.Dense(4, name='small')(x))
+    model = keras.Model(inputs, outputs)
+  before = weights(model)
+  measured = dict(costs_lib.measured_costs(model))
+  assert list(measured) == ['bn', 'wide', 'small', 'narrow']
+  assert all(seconds > 0 for seconds in measured.values())
+  # 6x2048 multiply-adds against 4x3: the wide layer is measured slower.
+  assert measured['wide'] > measured['narrow']
+  for got, want in zip(weights(model), before):  # BatchNorm kept its state.
+    np.testing.assert_array_equal(got, want)
+  cut = pipeline.Pipeline(model, 2, pipeline.PipelineConfig(
+      layer_costs=costs_lib.MEASURED))
+  assert len(cut.stages) == 2
+
+
+def test_unknown_layer_costs():
+  with pytest.raises(errors.ConfigError, match="layer_costs='guessed'"):
+    pipeline.PipelineConfig(layer_costs='guessed')

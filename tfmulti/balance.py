@@ -47,7 +47,7 @@ def predicted_step_seconds(rows, throughputs):
   return max(r / t for r, t in zip(rows, throughputs))
 
 
-def time_clone(run, repeats=3):
+def median_seconds(run, repeats=3):
   """The median seconds of `run()` (which waits for its result)."""
   run()  # Traces the first time; warms caches after that.
   seconds = []
@@ -67,7 +67,7 @@ def clone_throughputs(towers, images, labels):
   speeds = []
   for i in range(towers.config.num_clones):
     probe = towers.probe(i)
-    speeds.append(rows / time_clone(
+    speeds.append(rows / median_seconds(
         lambda probe=probe: float(probe(images, labels))))
   return speeds
 

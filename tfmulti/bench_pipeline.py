@@ -46,6 +46,7 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 from tfmulti import bench
 from tfmulti import build
 from tfmulti import config as config_lib
+from tfmulti import costs
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
@@ -69,7 +70,8 @@ class PipelineBenchConfig:
     rounds: timed rounds (mean and spread are over them).
     clone_on_cpu: stages on logical CPUs instead of GPUs.
     boundaries: the first layer of stage 1; None to cut where the
-      estimated costs balance.
+      `stage_costs` balance.
+    stage_costs: 'estimated' or 'measured' layer costs (`costs`).
   """
   model: str = 'resnet50'
   image_size: int = 128
@@ -78,6 +80,7 @@ class PipelineBenchConfig:
   rounds: int = 5
   clone_on_cpu: bool = False
   boundaries: Tuple[str, ...] = None
+  stage_costs: str = costs.ESTIMATED
 
   def __post_init__(self):
     models.check(self.model)
@@ -95,7 +98,8 @@ def _design(config, num_stages, num_microbatches):
   train_config = config_lib.TrainConfig(
       model=config.model, dataset='synthetic', optimizer='sgd',
       batch_size=config.batch_size, num_microbatches=num_microbatches,
-      stage_boundaries=config.boundaries if num_stages > 1 else None)
+      stage_boundaries=config.boundaries if num_stages > 1 else None,
+      stage_costs=config.stage_costs)
   deploy_config = deploy.DeploymentConfig(clone_on_cpu=config.clone_on_cpu,
                                           num_stages=num_stages)
   shape = (config.image_size, config.image_size, 3)
@@ -300,6 +304,9 @@ def _parse(argv):
   parser.add_argument('--gpu_memory_mb', type=int, default=30000,
                       help='memory of each logical GPU of --split_gpu')
   parser.add_argument('--stage_boundary', help='the first layer of stage 1')
+  parser.add_argument('--stage_costs', default=costs.ESTIMATED,
+                      choices=costs.KINDS,
+                      help='what the automatic cut balances')
   parser.add_argument('--output', help='write the report here as JSON')
   parser.add_argument('--chart', help='write the chart here (PNG)')
   return parser.parse_args(argv)
@@ -318,7 +325,8 @@ def main(argv=None):
         model=args.model, image_size=args.image_size,
         batch_size=args.batch_size, microbatches=counts, rounds=args.rounds,
         clone_on_cpu=args.clone_on_cpu,
-        boundaries=(args.stage_boundary,) if args.stage_boundary else None)
+        boundaries=(args.stage_boundary,) if args.stage_boundary else None,
+        stage_costs=args.stage_costs)
     if args.clone_on_cpu:
       devices.create_logical_cpus(NUM_STAGES)
     elif args.split_gpu:

@@ -29,6 +29,7 @@ from absl import logging  # noqa: E402
 from tfmulti import build  # noqa: E402
 from tfmulti import cluster  # noqa: E402
 from tfmulti import config  # noqa: E402
+from tfmulti import costs  # noqa: E402
 from tfmulti import data  # noqa: E402
 from tfmulti import deploy  # noqa: E402
 from tfmulti import devices  # noqa: E402
@@ -147,6 +148,10 @@ _STAGE_BOUNDARIES = flags.DEFINE_list(
     'stage_boundaries', None, 'The first layer of stages 1..N-1, e.g. '
     'stage2_block0_conv1; default: cut where the estimated layer costs '
     'balance.')
+_STAGE_COSTS = flags.DEFINE_enum(
+    'stage_costs', costs.ESTIMATED, costs.KINDS, 'What the automatic cut '
+    "balances: layers' multiply-adds estimated from their shapes, or each "
+    "layer's forward and backward pass measured at start-up.")
 _RECOMPUTE = flags.DEFINE_bool(
     'recompute', False, "Recompute each stage's activations in the backward "
     'pass (less memory, one more forward pass).')
@@ -244,7 +249,7 @@ def _train_config():
       num_microbatches=_NUM_MICROBATCHES.value,
       stage_boundaries=(tuple(_STAGE_BOUNDARIES.value)
                         if _STAGE_BOUNDARIES.value else None),
-      recompute=_RECOMPUTE.value,
+      recompute=_RECOMPUTE.value, stage_costs=_STAGE_COSTS.value,
       clone_shares=_clone_shares(_CLONE_SHARES.value),
       rebalance_every_steps=_REBALANCE_EVERY_STEPS.value,
       accumulation_steps=_ACCUMULATION_STEPS.value)

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Optional, Tuple, Union
 
 from tfmulti import build
+from tfmulti import costs
 from tfmulti import data
 from tfmulti import deploy
 from tfmulti import errors
@@ -66,6 +67,8 @@ class TrainConfig:
     stage_boundaries: the first layer of each stage but the first; None
       to cut where the estimated costs balance.
     recompute: recompute each stage's activations in its backward pass.
+    stage_costs: what the automatic cut balances: 'estimated' or
+      'measured' layer costs (`costs`).
     clone_shares: each clone's share of a step's rows (towers, mirrored),
       e.g. (3, 1); 'auto' to measure the clones and balance them (towers);
       None for equal shares.
@@ -104,6 +107,7 @@ class TrainConfig:
   num_microbatches: int = 1
   stage_boundaries: Optional[Tuple[str, ...]] = None
   recompute: bool = False
+  stage_costs: str = costs.ESTIMATED
   clone_shares: Optional[Union[Tuple[float, ...], str]] = None
   rebalance_every_steps: int = 100
   accumulation_steps: int = 1
@@ -117,14 +121,16 @@ class TrainConfig:
     """The `pipeline.PipelineConfig` of this run."""
     return pipeline.PipelineConfig(num_microbatches=self.num_microbatches,
                                    boundaries=self.stage_boundaries,
-                                   recompute=self.recompute)
+                                   recompute=self.recompute,
+                                   layer_costs=self.stage_costs)
 
   def __post_init__(self):
     choices = [('dataset', data.DATASETS), ('strategy', strategies.NAMES),
                ('optimizer', build.OPTIMIZERS),
                ('batch_norm_policy', deploy.BATCH_NORM_POLICIES),
                ('lr_scaling', schedules.LR_SCALINGS),
-               ('lr_schedule', schedules.LR_SCHEDULES)]
+               ('lr_schedule', schedules.LR_SCHEDULES),
+               ('stage_costs', costs.KINDS)]
     for name, allowed in choices:
       errors.check_choice(name, getattr(self, name), allowed)
     models.check(self.model,

@@ -4,15 +4,11 @@ A pipeline step takes as long as its slowest stage, so the stages should
 cost the same. `partition` finds the contiguous split of a list of layer
 costs into K stages that minimises the slowest stage's time, where stage
 s's time is its cost divided by its device's speed factor: the optimal
-split, by dynamic programming (O(K n^2) for n layers). `layer_costs`
-estimates each operation's cost of a functional Keras model from its
-shapes (multiply-adds for kernels, one unit per output element otherwise);
-measured costs can be passed to `partition` instead.
+split, by dynamic programming (O(K n^2) for n layers). `tfmulti.costs`
+estimates or measures the layers' costs.
 """
 
 import math
-
-import keras
 
 from tfmulti import errors
 
@@ -79,21 +75,3 @@ def stage_times(costs, starts, speeds=None):
   ends = list(starts[1:]) + [len(costs)]
   return [sum(costs[a:b]) / speed
           for a, b, speed in zip(starts, ends, speeds)]
-
-
-def _size(shape):
-  return math.prod(d for d in shape[1:] if d is not None)
-
-
-def operation_cost(operation, output_shapes):
-  """An estimate of `operation`'s cost per example, in multiply-adds.
-
-  A layer with a kernel does kernel_size / output_channels multiply-adds
-  per output element (exact for Dense and convolutions); any other
-  operation one unit per output element.
-  """
-  outputs = sum(_size(shape) for shape in output_shapes)
-  kernel = getattr(operation, 'kernel', None)
-  if isinstance(kernel, keras.Variable) and output_shapes[0][-1]:
-    return outputs * (1 + math.prod(kernel.shape) / output_shapes[0][-1])
-  return float(outputs)

@@ -45,6 +45,7 @@ from typing import Optional, Tuple
 import keras
 import tensorflow as tf
 
+from tfmulti import costs
 from tfmulti import errors
 from tfmulti import partition
 from tfmulti import trainer
@@ -58,7 +59,9 @@ class PipelineConfig:
     num_microbatches: pieces each clone's rows are cut into; they flow
       through the stages one after another.
     boundaries: names of the first layer of stages 1..K-1; None to cut
-      automatically (`partition.partition` on estimated layer costs).
+      automatically (`partition.partition` on the layers' `costs`).
+    layer_costs: 'estimated' (multiply-adds from the shapes) or 'measured'
+      (each layer's forward and backward pass timed; see `costs`).
     recompute: recompute each stage's activations in its backward pass.
     stage_speeds: a speed factor per stage device for the automatic cut
       (2 for a device twice as fast); None for equal devices.
@@ -67,9 +70,11 @@ class PipelineConfig:
   boundaries: Optional[Tuple[str, ...]] = None
   recompute: bool = False
   stage_speeds: Optional[Tuple[float, ...]] = None
+  layer_costs: str = costs.ESTIMATED
 
   def __post_init__(self):
     errors.check_count('num_microbatches', self.num_microbatches, 1)
+    errors.check_choice('layer_costs', self.layer_costs, costs.KINDS)
 
 
 def check_pipeline_options(*, jit_compile, lockstep):
@@ -107,43 +112,18 @@ class Stage:
   first_layer: str
 
 
-def _graph(model):
-  """The model's operations (inputs excluded), in order, with their nodes."""
-  if not hasattr(model, '_nodes') or len(model.outputs) != 1:
-    raise errors.ConfigError(
-        f'model {model.name!r}: stages cut a functional model with one '
-        'output (keras.Model(inputs, outputs)); build it that way.')
-  found = []
-  for operation in model.operations:
-    if isinstance(operation, keras.layers.InputLayer):
-      continue
-    nodes = [node for i, node in enumerate(operation._inbound_nodes)
-             if f'{id(operation)}_ib-{i}' in model._nodes]
-    if len(nodes) != 1:
-      raise errors.ConfigError(
-          f'layer {operation.name!r} is called {len(nodes)} times in '
-          f'{model.name!r}; stages need each layer called once.')
-    found.append((operation, nodes[0]))
-  return found
-
-
-def layer_costs(model):
-  """[(layer name, estimated cost)] of `model`'s operations, in order."""
-  return [(op.name, partition.operation_cost(
-      op, [t.shape for t in node.output_tensors]))
-          for op, node in _graph(model)]
-
-
 def stage_starts(model, num_stages, config):
-  """Index (among `layer_costs`) of each stage's first layer."""
-  names = [name for name, _ in layer_costs(model)]
+  """Index (among `costs.operations`) of each stage's first layer."""
+  names = [op.name for op, _ in costs.operations(model)]
   if num_stages > len(names):
     raise errors.ConfigError(
         f'num_stages={num_stages}: {model.name!r} has {len(names)} layers '
         f'to cut; use --num_stages={len(names)} or fewer.')
   if config.boundaries is None:
-    costs = [cost for _, cost in layer_costs(model)]
-    return partition.partition(costs, num_stages, config.stage_speeds)
+    measure = (costs.measured_costs if config.layer_costs == costs.MEASURED
+               else costs.estimated_costs)
+    return partition.partition([cost for _, cost in measure(model)],
+                               num_stages, config.stage_speeds)
   if len(config.boundaries) != num_stages - 1:
     raise errors.ConfigError(
         f'stage_boundaries={",".join(config.boundaries)}: name the first '
@@ -155,7 +135,7 @@ def stage_starts(model, num_stages, config):
       raise errors.ConfigError(
           f'stage_boundaries: {model.name!r} has no layer {name!r}; its '
           f'layers are {", ".join(names[:4])}, ... (see '
-          'pipeline.layer_costs).')
+          'costs.estimated_costs).')
     if names.index(name) <= starts[-1]:
       raise errors.ConfigError(
           f'stage_boundaries: {name!r} must come after '
@@ -171,7 +151,7 @@ def _indices(variables, among):
 
 def split_model(model, starts):
   """The `Stage`s of `model` that begin at the layers `starts`."""
-  graph = _graph(model)
+  graph = costs.operations(model)
   ends = list(starts[1:]) + [len(graph)]
   output_key = id(model.outputs[0])
   stage_of_reader = {}
