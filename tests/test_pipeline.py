@@ -314,3 +314,13 @@ def test_measured_costs_time_every_layer_and_change_nothing():
 def test_unknown_layer_costs():
   with pytest.raises(errors.ConfigError, match="layer_costs='guessed'"):
     pipeline.PipelineConfig(layer_costs='guessed')
+
+
+def test_a_refused_cut_leaves_the_model_dir_without_a_record(run_train,
+                                                             tmp_path):
+  model_dir = tmp_path / 'run'
+  with pytest.raises(SystemExit, match="'lenet' has no layer 'nope'"):
+    run_train(model_dir=str(model_dir), num_stages=2,
+              stage_boundaries=['nope'])
+  assert not (model_dir / 'job.json').exists()
+  assert not list(model_dir.glob('ckpt-*'))

@@ -146,11 +146,6 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     batch = global_batch_size(config, deploy_config)
     total_steps = config.train_steps or (
         config.epochs * (dataset.train_examples // batch))
-    if chief:
-      run_dir.check_job(
-          config.model_dir, _job(config, deploy_config, dataset),
-          _settings(config, deploy_config, total_steps),
-          resuming=bool(checkpoints.numbered_checkpoints(config.model_dir)))
     schedule = build.make_schedule(
         config, deploy_config.num_clones * deploy_config.num_workers,
         total_steps)
@@ -159,6 +154,12 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
             config, deploy_config, input_shape=dataset.input_shape,
             num_classes=dataset.num_classes, learning_rate=schedule),
         build.make_loss(), workers))
+    if chief:  # Recorded once the trainer exists: a refused build (a bad
+      # cut, a strategy that cannot train the model) leaves no record.
+      run_dir.check_job(
+          config.model_dir, _job(config, deploy_config, dataset),
+          _settings(config, deploy_config, total_steps),
+          resuming=bool(checkpoints.numbered_checkpoints(config.model_dir)))
     if workers is not None:  # Before the first collective step.
       cluster.check_agreement(workers, dict(
           _job(config, deploy_config, dataset), total_steps=total_steps))
