@@ -202,8 +202,9 @@ class DistributedModel(trainer.Trainer):
       return self._step(images, labels, global_rows)
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
     steps = self.accumulation_steps
-    trainer.check_batch(images, labels, 1 if self.clone_shares else
-                        self.num_replicas * steps, 'num_replicas')
+    trainer.check_batch(
+        images, labels, 1 if self.clone_shares else self.num_replicas * steps,
+        'num_replicas' if steps == 1 else 'num_replicas * accumulation_steps')
     if images.shape[0] % steps:
       raise errors.ConfigError(
           f'a batch of {images.shape[0]} rows does not split into '
