@@ -24,7 +24,7 @@ batch, so the sum over micro-batches, clones (and workers) is the mean over
 the global batch, and the step equals one device on the whole batch.
 Gradients of one stage are summed over its micro-batches on the stage's
 device (one transfer a stage per step), then over clones on the optimizer
-device (`deploy.optimize_clones`).
+device (`clones.optimize_clones`).
 
 With `recompute`, a stage keeps only its inputs during the forward pass and
 runs its forward again, under a tape, when its output gradients arrive
@@ -228,7 +228,7 @@ class Pipeline:
                  loss_scale):
     """One clone's forward and backward passes over its stages.
 
-    Same arguments and results as `deploy._clone_step`, with `devices` the
+    Same arguments and results as `clones.clone_step`, with `devices` the
     clone's stage devices; the new non-trainable values come as a list,
     one a micro-batch (of `microbatch_rows` rows), for
     `batch_norm.combine_non_trainable`.
