@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti import build
+from tfmulti.train import build
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors

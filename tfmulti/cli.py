@@ -26,19 +26,19 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
 
-from tfmulti import build  # noqa: E402
-from tfmulti import cluster  # noqa: E402
-from tfmulti import config  # noqa: E402
-from tfmulti import costs  # noqa: E402
+from tfmulti.train import build  # noqa: E402
+from tfmulti.distribute import cluster  # noqa: E402
+from tfmulti.train import config  # noqa: E402
+from tfmulti.pipeline import costs  # noqa: E402
 from tfmulti import data  # noqa: E402
 from tfmulti import deploy  # noqa: E402
 from tfmulti import devices  # noqa: E402
 from tfmulti import errors  # noqa: E402
-from tfmulti import loop  # noqa: E402
+from tfmulti.train import loop  # noqa: E402
 from tfmulti import models  # noqa: E402
-from tfmulti import schedules  # noqa: E402
-from tfmulti import strategies  # noqa: E402
-from tfmulti import train_lib  # noqa: E402
+from tfmulti.train import schedules  # noqa: E402
+from tfmulti.train import registry as strategies  # noqa: E402
+from tfmulti.train import job as train_lib  # noqa: E402
 
 PROGRAM = 'train.py'
 

@@ -1,0 +1,270 @@
+"""Tests for multi-worker training: TF_CONFIG, and 2 workers on loopback."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import REPO, checkpoint_tensors
+from tfmulti.distribute import cluster
+from tfmulti import errors
+
+TIMEOUT_S = 300  # Per worker process; a run here takes 10 to 30 seconds.
+
+
+def _tf_config(ports, index, task_type='worker'):
+  return json.dumps({'cluster': {'worker': [f'localhost:{p}' for p in ports]},
+                     'task': {'type': task_type, 'index': index}})
+
+
+def _free_ports(count):
+  sockets = [socket.socket() for _ in range(count)]
+  for s in sockets:
+    s.bind(('localhost', 0))
+  ports = [s.getsockname()[1] for s in sockets]
+  for s in sockets:
+    s.close()
+  return ports
+
+
+class TestFromEnvironment:
+
+  def test_workers_and_chief(self):
+    info = cluster.from_environment({'TF_CONFIG': _tf_config([1, 2], 1)})
+    assert info.workers == ('localhost:1', 'localhost:2')
+    assert (info.index, info.num_workers, info.is_chief) == (1, 2, False)
+    assert info.peers == ('localhost:1',)
+
+  def test_a_chief_job_comes_first(self):
+    raw = json.dumps({'cluster': {'chief': ['a:1'], 'worker': ['b:1', 'c:1']},
+                      'task': {'type': 'worker', 'index': 0}})
+    info = cluster.from_environment({'TF_CONFIG': raw})
+    assert info.workers == ('a:1', 'b:1', 'c:1') and info.index == 1
+
+  @pytest.mark.parametrize('raw, message', [
+      (None, 'strategy=multi_worker needs TF_CONFIG'),
+      ('{"cluster": {}}', 'is not a cluster'),
+      (_tf_config([1, 2], 2), 'is not in the cluster'),
+      (json.dumps({'cluster': {'worker': ['a:1'], 'ps': ['p:1']},
+                   'task': {'type': 'worker', 'index': 0}}),
+       'parameter servers'),
+  ])
+  def test_bad_tf_config(self, raw, message):
+    with pytest.raises(errors.ClusterError, match=message):
+      cluster.from_environment({} if raw is None else {'TF_CONFIG': raw})
+
+  def test_flags_must_agree(self):
+    info = cluster.from_environment({'TF_CONFIG': _tf_config([1, 2], 1)})
+    cluster.check_flags(info, None, None)
+    cluster.check_flags(info, 2, 1)
+    with pytest.raises(errors.ClusterError, match='--num_workers=3'):
+      cluster.check_flags(info, 3, None)
+    with pytest.raises(errors.ClusterError, match='--worker_index=0'):
+      cluster.check_flags(info, None, 0)
+
+
+def _with_watchdog(peer, timeout_s, then):
+  """A Python process that starts the watchdog over `peer`, then runs the
+  statement `then`; returns (its exit status, its and the watchdog's
+  stderr, seconds until both closed it)."""
+  script = (f'import time\nfrom tfmulti.distribute import cluster\n'
+            f'info = cluster.Cluster(("localhost:1", "{peer}"), 0, True)\n'
+            f'cluster.start_watchdog(info, {timeout_s})\n{then}\n')
+  start = time.monotonic()
+  result = subprocess.run([sys.executable, '-c', script], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  return result.returncode, result.stderr, time.monotonic() - start
+
+
+def test_the_watchdog_kills_a_worker_whose_peer_never_answers():
+  port, = _free_ports(1)  # Nothing listens there.
+  code, stderr, _ = _with_watchdog(f'localhost:{port}', 1.0, 'time.sleep(60)')
+  assert code == -signal.SIGKILL
+  assert f'cannot reach its peer localhost:{port} after 1 s' in stderr
+
+
+def test_the_watchdog_lets_a_worker_whose_peers_answer_be():
+  listener = socket.create_server(('localhost', 0))
+  try:
+    code, stderr, _ = _with_watchdog(
+        f'localhost:{listener.getsockname()[1]}', 5.0, 'time.sleep(3)')
+  finally:
+    listener.close()
+  assert code == 0 and 'cannot reach' not in stderr
+
+
+def test_the_watchdog_ends_with_its_worker():
+  """It never outlives the worker, nor signals a PID that may be reused."""
+  port, = _free_ports(1)
+  code, stderr, seconds = _with_watchdog(f'localhost:{port}', 30.0, 'pass')
+  # The pipe closes when the watchdog ends too: soon after the worker (the
+  # worker's start takes a few seconds), long before the watchdog's
+  # deadline, and without its error.
+  assert code == 0 and 'cannot reach' not in stderr
+  assert seconds < 20
+
+
+def _worker_command(model_dir, digits_dir, *extra):
+  return [sys.executable, 'train.py', f'--model_dir={model_dir}',
+          f'--data_dir={digits_dir}', '--clone_on_cpu', '--batch_size=4',
+          '--optimizer=momentum', '--learning_rate=0.05',
+          '--log_every_steps=1', '--peer_timeout_s=60', *extra]
+
+
+def _run_job(model_dir, digits_dir, temp_root, *flags):
+  """Runs 2 workers on loopback; returns their logs (stderr)."""
+  ports = _free_ports(2)
+  workers = []
+  for index in range(2):
+    temp = temp_root / f'tmp{index}'
+    temp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TF_CONFIG=_tf_config(ports, index),
+               TMPDIR=str(temp))
+    workers.append(subprocess.Popen(
+        _worker_command(model_dir, digits_dir, *flags), cwd=REPO, env=env,
+        stderr=subprocess.PIPE, text=True))
+  logs = [w.communicate(timeout=TIMEOUT_S)[1] for w in workers]
+  for index, worker in enumerate(workers):
+    assert worker.returncode == 0, logs[index][-3000:]
+  digests = [re.search(r'final weights sha256 (\w+)', log).group(1)
+             for log in logs]
+  assert digests[0] == digests[1]  # Identical weights on both workers.
+  assert 'done:' not in logs[1]  # Only the chief writes metrics.json.
+  assert not os.listdir(temp_root / 'tmp1')  # Its temporary dir is gone.
+  return logs
+
+
+@pytest.mark.parametrize('strategy, clones', [
+    ('multi_worker', 2), ('multi_worker_mirrored', 1)])
+def test_two_workers_train_like_one_process(tmp_path, digits_dir, run_train,
+                                            strategy, clones):
+  """2 workers x K clones = one process with 2K clones, same global batch."""
+  reference = run_train(model_dir=str(tmp_path / 'one'), num_clones=2 * clones,
+                        batch_size=4, train_steps=3, optimizer='momentum',
+                        learning_rate=0.05)  # Also prepares digits.
+  model_dir = tmp_path / 'job'
+  flags = [f'--strategy={strategy}', f'--num_clones={clones}']
+  _run_job(model_dir, digits_dir, tmp_path, *flags, '--train_steps=3')
+  metrics = json.loads((model_dir / 'metrics.json').read_text())
+  assert metrics['num_workers'] == 2 and metrics['steps'] == 3
+  assert metrics['global_batch_size'] == 8 * clones
+  got, want = (checkpoint_tensors(metrics['checkpoint']),
+               checkpoint_tensors(reference['checkpoint']))
+  assert got.keys() == want.keys()
+  for key, value in want.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+  if strategy == 'multi_worker':  # A whole-cluster restart resumes.
+    _run_job(model_dir, digits_dir, tmp_path, *flags, '--train_steps=5')
+    metrics = json.loads((model_dir / 'metrics.json').read_text())
+    assert (metrics['resumed_from_step'], metrics['steps']) == (3, 5)
+
+
+def test_two_workers_accumulate_like_one_process(tmp_path, digits_dir,
+                                                 run_train):
+  """2 workers x 2 clones x 2 micro-steps = one process with 4 clones x 2
+  micro-steps: one all-reduce an update, after both micro-steps."""
+  reference = run_train(model_dir=str(tmp_path / 'one'), num_clones=4,
+                        batch_size=4, train_steps=3, optimizer='momentum',
+                        learning_rate=0.05, accumulation_steps=2)
+  model_dir = tmp_path / 'job'
+  _run_job(model_dir, digits_dir, tmp_path, '--strategy=multi_worker',
+           '--num_clones=2', '--accumulation_steps=2', '--train_steps=3')
+  metrics = json.loads((model_dir / 'metrics.json').read_text())
+  assert metrics['global_batch_size'] == 32 and metrics['steps'] == 3
+  got, want = (checkpoint_tensors(metrics['checkpoint']),
+               checkpoint_tensors(reference['checkpoint']))
+  for key, value in want.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+
+
+def test_a_worker_without_its_peer_fails_with_the_address(tmp_path,
+                                                          digits_dir):
+  ports = _free_ports(2)
+  env = dict(os.environ, TF_CONFIG=_tf_config(ports, 0))
+  start = time.monotonic()
+  result = subprocess.run(
+      _worker_command(tmp_path / 'alone', digits_dir, '--peer_timeout_s=3',
+                      '--strategy=multi_worker', '--train_steps=3'),
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+  assert (f'error: worker 0 cannot reach its peer localhost:{ports[1]} after '
+          '3 s') in result.stderr
+  assert time.monotonic() - start < 60
+
+
+def test_workers_started_with_different_flags_stop_with_one_line(
+    tmp_path, digits_dir, run_train):
+  run_train(train_steps=1)  # Prepares digits in digits_dir once.
+  ports = _free_ports(2)
+  workers = []
+  for index, batch_size in enumerate((4, 8)):
+    env = dict(os.environ, TF_CONFIG=_tf_config(ports, index))
+    workers.append(subprocess.Popen(
+        _worker_command(tmp_path / 'job', digits_dir,
+                        '--strategy=multi_worker', '--train_steps=3',
+                        f'--batch_size={batch_size}'),
+        cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
+  logs = [w.communicate(timeout=TIMEOUT_S)[1] for w in workers]
+  for worker, log, batch_size in zip(workers, logs, (4, 8)):
+    assert worker.returncode == 1, log[-2000:]
+    assert ('train.py: error: the workers of this job disagree on '
+            f'global_batch_size (this worker has global_batch_size='
+            f'{batch_size * 2})') in log
+    assert 'Traceback' not in log
+  assert not (tmp_path / 'job' / 'ckpt-1.index').exists()
+
+
+def test_a_peer_lost_mid_run_stops_the_others_with_one_line(
+    tmp_path, digits_dir, run_train):
+  run_train(train_steps=1)  # Prepares digits in digits_dir once.
+  ports = _free_ports(2)
+  workers = [subprocess.Popen(
+      _worker_command(tmp_path / 'job', digits_dir, '--strategy=multi_worker',
+                      '--train_steps=500', '--peer_timeout_s=10'),
+      cwd=REPO, env=dict(os.environ, TF_CONFIG=_tf_config(ports, index)),
+      stderr=subprocess.PIPE, text=True) for index in range(2)]
+  for line in workers[1].stderr:
+    if 'step 5/500' in line:
+      workers[1].kill()  # A machine lost mid-run.
+      break
+  workers[1].communicate(timeout=TIMEOUT_S)
+  start = time.monotonic()
+  log = workers[0].communicate(timeout=TIMEOUT_S)[1]
+  assert workers[0].returncode == 1, log[-2000:]
+  assert ('train.py: error: worker 0 lost a peer mid-step' in log
+          and 'resume from the latest checkpoint' in log)
+  assert 'Traceback' not in log
+  assert time.monotonic() - start < 60
+
+
+def test_a_worker_whose_port_is_taken_stops_with_one_line(tmp_path,
+                                                          digits_dir):
+  taken = socket.create_server(('localhost', 0))
+  peer, = _free_ports(1)
+  env = dict(os.environ, TF_CONFIG=json.dumps(
+      {'cluster': {'worker': [f'localhost:{taken.getsockname()[1]}',
+                              f'localhost:{peer}']},
+       'task': {'type': 'worker', 'index': 0}}))
+  try:
+    # The watchdog holds stderr too: run() returns once it has ended.
+    result = subprocess.run(
+        _worker_command(tmp_path / 'job', digits_dir,
+                        '--strategy=multi_worker', '--peer_timeout_s=30'),
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+  finally:
+    taken.close()
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert ('train.py: error: worker 0 cannot start the multi-worker strategy '
+          'on localhost:') in result.stderr
+  assert 'the port is free' in result.stderr
+  assert 'Traceback' not in result.stderr
+  assert 'cannot reach its peer' not in result.stderr  # No stale watchdog.

@@ -1,0 +1,182 @@
+"""Tests for tfmulti.distribute: towers, mirrored and single agree."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import make_batch, make_deployed, make_loss, mlp, weights
+from tfmulti import deploy
+from tfmulti import distribute
+from tfmulti import errors
+
+CLONES = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+
+
+def _distributed(name, config=CLONES, model_fn=mlp):
+  strategy = distribute.make_strategy(name, config)
+  with strategy.scope():
+    model = model_fn()
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+  return distribute.DistributedModel(strategy, model, make_loss(), optimizer)
+
+
+def test_strategies_use_the_config_devices():
+  mirrored = distribute.make_strategy('mirrored', CLONES)
+  assert mirrored.extended.worker_devices == (
+      '/job:localhost/replica:0/task:0/device:CPU:0',
+      '/job:localhost/replica:0/task:0/device:CPU:1')
+  single = distribute.make_strategy('single', CLONES)
+  assert single.num_replicas_in_sync == 1
+  with pytest.raises(errors.ConfigError, match="strategy='horovod'"):
+    distribute.make_strategy('horovod', CLONES)
+
+
+def test_towers_mirrored_and_single_agree():
+  batches = [make_batch(12, seed=s) for s in range(4)]
+  runs = {'towers': make_deployed(CLONES),
+          'mirrored': _distributed('mirrored'),
+          'single': _distributed('single')}
+  losses = {name: [float(run.train_step(x, y)) for x, y in batches]
+            for name, run in runs.items()}
+  for name in ('towers', 'mirrored'):
+    np.testing.assert_allclose(losses[name], losses['single'], rtol=1e-5)
+    for got, want in zip(weights(runs[name].model),
+                         weights(runs['single'].model)):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_synchronized_batch_norm_equals_one_device_on_both_paths():
+  """Statistics of the global batch: 2 clones train like one device."""
+  def model_fn():
+    return mlp(batch_norm=True, synchronized=True)
+  runs = {name: _distributed(name, model_fn=model_fn)
+          for name in ('mirrored', 'single')}
+  runs['towers'] = make_deployed(
+      CLONES, model_fn=model_fn,
+      lockstep=distribute.make_strategy('mirrored', CLONES))
+  for x, y in [make_batch(12, seed=s) for s in range(3)]:
+    losses = {name: float(run.train_step(x, y)) for name, run in runs.items()}
+    for name in ('towers', 'mirrored'):
+      assert losses[name] == pytest.approx(losses['single'], rel=1e-5), name
+  for name in ('towers', 'mirrored'):
+    for got, want in zip(runs[name].model.variables,
+                         runs['single'].model.variables):
+      np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5,
+                                 atol=1e-6, err_msg=f'{name}: {got.path}')
+
+
+def test_lockstep_clones_still_run_on_their_devices():
+  deployed = make_deployed(
+      CLONES, model_fn=lambda: mlp(batch_norm=True, synchronized=True),
+      lockstep=distribute.make_strategy('mirrored', CLONES))
+  images, labels = make_batch(8)
+  graph = deployed._step.get_concrete_function(
+      tf.constant(images), tf.constant(labels)).graph
+  matmul_devices = {op.device for op in graph.get_operations()
+                    if op.type == 'MatMul'}
+  assert {d.split('/device:')[-1] for d in matmul_devices} == {
+      'CPU:0', 'CPU:1'}
+
+
+def test_lockstep_must_match_the_clones():
+  other = deploy.DeploymentConfig(num_clones=3, clone_on_cpu=True)
+  with pytest.raises(errors.ConfigError, match='are not the clone devices'):
+    make_deployed(other, lockstep=distribute.make_strategy('mirrored', CLONES))
+  with pytest.raises(errors.ConfigError,
+                     match='cannot be combined with xla=True'):
+    make_deployed(CLONES, lockstep=distribute.make_strategy('mirrored', CLONES),
+              jit_compile=True)
+
+
+def test_batch_norm_towers_equal_mirrored():
+  """Both normalise each shard by its own statistics and keep shard 0's."""
+  def model_fn():
+    return mlp(batch_norm=True)
+  runs = {'towers': make_deployed(CLONES, model_fn=model_fn),
+          'mirrored': _distributed('mirrored', model_fn=model_fn)}
+  for x, y in [make_batch(12, seed=s) for s in range(3)]:
+    losses = {name: float(run.train_step(x, y)) for name, run in runs.items()}
+    assert losses['towers'] == pytest.approx(losses['mirrored'], rel=1e-5)
+  for got, want in zip(runs['towers'].model.variables,
+                       runs['mirrored'].model.variables):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5,
+                               atol=1e-6, err_msg=got.path)
+
+
+def test_unsynchronized_batch_norm_differs_from_one_device():
+  """Why the flag exists: per-replica statistics change the result."""
+  runs = {name: _distributed(name, model_fn=lambda: mlp(batch_norm=True))
+          for name in ('mirrored', 'single')}
+  x, y = make_batch(12)
+  for run in runs.values():
+    run.train_step(x, y)
+  assert not np.allclose(weights(runs['mirrored'].model)[0],
+                         weights(runs['single'].model)[0], rtol=1e-5)
+
+
+def test_central_storage_keeps_variables_on_the_variables_device():
+  central = _distributed('central_storage')
+  assert {v.value.device for v in central.model.variables} == {
+      '/job:localhost/replica:0/task:0/device:CPU:0'}
+  losses = central.train_step_outputs(*make_batch(8))
+  assert len(losses.clones) == 2
+
+
+def test_central_storage_refuses_batch_norm_before_training():
+  strategy = distribute.make_strategy('central_storage', CLONES)
+  with strategy.scope():
+    model = mlp(batch_norm=True)
+  with pytest.raises(errors.UnsupportedError,
+                     match="'central_storage' cannot train .* on 2 replicas"):
+    distribute.check_supported('central_storage', model, 2)
+  distribute.check_supported('mirrored', model, 2)  # No error.
+
+
+def test_distributed_dataset_steps_equal_global_batch_steps():
+  x, y = make_batch(8)
+  by_step = _distributed('mirrored')
+  by_dataset = _distributed('mirrored')
+  dataset = tf.data.Dataset.from_tensors((x, y))
+  for images, labels in by_dataset.distribute_dataset(dataset):
+    got = by_dataset.train_step_outputs(images, labels)
+  want = by_step.train_step_outputs(x, y)
+  np.testing.assert_allclose([float(c) for c in got.clones],
+                             [float(c) for c in want.clones], rtol=1e-6)
+  for a, b in zip(weights(by_dataset.model), weights(by_step.model)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_mirrored_step_losses_sum_over_replicas():
+  mirrored = _distributed('mirrored')
+  losses = mirrored.train_step_outputs(*make_batch(8))
+  assert len(losses.clones) == 2
+  np.testing.assert_allclose(float(losses.total),
+                             float(tf.add_n(losses.clones)), rtol=1e-6)
+  assert float(losses.regularization) > 0
+  assert mirrored.trace_count == 1
+
+
+def test_mirrored_refuses_an_indivisible_batch():
+  mirrored = _distributed('mirrored')
+  before = weights(mirrored.model)
+  with pytest.raises(ValueError, match='over num_replicas=2'):
+    mirrored.train_step(*make_batch(5))
+  for got, want in zip(weights(mirrored.model), before):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_mean_loss_undoes_keras_replica_scaling():
+  strategy = distribute.make_strategy('mirrored', CLONES)
+  labels = tf.constant([0, 1])
+  logits = tf.constant([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+  want = float(make_loss()(labels, logits))  # No strategy: the plain mean.
+
+  def in_replica():
+    loss_fn = make_loss()
+    return loss_fn(labels, logits), deploy.mean_loss(loss_fn, labels,
+                                                         logits)
+  keras_loss, ours = (strategy.experimental_local_results(value)[0]
+                      for value in strategy.run(in_replica))
+  assert float(keras_loss) == pytest.approx(want / 2)  # Keras's own scaling.
+  assert float(ours) == pytest.approx(want)

@@ -1,0 +1,299 @@
+"""End-to-end tests of the command line: models, datasets, signals, flags."""
+
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from absl import flags
+from absl.testing import flagsaver
+
+from tests.helpers import REPO, checkpoint_tensors
+from tfmulti import cli
+
+SUBPROCESS_TIMEOUT_S = 240  # A train.py run here takes 5 to 20 seconds.
+METRIC_KEYS = {'eval_accuracy', 'train_loss', 'steps', 'images_per_sec',
+               'strategy', 'num_clones', 'global_batch_size', 'model',
+               'dataset', 'seed'}
+
+
+# resnet18 trains through the towers in test_models.py: its evaluation here
+# would take most of this file's time.
+@pytest.mark.parametrize('model, num_clones', [
+    ('lenet', 1), ('lenet', 2), ('resnet20', 1), ('resnet8_thin', 2)])
+def test_each_model_trains(run_train, model, num_clones):
+  metrics = run_train(model=model, num_clones=num_clones, train_steps=1,
+                      batch_size=32)  # Evaluates in 360 / (32 * N) batches.
+  assert metrics['model'] == model
+  assert metrics['steps'] == 1
+  assert metrics['num_clones'] == num_clones
+  assert metrics['global_batch_size'] == 32 * num_clones
+  assert 0.0 <= metrics['eval_accuracy'] <= 1.0
+
+
+@pytest.mark.parametrize('dataset, num_clones', [
+    ('digits', 1), ('digits', 2), ('mnist', 2), ('fashion_mnist', 2),
+    ('cifar10', 2), ('synthetic', 1), ('synthetic', 2)])
+def test_each_dataset_trains(run_train, dataset, num_clones):
+  with tfds.testing.mock_data(num_examples=16):  # Only TFDS's own sets.
+    metrics = run_train(dataset=dataset, num_clones=num_clones,
+                        batch_size=32 if dataset == 'synthetic' else 4)
+  assert metrics['dataset'] == dataset
+  assert metrics['steps'] == 2
+  assert METRIC_KEYS <= set(metrics)
+
+
+def test_a_pipelined_clone_learns_digits(run_train, caplog):
+  with caplog.at_level('INFO', logger='absl'):
+    metrics = run_train(num_stages=2, num_microbatches=4, train_steps=None,
+                        epochs=8, batch_size=64, log_every_steps=50)
+  assert metrics['eval_accuracy'] >= 0.9
+  assert metrics['global_batch_size'] == 64
+  assert "stage 1: from layer" in caplog.text
+  assert "['/device:CPU:1']" in caplog.text
+
+
+def test_digits_learns(run_train):
+  metrics = run_train(num_clones=2, train_steps=None, epochs=8,
+                      batch_size=64, log_every_steps=50)
+  assert metrics['eval_accuracy'] >= 0.9
+  assert metrics['train_loss'] < 0.5
+  assert metrics['strategy'] == 'towers'
+  assert metrics['global_batch_size'] == 128
+  assert metrics['steps'] == 8 * (1437 // 128)
+
+
+@pytest.mark.parametrize('strategy', ['mirrored', 'single'])
+def test_distribute_paths_share_the_contract(run_train, strategy):
+  metrics = run_train(strategy=strategy, num_clones=2)
+  assert metrics['strategy'] == strategy
+  assert metrics['global_batch_size'] == 8
+  assert METRIC_KEYS <= set(metrics)
+
+
+def test_batch_norm_model_learns_alike_on_every_path(run_train):
+  # Mirrored equals the towers to 1e-5 step for step on a BatchNorm model
+  # (tests/distribute/test_distributed_model.py); here the towers and one
+  # device, trained
+  # alike, must end alike.
+  accuracy = {}
+  for strategy in ('towers', 'single'):
+    accuracy[strategy] = run_train(
+        strategy=strategy, model='resnet8_thin', num_clones=2, batch_size=32,
+        train_steps=None, epochs=4, optimizer='adam', learning_rate=0.008,
+        lr_schedule='cosine', log_every_steps=100)['eval_accuracy']
+  # Chance is 0.1. The paths run the same algorithm
+  # (tests/distribute/test_distributed_model.py)
+  # and part only by float rounding, which training amplifies; the cosine
+  # decay settles the weights, so the final accuracy is not one noisy step's.
+  assert min(accuracy.values()) >= 0.85, accuracy
+  assert max(accuracy.values()) - min(accuracy.values()) <= 0.04, accuracy
+
+
+def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
+  """`python train.py` on a machine without a GPU: one clone, on CPU:0."""
+  caplog.set_level('INFO', logger='absl')
+  metrics = run_train(clone_on_cpu=False, batch_size=64)
+  assert metrics['clone_devices'] == ['/device:CPU:0']
+  assert metrics['variables_device'] == '/device:CPU:0'
+  assert 'no GPU found: the clone runs on the CPU (CPU:0)' in caplog.text
+
+
+@pytest.mark.parametrize('values, message', [
+    (dict(num_clones=2, clone_on_cpu=False),
+     '--num_clones=2 needs 2 GPUs.*add --clone_on_cpu'),
+    (dict(variables_device='gpu:3'),
+     '--variables_device=gpu:3: this machine has 0 GPU'),
+    (dict(variables_device='tpu:0'), "--variables_device=tpu:0: use 'cpu'"),
+    (dict(strategy='mirrored', xla=True),
+     "xla=True works with the towers only, not strategy='mirrored'"),
+    (dict(model='resnet8_thin', sync_batch_norm=True, xla=True),
+     r'synchronized_batch_norm=True \(lockstep clones\) cannot be combined '
+     'with xla=True'),
+    (dict(num_workers=2),
+     '--num_workers and --worker_index describe a multi-worker job'),
+    (dict(strategy='multi_worker'), 'strategy=multi_worker needs TF_CONFIG'),
+    (dict(peer_timeout_s=0.0), 'peer_timeout_s=0.0: must be a finite'),
+    (dict(learning_rate=float('inf')), 'learning_rate=inf: must be a finite'),
+    (dict(sync_batch_norm=True, strategy='mirrored'),
+     "model='lenet' has no BatchNorm"),
+    (dict(num_clones=0), 'num_clones=0: must be an integer >= 1'),
+    (dict(num_clones=0, clone_on_cpu=True),
+     'num_clones=0: must be an integer >= 1'),
+    (dict(batch_size=-1), 'batch_size=-1: must be an integer >= 1'),
+    (dict(learning_rate=0.0), 'learning_rate=0.0: must be a finite'),
+    (dict(epochs=0), 'epochs=0: must be an integer >= 1'),
+    (dict(train_steps=0), 'train_steps=0: must be an integer >= 1'),
+    (dict(seed=2**32), 'seed=4294967296: must be below 2\\*\\*32'),
+    (dict(model_dir=''), "model_dir='': name an output directory"),
+    (dict(data_dir='/dev/null'), '--data_dir=/dev/null is a file'),
+    (dict(num_stages=2, strategy='mirrored', clone_on_cpu=True),
+     "strategy='mirrored' runs whole model copies; stages and micro-batches"),
+    (dict(num_stages=2, xla=True, clone_on_cpu=True),
+     'xla=True compiles a whole clone'),
+    (dict(num_microbatches=2, model='resnet8_thin', sync_batch_norm=True),
+     'synchronized BatchNorm runs whole clones in lockstep'),
+    (dict(num_microbatches=5, batch_size=4),
+     'num_microbatches=5 is more than batch_size=4'),
+    (dict(num_stages=0), 'num_stages=0: must be an integer >= 1'),
+])
+def test_bad_flags_stop_with_one_line(tmp_path, values, message):
+  values = dict(dict(model_dir=str(tmp_path / 'run')), **values)
+  with flagsaver.flagsaver(**values):
+    with pytest.raises(SystemExit, match=message):
+      cli.main(['train.py'])
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('values, message', [
+    (dict(strategy='central_storage', model='resnet8_thin', num_clones=2),
+     "strategy='central_storage' cannot train 'resnet8_thin' on 2 replicas: "
+     'CentralStorageStrategy fails on Keras 3 BatchNormalization'),
+    (dict(warmup_steps=5, train_steps=5),
+     r'warmup_steps=5 must be in \[0, total_steps=5\): the run has 5 '
+     'global steps; shorten the warm-up or train longer'),
+])
+def test_conflicts_found_before_training_stop_with_one_line(run_train,
+                                                            tmp_path, values,
+                                                            message):
+  with pytest.raises(SystemExit, match=message):
+    run_train(model_dir=str(tmp_path / 'run'), **values)
+  assert not (tmp_path / 'run' / 'checkpoint').exists()
+
+
+@pytest.mark.parametrize('where', ['file', 'under_file'])
+def test_an_unusable_model_dir_stops_with_one_line(run_train, tmp_path,
+                                                   where):
+  (tmp_path / 'file').write_text('not a directory')
+  model_dir = tmp_path / 'file' / ('sub' if where == 'under_file' else '')
+  with pytest.raises(SystemExit, match=f'--model_dir={model_dir}'.rstrip('/')
+                     + ' (is a file|cannot be used)'):
+    run_train(model_dir=str(model_dir).rstrip('/'))
+
+
+def test_a_global_batch_larger_than_the_data_stops_with_one_line(run_train):
+  with pytest.raises(SystemExit, match='the global batch of 2048 is larger '
+                     'than the 1437 training examples'):
+    run_train(num_clones=2, batch_size=1024)
+
+
+@pytest.mark.parametrize('name, value', [
+    ('model', 'vgg'), ('dataset', 'imagenet'), ('strategy', 'ring'),
+    ('optimizer', 'lamb'),
+])
+def test_bad_choices_are_refused_by_the_flags(name, value):
+  with flagsaver.flagsaver():  # Parsing sets flags; restore them after.
+    with pytest.raises(flags.IllegalFlagValueError,
+                       match=f'--{name}={value}'):
+      flags.FLAGS(['train.py', f'--{name}={value}'])
+
+
+# TensorFlow's C++ start-up lines on a machine without a GPU (the quiet start
+# holds them back; tests/test_native_logs.py tests how).
+CHATTER = ('absl::InitializeLog', 'cudart_stub', 'cuInit')
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--num_clones=3'], 'train.py: error: --num_clones=3 needs 3 GPUs'),
+    (['--model=vgg', '--verbosity=1'], '--model'),
+])
+def test_bad_flags_exit_without_traceback(argv, message, tmp_path):
+  result = subprocess.run(
+      [sys.executable, 'train.py', f'--model_dir={tmp_path}/run'] + argv,
+      cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode != 0
+  assert message in result.stderr
+  assert 'Traceback' not in result.stderr
+  if '--verbosity=1' not in argv:  # A clean screen: no C++ chatter.
+    assert not [part for part in CHATTER if part in result.stderr]
+
+
+def _train_command(model_dir, digits_dir, *extra):
+  """train.py on 2 logical CPUs: resnet8_thin (BatchNorm), digits."""
+  return [sys.executable, 'train.py', f'--model_dir={model_dir}',
+          f'--data_dir={digits_dir}', '--clone_on_cpu', '--num_clones=2',
+          '--model=resnet8_thin', '--batch_size=16', '--optimizer=momentum',
+          '--learning_rate=0.05', '--log_every_steps=1', *extra]
+
+
+def _start_and_signal(command, line_part, signum, delay_s=0.0):
+  """Starts `command`; sends `signum` once a log line has `line_part`."""
+  process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE,
+                             text=True)
+  seen = []
+  for line in process.stderr:
+    seen.append(line)
+    if line_part in line:
+      time.sleep(delay_s)
+      process.send_signal(signum)
+      break
+  _, rest = process.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+  return process.returncode, ''.join(seen) + rest
+
+
+def _checkpoint_tensors(path):
+  return checkpoint_tensors(path, ('model/', 'optimizer/'))
+
+
+def test_sigterm_then_rerun_equals_an_uninterrupted_run(tmp_path, digits_dir,
+                                                        run_train):
+  run_train(train_steps=1)  # Prepares digits in digits_dir once.
+  steps = ['--train_steps=24', '--deterministic']
+  # The uninterrupted reference runs beside the interrupted one.
+  whole = subprocess.Popen(
+      _train_command(tmp_path / 'whole', digits_dir, *steps), cwd=REPO,
+      stderr=subprocess.PIPE, text=True)
+
+  parts = _train_command(tmp_path / 'parts', digits_dir, *steps)
+  code, stderr = _start_and_signal(parts, 'step 6/24', signal.SIGTERM)
+  assert code == 128 + signal.SIGTERM, stderr[-2000:]
+  assert 'Traceback' not in stderr
+  stopped = re.search(r'SIGTERM at step (\d+): saved \S+ckpt-(\d+); run the '
+                      'same command again to resume', stderr)
+  assert stopped and stopped.group(1) == stopped.group(2), stderr[-2000:]
+  assert 6 <= int(stopped.group(1)) < 24
+  rerun = subprocess.run(parts, cwd=REPO, capture_output=True, text=True,
+                         timeout=SUBPROCESS_TIMEOUT_S)
+  assert rerun.returncode == 0, rerun.stderr[-2000:]
+  # The screen holds tfmulti's own lines, not the libraries' INFO lines.
+  assert 'restored ' in rerun.stderr and 'dataset_info.py' not in (
+      rerun.stderr)
+
+  whole_log = whole.communicate(timeout=SUBPROCESS_TIMEOUT_S)[1]
+  assert whole.returncode == 0, whole_log[-2000:]
+  metrics = json.loads((tmp_path / 'parts' / 'metrics.json').read_text())
+  assert metrics['resumed_from_step'] == int(stopped.group(1))
+  assert metrics['steps'] == 24
+  expected = _checkpoint_tensors(str(tmp_path / 'whole' / 'ckpt-24'))
+  got = _checkpoint_tensors(metrics['checkpoint'])
+  assert got.keys() == expected.keys()
+  for key, value in expected.items():  # Bitwise, not approximately.
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def test_a_killed_run_leaves_a_checkpoint_that_loads(tmp_path, digits_dir,
+                                                     run_train):
+  run_train(train_steps=1)  # Prepares digits in digits_dir once.
+  model_dir = tmp_path / 'killed'
+  command = _train_command(model_dir, digits_dir, '--train_steps=20',
+                           '--checkpoint_steps=1', '--keep_checkpoints=2')
+  # SIGKILL at a random moment after a checkpoint, often mid-write.
+  code, stderr = _start_and_signal(command, 'saved', signal.SIGKILL,
+                                   random.Random(0).uniform(0.0, 0.5))
+  assert code == -signal.SIGKILL, stderr[-2000:]
+  latest = tf.train.latest_checkpoint(str(model_dir))
+  tensors = _checkpoint_tensors(latest)  # Every tensor reads back.
+  assert any(key.startswith('model/') for key in tensors)
+  finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT_S)
+  assert finished.returncode == 0, finished.stderr[-2000:]
+  metrics = json.loads((model_dir / 'metrics.json').read_text())
+  assert metrics['steps'] == 20 and metrics['resumed_from_step'] >= 1
+  assert not list(model_dir.glob('*_temp'))  # No partial write is left.

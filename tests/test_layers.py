@@ -1,0 +1,86 @@
+"""The folders are the layers: every import points down, never across.
+
+  cli, bench/    the command line and the benchmarks
+  train/         the training job, the strategy registry, checkpoints
+  deploy/ | distribute/   the towers | the tf.distribute paths
+  pipeline/      stages, their cut and costs
+  the ground floor (tfmulti/*.py) and models/
+
+Read from the source with `ast`, so a new import that points up (or joins
+deploy and distribute) fails here before it tangles the graph.
+"""
+
+import ast
+import os
+
+from tests.helpers import REPO
+
+PACKAGE = os.path.join(REPO, 'tfmulti')
+# The floor of each folder (and of the command line); a module may import
+# its own folder and any lower floor.
+FLOORS = {'': 0, 'models': 1, 'pipeline': 1, 'deploy': 2, 'distribute': 2,
+          'train': 3, 'cli': 4, 'bench': 4}
+
+
+def _part(module):
+  """The folder (or 'cli') of a dotted module under tfmulti."""
+  parts = module.split('.')[1:]
+  return parts[0] if parts and parts[0] in FLOORS else ''
+
+
+def _modules():
+  for folder, _, files in os.walk(PACKAGE):
+    for name in files:
+      if name.endswith('.py'):
+        path = os.path.join(folder, name)
+        relative = os.path.relpath(path, REPO)[:-3].replace(os.sep, '.')
+        yield relative.removesuffix('.__init__'), path
+
+
+def _imports(path):
+  """The tfmulti modules `path` imports (`from tfmulti.x import y` names
+  tfmulti.x.y when y is a module)."""
+  tree = ast.parse(open(path).read())
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names = [f'{node.module}.{alias.name}' for alias in node.names]
+      names = [n if _is_module(n) else node.module for n in names]
+    else:
+      continue
+    yield from (n for n in names if n.split('.')[0] == 'tfmulti')
+
+
+def _is_module(dotted):
+  path = os.path.join(REPO, *dotted.split('.'))
+  return os.path.isdir(path) or os.path.exists(path + '.py')
+
+
+def test_every_import_points_down_or_within_its_folder():
+  upward = []
+  for module, path in _modules():
+    mine = _part(module)
+    for imported in _imports(path):
+      theirs = _part(imported)
+      if theirs != mine and FLOORS[theirs] >= FLOORS[mine]:
+        upward.append(f'{module} imports {imported}')
+  assert not upward, upward
+
+
+def test_deploy_and_distribute_never_import_each_other():
+  crossing = [
+      f'{module} imports {imported}'
+      for module, path in _modules() if _part(module) in ('deploy',
+                                                          'distribute')
+      for imported in _imports(path)
+      if {_part(module), _part(imported)} == {'deploy', 'distribute'}]
+  assert not crossing, crossing
+
+
+def test_the_layers_are_read_from_the_real_imports():
+  # The reader above must see the imports it judges, or it proves nothing.
+  job = dict(_modules())['tfmulti.train.job']
+  assert 'tfmulti.train.registry' in set(_imports(job))
+  assert _part('tfmulti.deploy.towers') == _part('tfmulti.deploy') == 'deploy'
+  assert _part('tfmulti.errors') == '' and _part('tfmulti.cli') == 'cli'

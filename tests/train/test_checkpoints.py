@@ -1,0 +1,257 @@
+"""Tests for tfmulti.checkpoints: round trips, portability, stop signals."""
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import (REPO, checkpoint_tensors, make_batch,
+                           make_deployed, mlp, weights)
+from tfmulti.train import checkpoints
+from tfmulti import deploy
+from tfmulti import errors
+
+ONE = deploy.DeploymentConfig(num_clones=1, clone_on_cpu=True)
+
+
+def _checkpointer(directory, deployed, max_to_keep=2):
+  return checkpoints.Checkpointer(
+      str(directory), model=deployed.model, optimizer=deployed.optimizer,
+      max_to_keep=max_to_keep, device=ONE.summaries_device())
+
+
+def test_round_trip_restores_weights_slots_and_position(tmp_path):
+  trained = make_deployed(ONE)
+  trained.train_step(*make_batch(8))
+  path = _checkpointer(tmp_path, trained).save(checkpoints.Position(7, 2, 40))
+  assert os.path.basename(path) == 'ckpt-7'
+  fresh = make_deployed(ONE, model_fn=lambda: mlp(seed=5))
+  position = _checkpointer(tmp_path, fresh).restore_latest()
+  assert position == checkpoints.Position(7, 2, 40)
+  for got, want in zip(weights(fresh.model), weights(trained.model)):
+    np.testing.assert_array_equal(got, want)
+  for got, want in zip(fresh.optimizer.variables, trained.optimizer.variables):
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_keeps_the_newest_and_saves_a_step_once(tmp_path):
+  deployed = make_deployed(ONE)
+  checkpointer = _checkpointer(tmp_path, deployed, max_to_keep=2)
+  for step in (1, 2, 3):
+    checkpointer.save(checkpoints.Position(step, 0, step))
+  assert [os.path.basename(p) for p in checkpointer.manager.checkpoints] == [
+      'ckpt-2', 'ckpt-3']
+  assert sorted(p.name for p in tmp_path.glob('ckpt-*.index')) == [
+      'ckpt-2.index', 'ckpt-3.index']
+  saved = checkpoint_tensors(str(tmp_path / 'ckpt-3'))
+  kernel = deployed.model.trainable_variables[0]
+  kernel.assign(kernel + 1.0)  # Changed, but step 3 is already saved.
+  path = checkpointer.save(checkpoints.Position(3, 0, 3))
+  assert path == str(tmp_path / 'ckpt-3')
+  again = checkpoint_tensors(path)
+  assert again.keys() == saved.keys()
+  for key, value in saved.items():
+    np.testing.assert_array_equal(again[key], value, err_msg=key)
+
+
+def test_an_empty_directory_restores_nothing(tmp_path):
+  assert _checkpointer(tmp_path, make_deployed(ONE)).restore_latest() is None
+
+
+def test_another_model_is_refused_with_the_fix(tmp_path):
+  _checkpointer(tmp_path, make_deployed(ONE)).save(
+      checkpoints.Position(1, 0, 8))
+  def wider():
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, keras.layers.Dense(3)(
+        keras.layers.Dense(32)(inputs)))
+  other = make_deployed(ONE, model_fn=wider)
+  with pytest.raises(errors.CheckpointMismatchError,
+                     match='ckpt-1 does not fit.*new --model_dir'):
+    _checkpointer(tmp_path, other).restore_latest()
+
+
+class TestStopSignals:
+
+  @pytest.mark.parametrize('signum, name, code', [
+      (signal.SIGTERM, 'SIGTERM', 143), (signal.SIGINT, 'SIGINT', 130)])
+  def test_first_signal_asks_to_stop(self, signum, name, code):
+    before = signal.getsignal(signum)
+    with checkpoints.StopSignals() as signals:
+      os.kill(os.getpid(), signum)
+      assert signals.received == name
+      assert signals.exit_code == code
+    assert signal.getsignal(signum) is before
+
+  @pytest.mark.parametrize('second', [signal.SIGINT, signal.SIGTERM])
+  def test_second_signal_stops_at_once_by_that_signal(self, second):
+    script = ('import os, signal, time\n'
+              'from tfmulti.train import checkpoints\n'
+              'with checkpoints.StopSignals():\n'
+              '  os.kill(os.getpid(), signal.SIGINT)\n'
+              f'  os.kill(os.getpid(), {int(second)})\n'
+              '  time.sleep(30)\n')
+    result = subprocess.run([sys.executable, '-c', script], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == -second  # The shell shows 128 + signal.
+    assert 'Traceback' not in result.stderr
+
+
+def test_a_pipelined_checkpoint_continues_on_the_towers(run_train, tmp_path):
+  """2 stages x 2 micro-batches for 3 steps, then plain towers to step 5,
+  ends where 2 plain clones trained for 5 steps end."""
+  common = dict(batch_size=4, optimizer='momentum', learning_rate=0.05,
+                num_clones=2)
+  model_dir = str(tmp_path / 'pipelined')
+  run_train(model_dir=model_dir, train_steps=3, num_stages=2,
+            num_microbatches=2, **common)
+  metrics = run_train(model_dir=model_dir, train_steps=5, **common)
+  assert (metrics['resumed_from_step'], metrics['steps']) == (3, 5)
+  whole = run_train(model_dir=str(tmp_path / 'whole'), train_steps=5,
+                    **common)
+  got = checkpoint_tensors(metrics['checkpoint'])
+  for key, value in checkpoint_tensors(whole['checkpoint']).items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+
+
+def test_a_two_clone_checkpoint_continues_on_every_path(run_train, tmp_path):
+  """2 clones -> mirrored, one device, 4 clones and 2 clones of 2 stages,
+  at the same step.
+
+  The global batch stays 8 rows; lenet has no BatchNorm, so every path
+  continues to the weights of one uninterrupted 2-clone run: the resume
+  restored the weights, the momentum slots and the input position.
+  """
+  common = dict(batch_size=4, optimizer='momentum', learning_rate=0.05)
+  start = str(tmp_path / 'two_clones')
+  run_train(model_dir=start, num_clones=2, train_steps=3, **common)
+  whole = run_train(model_dir=str(tmp_path / 'whole'), num_clones=2,
+                    train_steps=5, **common)
+  reference = checkpoint_tensors(whole['checkpoint'])
+  layouts = {'towers_2': dict(num_clones=2),
+             'mirrored_2': dict(strategy='mirrored', num_clones=2),
+             'single': dict(strategy='single', num_clones=1, batch_size=8),
+             'towers_4': dict(num_clones=4, batch_size=2),
+             'pipelined_2x2': dict(num_clones=2, num_stages=2,
+                                   num_microbatches=2)}
+  finals = {}
+  for name, flag_values in layouts.items():
+    model_dir = str(tmp_path / name)
+    shutil.copytree(start, model_dir)
+    values = dict(common, train_steps=5)
+    values.update(flag_values)
+    metrics = run_train(model_dir=model_dir, **values)
+    assert (metrics['resumed_from_step'], metrics['steps']) == (3, 5), name
+    assert metrics['checkpoint'].endswith('ckpt-5')
+    finals[name] = checkpoint_tensors(metrics['checkpoint'])
+  for name, tensors in finals.items():
+    # Saved once, in one layout: the same keys whichever path wrote them.
+    assert tensors.keys() == reference.keys(), name
+    for key, value in tensors.items():
+      np.testing.assert_allclose(value, reference[key], rtol=1e-5, atol=1e-6,
+                                 err_msg=f'{name}: {key}')
+
+
+class TestScan:
+  """The latest intact checkpoint is found whatever else is damaged."""
+
+  def _three_saved(self, directory):
+    """Checkpoints 1, 2 and 3 of a model whose kernel is the step number."""
+    deployed = make_deployed(ONE)
+    checkpointer = _checkpointer(directory, deployed, max_to_keep=5)
+    for step in (1, 2, 3):
+      deployed.model.trainable_variables[0].assign(
+          tf.fill(deployed.model.trainable_variables[0].shape, float(step)))
+      checkpointer.save(checkpoints.Position(step, 0, 8 * step))
+    return deployed
+
+  def _restored_step(self, directory):
+    fresh = make_deployed(ONE, model_fn=lambda: mlp(seed=5))
+    position = _checkpointer(directory, fresh).restore_latest()
+    kernel = fresh.model.trainable_variables[0].numpy()
+    assert (kernel == position.step).all()  # The weights of that step.
+    return position.step
+
+  def test_an_empty_index_file(self, tmp_path):
+    self._three_saved(tmp_path)
+    (tmp_path / 'checkpoint').write_text('')
+    assert self._restored_step(tmp_path) == 3
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith('ckpt-3')
+
+  def test_an_index_naming_a_missing_checkpoint(self, tmp_path):
+    self._three_saved(tmp_path)
+    for path in tmp_path.glob('ckpt-3.*'):
+      path.unlink()
+    assert self._restored_step(tmp_path) == 2
+
+  @pytest.mark.parametrize('damage', ['truncated data', 'garbled index',
+                                      'missing data'])
+  def test_a_damaged_newest_is_skipped_and_kept(self, tmp_path, caplog,
+                                                damage):
+    self._three_saved(tmp_path)
+    data = tmp_path / 'ckpt-3.data-00000-of-00001'
+    if damage == 'truncated data':
+      data.write_bytes(data.read_bytes()[:50])
+    elif damage == 'garbled index':
+      (tmp_path / 'ckpt-3.index').write_bytes(b'not an sstable')
+    else:
+      data.unlink()
+    with caplog.at_level('WARNING', logger='absl'):
+      assert self._restored_step(tmp_path) == 2
+    assert 'skipping damaged checkpoint' in caplog.text
+    assert 'ckpt-3' in caplog.text
+    assert (tmp_path / 'ckpt-3.index').exists()  # Never deleted.
+
+  def test_only_damaged_checkpoints_stop_the_run(self, tmp_path):
+    self._three_saved(tmp_path)
+    for step in (1, 2, 3):
+      (tmp_path / f'ckpt-{step}.index').write_bytes(b'')
+    with pytest.raises(errors.CheckpointDamagedError,
+                       match='no checkpoint in .* can be read.*ckpt-3.*'
+                       'new --model_dir'):
+      _checkpointer(tmp_path, make_deployed(ONE))
+
+  def test_partial_writes_are_removed(self, tmp_path):
+    self._three_saved(tmp_path)
+    partial = tmp_path / 'ckpt-4_temp'
+    partial.mkdir()
+    (partial / 'part-00000-of-00001.data-00000-of-00001').write_bytes(b'x')
+    assert self._restored_step(tmp_path) == 3
+    assert not partial.exists()
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+  deployed = make_deployed(ONE)
+  checkpointer = _checkpointer(tmp_path, deployed)
+  checkpointer.save(checkpoints.Position(1, 0, 8))
+  kernel = deployed.model.trainable_variables[0]
+  kernel.assign(tf.fill(kernel.shape, float('nan')))
+  with pytest.raises(errors.NonFiniteError,
+                     match=r'weights are not finite after step 2.*ckpt-1\)'):
+    checkpointer.save(checkpoints.Position(2, 0, 16))
+  assert not (tmp_path / 'ckpt-2.index').exists()
+  checkpoints.check_intact(checkpointer.latest)  # Named, and finite.
+
+
+def test_a_full_disk_stops_with_one_line_and_keeps_the_last(tmp_path,
+                                                            monkeypatch):
+  deployed = make_deployed(ONE)
+  checkpointer = _checkpointer(tmp_path, deployed)
+  checkpointer.save(checkpoints.Position(1, 0, 8))
+
+  def disk_full(**kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(checkpointer.manager, 'save', disk_full)
+  with pytest.raises(errors.CheckpointWriteError,
+                     match='cannot write checkpoint ckpt-2 .*No space left.*'
+                     'latest good checkpoint is .*ckpt-1'):
+    checkpointer.save(checkpoints.Position(2, 0, 16))
+  assert tf.train.latest_checkpoint(str(tmp_path)).endswith('ckpt-1')

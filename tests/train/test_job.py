@@ -1,0 +1,178 @@
+"""Tests for the training loop: resume, summaries, NaN stop, precision."""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+from tests.helpers import scalars
+from tfmulti.train import checkpoints
+from tfmulti.train import summaries
+
+
+def test_the_same_command_resumes_where_it_stopped(run_train, tmp_path):
+  model_dir = str(tmp_path / 'resume')
+  first = run_train(model_dir=model_dir, train_steps=3, checkpoint_steps=2,
+                    keep_checkpoints=1)
+  assert first['resumed_from_step'] is None and first['steps'] == 3
+  assert sorted(os.listdir(model_dir)).count('ckpt-3.index') == 1
+  assert not os.path.exists(os.path.join(model_dir, 'ckpt-2.index'))
+  second = run_train(model_dir=model_dir, train_steps=5, checkpoint_steps=2,
+                     keep_checkpoints=1)
+  assert second['resumed_from_step'] == 3 and second['steps'] == 5
+  assert second['checkpoint'] == os.path.join(model_dir, 'ckpt-5')
+  # Steps 4 and 5 were trained here, not again from 1.
+  assert sorted(scalars(model_dir)[summaries.TOTAL_LOSS]) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize('strategy', ['towers', 'mirrored'])
+def test_tensorboard_tags_are_the_same_on_every_path(run_train, tmp_path,
+                                                     strategy):
+  model_dir = str(tmp_path / strategy)
+  run_train(model_dir=model_dir, strategy=strategy, model='resnet8_thin',
+            num_clones=2, train_steps=4, log_every_steps=2,
+            optimizer='momentum', learning_rate=0.1, lr_schedule='step')
+  found = scalars(model_dir)
+  assert {summaries.TOTAL_LOSS, 'losses/clone_0', 'losses/clone_1',
+          summaries.REGULARIZATION_LOSS, summaries.LEARNING_RATE,
+          summaries.IMAGES_PER_SEC, summaries.EVAL_ACCURACY,
+          summaries.EVAL_LOSS} <= set(found)
+  for step in (2, 4):
+    np.testing.assert_allclose(
+        found[summaries.TOTAL_LOSS][step],
+        found['losses/clone_0'][step] + found['losses/clone_1'][step],
+        rtol=1e-5)
+    assert 0 < found[summaries.REGULARIZATION_LOSS][step] < (
+        found[summaries.TOTAL_LOSS][step])
+  # The step schedule drops x0.1 at 50% and 75% of 4 steps: step 2 used
+  # rate(1) = 0.1, step 4 used rate(3) = 0.001.
+  np.testing.assert_allclose(found[summaries.LEARNING_RATE][2], 0.1, rtol=1e-6)
+  np.testing.assert_allclose(found[summaries.LEARNING_RATE][4], 0.001,
+                             rtol=1e-5)
+  assert found[summaries.IMAGES_PER_SEC][4] > 0
+  assert 0 <= found[summaries.EVAL_ACCURACY][4] <= 1
+  assert found[summaries.EVAL_LOSS][4] > 0
+
+
+@pytest.mark.parametrize('strategy', ['towers', 'mirrored'])
+def test_gradient_summaries(run_train, tmp_path, strategy):
+  model_dir = str(tmp_path / strategy)
+  run_train(model_dir=model_dir, strategy=strategy, num_clones=2,
+            train_steps=1, summarize_gradients=True)
+  found = scalars(model_dir)
+  histograms = [t for t in found if t.startswith('gradients/')]
+  norms = [t for t in found if t.startswith('gradient_norms/')]
+  assert len(histograms) == 10  # lenet: 5 layers, kernel and bias each.
+  assert any(t.endswith('logits/kernel') for t in histograms)
+  assert len(norms) == 11  # And the global norm.
+  assert found[summaries.GLOBAL_GRADIENT_NORM][1] > 0
+
+
+@pytest.mark.parametrize('checkpoint_steps', [1, 4])
+def test_a_diverging_run_stops_and_names_a_finite_checkpoint(
+    run_train, tmp_path, checkpoint_steps):
+  """Huge steps: the weights or the loss go non-finite; nothing non-finite
+  is saved, and the checkpoint the message names is finite."""
+  model_dir = str(tmp_path / 'diverges')
+  with pytest.raises(SystemExit) as stop:
+    run_train(model_dir=model_dir, optimizer='sgd', learning_rate=1e6,
+              train_steps=30, checkpoint_steps=checkpoint_steps)
+  found = re.search(r'(the loss is (nan|inf) at|the weights are not finite '
+                    r'after) step (\d+); training stopped without saving',
+                    str(stop.value))
+  assert found, stop.value
+  assert 1 < int(found.group(3)) < 30
+  latest = tf.train.latest_checkpoint(model_dir) or 'none yet'
+  assert f'latest checkpoint ({latest}' in str(stop.value)
+  for _, path in checkpoints.numbered_checkpoints(model_dir):
+    checkpoints.check_intact(path)  # Every tensor of every one is finite.
+  assert not os.path.exists(os.path.join(model_dir, 'metrics.json'))
+
+
+def test_nothing_left_to_train_writes_strict_json(run_train, tmp_path):
+  model_dir = str(tmp_path / 'done')
+  run_train(model_dir=model_dir)
+  run_train(model_dir=model_dir)  # The same command again: nothing to do.
+
+  def refuse(constant):
+    raise ValueError(f'{constant} is not JSON')
+  with open(os.path.join(model_dir, 'metrics.json')) as f:
+    metrics = json.load(f, parse_constant=refuse)
+  assert (metrics['resumed_from_step'], metrics['steps']) == (2, 2)
+  assert metrics['images_per_sec'] is None and metrics['train_loss'] is None
+  assert metrics['nulls']['images_per_sec'].startswith('no step ran')
+  assert 0 <= metrics['eval_accuracy'] <= 1
+
+
+def test_a_resume_that_changes_the_job_stops_with_one_line(run_train,
+                                                           tmp_path):
+  model_dir = str(tmp_path / 'adam')
+  run_train(model_dir=model_dir, optimizer='adam')
+  with pytest.raises(SystemExit,
+                     match="holds another job \\(optimizer='adam' there, "
+                     "'sgd' here\\); resume with the flags that started it"):
+    run_train(model_dir=model_dir, optimizer='sgd', train_steps=4)
+  # The rate and the length may change: the run continues from step 2.
+  metrics = run_train(model_dir=model_dir, learning_rate=0.01, train_steps=4)
+  assert (metrics['resumed_from_step'], metrics['steps']) == (2, 4)
+
+
+def test_mixed_precision_trains_in_bfloat16_on_cpus(run_train, tmp_path):
+  model_dir = str(tmp_path / 'mixed')
+  metrics = run_train(model_dir=model_dir, mixed_precision=True,
+                      num_clones=2, batch_size=32, train_steps=30,
+                      log_every_steps=1)
+  assert metrics['mixed_precision'] == 'mixed_bfloat16'
+  losses = scalars(model_dir)[summaries.TOTAL_LOSS]
+  assert losses[30] < 0.6 * losses[1], (losses[1], losses[30])
+
+
+def test_xla_trains(run_train, tmp_path):
+  model_dir = str(tmp_path / 'xla')
+  run_train(model_dir=model_dir, xla=True, num_clones=2, batch_size=32,
+            train_steps=30, log_every_steps=1)
+  losses = scalars(model_dir)[summaries.TOTAL_LOSS]
+  assert losses[30] < 0.6 * losses[1], (losses[1], losses[30])
+
+
+def test_central_storage_trains_a_model_without_batch_norm(run_train):
+  metrics = run_train(strategy='central_storage', num_clones=2)
+  assert metrics['strategy'] == 'central_storage' and metrics['steps'] == 2
+
+
+@pytest.mark.parametrize('strategy', ['towers', 'mirrored'])
+def test_synchronized_batch_norm_flag_trains_on_both_paths(run_train,
+                                                           strategy):
+  metrics = run_train(strategy=strategy, model='resnet8_thin', num_clones=2,
+                      sync_batch_norm=True)
+  assert metrics['steps'] == 2 and metrics['strategy'] == strategy
+  assert np.isfinite(metrics['train_loss'])
+
+
+def test_profile_steps_trace_every_clone(run_train, tmp_path):
+  model_dir = tmp_path / 'profiled'
+  run_train(model_dir=str(model_dir), num_clones=2, train_steps=3,
+            profile_steps=['1', '2'])
+  traces = list(model_dir.glob('plugins/profile/*/*.xplane.pb'))
+  assert len(traces) == 1
+  space = xplane_pb2.XSpace()
+  space.ParseFromString(traces[0].read_bytes())
+  ops = {metadata.name for plane in space.planes
+         for metadata in plane.event_metadata.values()}
+  for clone in ('clone_0/', 'clone_1/'):  # Each clone's forward ops.
+    assert any(name.startswith(clone) and 'MatMul' in name for name in ops)
+  assert any(name.startswith('optimize_clones/') for name in ops)
+
+
+@pytest.mark.parametrize('steps, message', [
+    (['2', '1'], 'profile_steps=2,1: the last step must be >= the first'),
+    (['0', '3'], 'profile_steps=0: must be an integer >= 1'),
+    (['x'], '--profile_steps=x: give two global steps'),
+])
+def test_bad_profile_steps(run_train, steps, message):
+  with pytest.raises(SystemExit, match=message):
+    run_train(profile_steps=steps)

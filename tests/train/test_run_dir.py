@@ -1,0 +1,97 @@
+"""Tests for tfmulti.run_dir: usable paths, one writer, one job."""
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from tests.helpers import REPO
+from tfmulti import errors
+from tfmulti.train import run_dir
+
+
+class TestCheckDirectory:
+
+  def test_creates_a_missing_directory(self, tmp_path):
+    run_dir.check_directory('model_dir', str(tmp_path / 'a' / 'b'))
+    assert (tmp_path / 'a' / 'b').is_dir()
+
+  def test_a_regular_file(self, tmp_path):
+    path = tmp_path / 'file'
+    path.write_text('x')
+    with pytest.raises(errors.RunDirError,
+                       match=f'--model_dir={path} is a file, not a '
+                       'directory; pass a directory'):
+      run_dir.check_directory('model_dir', str(path))
+
+  def test_a_path_under_a_regular_file(self, tmp_path):
+    (tmp_path / 'file').write_text('x')
+    with pytest.raises(errors.RunDirError,
+                       match=r'--data_dir=.*file/sub cannot be used \(Not a '
+                       'directory\\); pass a directory this user can write'):
+      run_dir.check_directory('data_dir', str(tmp_path / 'file' / 'sub'))
+
+  def test_a_read_only_file_system(self, tmp_path, monkeypatch):
+    def read_only(**kwargs):
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(tempfile, 'NamedTemporaryFile', read_only)
+    with pytest.raises(errors.RunDirError,
+                       match=r'cannot be used \(Read-only file system\)'):
+      run_dir.check_directory('model_dir', str(tmp_path))
+
+
+def test_one_writer_per_model_dir_and_no_stuck_lock(tmp_path):
+  holder = subprocess.Popen(
+      [sys.executable, '-c',
+       'import sys, time\nfrom tfmulti.train import run_dir\n'
+       f'lock = run_dir.Lock({str(tmp_path)!r})\nlock.__enter__()\n'
+       'print("locked", flush=True)\ntime.sleep(60)\n'],
+      cwd=REPO, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'locked'
+    with pytest.raises(errors.RunDirError,
+                       match=f'is in use by another run \\(pid {holder.pid} '
+                       'on .*\\); wait for it to finish, or pass another'):
+      with run_dir.Lock(str(tmp_path)):
+        pass
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+  with run_dir.Lock(str(tmp_path)):  # A killed holder leaves nothing stuck.
+    assert (tmp_path / run_dir.LOCK_FILE).read_text().startswith(
+        f'pid {os.getpid()} ')
+
+
+JOB = {'model': 'lenet', 'optimizer': 'adam', 'global_batch_size': 128}
+SETTINGS = {'learning_rate': 0.001, 'total_steps': 100}
+
+
+class TestCheckJob:
+
+  def test_a_resume_that_changes_the_job_is_refused(self, tmp_path):
+    run_dir.check_job(str(tmp_path), JOB, SETTINGS, resuming=False)
+    changed = dict(JOB, optimizer='sgd', global_batch_size=64)
+    with pytest.raises(errors.RunDirError,
+                       match="holds another job \\(optimizer='adam' there, "
+                       "'sgd' here; global_batch_size=128 there, 64 here\\); "
+                       'resume with the flags that started it'):
+      run_dir.check_job(str(tmp_path), changed, SETTINGS, resuming=True)
+
+  def test_settings_may_change_and_are_logged(self, tmp_path, caplog):
+    run_dir.check_job(str(tmp_path), JOB, SETTINGS, resuming=False)
+    with caplog.at_level('INFO', logger='absl'):
+      run_dir.check_job(str(tmp_path), JOB,
+                        dict(SETTINGS, learning_rate=0.01), resuming=True)
+    assert 'resuming with changed settings: learning_rate 0.001 -> 0.01' in (
+        caplog.text)
+
+  def test_a_fresh_start_records_the_new_job(self, tmp_path):
+    run_dir.check_job(str(tmp_path), JOB, SETTINGS, resuming=False)
+    other = dict(JOB, model='resnet20')
+    run_dir.check_job(str(tmp_path), other, SETTINGS, resuming=False)
+    with pytest.raises(errors.RunDirError, match="model='resnet20' there"):
+      run_dir.check_job(str(tmp_path), JOB, SETTINGS, resuming=True)

@@ -1,0 +1,6 @@
+"""`python -m tfmulti.bench`: the designs' step costs (`designs`)."""
+
+from tfmulti.bench import designs
+
+if __name__ == '__main__':
+  designs.main()

@@ -1,0 +1,172 @@
+"""Automatic shares on an unequal pair: `python -m tfmulti.bench.balance`.
+
+Two clones on two devices, one of them made slower: every row that clone
+1 computes also waits `seconds_per_row` (a sleep inside its forward pass,
+on its device, so it costs time without taking the other clone's cores:
+a slow device, simulated). `--slowdown=3` picks the wait that makes clone 1
+take 3x clone 0's time per row, measured first.
+
+It then reports, side by side in one process (rounds interleaved):
+  * each clone's solo throughput (rows a second, alone) and the ideal: the
+    sum of the two, what a perfect split reaches;
+  * the even split's throughput (what `fit` and tf.distribute do);
+  * the throughput with `--clone_shares=auto`'s shares (`balance.Balanced`
+    measures the clones and sets them; the log line gives them).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmulti.deploy import balance
+from tfmulti.bench import designs as bench
+from tfmulti import deploy
+from tfmulti import devices
+from tfmulti import errors
+from tfmulti import models
+
+SLOW_CLONE = 1
+
+
+class ExtraWorkOn(keras.layers.Layer):
+  """Identity, but on `device` it first waits `seconds_per_row` a row.
+
+  `seconds_per_row` is read when the step runs, so it can change without a
+  retrace.
+  """
+
+  def __init__(self, device, **kwargs):
+    super().__init__(**kwargs)
+    self.device = device
+    self.seconds_per_row = 0.0
+
+  def _wait(self, rows):
+    time.sleep(float(rows) * self.seconds_per_row)
+    return np.float32(0.0)
+
+  def call(self, inputs):
+    if not tf.identity(inputs).device.endswith(self.device):
+      return inputs
+    waited = tf.py_function(self._wait, [tf.shape(inputs)[0]], tf.float32)
+    waited.set_shape([])
+    return inputs + tf.cast(tf.stop_gradient(waited), inputs.dtype)
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
+
+
+def _towers(model_name, batch_size):
+  """Two towers whose clone 1 carries an `ExtraWorkOn` layer."""
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  shape = (28, 28, 1)
+  with tf.device(config.variables_device()):
+    keras.utils.set_random_seed(0)
+    inner = models.get_model(model_name, input_shape=shape, num_classes=10)
+    inputs = keras.Input(shape)
+    extra = ExtraWorkOn(config.clone_device(SLOW_CLONE).split('/')[-1])
+    model = keras.Model(inputs, inner(extra(inputs)))
+    optimizer = keras.optimizers.SGD(0.01)
+  towers = deploy.deploy(
+      config, model,
+      keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer)
+  rng = np.random.default_rng(0)
+  images = rng.random((2 * batch_size, *shape), np.float32)
+  labels = rng.integers(0, 10, 2 * batch_size).astype(np.int32)
+  return towers, extra, tf.constant(images), tf.constant(labels)
+
+
+def _rate(towers, images, labels, steps):
+  start = time.perf_counter()
+  for _ in range(steps):
+    loss = towers.train_step(images, labels)
+  float(loss)
+  return steps * images.shape[0] / (time.perf_counter() - start)
+
+
+def run(model_name='lenet', batch_size=64, slowdown=3.0, rounds=5, steps=10):
+  """The report: solo throughputs, ideal, even and balanced splits."""
+  towers, extra, images, labels = _towers(model_name, batch_size)
+  base = balance.clone_throughputs(towers, images, labels)  # No extra yet.
+  extra.seconds_per_row = (slowdown - 1) / base[0]
+  solo = balance.clone_throughputs(towers, images, labels)
+  balanced = balance.Balanced(towers, every_steps=10**9)
+  auto_shares = balanced.rebalance(images, labels)
+  splits = {'even': None, 'auto': auto_shares}
+  rates = {name: [] for name in splits}
+  for shares in splits.values():  # Traces each split once.
+    towers.clone_shares = shares
+    _rate(towers, images, labels, 2)
+  for round_index in range(rounds):
+    order = list(splits)[::1 if round_index % 2 == 0 else -1]
+    for name in order:
+      towers.clone_shares = splits[name]
+      rates[name].append(_rate(towers, images, labels, steps))
+  ideal = sum(solo)
+  report = {'environment': bench.environment(),
+            'config': dict(model=model_name, batch_size=batch_size,
+                           slowdown=slowdown, rounds=rounds, steps=steps),
+            'solo_rows_per_sec': solo, 'ideal_rows_per_sec': ideal,
+            'auto_shares': list(auto_shares), 'trace_count':
+            towers.trace_count}
+  for name, values in rates.items():
+    median = statistics.median(values)
+    report[name] = {'rows_per_sec_median': median,
+                    'rows_per_sec_min': min(values),
+                    'rows_per_sec_max': max(values),
+                    'of_ideal': median / ideal}
+  report['auto_over_even'] = (report['auto']['rows_per_sec_median'] /
+                              report['even']['rows_per_sec_median'])
+  return report
+
+
+def format_report(report):
+  lines = [
+      'solo rows/s: ' + ', '.join(
+          f'clone {i} {r:.0f}' for i, r in enumerate(
+              report['solo_rows_per_sec'])) +
+      f"; ideal (sum) {report['ideal_rows_per_sec']:.0f}",
+      f"{'split':<8}{'rows/s':>10}{'min':>10}{'max':>10}{'of ideal':>10}"]
+  for name in ('even', 'auto'):
+    entry = report[name]
+    lines.append(f"{name:<8}{entry['rows_per_sec_median']:>10.0f}"
+                 f"{entry['rows_per_sec_min']:>10.0f}"
+                 f"{entry['rows_per_sec_max']:>10.0f}"
+                 f"{entry['of_ideal']:>10.2f}")
+  lines.append(f"auto shares {report['auto_shares']}; auto / even "
+               f"{report['auto_over_even']:.2f}")
+  return '\n'.join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog='python -m tfmulti.bench.balance',
+                                   description=__doc__.split('\n')[0])
+  parser.add_argument('--model', default='lenet', choices=models.names())
+  parser.add_argument('--batch_size', type=int, default=64,
+                      help='rows per clone of an even split')
+  parser.add_argument('--slowdown', type=float, default=3.0,
+                      help="clone 1's time per row / clone 0's")
+  parser.add_argument('--rounds', type=int, default=5)
+  parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--output', help='write the report here as JSON')
+  args = parser.parse_args(argv)
+  try:
+    errors.check_positive('slowdown', args.slowdown)
+    if args.slowdown < 1:
+      raise errors.ConfigError(f'slowdown={args.slowdown}: must be >= 1.')
+    for name in ('batch_size', 'rounds', 'steps'):
+      errors.check_count(name, getattr(args, name), 1)
+    devices.create_logical_cpus(2)
+  except errors.UserError as e:
+    sys.exit(f'tfmulti.bench.balance: error: {e}')
+  report = run(args.model, args.batch_size, args.slowdown, args.rounds,
+               args.steps)
+  bench.emit(report, format_report(report), args.output)
+
+
+if __name__ == '__main__':
+  main()

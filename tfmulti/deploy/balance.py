@@ -1,0 +1,121 @@
+"""Automatic clone shares (`--clone_shares=auto`) for unequal devices.
+
+A step waits for its slowest clone, so on unequal devices an even split
+wastes the fast ones. `Balanced` measures each clone's throughput alone
+(rows a second, forward and backward on its device), sets the shares in
+proportion, and measures again every `every_steps` steps, so a device that
+slows down later gets fewer rows at the next measurement.
+
+Shares are whole numbers out of `BUCKETS` (3:1 is 12:4), and a new split
+is taken only when it predicts a step at least `MIN_GAIN` faster than the
+current split does under the same measurement, so noise does not move it.
+The step, traced once per distinct split, thus retraces a bounded number
+of times (at most the splits of BUCKETS, in practice one or two;
+`Trainer.trace_count` counts them). Any split trains exactly as one device
+on the whole batch (`trainer.shard_loss`).
+"""
+
+import functools
+
+from absl import logging
+
+from tfmulti import errors
+from tfmulti import trainer
+from tfmulti.pipeline import costs
+
+BUCKETS = 16  # Shares are integers summing to this.
+# A new split must predict a step this much faster than the current one's,
+# so measurement noise on equal devices does not move (and retrace) it.
+MIN_GAIN = 0.05
+
+
+def shares_for(throughputs, buckets=BUCKETS):
+  """Integer shares summing to `buckets`, proportional to `throughputs`
+  (largest remainder), each at least 1."""
+  if len(throughputs) > buckets:
+    raise errors.ConfigError(
+        f'{len(throughputs)} clones cannot be balanced in {buckets} buckets.')
+  shares = trainer.split_rows(buckets, throughputs)
+  while 0 in shares:  # Every clone keeps a row's worth; the largest pays.
+    shares[shares.index(0)] = 1
+    shares[shares.index(max(shares))] -= 1
+  return tuple(shares)
+
+
+def predicted_step_seconds(rows, throughputs):
+  """The step time a split predicts: its slowest clone's rows / speed."""
+  return max(r / t for r, t in zip(rows, throughputs))
+
+
+def clone_throughputs(towers, images, labels):
+  """Each clone's rows a second alone (forward and backward on its
+  devices), on an equal share of a micro-step of this batch."""
+  rows = (images.shape[0] // towers.accumulation_steps //
+          towers.config.num_clones)
+  images, labels = images[:rows], labels[:rows]
+  speeds = []
+  for i in range(towers.config.num_clones):
+    probe = towers.probe(i)
+    speeds.append(rows / costs.median_seconds(
+        lambda probe=probe: float(probe(images, labels))))
+  return speeds
+
+
+class Balanced(trainer.Trainer):
+  """A `deploy.DeployedModel` whose clone shares follow measured speeds.
+
+  Attributes:
+    towers: the deployed model; its `clone_shares` are set here.
+    every_steps: steps between measurements (the first is at step 0 of
+      this process, so a resumed run measures again).
+    measure: `measure(images, labels)` -> each clone's throughput in rows a
+      second; `clone_throughputs` unless given (tests inject it).
+    history: (step, shares, throughputs) of every measurement.
+  """
+
+  def __init__(self, towers, every_steps, measure=None):
+    errors.check_count('rebalance_every_steps', every_steps, 1)
+    self.towers = towers
+    self.model = towers.model
+    self.optimizer = towers.optimizer
+    self.every_steps = every_steps
+    self.measure = measure or functools.partial(clone_throughputs, towers)
+    self.history = []
+    self._steps = 0
+
+  @property
+  def _step(self):
+    return self.towers._step
+
+  def distribute_dataset(self, dataset):
+    return self.towers.distribute_dataset(dataset)
+
+  def rebalance(self, images, labels):
+    """Measures the clones and sets their shares; returns the shares."""
+    throughputs = self.measure(images, labels)
+    rows = images.shape[0] // self.towers.accumulation_steps
+    current = self.towers.clone_shares or [1] * len(throughputs)
+    now = predicted_step_seconds(trainer.split_rows(rows, current),
+                                 throughputs)
+    shares = shares_for(throughputs)
+    new = predicted_step_seconds(trainer.split_rows(rows, shares),
+                                 throughputs)
+    if self.towers.clone_shares is None or new < now * (1 - MIN_GAIN):
+      logging.info(
+          'clone shares %s from %s rows/s; predicted step %.1f ms (the '
+          'split before: %.1f ms)', '/'.join(map(str, shares)),
+          ', '.join(f'{t:.0f}' for t in throughputs), 1e3 * new, 1e3 * now)
+      self.towers.clone_shares = shares
+    self.history.append((self._steps, self.towers.clone_shares,
+                         tuple(throughputs)))
+    return self.towers.clone_shares
+
+  def train_step_outputs(self, images, labels):
+    """Re-balances when due, then runs the towers' step."""
+    if self._steps % self.every_steps == 0:
+      self.rebalance(images, labels)
+    self._steps += 1
+    return self.towers.train_step_outputs(images, labels)
+
+  def predict(self, images):
+    return self.towers.predict(images)

@@ -1,0 +1,11 @@
+"""Model and pipeline parallelism inside a clone: stages and micro-batches.
+
+  stages     cut a functional model into stages; one clone's step through
+             them in micro-batches
+  partition  the optimal contiguous cut of the layers' costs
+  costs      each layer's cost: estimated from shapes, or measured
+"""
+
+from tfmulti.pipeline.stages import (  # noqa: F401
+    Pipeline, PipelineConfig, Stage, check_pipeline_options, split_model,
+    stage_starts)

@@ -1,0 +1,357 @@
+"""Model and pipeline parallelism: one clone cut into stages on devices.
+
+A `Pipeline` cuts a functional Keras model at layer boundaries into
+consecutive stages (sub-models sharing the model's layers and variables),
+and runs one clone's shard of a step through them, cut into micro-batches
+(GPipe, Huang et al. 2019):
+
+    micro-batch  0   1   2   3                 time ->
+    stage 0     F0  F1  F2  F3              B3  B2  B1  B0
+    stage 1         F0  F1  F2  F3      B3  B2  B1  B0
+
+Stage s of clone c runs on `DeploymentConfig.stage_device(c, s)`. The step
+is one TensorFlow graph, whose executor runs an op as soon as its inputs
+exist: stage 1 works on micro-batch 0 while stage 0 works on micro-batch 1,
+with no scheduler of ours. Each stage's backward pass runs on its own
+device, from the gradient of its outputs (computed by the next stage) to
+the gradients of its inputs and variables (`tf.GradientTape` per stage and
+micro-batch, with `output_gradients`). A tensor that several stages read
+(a skip connection across a boundary) is sent from its producer to each
+reader, and the gradients that come back are summed on the producer's side.
+
+Each micro-batch's loss is `trainer.shard_loss` of its rows over the global
+batch, so the sum over micro-batches, clones (and workers) is the mean over
+the global batch, and the step equals one device on the whole batch.
+Gradients of one stage are summed over its micro-batches on the stage's
+device (one transfer a stage per step), then over clones on the optimizer
+device (`clones.optimize_clones`).
+
+With `recompute`, a stage keeps only its inputs during the forward pass and
+runs its forward again, under a tape, when its output gradients arrive
+(GPipe's re-materialisation: memory for one micro-batch's activations a
+stage instead of all of them). The recomputed moving statistics are
+dropped: BatchNorm statistics are taken from the first pass only.
+
+Variables stay where the towers keep them, on the variables device: the
+clones share one copy, and the one update runs beside it; each stage reads
+its own variables once a step. (GPipe keeps a stage's variables on its
+device because it has one clone; with several, one copy per stage device
+would need the clones' gradients all-reduced, the mirrored design.)
+"""
+
+import dataclasses
+from typing import Optional, Tuple
+
+import keras
+import tensorflow as tf
+
+from tfmulti.pipeline import costs
+from tfmulti import errors
+from tfmulti.pipeline import partition
+from tfmulti import trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """How each clone's step runs through its stages.
+
+  Attributes:
+    num_microbatches: pieces each clone's rows are cut into; they flow
+      through the stages one after another.
+    boundaries: names of the first layer of stages 1..K-1; None to cut
+      automatically (`partition.partition` on the layers' `costs`).
+    layer_costs: 'estimated' (multiply-adds from the shapes) or 'measured'
+      (each layer's forward and backward pass timed; see `costs`).
+    recompute: recompute each stage's activations in its backward pass.
+    stage_speeds: a speed factor per stage device for the automatic cut
+      (2 for a device twice as fast); None for equal devices.
+  """
+  num_microbatches: int = 1
+  boundaries: Optional[Tuple[str, ...]] = None
+  recompute: bool = False
+  stage_speeds: Optional[Tuple[float, ...]] = None
+  layer_costs: str = costs.ESTIMATED
+
+  def __post_init__(self):
+    errors.check_count('num_microbatches', self.num_microbatches, 1)
+    errors.check_choice('layer_costs', self.layer_costs, costs.KINDS)
+
+
+def check_pipeline_options(*, jit_compile, lockstep):
+  """Refuses what a pipelined step cannot combine with, in one line."""
+  if jit_compile:
+    raise errors.UnsupportedError(
+        'xla=True compiles a whole clone on one device; it cannot compile a '
+        'clone cut into stages or micro-batches: drop --xla, or use '
+        '--num_stages=1 --num_microbatches=1.')
+  if lockstep:
+    raise errors.UnsupportedError(
+        'synchronized BatchNorm runs whole clones in lockstep; it cannot run '
+        'stages or micro-batches: drop --sync_batch_norm (the full_batch '
+        'policy gives the whole batch\'s moving statistics).')
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One stage: a sub-model sharing the model's layers.
+
+  Attributes:
+    model: the stage's functional `keras.Model`.
+    input_keys: `id()` of each Keras tensor it reads, in its input order.
+    output_keys: `id()` of each tensor it produces that a later stage (or
+      the model's output) reads.
+    trainable: indices of its variables in `model.trainable_variables` of
+      the whole model; `non_trainable` likewise.
+    first_layer: the name of its first layer.
+  """
+  model: keras.Model
+  input_keys: Tuple[int, ...]
+  output_keys: Tuple[int, ...]
+  trainable: Tuple[int, ...]
+  non_trainable: Tuple[int, ...]
+  first_layer: str
+
+
+def stage_starts(model, num_stages, config):
+  """Index (among `costs.operations`) of each stage's first layer."""
+  names = [op.name for op, _ in costs.operations(model)]
+  if num_stages > len(names):
+    raise errors.ConfigError(
+        f'num_stages={num_stages}: {model.name!r} has {len(names)} layers '
+        f'to cut; use --num_stages={len(names)} or fewer.')
+  if config.boundaries is None:
+    measure = (costs.measured_costs if config.layer_costs == costs.MEASURED
+               else costs.estimated_costs)
+    return partition.partition([cost for _, cost in measure(model)],
+                               num_stages, config.stage_speeds)
+  if len(config.boundaries) != num_stages - 1:
+    raise errors.ConfigError(
+        f'stage_boundaries={",".join(config.boundaries)}: name the first '
+        f'layer of stages 1..{num_stages - 1} ({num_stages - 1} names) for '
+        f'num_stages={num_stages}.')
+  starts = [0]
+  for name in config.boundaries:
+    if name not in names:
+      raise errors.ConfigError(
+          f'stage_boundaries: {model.name!r} has no layer {name!r}; its '
+          f'layers are {", ".join(names[:4])}, ... (see '
+          'costs.estimated_costs).')
+    if names.index(name) <= starts[-1]:
+      raise errors.ConfigError(
+          f'stage_boundaries: {name!r} must come after '
+          f'{names[starts[-1]]!r}; give the layers in model order.')
+    starts.append(names.index(name))
+  return starts
+
+
+def _indices(variables, among):
+  where = {id(v): i for i, v in enumerate(among)}
+  return tuple(where[id(v)] for v in variables)
+
+
+def split_model(model, starts):
+  """The `Stage`s of `model` that begin at the layers `starts`."""
+  graph = costs.operations(model)
+  ends = list(starts[1:]) + [len(graph)]
+  output_key = id(model.outputs[0])
+  stage_of_reader = {}
+  for s, (a, b) in enumerate(zip(starts, ends)):
+    for _, node in graph[a:b]:
+      for tensor in node.input_tensors:
+        stage_of_reader.setdefault(id(tensor), set()).add(s)
+  stages = []
+  for s, (a, b) in enumerate(zip(starts, ends)):
+    produced, inputs, outputs = set(), {}, []
+    for _, node in graph[a:b]:
+      for tensor in node.input_tensors:
+        if id(tensor) not in produced:
+          inputs.setdefault(id(tensor), tensor)
+      for tensor in node.output_tensors:
+        produced.add(id(tensor))
+        later = any(r > s for r in stage_of_reader.get(id(tensor), ()))
+        if later or id(tensor) == output_key:
+          outputs.append(tensor)
+    sub = keras.Model(list(inputs.values()), outputs,
+                      name=f'{model.name}_stage_{s}')
+    stages.append(Stage(
+        sub, tuple(inputs), tuple(id(t) for t in outputs),
+        _indices(sub.trainable_variables, model.trainable_variables),
+        _indices(sub.non_trainable_variables, model.non_trainable_variables),
+        graph[a][0].name))
+  return stages
+
+
+class Pipeline:
+  """A model cut into stages, and one clone's step through them."""
+
+  def __init__(self, model, num_stages, config=PipelineConfig()):
+    """Cuts `model`; raises `ConfigError` for a cut that cannot be made."""
+    self.config = config
+    self.stages = split_model(model, stage_starts(model, num_stages, config))
+    self.input_key = id(model.inputs[0])
+    self.output_key = id(model.outputs[0])
+
+  def _forward(self, s, trainable, non_trainable, values, labels, context,
+               weight):
+    """Stage `s` on one micro-batch: (outputs, new non-trainable values,
+    its regularization times `weight`, and on the last stage the
+    micro-batch's part of the loss, else None)."""
+    stage = self.stages[s]
+    outputs, new_non_trainable, losses = stage.model.stateless_call(
+        [trainable[i] for i in stage.trainable],
+        [non_trainable[i] for i in stage.non_trainable],
+        [values[k] for k in stage.input_keys],
+        training=True, return_losses=True)
+    outputs = keras.tree.flatten(outputs)
+    penalty = tf.zeros([], tf.float32)
+    if losses and not (isinstance(weight, (int, float)) and weight == 0):
+      penalty = tf.add_n([tf.cast(l, tf.float32) for l in losses])
+      penalty *= tf.cast(weight, tf.float32)
+    loss = None
+    if s == len(self.stages) - 1:
+      loss = trainer.shard_loss(
+          trainer.mean_loss(context.loss_fn, labels, outputs[-1]),
+          tf.shape(labels)[0], context.global_rows)
+    return outputs, new_non_trainable, penalty, loss
+
+  def microbatch_rows(self, rows):
+    """The rows of each micro-batch of a clone's `rows`."""
+    sizes = trainer.split_rows(rows, [1] * self.config.num_microbatches)
+    if not all(sizes):
+      raise errors.ConfigError(
+          f'num_microbatches={self.config.num_microbatches} is more than '
+          f'the {rows} rows of a clone; use at most {rows}.')
+    return sizes
+
+  def clone_step(self, devices, loss_fn, global_rows, trainable,
+                 non_trainable, images, labels, regularization_weight,
+                 loss_scale):
+    """One clone's forward and backward passes over its stages.
+
+    Same arguments and results as `clones.clone_step`, with `devices` the
+    clone's stage devices; the new non-trainable values come as a list,
+    one a micro-batch (of `microbatch_rows` rows), for
+    `batch_norm.combine_non_trainable`.
+    """
+    sizes = self.microbatch_rows(images.shape[0])
+    with tf.device(devices[0]):
+      image_pieces = tf.split(images, sizes)
+      label_pieces = tf.split(labels, sizes)
+    context = _Context(loss_fn, global_rows, regularization_weight,
+                       loss_scale)
+    per_stage_grads = [[] for _ in self.stages]
+    losses, regularizations, outputs, states = [], [], [], []
+    for m, (x, y) in enumerate(zip(image_pieces, label_pieces)):
+      with tf.name_scope(f'microbatch_{m}'):
+        result = self._microbatch(devices, context, trainable, non_trainable,
+                                  x, y, first=m == 0)
+      loss, regularization, output, state, grads = result
+      losses.append(loss)
+      regularizations.append(regularization)
+      outputs.append(output)
+      states.append(state)
+      for s, stage_grads in enumerate(grads):
+        per_stage_grads[s].append(stage_grads)
+    gradients = [None] * len(trainable)
+    for s, stage in enumerate(self.stages):
+      with tf.device(devices[s]), tf.name_scope(f'stage_{s}_sum'):
+        for k, index in enumerate(stage.trainable):
+          grads = [g[k] for g in per_stage_grads[s] if g[k] is not None]
+          if grads:
+            gradients[index] = tf.add_n(grads)
+    with tf.device(devices[-1]):
+      loss = tf.add_n(losses)
+      output = tf.concat(outputs, axis=0)
+    return output, loss, tf.add_n(regularizations), gradients, states
+
+  def _microbatch(self, devices, context, trainable, non_trainable, images,
+                  labels, first):
+    """Forward then backward of one micro-batch through every stage."""
+    last = len(self.stages) - 1
+    # The regularization counts once a clone: on its first micro-batch.
+    weight = context.regularization_weight if first else 0
+    values = {self.input_key: images}
+    kept = []  # Each stage's inputs, tape (None: recompute) and results.
+    new_non_trainable = list(non_trainable)
+    for s, stage in enumerate(self.stages):
+      with tf.device(devices[s]), tf.name_scope(f'stage_{s}'):
+        inputs = [values[k] for k in stage.input_keys]
+        if self.config.recompute and s < last:
+          tape, result = None, self._forward(
+              s, trainable, non_trainable, values, labels, context, weight)
+        else:
+          tape, result = self._taped(s, trainable, non_trainable, inputs,
+                                     labels, context, weight)
+        outputs, state, _, _ = result
+        values.update(zip(stage.output_keys, outputs))
+        for i, value in zip(stage.non_trainable, state):
+          new_non_trainable[i] = value
+        kept.append((inputs, tape, result))
+    upstream = {}  # Gradients of the tensors read by the later stages.
+    stage_grads, penalties = [None] * len(self.stages), []
+    for s in range(last, -1, -1):
+      stage = self.stages[s]
+      inputs, tape, result = kept[s]
+      with tf.device(devices[s]), tf.name_scope(f'stage_{s}_backward'):
+        if tape is None:  # Recompute, once the output gradients exist.
+          with tf.control_dependencies(
+              [upstream[k] for k in stage.output_keys]):
+            inputs = [tf.identity(x) for x in inputs]
+          tape, result = self._taped(s, trainable, non_trainable, inputs,
+                                     labels, context, weight)
+        outputs, _, penalty, loss = result
+        penalties.append(penalty)
+        scale = tf.cast(context.loss_scale, penalty.dtype)
+        if s == last:
+          targets, output_gradients = [loss, penalty], [scale, scale]
+        else:
+          targets = outputs + [penalty]
+          output_gradients = [upstream[k] for k in stage.output_keys]
+          output_gradients.append(scale)
+        input_keys = [k for k in stage.input_keys if k != self.input_key]
+        sources = [trainable[i] for i in stage.trainable] + [
+            x for k, x in zip(stage.input_keys, inputs)
+            if k != self.input_key]
+        grads = tape.gradient(targets, sources,
+                              output_gradients=output_gradients)
+        n = len(stage.trainable)
+        stage_grads[s] = grads[:n]
+        for k, x, g in zip(input_keys, sources[n:], grads[n:]):
+          g = tf.zeros_like(x) if g is None else g
+          upstream[k] = upstream[k] + g if k in upstream else g
+    loss = kept[last][2][3]
+    with tf.device(devices[last]):
+      regularization = tf.add_n(penalties)
+    return (loss + regularization, regularization, kept[last][2][0][-1],
+            new_non_trainable, stage_grads)
+
+  def _taped(self, s, trainable, non_trainable, inputs, labels, context,
+             weight):
+    """`_forward` recorded on a tape: (tape, its results)."""
+    stage = self.stages[s]
+    values = dict(zip(stage.input_keys, inputs))
+    with tf.GradientTape() as tape:
+      tape.watch([trainable[i] for i in stage.trainable])
+      tape.watch([x for k, x in values.items() if k != self.input_key])
+      result = self._forward(s, trainable, non_trainable, values, labels,
+                             context, weight)
+    return tape, result
+
+  def predict(self, devices, images):
+    """Inference outputs of `images` through the stages on `devices`."""
+    values = {self.input_key: images}
+    for s, stage in enumerate(self.stages):
+      with tf.device(devices[s]):
+        outputs = keras.tree.flatten(stage.model(
+            [values[k] for k in stage.input_keys], training=False))
+        values.update(zip(stage.output_keys, outputs))
+    return values[self.output_key]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+  """What every stage of a clone's step shares (see `clone_step`)."""
+  loss_fn: object
+  global_rows: object
+  regularization_weight: object
+  loss_scale: object

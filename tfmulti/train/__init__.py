@@ -1,0 +1,9 @@
+"""The training job: what the command line calls, and what it is made of.
+
+  job          train_and_evaluate: data, trainer, loop, evaluation, metrics
+  registry     --strategy name -> the builder of its trainer
+  config       TrainConfig: what to train, for how long, where to write
+  build        the model, optimizer, loss and schedule every path trains
+  loop         the training loop over any trainer
+  checkpoints, run_dir, metrics, summaries, profiling, schedules, export
+"""

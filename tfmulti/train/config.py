@@ -1,0 +1,168 @@
+"""`TrainConfig`: what to train, on what, for how long, and where to write.
+
+The command line turns its flags into a `TrainConfig` and a
+`deploy.DeploymentConfig` at once; the library takes only these. Every rule
+that needs no runtime is checked here, on construction, with one line that
+names the value and the fix; a path's own rules are in `strategies`.
+"""
+
+import dataclasses
+from typing import Optional, Tuple, Union
+
+from tfmulti.train import build
+from tfmulti.pipeline import costs
+from tfmulti import data
+from tfmulti import deploy
+from tfmulti import errors
+from tfmulti import models
+from tfmulti import pipeline
+from tfmulti.train import schedules
+from tfmulti.train import registry as strategies
+
+AUTO = 'auto'  # --clone_shares=auto.
+_SEED_LIMIT = 2**32  # NumPy's seeds are unsigned 32-bit integers.
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """What to train, on what, for how long, and where to write.
+
+  Attributes:
+    model: a name in `models.names()`.
+    dataset: a name in `data.DATASETS`.
+    model_dir: output directory: checkpoints, event files, metrics.json.
+      A directory holding checkpoints resumes from the latest.
+    data_dir: TFDS data directory; None for TFDS's default.
+    batch_size: examples per clone per step (slim's meaning); the global
+      batch is batch_size * num_clones * num_workers.
+    optimizer: one of `build.OPTIMIZERS`.
+    learning_rate: the one-device base rate (see `lr_scaling`).
+    lr_scaling: 'none', or 'linear' (times the job's clones, Goyal et al.).
+    lr_schedule: one of `schedules.LR_SCHEDULES`, over the run's global
+      steps.
+    warmup_steps: global steps of linear warm-up from 0 to the peak rate.
+    epochs: passes over the train split, unless `train_steps` is set.
+    train_steps: global steps to train; overrides `epochs`.
+    seed: seeds weights, dropout and shuffling.
+    deterministic: also make every op deterministic (bit-identical reruns).
+    log_every_steps: steps between progress lines and summaries.
+    checkpoint_steps: global steps between checkpoints (and one at the end).
+    keep_checkpoints: how many recent checkpoints to keep.
+    summarize_gradients: write gradient histograms and norms.
+    batch_norm_policy: see `deploy.BATCH_NORM_POLICIES`.
+    synchronized_batch_norm: BatchNorm over the global batch's statistics,
+      all-reduced over the clones or replicas (the towers then run their
+      clones in lockstep, see `towers_in_strategy`).
+    mixed_precision: compute in float16 on GPUs (with loss scaling) or
+      bfloat16 on CPUs; variables stay float32.
+    xla: compile each clone's computation with XLA (towers only).
+    strategy: a name in `strategies.NAMES`: how the step runs.
+    peer_timeout_s: seconds a multi-worker task waits for its peers, and
+      for each collective, before it fails.
+    export: write `export/<step>/` (SavedModel and .keras) at the end.
+    profile_steps: (first, last) global steps to profile into
+      `<model_dir>/plugins/profile/` for TensorBoard; None for no profile.
+    num_microbatches: pieces each clone's rows are cut into, flowing
+      through its stages (`pipeline`); towers only.
+    stage_boundaries: the first layer of each stage but the first; None
+      to cut where the estimated costs balance.
+    recompute: recompute each stage's activations in its backward pass.
+    stage_costs: what the automatic cut balances: 'estimated' or
+      'measured' layer costs (`costs`).
+    clone_shares: each clone's share of a step's rows (towers, mirrored),
+      e.g. (3, 1); 'auto' to measure the clones and balance them (towers);
+      None for equal shares.
+    rebalance_every_steps: with 'auto', steps between measurements.
+    accumulation_steps: micro-steps of batch_size * num_clones rows a
+      clone summed into one update (gradient accumulation); the global
+      batch of an update is batch_size * num_clones * num_workers *
+      accumulation_steps, and steps count updates.
+  """
+  model: str = 'lenet'
+  dataset: str = 'digits'
+  model_dir: str = 'runs/default'
+  data_dir: Optional[str] = None
+  batch_size: int = 64
+  optimizer: str = 'adam'
+  learning_rate: float = 1e-3
+  lr_scaling: str = schedules.NO_SCALING
+  lr_schedule: str = schedules.CONSTANT
+  warmup_steps: int = 0
+  epochs: int = 40
+  train_steps: Optional[int] = None
+  seed: int = 0
+  deterministic: bool = False
+  log_every_steps: int = 10
+  checkpoint_steps: int = 500
+  keep_checkpoints: int = 5
+  summarize_gradients: bool = False
+  batch_norm_policy: str = deploy.BN_CLONE_0
+  synchronized_batch_norm: bool = False
+  mixed_precision: bool = False
+  xla: bool = False
+  strategy: str = strategies.TOWERS
+  peer_timeout_s: float = 120.0
+  export: bool = True
+  profile_steps: Optional[Tuple[int, int]] = None
+  num_microbatches: int = 1
+  stage_boundaries: Optional[Tuple[str, ...]] = None
+  recompute: bool = False
+  stage_costs: str = costs.ESTIMATED
+  clone_shares: Optional[Union[Tuple[float, ...], str]] = None
+  rebalance_every_steps: int = 100
+  accumulation_steps: int = 1
+
+  @property
+  def auto_shares(self):
+    """Whether the clones' shares are measured and balanced."""
+    return self.clone_shares == AUTO
+
+  def pipeline(self):
+    """The `pipeline.PipelineConfig` of this run."""
+    return pipeline.PipelineConfig(num_microbatches=self.num_microbatches,
+                                   boundaries=self.stage_boundaries,
+                                   recompute=self.recompute,
+                                   layer_costs=self.stage_costs)
+
+  def __post_init__(self):
+    choices = [('dataset', data.DATASETS), ('strategy', strategies.NAMES),
+               ('optimizer', build.OPTIMIZERS),
+               ('batch_norm_policy', deploy.BATCH_NORM_POLICIES),
+               ('lr_scaling', schedules.LR_SCALINGS),
+               ('lr_schedule', schedules.LR_SCHEDULES),
+               ('stage_costs', costs.KINDS)]
+    for name, allowed in choices:
+      errors.check_choice(name, getattr(self, name), allowed)
+    models.check(self.model,
+                 synchronized_batch_norm=self.synchronized_batch_norm)
+    for name in ('batch_size', 'epochs', 'log_every_steps',
+                 'checkpoint_steps', 'keep_checkpoints', 'num_microbatches',
+                 'rebalance_every_steps', 'accumulation_steps'):
+      errors.check_count(name, getattr(self, name), 1)
+    if self.train_steps is not None:
+      errors.check_count('train_steps', self.train_steps, 1)
+    errors.check_count('warmup_steps', self.warmup_steps, 0)
+    errors.check_count('seed', self.seed, 0)
+    if self.seed >= _SEED_LIMIT:
+      raise errors.ConfigError(f'seed={self.seed}: must be below 2**32 '
+                               f'({_SEED_LIMIT}), as NumPy requires.')
+    errors.check_positive('learning_rate', self.learning_rate)
+    errors.check_positive('peer_timeout_s', self.peer_timeout_s)
+    if self.profile_steps is not None:
+      first, last = self.profile_steps
+      errors.check_count('profile_steps', first, 1)
+      if not isinstance(last, int) or last < first:
+        raise errors.ConfigError(
+            f'profile_steps={first},{last}: the last step must be >= the '
+            'first, e.g. --profile_steps=5,7.')
+    if self.num_microbatches > self.batch_size:
+      raise errors.ConfigError(
+          f'num_microbatches={self.num_microbatches} is more than '
+          f'batch_size={self.batch_size} rows a clone; use at most '
+          f'{self.batch_size}.')
+    if isinstance(self.clone_shares, str) and not self.auto_shares:
+      raise errors.ConfigError(
+          f'clone_shares={self.clone_shares!r}: give numbers, e.g. 3,1, or '
+          f'{AUTO!r}.')
+    if not self.model_dir:
+      raise errors.ConfigError("model_dir='': name an output directory.")

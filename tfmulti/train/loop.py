@@ -1,0 +1,265 @@
+"""The training loop: steps, progress, summaries, checkpoints, evaluation.
+
+It drives any `trainer.Trainer` (every path implements it; tests use a fake
+one) from a checkpoint position to the last global step. Step losses are
+read back to the host once per progress line or checkpoint, not once per
+step, so the host does not wait for every step; the loss of each step is
+still checked, and a NaN or Inf stops training before any checkpoint holds
+it.
+"""
+
+import collections
+import contextlib
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfmulti.train import checkpoints
+from tfmulti import data
+from tfmulti import errors
+from tfmulti.train import profiling
+from tfmulti.train import summaries as summaries_lib
+from tfmulti import trainer as trainer_lib
+
+# What `train` ends with: the final `checkpoints.Position`, the last
+# evaluation ({'accuracy', 'loss'}) and the run's `Progress` (timing).
+Outcome = collections.namedtuple('Outcome',
+                                 ['position', 'evaluation', 'progress'])
+
+
+class TrainingInterrupted(Exception):
+  """A signal stopped training after a checkpoint.
+
+  Attributes: `signal_name`, `step`, `checkpoint` (its path), `exit_code`
+  (the shell's code for death by that signal).
+  """
+
+  def __init__(self, signal_name, step, checkpoint, exit_code):
+    super().__init__(f'{signal_name} at step {step}: saved {checkpoint}; run '
+                     'the same command again to resume.')
+    self.signal_name = signal_name
+    self.step = step
+    self.checkpoint = checkpoint
+    self.exit_code = exit_code
+
+
+def evaluate(trainer, dataset, loss_fn):
+  """{'accuracy', 'loss'} of `trainer.predict` over every test example.
+
+  The sums stay tensors until the end: one host read, not two per batch.
+  """
+  correct, loss_sum, count = 0, 0.0, 0
+  for images, labels in dataset:
+    logits = trainer.predict(images)
+    rows = int(labels.shape[0])
+    loss_sum += loss_fn(labels, logits) * rows
+    correct += tf.reduce_sum(tf.cast(
+        tf.argmax(logits, axis=-1, output_type=tf.int32) == labels,
+        tf.int32))
+    count += rows
+  return {'accuracy': int(correct) / count, 'loss': float(loss_sum) / count}
+
+
+class Progress:
+  """Progress lines: loss over the window, images/sec and ETA.
+
+  The clock starts after this run's first step (which traces the step
+  function) and stops during evaluation, so images/sec is the steady-state
+  throughput of the step, its input and its checkpoints.
+  """
+
+  def __init__(self, total_steps, global_batch_size, log_every_steps):
+    self.total_steps = total_steps
+    self.global_batch_size = global_batch_size
+    self.log_every_steps = log_every_steps
+    self.window = []  # Total losses since the last progress line.
+    self.last_window_loss = float('nan')
+    self.train_seconds = 0.0
+    self.timed_steps = 0
+    self.steps_run = 0
+    self._started = None
+    # Where the time went (seconds; perf_counter for `first_step_started`).
+    self.first_step_started = None
+    self.first_step_seconds = float('nan')
+    self.evaluation_seconds = 0.0
+    self.checkpoint_seconds = 0.0
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Leaves what runs inside (evaluation) out of the training time."""
+    running = self._started is not None
+    paused_at = time.perf_counter()
+    if running:
+      self.train_seconds += paused_at - self._started
+      self._started = None
+    try:
+      yield
+    finally:
+      self.evaluation_seconds += time.perf_counter() - paused_at
+      if running:
+        self._started = time.perf_counter()
+
+  @property
+  def images_per_sec(self):
+    seconds = self.train_seconds
+    if self._started is not None:
+      seconds += time.perf_counter() - self._started
+    if not seconds or not self.timed_steps:
+      return float('nan')
+    return self.timed_steps * self.global_batch_size / seconds
+
+  def record(self, step, losses, epoch):
+    """Records the total losses (floats) of the steps up to `step`."""
+    self.window.extend(losses)
+    timed = len(losses)
+    if not self.steps_run:  # The first step traced the function: untimed.
+      self._started = time.perf_counter()
+      self.first_step_seconds = self._started - self.first_step_started
+      timed -= 1
+    self.steps_run += len(losses)
+    self.timed_steps += timed
+    if step % self.log_every_steps and step != self.total_steps:
+      return
+    self.last_window_loss = float(np.mean(self.window))
+    self.window = []
+    eta = float('nan')
+    if self.timed_steps:
+      eta = (self.total_steps - step) * self.global_batch_size / (
+          self.images_per_sec)
+    logging.info('step %d/%d (epoch %d) loss %.4f | %.0f images/sec | ETA %s',
+                 step, self.total_steps, epoch + 1, self.last_window_loss,
+                 self.images_per_sec, '?' if np.isnan(eta) else
+                 time.strftime('%H:%M:%S', time.gmtime(eta)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+  """What the loop works with, built once per run by `train_lib`.
+
+  Attributes:
+    trainer: any `trainer.Trainer`.
+    dataset: the `data.Data` to train and evaluate on.
+    loss_fn: `loss_fn(labels, logits)`, for evaluation.
+    schedule: the learning rate of a 0-based step (for the summaries).
+    checkpointer: saves and restores the run.
+    summaries: TensorBoard writer.
+    global_batch_size: rows per step, of the whole job.
+    total_steps: the last global step.
+    log_every_steps: steps between progress lines and summaries.
+    checkpoint_steps: steps between checkpoints.
+    profile_steps: (first, last) global steps to profile, or None.
+    profile_dir: where the profile goes (the run's output directory).
+  """
+  trainer: trainer_lib.Trainer
+  dataset: data.Data
+  loss_fn: Callable
+  schedule: Callable
+  checkpointer: checkpoints.Checkpointer
+  summaries: summaries_lib.Summaries
+  global_batch_size: int
+  total_steps: int
+  log_every_steps: int
+  checkpoint_steps: int
+  profile_steps: Optional[tuple] = None
+  profile_dir: Optional[str] = None
+
+
+def _read_losses(run, last_step, pending):
+  """The pending steps' total losses as floats; raises at the first NaN."""
+  losses = [float(v) for v in tf.stack(pending).numpy()]  # One host read.
+  for offset, loss in enumerate(losses):
+    if not np.isfinite(loss):
+      step = last_step - len(losses) + 1 + offset
+      raise errors.NonFiniteError(
+          f'the loss is {loss} at step {step}; training stopped without '
+          'saving it. The latest checkpoint '
+          f'({run.checkpointer.describe_latest()}) '
+          'holds the last good state; lower --learning_rate or add '
+          '--warmup_steps, then run again.')
+  return losses
+
+
+def _train_epoch(run, position, signals, progress, profiler):
+  """Trains on the rest of epoch `position.epoch`; returns the new position."""
+  step, epoch, examples = position
+  batches = run.dataset.train_epoch(
+      epoch, skip_batches=examples // run.global_batch_size).take(
+          run.total_steps - step)
+  pending = []  # Total losses of the steps not yet read back.
+  for images, labels in run.trainer.distribute_dataset(batches):
+    if progress.first_step_started is None:
+      progress.first_step_started = time.perf_counter()
+    profiler.before(step + 1)
+    outputs = run.trainer.train_step_outputs(images, labels)
+    step += 1
+    profiler.after(step, outputs)
+    examples += run.global_batch_size
+    pending.append(outputs.total)
+    stop = signals.received  # Read once: a signal may land at any line.
+    log = step % run.log_every_steps == 0 or step == run.total_steps
+    save = step % run.checkpoint_steps == 0 or stop
+    if not (log or save or progress.steps_run == 0):
+      continue
+    progress.record(step, _read_losses(run, step, pending), epoch)
+    pending = []
+    if log:
+      run.summaries.train(step, outputs,
+                          learning_rate=run.schedule(step - 1),
+                          images_per_sec=progress.images_per_sec)
+      if outputs.gradients:
+        run.summaries.gradients(step, outputs.gradients)
+    if save:
+      saving = time.perf_counter()
+      run.checkpointer.save(checkpoints.Position(step, epoch, examples))
+      progress.checkpoint_seconds += time.perf_counter() - saving
+    if stop:
+      raise TrainingInterrupted(stop, step, run.checkpointer.latest,
+                                signals.exit_code)
+  if pending:
+    progress.record(step, _read_losses(run, step, pending), epoch)
+  steps_per_epoch = run.dataset.train_examples // run.global_batch_size
+  if examples >= steps_per_epoch * run.global_batch_size:
+    return checkpoints.Position(step, epoch + 1, 0)
+  return checkpoints.Position(step, epoch, examples)
+
+
+def _evaluate(run, step, progress):
+  with progress.paused():
+    evaluation = evaluate(run.trainer, run.dataset.test, run.loss_fn)
+  run.summaries.evaluation(step, evaluation)
+  logging.info('step %d: eval accuracy %.4f, eval loss %.4f', step,
+               evaluation['accuracy'], evaluation['loss'])
+  return evaluation
+
+
+def train(run, position):
+  """Trains from `position` to `run.total_steps`, evaluating every epoch.
+
+  SIGTERM or SIGINT stops it after the current step with a checkpoint.
+
+  Returns:
+    An `Outcome`.
+
+  Raises:
+    TrainingInterrupted: after the checkpoint a signal asked for.
+    errors.NonFiniteError: a step's loss, or the weights at a checkpoint,
+      were NaN or infinite.
+  """
+  progress = Progress(run.total_steps, run.global_batch_size,
+                      run.log_every_steps)
+  profiler = profiling.StepProfiler(run.profile_steps, run.profile_dir)
+  evaluation = None
+  with checkpoints.StopSignals() as signals:
+    try:
+      while position.step < run.total_steps:
+        position = _train_epoch(run, position, signals, progress, profiler)
+        evaluation = _evaluate(run, position.step, progress)
+    finally:
+      profiler.close()
+  run.checkpointer.save(position)
+  return Outcome(position, evaluation or _evaluate(run, position.step,
+                                                   progress), progress)

@@ -1,0 +1,125 @@
+"""`<model_dir>/metrics.json`: what a run reached, as strict JSON.
+
+Strict JSON has no NaN or Infinity (readers refuse them): a value that is
+not a finite number is written as null, and `nulls` says why.
+"""
+
+import hashlib
+import json
+import math
+import os
+
+import numpy as np
+from absl import logging
+
+from tfmulti.train import build
+from tfmulti import errors
+
+METRICS_FILE = 'metrics.json'
+# Measured over the steps this session trained; none when nothing was left.
+TIMED = ('train_loss', 'images_per_sec')
+NO_STEP_RAN = 'no step ran in this session (nothing was left to train)'
+
+
+def phases(progress, started):
+  """Where a run's time went, in seconds: start-up (from `started`, a
+  perf_counter reading, to the first step), the first step (tracing),
+  training after it, evaluation and checkpoints (part of training)."""
+  first = progress.first_step_started
+  return {'startup': first - started if first else float('nan'),
+          'first_step': progress.first_step_seconds,
+          'train_after_first_step': progress.train_seconds,
+          'evaluation': progress.evaluation_seconds,
+          'checkpoints': progress.checkpoint_seconds}
+
+
+def collect(config, deploy_config, run, outcome, restored, started):
+  """The metrics of a finished `loop.Run` and its `loop.Outcome`."""
+  steps_per_epoch = run.dataset.train_examples // run.global_batch_size
+  return {
+      'phases_seconds': strict(phases(outcome.progress, started)),
+      'eval_accuracy': outcome.evaluation['accuracy'],
+      'eval_loss': outcome.evaluation['loss'],
+      'train_loss': outcome.progress.last_window_loss,
+      'steps': outcome.position.step,
+      'resumed_from_step': restored.step if restored else None,
+      'epochs': outcome.position.step / steps_per_epoch,
+      'images_per_sec': outcome.progress.images_per_sec,
+      'train_seconds': outcome.progress.train_seconds,
+      'strategy': config.strategy,
+      'num_clones': deploy_config.num_clones,
+      'num_workers': deploy_config.num_workers,
+      'batch_size': config.batch_size,
+      'global_batch_size': run.global_batch_size,
+      'variables_device': deploy_config.variables_device(),
+      'clone_devices': deploy_config.clone_devices(),
+      'num_stages': deploy_config.num_stages,
+      'num_microbatches': config.num_microbatches,
+      'accumulation_steps': config.accumulation_steps,
+      'clone_shares': _shares(run.trainer),
+      'model': config.model,
+      'dataset': config.dataset,
+      'optimizer': config.optimizer,
+      'learning_rate': config.learning_rate,
+      'peak_learning_rate': run.schedule.peak,
+      'lr_schedule': config.lr_schedule,
+      'mixed_precision': build.dtype_policy(config.mixed_precision,
+                                            deploy_config.clone_on_cpu),
+      'seed': config.seed,
+      'checkpoint': run.checkpointer.latest,
+  }
+
+
+def _shares(trainer):
+  """The clones' shares at the end (measured ones with 'auto'), or None."""
+  shares = getattr(getattr(trainer, 'towers', trainer), 'clone_shares', None)
+  return list(shares) if shares else None
+
+
+def strict(metrics):
+  """`metrics` with each non-finite float as None, and why under 'nulls'."""
+  out, nulls = {}, {}
+  for key, value in metrics.items():
+    if isinstance(value, float) and not math.isfinite(value):
+      out[key] = None
+      nulls[key] = (NO_STEP_RAN if key in TIMED
+                    else f'not a finite number ({value})')
+    else:
+      out[key] = value
+  if nulls:
+    out['nulls'] = nulls
+  return out
+
+
+def _shown(value, spec):
+  return format(value, spec) if math.isfinite(value) else 'n/a'
+
+
+def write(model_dir, metrics):
+  """Writes metrics.json atomically (a reader never sees half a file).
+
+  Raises:
+    errors.RunDirError: it cannot be written.
+  """
+  path = os.path.join(model_dir, METRICS_FILE)
+  try:
+    with open(path + '.tmp', 'w') as f:
+      json.dump(strict(metrics), f, indent=2, sort_keys=True, allow_nan=False)
+    os.replace(path + '.tmp', path)
+  except OSError as e:
+    raise errors.RunDirError(
+        f'cannot write {path} ({e.strerror or e}); free some space or fix '
+        'the directory (the checkpoints are saved).') from e
+  logging.info('done: %d steps, eval accuracy %.4f, train loss %s, %s '
+               'images/sec; metrics in %s', metrics['steps'],
+               metrics['eval_accuracy'], _shown(metrics['train_loss'], '.4f'),
+               _shown(metrics['images_per_sec'], '.0f'), path)
+  return path
+
+
+def fingerprint(model):
+  """A digest of every weight, to compare workers' copies in the log."""
+  digest = hashlib.sha256()
+  for weight in model.get_weights():
+    digest.update(np.ascontiguousarray(weight).tobytes())
+  return digest.hexdigest()[:16]
