@@ -20,7 +20,6 @@ from absl import logging
 
 from tfmulti import deploy
 from tfmulti import devices
-from tfmulti import pipeline
 
 
 def toy_model():
@@ -38,11 +37,10 @@ def train(config, steps=5, microbatches=1):
     model = toy_model()
     optimizer = keras.optimizers.SGD(0.001)
   # Stage 1 starts at net2: net1 and the ReLU run on stage 0's device.
-  cut = pipeline.PipelineConfig(num_microbatches=microbatches,
-                                boundaries=('net2',))
+  cut = deploy.StepOptions(num_microbatches=microbatches,
+                           stage_boundaries=('net2',))
   deployed = deploy.deploy(config, model, keras.losses.MeanSquaredError(),
-                           optimizer,
-                           pipeline=cut if config.num_stages > 1 else None)
+                           optimizer, cut if config.num_stages > 1 else None)
   rng = np.random.default_rng(0)
   losses = []
   for _ in range(steps):

@@ -55,12 +55,18 @@ def weights(model):
   return [np.array(w) for w in model.get_weights()]
 
 
-def checkpoint_tensors(path, prefixes=('model/',)):
-  """{key: value} of a checkpoint's tensors under `prefixes`."""
+def checkpoint_tensors(path, prefixes=('model/', 'optimizer/')):
+  """{key: value} of a checkpoint's tensors under `prefixes`: by default
+  the model's and the optimizer's (a checkpoint files each variable once,
+  under its first path: trainable weights under the optimizer's
+  `_trainable_variables`, the rest under the model). Never empty, so a
+  comparison of two checkpoints cannot pass by comparing nothing."""
   reader = tf.train.load_checkpoint(path)
-  return {key: reader.get_tensor(key)
-          for key in reader.get_variable_to_shape_map()
-          if key.startswith(prefixes)}
+  found = {key: reader.get_tensor(key)
+           for key in reader.get_variable_to_shape_map()
+           if key.startswith(prefixes)}
+  assert found, f'{path} holds nothing under {prefixes}'
+  return found
 
 
 def scalars(model_dir):

@@ -9,6 +9,7 @@ from tfmulti.train import build
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti import layers
 from tfmulti import models
 from tfmulti.models import resnet
 
@@ -44,6 +45,9 @@ def test_parameter_counts(name, shape, trainable, total):
 def test_input_shape_and_classes_come_from_the_caller(name):
   model = models.get_model(name, input_shape=(28, 28, 1), num_classes=7)
   assert model.output_shape == (None, 7)
+  # The registry's declaration (read before any model is built, to refuse
+  # --sync_batch_norm early) is what the built model has.
+  assert models.has_batch_norm(name) == bool(layers.batch_norms(model))
   outputs = model(np.zeros((2, 28, 28, 1), np.float32), training=False)
   assert outputs.shape == (2, 7)
 

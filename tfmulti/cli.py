@@ -26,19 +26,19 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
 
-from tfmulti.train import build  # noqa: E402
-from tfmulti.distribute import cluster  # noqa: E402
-from tfmulti.train import config  # noqa: E402
-from tfmulti.pipeline import costs  # noqa: E402
 from tfmulti import data  # noqa: E402
 from tfmulti import deploy  # noqa: E402
 from tfmulti import devices  # noqa: E402
 from tfmulti import errors  # noqa: E402
-from tfmulti.train import loop  # noqa: E402
 from tfmulti import models  # noqa: E402
+from tfmulti import step_options  # noqa: E402
+from tfmulti.distribute import cluster  # noqa: E402
+from tfmulti.train import build  # noqa: E402
+from tfmulti.train import config  # noqa: E402
+from tfmulti.train import job  # noqa: E402
+from tfmulti.train import loop  # noqa: E402
+from tfmulti.train import registry  # noqa: E402
 from tfmulti.train import schedules  # noqa: E402
-from tfmulti.train import registry as strategies  # noqa: E402
-from tfmulti.train import job as train_lib  # noqa: E402
 
 PROGRAM = 'train.py'
 
@@ -105,7 +105,8 @@ _SUMMARIZE_GRADIENTS = flags.DEFINE_bool(
     'summarize_gradients', False, 'Write gradient histograms and norms per '
     'variable to TensorBoard.')
 _BATCH_NORM_POLICY = flags.DEFINE_enum(
-    'batch_norm_policy', deploy.BN_CLONE_0, deploy.BATCH_NORM_POLICIES,
+    'batch_norm_policy', step_options.BN_CLONE_0,
+    step_options.BATCH_NORM_POLICIES,
     "BatchNorm moving statistics each step: clone 0's (slim), the clones' "
     "(and micro-batches') row-weighted mean, or full_batch: one update from "
     "the whole batch's mean and variance (towers).")
@@ -113,7 +114,7 @@ _SYNC_BATCH_NORM = flags.DEFINE_bool(
     'sync_batch_norm', False, "Keras's synchronized BatchNorm: statistics "
     'of the global batch, all-reduced over the clones or replicas.')
 _STRATEGY = flags.DEFINE_enum(
-    'strategy', strategies.TOWERS, strategies.NAMES,
+    'strategy', registry.TOWERS, registry.NAMES,
     "How the step runs: 'towers' (tfmulti.deploy), 'mirrored' "
     "(tf.distribute.MirroredStrategy over the same devices), "
     "'central_storage' (CentralStorageStrategy), 'single' (one device, the "
@@ -149,9 +150,10 @@ _STAGE_BOUNDARIES = flags.DEFINE_list(
     'stage2_block0_conv1; default: cut where the estimated layer costs '
     'balance.')
 _STAGE_COSTS = flags.DEFINE_enum(
-    'stage_costs', costs.ESTIMATED, costs.KINDS, 'What the automatic cut '
-    "balances: layers' multiply-adds estimated from their shapes, or each "
-    "layer's forward and backward pass measured at start-up.")
+    'stage_costs', step_options.ESTIMATED, step_options.STAGE_COSTS,
+    "What the automatic cut balances: layers' multiply-adds estimated from "
+    "their shapes, or each layer's forward and backward pass measured at "
+    'start-up.')
 _RECOMPUTE = flags.DEFINE_bool(
     'recompute', False, "Recompute each stage's activations in the backward "
     'pass (less memory, one more forward pass).')
@@ -163,8 +165,8 @@ _REBALANCE_EVERY_STEPS = flags.DEFINE_integer(
     'rebalance_every_steps', 100, 'With --clone_shares=auto: steps between '
     "measurements of the clones' speeds.")
 _ACCUMULATION_STEPS = flags.DEFINE_integer(
-    'accumulation_steps', 1, 'Sum the gradients of this many micro-steps '
-    '(each batch_size * num_clones rows) into one update; steps count '
+    'accumulation_steps', 1, 'Sum the gradients of this many accumulation '
+    'steps (each batch_size * num_clones rows) into one update; steps count '
     'updates.')
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (towers only).")
@@ -198,8 +200,8 @@ def _profile_steps(values):
 
 def _clone_shares(values):
   """--clone_shares as numbers, 'auto', or None."""
-  if values is None or values == [config.AUTO]:
-    return values and config.AUTO
+  if values is None or values == [step_options.AUTO]:
+    return values and step_options.AUTO
   try:
     return tuple(int(v) if v.strip().isdigit() else float(v) for v in values)
   except ValueError:
@@ -239,20 +241,26 @@ def _train_config():
       log_every_steps=_LOG_EVERY_STEPS.value,
       checkpoint_steps=_CHECKPOINT_STEPS.value,
       keep_checkpoints=_KEEP_CHECKPOINTS.value,
-      summarize_gradients=_SUMMARIZE_GRADIENTS.value,
-      batch_norm_policy=_BATCH_NORM_POLICY.value,
-      synchronized_batch_norm=_SYNC_BATCH_NORM.value,
-      mixed_precision=_MIXED_PRECISION.value, xla=_XLA.value,
+      mixed_precision=_MIXED_PRECISION.value,
       strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value,
       export=_EXPORT.value,
       profile_steps=_profile_steps(_PROFILE_STEPS.value),
+      step_options=_step_options())
+
+
+def _step_options():
+  """The one `StepOptions` record of this run, from its flags."""
+  return step_options.StepOptions(
+      batch_norm_policy=_BATCH_NORM_POLICY.value,
+      sync_batch_norm=_SYNC_BATCH_NORM.value, xla=_XLA.value,
       num_microbatches=_NUM_MICROBATCHES.value,
       stage_boundaries=(tuple(_STAGE_BOUNDARIES.value)
                         if _STAGE_BOUNDARIES.value else None),
-      recompute=_RECOMPUTE.value, stage_costs=_STAGE_COSTS.value,
+      stage_costs=_STAGE_COSTS.value, recompute=_RECOMPUTE.value,
       clone_shares=_clone_shares(_CLONE_SHARES.value),
       rebalance_every_steps=_REBALANCE_EVERY_STEPS.value,
-      accumulation_steps=_ACCUMULATION_STEPS.value)
+      accumulation_steps=_ACCUMULATION_STEPS.value,
+      summarize_gradients=_SUMMARIZE_GRADIENTS.value)
 
 
 def configs_from_flags():
@@ -266,9 +274,8 @@ def configs_from_flags():
   """
   variables_gpu = _variables_gpu(_VARIABLES_DEVICE.value)
   train_config = _train_config()
-  path = strategies.get(train_config.strategy)
+  path = registry.get(train_config.strategy)
   cluster_info = _cluster(path)
-  errors.check_count('num_stages', _NUM_STAGES.value, 1)
   clone_on_cpu = devices.place_clones(
       _NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
       variables_gpu=variables_gpu, num_stages=_NUM_STAGES.value)
@@ -279,7 +286,6 @@ def configs_from_flags():
       replica_id=cluster_info.index if cluster_info else 0,
       num_replicas=cluster_info.num_workers if cluster_info else 1,
       num_stages=_NUM_STAGES.value)
-  strategies.check(train_config, deploy_config)
   return train_config, deploy_config, cluster_info
 
 
@@ -308,7 +314,7 @@ def main(argv):
   try:
     train_config, deploy_config, cluster_info = configs_from_flags()
     logging.info('writing to %s', train_config.model_dir)
-    train_lib.train_and_evaluate(train_config, deploy_config,
+    job.train_and_evaluate(train_config, deploy_config,
                                  cluster_info=cluster_info)
   except loop.TrainingInterrupted as e:
     logging.warning('%s', e)

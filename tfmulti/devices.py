@@ -185,3 +185,17 @@ def check_placement(variables, device):
         f'variables {misplaced} are not on the variables device {device!r}; '
         'create the model and the optimizer under '
         'tf.device(config.variables_device()).')
+
+
+def mirrored_strategy(config, cross_device_ops=None):
+  """A `tf.distribute.MirroredStrategy`, one replica on each of `config`'s
+  clone devices; `cross_device_ops` overrides its choice of all-reduce."""
+  if cross_device_ops is None and config.clone_on_cpu:
+    # On CPUs TF picks collective ops, whose instance keys clash between two
+    # MirroredStrategy objects in one process; a reduction onto the
+    # optimizer device is what the towers do anyway.
+    cross_device_ops = tf.distribute.ReductionToOneDevice(
+        reduce_to_device=config.optimizer_device())
+  # None: TF's choice (NCCL all-reduce on GPUs).
+  return tf.distribute.MirroredStrategy(devices=config.clone_devices(),
+                                        cross_device_ops=cross_device_ops)

@@ -1,14 +1,14 @@
-"""The trainer contract every path implements, and the rules they share.
+"""The trainer contract every path implements, and the loss rules they share.
 
-The training loop (`tfmulti.loop`) drives any `Trainer`: the towers
+The training loop (`train.loop`) drives any `Trainer`: the towers
 (`deploy.DeployedModel`), the tf.distribute paths
 (`distribute.DistributedModel`) and the towers inside a strategy
-(`towers_in_strategy.WorkerTowers`). They share the step record
-(`StepOutputs`) and the loss rules written here once: each shard's mean loss
-weighted by its share of the global batch (`shard_loss`), a Keras loss that
-does not divide by the replica count (`mean_loss`), and the float16 loss
-scale (`loss_scale_of`), and each worker's block of a global batch
-(`worker_blocks`).
+(`deploy.towers_in_strategy.WorkerTowers`). They share the step record
+(`StepOutputs`) and one objective, written here once (`objective`): each
+shard's mean loss weighted by its rows of the global batch (`shard_loss`),
+with a Keras loss that does not divide by the replica count (`mean_loss`),
+the regularization penalty counted once over the job (`penalty`), and the
+float16 loss scale (`loss_scale_of`). How rows are cut is `rows`'s.
 """
 
 import abc
@@ -16,8 +16,6 @@ import collections
 
 import keras
 import tensorflow as tf
-
-from tfmulti import errors
 
 # What one training step reports: `total` is the loss that was minimised,
 # `regularization` its regularization part, `clones` each clone's (or
@@ -121,130 +119,44 @@ def gradients_by_path(grads_and_vars, scale=None):
           for gradient, variable in grads_and_vars}
 
 
-def split_rows(rows, shares):
-  """`rows` split in proportion to `shares`, by largest remainder.
+def penalty(losses, weight, dtype=tf.float32):
+  """The regularization losses' sum times `weight`, as `dtype`.
 
-  Each part gets the floor of its quota rows * share / sum(shares); the
-  rows left over go one each to the parts with the largest remainders (the
-  first part on a tie). Equal shares give parts that differ by one row at
-  most, the longer ones first.
+  The variables are shared, so the penalty counts once over the job: each
+  clone, stage or replica passes its part of it as `weight` (1 on one
+  device; a Python 0 where it counts elsewhere, which adds no op).
   """
-  total = sum(shares)
-  quotas = [rows * share / total for share in shares]
-  sizes = [int(quota) for quota in quotas]
-  by_remainder = sorted(range(len(shares)),
-                        key=lambda i: (sizes[i] - quotas[i], i))
-  for i in by_remainder[:rows - sum(sizes)]:
-    sizes[i] += 1
-  return sizes
+  if not losses or (isinstance(weight, (int, float)) and weight == 0):
+    return tf.zeros([], dtype)
+  return (tf.add_n([tf.cast(loss, dtype) for loss in losses]) *
+          tf.cast(weight, dtype))
 
 
-def check_shares(shares, num_shards, shard_word='num_clones'):
-  """Raises `ConfigError` unless `shares` is one positive number a shard."""
-  if shares is None:
-    return
-  text = ','.join(str(share) for share in shares)
-  if len(shares) != num_shards:
-    raise errors.ConfigError(
-        f'clone_shares={text}: give one share per clone ({shard_word}='
-        f'{num_shards}), e.g. --clone_shares={",".join(["1"] * num_shards)}.')
-  for share in shares:
-    if (isinstance(share, bool) or not isinstance(share, (int, float))
-        or not 0 < share < float('inf')):
-      raise errors.ConfigError(
-          f'clone_shares={text}: every share must be a number > 0, e.g. '
-          '--clone_shares=3,1.')
-
-
-def shard_rows(rows, shares, num_shards):
-  """The rows of each shard of a batch of `rows`: by `shares` (largest
-  remainder), or equal (`shares` None; the batch must split evenly).
-
-  Raises:
-    errors.ConfigError: a shard would get no rows.
-  """
-  if shares is None:
-    return None  # tf.split's even split.
-  sizes = split_rows(rows, shares)
-  if not all(sizes):
-    empty = sizes.index(0)
-    raise errors.ConfigError(
-        f'clone_shares={",".join(map(str, shares))} leaves clone {empty} no '
-        f'rows of a batch of {rows}; raise its share or the batch size.')
-  return tuple(sizes)
-
-
-def sum_microsteps(microstep, images, labels, steps, device):
-  """Gradient accumulation: `steps` micro-steps of the batch, summed.
-
-  The batch's rows are cut into `steps` equal consecutive blocks; block k
-  is micro-step k. Micro-step 0 runs first, and the others in a
-  `tf.while_loop`, so only one micro-step's activations live at a time;
-  their gradients and scalars are summed on `device`.
+def objective(loss_fn, labels, outputs, *, global_rows, losses=(),
+              penalty_weight=0, loss_scale=None):
+  """A shard's part of the job's loss, and what its gradient is taken of.
 
   Args:
-    microstep: `microstep(images, labels, first)` -> (gradients, scalars):
-      a list of gradients (None where a variable is not reached) and a list
-      of scalar tensors; `first` (a Python bool) is True for micro-step 0,
-      which counts the regularization.
-    images, labels: the batch of all micro-steps.
-    steps: how many micro-steps.
-    device: where the sums live.
+    loss_fn: `loss_fn(labels, outputs)` -> mean loss over those rows.
+    labels, outputs: the shard's (or micro-batch's) rows.
+    global_rows: rows of the whole job's batch of this update.
+    losses: the regularization losses the forward pass produced.
+    penalty_weight: this shard's part of the penalty (see `penalty`).
+    loss_scale: the float16 loss scale, or None.
 
   Returns:
-    (summed gradients, summed scalars).
+    (loss, regularization, scaled_loss): the shard's part of the total loss
+    (its regularization included), the regularization alone, and the loss
+    times the loss scale.
   """
-  if steps == 1:
-    return microstep(images, labels, True)
-  rows = images.shape[0] // steps
-  with tf.device(device), tf.name_scope('accumulate'):
-    images = tf.reshape(images, [steps, rows, *images.shape[1:]])
-    labels = tf.reshape(labels, [steps, rows, *labels.shape[1:]])
-  gradients, scalars = microstep(images[0], labels[0], True)
-  reached = [g is not None for g in gradients]
-
-  def body(k, sums, totals):
-    grads, values = microstep(images[k], labels[k], False)
-    with tf.device(device), tf.name_scope('accumulate'):
-      grads = [g for g, r in zip(grads, reached) if r]
-      return (k + 1, [a + g for a, g in zip(sums, grads)],
-              [a + v for a, v in zip(totals, values)])
-  _, sums, scalars = tf.while_loop(
-      lambda k, *_: k < steps, body,
-      (tf.constant(1), [g for g in gradients if g is not None], scalars))
-  sums = iter(sums)
-  return [next(sums) if r else None for r in reached], scalars
+  loss = shard_loss(mean_loss(loss_fn, labels, outputs), tf.shape(labels)[0],
+                    global_rows)
+  regularization = penalty(losses, penalty_weight, loss.dtype)
+  loss += regularization
+  return loss, regularization, scaled(loss, loss_scale)
 
 
-def check_batch(images, labels, num_shards, shard_word='num_clones'):
-  """Raises `ConfigError` unless the batch splits evenly into `num_shards`."""
-  rows, label_rows = images.shape[0], labels.shape[0]
-  if rows is None or rows != label_rows:
-    raise errors.ConfigError(
-        f'images have {rows} rows and labels {label_rows}; pass a batch with '
-        'as many labels as images.')
-  if rows % num_shards:
-    raise errors.ConfigError(
-        f'a batch of {rows} rows does not split evenly over '
-        f'{shard_word}={num_shards}; pass batch_size * {shard_word} rows '
-        '(batch the dataset with drop_remainder=True).')
-
-
-def worker_blocks(dataset, *, worker, num_workers, pieces):
-  """Worker `worker`'s rows of each global batch, in `pieces` blocks.
-
-  A global batch of B rows is cut into num_workers * pieces equal blocks;
-  the worker gets blocks [worker * pieces, (worker + 1) * pieces), one
-  dataset element each. Every worker reads the same pipeline (same seed),
-  so a step of the whole job sees exactly the global batch one process
-  would, split as one process's clones would split it.
-  """
-  def blocks(images, labels):
-    rows = tf.shape(labels)[0] // (num_workers * pieces)
-    first = worker * pieces * rows
-
-    def block(k):
-      start = first + tf.cast(k, tf.int32) * rows
-      return images[start:start + rows], labels[start:start + rows]
-    return tf.data.Dataset.range(pieces).map(block)
-  return dataset.flat_map(blocks)
+def scaled(loss, loss_scale):
+  """`loss` times the float16 loss scale (None: unscaled)."""
+  return loss if loss_scale is None else loss * tf.cast(loss_scale,
+                                                        loss.dtype)

@@ -11,7 +11,7 @@ from tfmulti.bench import variants as bench_variants
 
 TINY = bench.BenchConfig(model='lenet', batch_size=2, num_clones=2,
                          clone_on_cpu=True, rounds=2, steps_per_round=1,
-                         warmup_steps=1)
+                         untimed_steps=1)
 CPU_VARIANTS = {'single', 'towers', 'towers_one_device', 'independent',
                 'mirrored_reduce_to_one_device', 'central_storage'}
 # They run the same computation on the same global batch.
@@ -27,7 +27,7 @@ def test_the_variants_time_the_same_training():
   assert {name: len(r) for name, r in rates.items()} == {
       name: TINY.rounds for name in CPU_VARIANTS}
   models = {v.name: v.model for v in variants}
-  # 1 + warmup_steps + rounds * steps_per_round steps each, from one seed:
+  # 1 + untimed_steps + rounds * steps_per_round steps each, from one seed:
   # every path ends with the weights of the real single path.
   reference = weights(models['single'])
   for name in SAME_COMPUTATION:
@@ -83,7 +83,7 @@ def test_a_retracing_variant_fails_the_benchmark():
 def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):
   output, chart = tmp_path / 'report.json', tmp_path / 'sweep.png'
   bench.main(['--model=lenet', '--clone_on_cpu', '--batch_size=2',
-              '--rounds=1', '--steps_per_round=1', '--warmup_steps=1',
+              '--rounds=1', '--steps_per_round=1', '--untimed_steps=1',
               f'--output={output}'])
   report = json.loads(output.read_text())
   assert set(report['comparison']['variants']) == CPU_VARIANTS
@@ -91,10 +91,14 @@ def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):
   assert 'x single' in capsys.readouterr().out
   rows = bench.sweep(bench.BenchConfig(
       model='lenet', batch_size=2, clone_on_cpu=True, rounds=1,
-      steps_per_round=1, warmup_steps=1, sweep_clones=(1, 2, 4)))
+      steps_per_round=1, untimed_steps=1, sweep_clones=(1, 2, 4)))
   assert [r['num_clones'] for r in rows] == [1, 2, 4]
   assert [r['global_batch'] for r in rows] == [2, 4, 8]
-  assert rows[0]['per_image_cost_vs_1_clone'] == 1.0
+  for row in rows:  # Each clone count's cost a row over one clone's.
+    assert row['per_image_cost_vs_1_clone'] == pytest.approx(
+        row['ms_per_image'] / rows[0]['ms_per_image'])
+    assert row['ms_per_image'] == pytest.approx(
+        1000 / row['images_per_sec_median'])
   bench.write_chart(rows, str(chart))
   assert chart.read_bytes().startswith(b'\x89PNG')
 

@@ -21,7 +21,10 @@ def test_every_variant_runs_the_whole_job_and_is_compared(digits_dir):
     assert sum(entry[p] for p in PHASES) <= entry['wall'] + 1e-6, name
     assert 0 <= entry['eval_accuracy'] <= 1
   medians = bench_e2e.summarize(rounds)
-  assert medians['fit_one_device']['wall_vs_fit'] == 1.0
+  # Each variant's median wall time over `fit`'s.
+  for entry in medians.values():
+    assert entry['wall_vs_fit'] == pytest.approx(
+        entry['wall'] / medians['fit_one_device']['wall'])
   assert 'tfmulti_2clones' in bench_e2e.format_table(medians)
 
 

@@ -89,4 +89,4 @@ def test_clone_throughputs_are_measured_on_every_clone():
 
 def test_bad_rebalance_interval():
   with pytest.raises(errors.ConfigError, match='rebalance_every_steps=0'):
-    _balanced(None, every_steps=0)
+    deploy.StepOptions(clone_shares='auto', rebalance_every_steps=0)

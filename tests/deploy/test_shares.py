@@ -8,8 +8,7 @@ import tensorflow as tf
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
-from tfmulti import pipeline
-from tfmulti import trainer
+from tfmulti import rows
 from tests.helpers import (assert_same_steps, checkpoint_tensors,
                            make_batch, make_deployed, make_loss, mlp, weights)
 
@@ -23,7 +22,7 @@ OPTIMIZERS = {
 def _reference(optimizer='momentum'):
   return make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
                        optimizer_fn=OPTIMIZERS[optimizer],
-                       return_gradients=True)
+                       summarize_gradients=True)
 
 
 def _mirrored(num_replicas, optimizer='momentum', **kwargs):
@@ -31,22 +30,23 @@ def _mirrored(num_replicas, optimizer='momentum', **kwargs):
   strategy = distribute.make_strategy(distribute.MIRRORED, config)
   with strategy.scope():
     model, optimizer = mlp(), OPTIMIZERS[optimizer]()
-  return distribute.DistributedModel(strategy, model, make_loss(), optimizer,
-                                     return_gradients=True, **kwargs)
+  return distribute.DistributedModel(
+      strategy, model, make_loss(), optimizer,
+      deploy.StepOptions(summarize_gradients=True, **kwargs))
 
 
 def _towers(num_clones, optimizer='momentum', **kwargs):
   config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True)
   return make_deployed(config, optimizer_fn=OPTIMIZERS[optimizer],
-                       return_gradients=True, **kwargs)
+                       summarize_gradients=True, **kwargs)
 
 
 def test_split_rows_by_largest_remainder():
-  assert trainer.split_rows(8, [3, 1]) == [6, 2]
-  assert trainer.split_rows(8, [5, 3]) == [5, 3]
-  assert trainer.split_rows(10, [1, 1, 2]) == [3, 2, 5]  # Leftover to 0.
-  assert trainer.split_rows(7, [1, 1]) == [4, 3]
-  assert trainer.split_rows(5, [0.75, 0.25]) == [4, 1]
+  assert rows.split_rows(8, [3, 1]) == [6, 2]
+  assert rows.split_rows(8, [5, 3]) == [5, 3]
+  assert rows.split_rows(10, [1, 1, 2]) == [3, 2, 5]  # Leftover to 0.
+  assert rows.split_rows(7, [1, 1]) == [4, 3]
+  assert rows.split_rows(5, [0.75, 0.25]) == [4, 1]
 
 
 @pytest.mark.parametrize('shares,rows', [((3, 1), 8), ((5, 3), 8),
@@ -115,7 +115,7 @@ def test_accumulation_on_the_towers_equals_one_device_on_k_batches(optimizer):
 def test_accumulation_on_mirrored_equals_one_device_on_k_batches(optimizer):
   mirrored = _mirrored(2, optimizer, accumulation_steps=2)
   assert_same_steps(mirrored, _reference(optimizer), rows=8)
-  # The distributed dataset's elements hold each replica's micro-steps.
+  # The distributed dataset's elements hold each replica's accumulation steps.
   images, labels = make_batch(8, seed=5)
   element = next(iter(mirrored.distribute_dataset(
       tf.data.Dataset.from_tensors((images, labels)))))
@@ -131,9 +131,8 @@ def test_shares_accumulation_and_stages_compose():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
                                    num_stages=2)
   composed = make_deployed(
-      config, return_gradients=True, clone_shares=(3, 1),
-      accumulation_steps=2,
-      pipeline=pipeline.PipelineConfig(num_microbatches=2))
+      config, summarize_gradients=True, clone_shares=(3, 1),
+      accumulation_steps=2, num_microbatches=2)
   assert_same_steps(composed, _reference(), rows=16)
 
 
@@ -144,17 +143,17 @@ def test_accumulators_live_on_the_variables_device_in_a_loop():
   graph = towers._step.get_concrete_function(
       *map(tf.constant, make_batch(16)), None).graph
   loops = [op for op in graph.get_operations() if op.type == 'While']
-  assert len(loops) == 1  # Micro-steps 1..3; micro-step 0 comes first.
+  assert len(loops) == 1  # Accumulation steps 1..3; step 0 comes first.
   body = graph._functions[loops[0].get_attr('body').name].definition
   sums = [node for node in body.node_def
           if node.name.startswith('while/accumulate/') and node.op == 'AddV2']
   # One sum per variable (4), per scalar (total, regularization, 2 clones),
-  # and the micro-step counter.
+  # and the accumulation step counter.
   assert len(sums) == 4 + 4 + 1
   assert {node.device for node in sums} == {'/device:CPU:2'}
 
 
-def test_one_overflowing_micro_step_skips_the_whole_update_once():
+def test_one_overflowing_accumulation_step_skips_the_whole_update_once():
   towers = make_deployed(
       deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True),
       model_fn=lambda: mlp(dtype='mixed_float16'),
@@ -164,7 +163,7 @@ def test_one_overflowing_micro_step_skips_the_whole_update_once():
   before = weights(towers.model)
   scale = float(towers.optimizer.dynamic_scale)
   images, labels = make_batch(8)
-  images[5] = 1e6  # Overflows float16 (max 65504) in micro-step 1 only.
+  images[5] = 1e6  # Overflows float16 (max 65504) in accumulation step 1.
   towers.train_step(images, labels)
   for got, want in zip(weights(towers.model), before):
     np.testing.assert_array_equal(got, want)
@@ -197,18 +196,17 @@ class TestClearErrors:
 
   def test_lockstep_clones_refuse_shares_and_accumulation(self):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-    lockstep = distribute.make_strategy(distribute.MIRRORED, config)
     for options in (dict(clone_shares=(3, 1)), dict(accumulation_steps=2)):
       with pytest.raises(errors.UnsupportedError,
-                         match='not supported with synchronized BatchNorm'):
-        make_deployed(config, lockstep=lockstep, **options)
+                         match='cannot be combined with sync_batch_norm=True'):
+        make_deployed(config, sync_batch_norm=True, **options)
 
   def test_accumulation_of_zero(self):
     with pytest.raises(errors.ConfigError,
                        match='accumulation_steps=0: must be an integer >= 1'):
       _towers(2, accumulation_steps=0)
 
-  def test_a_batch_that_does_not_make_equal_micro_steps(self):
+  def test_a_batch_that_does_not_make_equal_accumulation_steps(self):
     towers = _towers(2, accumulation_steps=3)
     with pytest.raises(errors.ConfigError, match='accumulation_steps=3'):
       towers.train_step(*make_batch(8))
@@ -280,15 +278,15 @@ def test_train_py_accumulation_resumes_exactly(run_train, tmp_path):
      "clone_shares=.* is not available with strategy='central_storage'; "
      'use --strategy=towers or mirrored'),
     (dict(clone_shares=['auto'], strategy='mirrored'),
-     "clone_shares='auto' is not available with strategy='mirrored'; use "
-     '--strategy=towers.'),
+     "clone_shares=auto is not available with strategy='mirrored'; use "
+     '--strategy=towers, or drop it.'),
     (dict(accumulation_steps=0), 'accumulation_steps=0: must be an integer'),
     (dict(rebalance_every_steps=0), 'rebalance_every_steps=0: must be'),
     (dict(model='resnet8_thin', sync_batch_norm=True, accumulation_steps=2),
-     'accumulation_steps with synchronized BatchNorm is not supported'),
+     'accumulation_steps=2 cannot be combined with sync_batch_norm=True'),
     (dict(model='resnet8_thin', sync_batch_norm=True,
           clone_shares=['3', '1']),
-     'clone_shares with synchronized BatchNorm is not supported'),
+     r'clone_shares=\(3, 1\) cannot be combined with sync_batch_norm=True'),
 ])
 def test_bad_share_and_accumulation_flags_stop_with_one_line(run_train,
                                                              tmp_path, values,
@@ -312,16 +310,16 @@ def _loop_and_update_ops(run):
   return loops, inside, outside
 
 
-# The towers loop once over their clones' micro-steps; mirrored replicas
+# The towers loop once over their clones' accumulation steps; mirrored replicas
 # each loop over their own.
 @pytest.mark.parametrize('make,num_loops', [(_towers, 1), (_mirrored, 2)])
-def test_the_update_and_its_all_reduce_run_once_after_the_micro_steps(
+def test_the_update_and_its_all_reduce_run_once_after_the_accumulation_steps(
     make, num_loops):
   run = make(2, accumulation_steps=3)
   run.train_step(*make_batch(12))
   loops, inside, outside = _loop_and_update_ops(run)
   assert loops == num_loops
   # Keras all-reduces inside apply_gradients, which writes the variables:
-  # no write inside the micro-steps' loop means one all-reduce a step.
+  # no write inside the accumulation steps' loop means one all-reduce a step.
   assert inside == []
   assert len(outside) >= len(run.model.trainable_variables)

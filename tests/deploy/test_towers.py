@@ -345,9 +345,9 @@ def test_step_traces_once_per_input_signature():
 def test_xla_clones_train_like_the_plain_step():
   batches = [make_batch(8, seed=s) for s in range(3)]
   results = []
-  for jit_compile in (False, True):
+  for xla in (False, True):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-    deployed = make_deployed(config, jit_compile=jit_compile)
+    deployed = make_deployed(config, xla=xla)
     results.append([float(deployed.train_step(x, y)) for x, y in batches])
   np.testing.assert_allclose(results[1], results[0], rtol=1e-4)
 
@@ -365,7 +365,7 @@ def test_float16_clones_train_with_dynamic_loss_scaling():
       config, model_fn=lambda: mlp(dtype='mixed_float16'),
       optimizer_fn=lambda: keras.optimizers.LossScaleOptimizer(
           keras.optimizers.SGD(0.1)),
-      return_gradients=True)
+      summarize_gradients=True)
   scale = deployed.optimizer.dynamic_scale
   assert devices.device_of(scale) == '/job:localhost/replica:0/task:0' + CPU0
   images, labels = _learnable()

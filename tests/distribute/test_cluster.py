@@ -169,8 +169,8 @@ def test_two_workers_train_like_one_process(tmp_path, digits_dir, run_train,
 
 def test_two_workers_accumulate_like_one_process(tmp_path, digits_dir,
                                                  run_train):
-  """2 workers x 2 clones x 2 micro-steps = one process with 4 clones x 2
-  micro-steps: one all-reduce an update, after both micro-steps."""
+  """2 workers x 2 clones x 2 accumulation steps = one process with 4 clones
+  x 2 accumulation steps: one all-reduce an update, after both."""
   reference = run_train(model_dir=str(tmp_path / 'one'), num_clones=4,
                         batch_size=4, train_steps=3, optimizer='momentum',
                         learning_rate=0.05, accumulation_steps=2)

@@ -52,9 +52,8 @@ def test_synchronized_batch_norm_equals_one_device_on_both_paths():
     return mlp(batch_norm=True, synchronized=True)
   runs = {name: _distributed(name, model_fn=model_fn)
           for name in ('mirrored', 'single')}
-  runs['towers'] = make_deployed(
-      CLONES, model_fn=model_fn,
-      lockstep=distribute.make_strategy('mirrored', CLONES))
+  runs['towers'] = make_deployed(CLONES, model_fn=model_fn,
+                                 sync_batch_norm=True)
   for x, y in [make_batch(12, seed=s) for s in range(3)]:
     losses = {name: float(run.train_step(x, y)) for name, run in runs.items()}
     for name in ('towers', 'mirrored'):
@@ -69,7 +68,7 @@ def test_synchronized_batch_norm_equals_one_device_on_both_paths():
 def test_lockstep_clones_still_run_on_their_devices():
   deployed = make_deployed(
       CLONES, model_fn=lambda: mlp(batch_norm=True, synchronized=True),
-      lockstep=distribute.make_strategy('mirrored', CLONES))
+      sync_batch_norm=True)
   images, labels = make_batch(8)
   graph = deployed._step.get_concrete_function(
       tf.constant(images), tf.constant(labels)).graph
@@ -79,14 +78,18 @@ def test_lockstep_clones_still_run_on_their_devices():
       'CPU:0', 'CPU:1'}
 
 
-def test_lockstep_must_match_the_clones():
-  other = deploy.DeploymentConfig(num_clones=3, clone_on_cpu=True)
-  with pytest.raises(errors.ConfigError, match='are not the clone devices'):
-    make_deployed(other, lockstep=distribute.make_strategy('mirrored', CLONES))
-  with pytest.raises(errors.ConfigError,
-                     match='cannot be combined with xla=True'):
-    make_deployed(CLONES, lockstep=distribute.make_strategy('mirrored', CLONES),
-              jit_compile=True)
+def test_lockstep_replicas_are_the_clone_devices():
+  three = deploy.DeploymentConfig(num_clones=3, clone_on_cpu=True)
+  deployed = make_deployed(
+      three, model_fn=lambda: mlp(batch_norm=True, synchronized=True),
+      sync_batch_norm=True)
+  assert [d.split('/device:')[-1]
+          for d in deployed.lockstep.extended.worker_devices] == [
+              'CPU:0', 'CPU:1', 'CPU:2']
+  with pytest.raises(errors.UnsupportedError,
+                     match='xla=True cannot be combined with '
+                     'sync_batch_norm=True'):
+    make_deployed(CLONES, sync_batch_norm=True, xla=True)
 
 
 def test_batch_norm_towers_equal_mirrored():

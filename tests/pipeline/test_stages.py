@@ -36,15 +36,14 @@ def skip_mlp(seed=0):
 def _pipelined(num_stages, num_microbatches=1, num_clones=1, **kwargs):
   config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True,
                                    num_stages=num_stages)
-  return make_deployed(config, skip_mlp, return_gradients=True,
-                       pipeline=pipeline.PipelineConfig(
-                           num_microbatches=num_microbatches, **kwargs))
+  return make_deployed(config, skip_mlp, summarize_gradients=True,
+                       num_microbatches=num_microbatches, **kwargs)
 
 
 def _assert_same_steps(deployed, steps=3, rows=8):
   """Every step's loss and gradients, and the weights, equal one device's."""
   reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
-                            skip_mlp, return_gradients=True)
+                            skip_mlp, summarize_gradients=True)
   assert_same_steps(deployed, reference, rows, steps)
 
 
@@ -54,7 +53,7 @@ def test_stages_and_microbatches_equal_one_device(num_stages,
                                                   num_microbatches):
   for recompute in (False, True):
     deployed = _pipelined(num_stages, num_microbatches, recompute=recompute)
-    assert len(deployed.pipeline.stages) == num_stages
+    assert len(deployed.stages.stages) == num_stages
     _assert_same_steps(deployed)
 
 
@@ -65,17 +64,17 @@ def test_two_clones_of_two_stages_equal_one_device():
 def test_uneven_microbatches_weigh_their_rows():
   # 7 rows in 2 micro-batches: 4 and 3, each weighted by its rows.
   deployed = _pipelined(2, 2)
-  assert deployed.pipeline.microbatch_rows(7) == [4, 3]
+  assert deployed.stages.microbatch_rows(7) == [4, 3]
   _assert_same_steps(deployed, steps=1, rows=7)
 
 
 def test_skip_connection_crosses_the_cut():
-  stages = _pipelined(2, boundaries=('d2',)).pipeline.stages
+  stages = _pipelined(2, stage_boundaries=('d2',)).stages.stages
   assert [s.first_layer for s in stages] == ['d1', 'd2']
   # d1's output is read by d2 and add, both in stage 1: sent once.
   assert len(stages[0].output_keys) == 1
   assert [len(s.input_keys) for s in stages] == [1, 1]
-  stages = _pipelined(3, boundaries=('d2', 'd3')).pipeline.stages
+  stages = _pipelined(3, stage_boundaries=('d2', 'd3')).stages.stages
   # Stage 2 (d3, add, out) reads d2's output and d1's, across two cuts.
   assert len(stages[2].input_keys) == 2
 
@@ -123,8 +122,7 @@ class TestBatchNorm:
     deployed = deploy.deploy(
         config, model, lambda y, out: tf.reduce_mean(out * y),
         keras.optimizers.SGD(0.0), batch_norm_policy=policy,
-        pipeline=pipeline.PipelineConfig(num_microbatches=num_microbatches,
-                                         recompute=recompute))
+        num_microbatches=num_microbatches, recompute=recompute)
     deployed.train_step(self.IMAGES, np.ones((8, 2), np.float32))
     layer = model.layers[1]
     return layer.moving_mean.numpy(), layer.moving_variance.numpy()
@@ -202,7 +200,7 @@ def test_automatic_cut_balances_estimated_costs():
   # d1, d2 and d3 cost 6*8+8*8+8*8 multiply-adds; the cut falls after d2.
   costs = dict(costs_lib.estimated_costs(skip_mlp()))
   assert costs['d1'] == 8 * (1 + 48 / 8) and costs['add'] == 8
-  stages = _pipelined(2).pipeline.stages
+  stages = _pipelined(2).stages.stages
   assert [s.first_layer for s in stages] == ['d1', 'd3']
 
 
@@ -219,7 +217,7 @@ class TestClearErrors:
   ])
   def test_bad_boundaries(self, num_stages, boundaries, match):
     with pytest.raises(errors.ConfigError, match=match):
-      _pipelined(num_stages, boundaries=boundaries)
+      _pipelined(num_stages, stage_boundaries=boundaries)
 
   def test_more_microbatches_than_rows(self):
     deployed = _pipelined(2, 4)
@@ -235,10 +233,10 @@ class TestClearErrors:
 
   def test_xla_and_lockstep_refused(self):
     config = deploy.DeploymentConfig(clone_on_cpu=True, num_stages=2)
-    with pytest.raises(errors.UnsupportedError, match='xla=True'):
-      make_deployed(config, jit_compile=True)
-    with pytest.raises(errors.UnsupportedError, match='synchronized'):
-      pipeline.check_pipeline_options(jit_compile=False, lockstep=True)
+    for option in ('xla', 'sync_batch_norm'):
+      with pytest.raises(errors.UnsupportedError,
+                         match=f'{option}=True runs whole clones'):
+        make_deployed(config, **{option: True})
 
   def test_missing_stage_devices(self):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
@@ -251,7 +249,7 @@ class TestClearErrors:
     dense = keras.layers.Dense(4)
     model = keras.Model(inputs, dense(dense(inputs)))
     with pytest.raises(errors.ConfigError, match='called 2 times'):
-      pipeline.Pipeline(model, 2)
+      pipeline.Stages(model, 2)
 
 
 def test_stage_devices_in_the_config():
@@ -278,8 +276,8 @@ def test_the_toy_example_equals_one_device():
   spec = importlib.util.spec_from_file_location('toy_model_parallel', path)
   toy = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(toy)
-  stages = pipeline.Pipeline(toy.toy_model(), 2, pipeline.PipelineConfig(
-      boundaries=('net2',))).stages
+  stages = pipeline.Stages(toy.toy_model(), 2, deploy.StepOptions(
+      stage_boundaries=('net2',))).stages
   assert [[layer.name for layer in s.model.layers[1:]] for s in stages] == [
       ['net1', 'relu'], ['net2']]
   two_stages = toy.train(deploy.DeploymentConfig(clone_on_cpu=True,
@@ -306,14 +304,14 @@ def test_measured_costs_time_every_layer_and_change_nothing():
   assert all(seconds > 0 for seconds in measured.values())
   for got, want in zip(weights(model), before):  # BatchNorm kept its state.
     np.testing.assert_array_equal(got, want)
-  cut = pipeline.Pipeline(model, 2, pipeline.PipelineConfig(
-      layer_costs=costs_lib.MEASURED))
+  cut = pipeline.Stages(model, 2, deploy.StepOptions(
+      stage_costs=costs_lib.MEASURED))
   assert len(cut.stages) == 2
 
 
-def test_unknown_layer_costs():
-  with pytest.raises(errors.ConfigError, match="layer_costs='guessed'"):
-    pipeline.PipelineConfig(layer_costs='guessed')
+def test_unknown_stage_costs():
+  with pytest.raises(errors.ConfigError, match="stage_costs='guessed'"):
+    deploy.StepOptions(stage_costs='guessed')
 
 
 def test_a_refused_cut_leaves_the_model_dir_without_a_record(run_train,

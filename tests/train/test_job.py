@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from tests.helpers import scalars
+from tests.helpers import checkpoint_tensors, scalars
 from tfmulti.train import checkpoints
 from tfmulti.train import summaries
 
@@ -176,3 +176,17 @@ def test_profile_steps_trace_every_clone(run_train, tmp_path):
 def test_bad_profile_steps(run_train, steps, message):
   with pytest.raises(SystemExit, match=message):
     run_train(profile_steps=steps)
+
+
+def test_the_run_that_prepares_the_data_starts_from_the_same_weights(
+    run_train, tmp_path):
+  # Preparing a data set draws from the global random generators; the seed
+  # must still give the same weights as a run that finds it prepared.
+  data_dir = str(tmp_path / 'fresh_tfds')
+  first, again = (run_train(model_dir=str(tmp_path / name), data_dir=data_dir,
+                            num_clones=2, optimizer='momentum')
+                  for name in ('prepares', 'finds_prepared'))
+  got, want = (checkpoint_tensors(m['checkpoint']) for m in (first, again))
+  assert got.keys() == want.keys()
+  for key, value in want.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=key)

@@ -25,7 +25,7 @@ from tfmulti import errors
 from tfmulti.train import loop
 from tfmulti.train import metrics as metrics_lib
 from tfmulti.train import summaries
-from tfmulti.train import job as train_lib
+from tfmulti.train import job
 from tfmulti import trainer
 
 ROWS = 10  # Train examples; row i's first feature is i.
@@ -166,7 +166,7 @@ def test_train_and_evaluate_takes_its_data_and_trainer(tmp_path):
                                     train_steps=7, log_every_steps=1)
   one_clone = deploy.DeploymentConfig(clone_on_cpu=True)
   first = FakeTrainer()
-  metrics = train_lib.train_and_evaluate(
+  metrics = job.train_and_evaluate(
       train_config, one_clone, data_override=_tiny_data(),
       trainer_override=first)
   with open(tmp_path / metrics_lib.METRICS_FILE) as f:
@@ -175,7 +175,7 @@ def test_train_and_evaluate_takes_its_data_and_trainer(tmp_path):
   assert metrics['global_batch_size'] == BATCH
   assert metrics['train_loss'] == pytest.approx(1 / 7)
   rest = FakeTrainer()
-  metrics = train_lib.train_and_evaluate(
+  metrics = job.train_and_evaluate(
       config.TrainConfig(model_dir=str(tmp_path), batch_size=BATCH,
                          train_steps=12, log_every_steps=1),
       one_clone, data_override=_tiny_data(), trainer_override=rest)

@@ -27,6 +27,7 @@ from typing import Tuple
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfmulti.bench import variants as bench_variants
 from tfmulti import deploy
@@ -50,7 +51,7 @@ class BenchConfig:
     mixed_precision: bfloat16 on CPUs, float16 with loss scaling on GPUs.
     rounds: timed rounds per variant (the report's median is over them).
     steps_per_round: steps timed in one round.
-    warmup_steps: untimed steps per variant before the rounds.
+    untimed_steps: steps per variant before the rounds, not timed.
     sweep_clones: clone counts of the sweep; empty for no sweep.
   """
   model: str = 'resnet20'
@@ -61,13 +62,13 @@ class BenchConfig:
   mixed_precision: bool = False
   rounds: int = 5
   steps_per_round: int = 10
-  warmup_steps: int = 3
+  untimed_steps: int = 3
   sweep_clones: Tuple[int, ...] = ()
 
   def __post_init__(self):
     models.check(self.model)
     for name in ('batch_size', 'num_clones', 'rounds', 'steps_per_round',
-                 'warmup_steps'):
+                 'untimed_steps'):
       errors.check_count(name, getattr(self, name), 1)
     for count in self.sweep_clones:
       errors.check_count('sweep_clones', count, 1)
@@ -87,7 +88,7 @@ def _warm_up(variants, config):
     start = time.perf_counter()
     _run_steps(variant, 1)  # Traces (and compiles) the step.
     first_step[variant.name] = time.perf_counter() - start
-    _run_steps(variant, config.warmup_steps)
+    _run_steps(variant, config.untimed_steps)
   return first_step
 
 
@@ -278,7 +279,11 @@ def _parse(argv):
   parser.add_argument('--mixed_precision', action='store_true')
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--steps_per_round', type=int, default=10)
-  parser.add_argument('--warmup_steps', type=int, default=3)
+  parser.add_argument('--untimed_steps', type=int, default=3,
+                      help='steps per variant before the rounds, not timed')
+  # Deprecated for one release: training's --warmup_steps is the
+  # learning-rate warm-up, a different thing.
+  parser.add_argument('--warmup_steps', type=int, help=argparse.SUPPRESS)
   parser.add_argument('--sweep', action='store_true',
                       help='also time the towers at 1, 2, 4 and 8 clones')
   parser.add_argument('--split_gpu', type=int, default=0,
@@ -287,7 +292,12 @@ def _parse(argv):
                       help='memory of each logical GPU of --split_gpu')
   parser.add_argument('--output', help='write the report here as JSON')
   parser.add_argument('--chart', help='write the sweep chart here (PNG)')
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.warmup_steps is not None:
+    logging.warning('--warmup_steps is deprecated: use --untimed_steps (the '
+                    'steps before the timed rounds).')
+    args.untimed_steps = args.warmup_steps
+  return args
 
 
 def main(argv=None):
@@ -299,7 +309,7 @@ def main(argv=None):
         num_clones=args.num_clones, clone_on_cpu=args.clone_on_cpu,
         xla=args.xla, mixed_precision=args.mixed_precision,
         rounds=args.rounds, steps_per_round=args.steps_per_round,
-        warmup_steps=args.warmup_steps, sweep_clones=sweep_clones)
+        untimed_steps=args.untimed_steps, sweep_clones=sweep_clones)
     if args.chart and not args.sweep:
       raise errors.ConfigError('--chart draws the sweep: add --sweep.')
     if args.clone_on_cpu:

@@ -33,7 +33,7 @@ from tfmulti import data
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
-from tfmulti.train import job as train_lib
+from tfmulti.train import job
 
 NUM_LOGICAL_CPUS = 2
 FIT_VARIANTS = ('fit_one_device', 'fit_mirrored')
@@ -81,7 +81,7 @@ def _tfmulti(e2e, num_clones):
   """The main job; returns its phases."""
   model_dir = tempfile.mkdtemp(prefix='tfmulti-e2e-')
   try:
-    metrics = train_lib.train_and_evaluate(
+    metrics = job.train_and_evaluate(
         config_lib.TrainConfig(
             model=e2e.model, model_dir=model_dir, data_dir=e2e.data_dir,
             batch_size=e2e.global_batch_size // num_clones,

@@ -46,12 +46,12 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 from tfmulti.bench import designs as bench
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
-from tfmulti.pipeline import costs
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti import step_options
 from tfmulti import models
-from tfmulti.train import registry as strategies
+from tfmulti.train import registry
 
 NUM_CLASSES = 1000  # The tutorial's ResNet-50 head.
 STEPS_PER_ROUND = 3  # The tutorial's 3 batches.
@@ -80,7 +80,7 @@ class PipelineBenchConfig:
   rounds: int = 5
   clone_on_cpu: bool = False
   boundaries: Tuple[str, ...] = None
-  stage_costs: str = costs.ESTIMATED
+  stage_costs: str = step_options.ESTIMATED
 
   def __post_init__(self):
     models.check(self.model)
@@ -97,9 +97,10 @@ def _design(config, num_stages, num_microbatches):
   """(trainer, images, labels) of one design, built as train.py builds it."""
   train_config = config_lib.TrainConfig(
       model=config.model, dataset='synthetic', optimizer='sgd',
-      batch_size=config.batch_size, num_microbatches=num_microbatches,
-      stage_boundaries=config.boundaries if num_stages > 1 else None,
-      stage_costs=config.stage_costs)
+      batch_size=config.batch_size, step_options=step_options.StepOptions(
+          num_microbatches=num_microbatches,
+          stage_boundaries=config.boundaries if num_stages > 1 else None,
+          stage_costs=config.stage_costs))
   deploy_config = deploy.DeploymentConfig(clone_on_cpu=config.clone_on_cpu,
                                           num_stages=num_stages)
   shape = (config.image_size, config.image_size, 3)
@@ -110,9 +111,9 @@ def _design(config, num_stages, num_microbatches):
   def seeded():
     keras.utils.set_random_seed(0)
     return make()
-  setup = strategies.Setup(train_config, deploy_config, seeded,
+  setup = registry.Setup(train_config, deploy_config, seeded,
                            build.make_loss())
-  towers = strategies.get(strategies.TOWERS).build(setup)
+  towers = registry.get(registry.TOWERS).build(setup)
   with tf.device(deploy_config.inputs_device()):
     images = tf.random.stateless_uniform((config.batch_size, *shape),
                                          seed=[0, 0])
@@ -239,7 +240,7 @@ def run(config):
       row['busy_predicted'] = count / (count + NUM_STAGES - 1)
       row['busy_measured'] = profile_step(built[name])
     rows.append(row)
-  stages = built['model_parallel'][0].pipeline.stages
+  stages = built['model_parallel'][0].stages.stages
   return {'environment': bench.environment(),
           'config': dataclasses.asdict(config),
           'stages': [stage.first_layer for stage in stages],
@@ -304,8 +305,8 @@ def _parse(argv):
   parser.add_argument('--gpu_memory_mb', type=int, default=30000,
                       help='memory of each logical GPU of --split_gpu')
   parser.add_argument('--stage_boundary', help='the first layer of stage 1')
-  parser.add_argument('--stage_costs', default=costs.ESTIMATED,
-                      choices=costs.KINDS,
+  parser.add_argument('--stage_costs', default=step_options.ESTIMATED,
+                      choices=step_options.STAGE_COSTS,
                       help='what the automatic cut balances')
   parser.add_argument('--output', help='write the report here as JSON')
   parser.add_argument('--chart', help='write the chart here (PNG)')

@@ -31,7 +31,8 @@ from tfmulti import data
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
-from tfmulti.train import registry as strategies
+from tfmulti import step_options
+from tfmulti.train import registry
 from tfmulti import trainer
 
 INPUT_SHAPE = data.SYNTHETIC_SHAPE  # The synthetic dataset's: CIFAR-10's.
@@ -70,11 +71,12 @@ class _OneDevice(deploy.DeploymentConfig):
 
 
 def _setup(bench, deploy_config, strategy):
-  """A `strategies.Setup` as train.py would make it for this benchmark."""
+  """A `registry.Setup` as train.py would make it for this benchmark."""
   train_config = config_lib.TrainConfig(
       model=bench.model, dataset='synthetic', optimizer=_OPTIMIZER,
       learning_rate=_LEARNING_RATE, mixed_precision=bench.mixed_precision,
-      xla=bench.xla and strategies.get(strategy).xla, strategy=strategy)
+      strategy=strategy, step_options=step_options.StepOptions(
+          xla=bench.xla and 'xla' in registry.get(strategy).honours))
   make = build.model_and_optimizer(train_config, deploy_config,
                                    input_shape=INPUT_SHAPE,
                                    num_classes=NUM_CLASSES,
@@ -83,7 +85,7 @@ def _setup(bench, deploy_config, strategy):
   def seeded():
     keras.utils.set_random_seed(_SEED)
     return make()
-  return strategies.Setup(train_config, deploy_config, seeded,
+  return registry.Setup(train_config, deploy_config, seeded,
                           build.make_loss())
 
 
@@ -99,7 +101,7 @@ def global_batch(rows, device):
 def _path(name, bench, deploy_config, strategy):
   """A variant that runs the registered path `strategy`."""
   setup = _setup(bench, deploy_config, strategy)
-  run = strategies.get(strategy).build(setup)
+  run = registry.get(strategy).build(setup)
   rows = bench.batch_size * bench.num_clones
   device = (deploy_config.clone_device(0) if strategy == distribute.SINGLE
             else deploy_config.inputs_device())
@@ -107,18 +109,19 @@ def _path(name, bench, deploy_config, strategy):
   if isinstance(run, distribute.DistributedModel):
     images, labels = (_per_replica(run.strategy, t) for t in (images, labels))
   return Variant(name, lambda: run.train_step(images, labels),
-                 lambda: run.trace_count, setup.config.xla, run.model)
+                 lambda: run.trace_count, setup.config.step_options.xla,
+                 run.model)
 
 
 def _per_replica(strategy, tensor):
-  """`tensor`'s row blocks, placed once on their replicas' devices."""
+  """`tensor`'s shards, placed once on their replicas' devices."""
   devices = strategy.extended.worker_devices
-  blocks = []
-  for device, block in zip(devices, tf.split(tensor, len(devices))):
+  shards = []
+  for device, shard in zip(devices, tf.split(tensor, len(devices))):
     with tf.device(device):
-      blocks.append(tf.identity(block))
+      shards.append(tf.identity(shard))
   return strategy.experimental_distribute_values_from_function(
-      lambda ctx: blocks[ctx.replica_id_in_sync_group])
+      lambda ctx: shards[ctx.replica_id_in_sync_group])
 
 
 def _mirrored(name, bench, deploy_config, cross_device_ops):
@@ -151,14 +154,14 @@ def _plain_step(model, optimizer, loss_fn, xla):
 
 def _independent(bench, deploy_config):
   """Each clone trains its own model on its own shard; nothing is combined."""
-  setup = _setup(bench, deploy_config, strategies.TOWERS)
+  setup = _setup(bench, deploy_config, registry.TOWERS)
   steps = []
   for device in deploy_config.clone_devices():
     with tf.device(device):
       model, optimizer = setup.build_model()
       optimizer.build(model.trainable_variables)
     steps.append((device, _plain_step(model, optimizer, setup.loss_fn,
-                                      setup.config.xla),
+                                      setup.config.step_options.xla),
                   global_batch(bench.batch_size, device)))
 
   @tf.function
@@ -169,7 +172,7 @@ def _independent(bench, deploy_config):
         losses.append(clone_step(*batch))
     return tf.add_n(losses)
   return Variant('independent', step, step.experimental_get_tracing_count,
-                 setup.config.xla)
+                 setup.config.step_options.xla)
 
 
 def towers(bench, num_clones=None):
@@ -177,7 +180,7 @@ def towers(bench, num_clones=None):
   bench = dataclasses.replace(bench, num_clones=num_clones or bench.num_clones)
   return _path('towers', bench, deploy.DeploymentConfig(
       num_clones=bench.num_clones, clone_on_cpu=bench.clone_on_cpu),
-               strategies.TOWERS)
+               registry.TOWERS)
 
 
 def build_variants(bench):
@@ -191,14 +194,14 @@ def build_variants(bench):
                                distribute.SINGLE)),
       ('towers', lambda: towers(bench)),
       ('towers_one_device', lambda: _path('towers_one_device', bench,
-                                          one_device, strategies.TOWERS)),
+                                          one_device, registry.TOWERS)),
       ('independent', lambda: _independent(bench, deploy_config)),
   ]
   if not bench.clone_on_cpu:
     builders.append(('towers_gpu_vars', lambda: _path(
         'towers_gpu_vars', bench, deploy.DeploymentConfig(
             num_clones=bench.num_clones, variables_device='/gpu:0'),
-        strategies.TOWERS)))
+        registry.TOWERS)))
   device_type = 'CPU' if bench.clone_on_cpu else 'GPU'
   for op_name, op in _CROSS_DEVICE_OPS[device_type].items():
     def mirrored(op_name=op_name, op=op):

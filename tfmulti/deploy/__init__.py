@@ -2,8 +2,9 @@
 
 `from tfmulti import deploy` gives slim's names where its users look for
 them: `deploy.DeploymentConfig`, `deploy.deploy`, `deploy.DeployedModel`,
-the clone building blocks (`Clone`, `create_clones`, `optimize_clones`)
-and the BatchNorm policies (`deploy.BN_*`).
+the clone building blocks (`Clone`, `create_clones`, `optimize_clones`),
+the BatchNorm policies (`deploy.BN_*`) and the step options
+(`deploy.StepOptions`).
 
   placement           DeploymentConfig: every device string
   clones              one clone's step, the clones, their sum (slim's blocks)
@@ -20,5 +21,7 @@ from tfmulti.deploy.clones import (  # noqa: F401
     Clone, clone_step, create_clones, on_clone, optimize_clones, split_batch,
     values_of)
 from tfmulti.deploy.placement import DeploymentConfig  # noqa: F401
-from tfmulti.deploy.towers import DeployedModel, deploy  # noqa: F401
+from tfmulti.deploy.towers import (  # noqa: F401
+    DeployedModel, check_options, deploy)
+from tfmulti.step_options import StepOptions  # noqa: F401
 from tfmulti.trainer import mean_loss, shard_loss  # noqa: F401

@@ -21,6 +21,7 @@ from absl import logging
 
 from tfmulti import errors
 from tfmulti import trainer
+from tfmulti.rows import split_rows
 from tfmulti.pipeline import costs
 
 BUCKETS = 16  # Shares are integers summing to this.
@@ -35,7 +36,7 @@ def shares_for(throughputs, buckets=BUCKETS):
   if len(throughputs) > buckets:
     raise errors.ConfigError(
         f'{len(throughputs)} clones cannot be balanced in {buckets} buckets.')
-  shares = trainer.split_rows(buckets, throughputs)
+  shares = split_rows(buckets, throughputs)
   while 0 in shares:  # Every clone keeps a row's worth; the largest pays.
     shares[shares.index(0)] = 1
     shares[shares.index(max(shares))] -= 1
@@ -49,8 +50,8 @@ def predicted_step_seconds(rows, throughputs):
 
 def clone_throughputs(towers, images, labels):
   """Each clone's rows a second alone (forward and backward on its
-  devices), on an equal share of a micro-step of this batch."""
-  rows = (images.shape[0] // towers.accumulation_steps //
+  devices), on an equal share of an accumulation step of this batch."""
+  rows = (images.shape[0] // towers.options.accumulation_steps //
           towers.config.num_clones)
   images, labels = images[:rows], labels[:rows]
   speeds = []
@@ -74,7 +75,6 @@ class Balanced(trainer.Trainer):
   """
 
   def __init__(self, towers, every_steps, measure=None):
-    errors.check_count('rebalance_every_steps', every_steps, 1)
     self.towers = towers
     self.model = towers.model
     self.optimizer = towers.optimizer
@@ -93,12 +93,12 @@ class Balanced(trainer.Trainer):
   def rebalance(self, images, labels):
     """Measures the clones and sets their shares; returns the shares."""
     throughputs = self.measure(images, labels)
-    rows = images.shape[0] // self.towers.accumulation_steps
+    rows = images.shape[0] // self.towers.options.accumulation_steps
     current = self.towers.clone_shares or [1] * len(throughputs)
-    now = predicted_step_seconds(trainer.split_rows(rows, current),
+    now = predicted_step_seconds(split_rows(rows, current),
                                  throughputs)
     shares = shares_for(throughputs)
-    new = predicted_step_seconds(trainer.split_rows(rows, shares),
+    new = predicted_step_seconds(split_rows(rows, shares),
                                  throughputs)
     if self.towers.clone_shares is None or new < now * (1 - MIN_GAIN):
       logging.info(

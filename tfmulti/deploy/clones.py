@@ -1,7 +1,7 @@
 """Slim's clone building blocks: one clone's step, the clones, their sum.
 
 `create_clones` runs each clone's forward pass, loss and gradient on its
-own device and shard of the batch (through its stages, with a `pipeline`);
+own device and shard of the batch (through its stages, with `stages`);
 `optimize_clones` sums them. `deploy.DeployedModel` builds its step from
 these; they are also there for writing one's own loop, as in slim.
 """
@@ -12,23 +12,24 @@ import functools
 
 import tensorflow as tf
 
+from tfmulti import step_options
+from tfmulti import trainer
 from tfmulti.deploy import towers_in_strategy
-from tfmulti.trainer import mean_loss, shard_loss
 
 # A clone's share of one step (slim: Clone(outputs, scope, device)).
 # `loss` is the clone's part of the total loss (its mean loss weighted by
 # its share of the global batch, plus the regularization losses on clone 0);
 # `gradients` are d loss / d trainable variable, computed on `device`;
 # `non_trainable` is a list of (rows, values): the model's non-trainable
-# variables as the forward pass of each piece of the clone's rows (one, or
-# one a micro-batch) left them.
+# variables as the forward pass of the clone's shard (or of each of its
+# micro-batches) left them.
 Clone = collections.namedtuple(
     'Clone', ['outputs', 'loss', 'regularization_loss', 'gradients',
               'non_trainable', 'scope', 'device'])
 
 
 def clone_step(model, loss_fn, global_rows, trainable, non_trainable,
-                images, labels, regularization_weight, loss_scale):
+               images, labels, regularization_weight, loss_scale):
   """Forward pass, loss and gradient of one clone; changes no variable.
 
   `trainable` and `non_trainable` are the variables' values as tensors, so
@@ -42,16 +43,9 @@ def clone_step(model, loss_fn, global_rows, trainable, non_trainable,
     tape.watch(trainable)
     outputs, new_non_trainable, losses = model.stateless_call(
         trainable, non_trainable, images, training=True, return_losses=True)
-    loss = shard_loss(mean_loss(loss_fn, labels, outputs),
-                      tf.shape(labels)[0], global_rows)
-    regularization = tf.zeros([], loss.dtype)
-    if losses and not (isinstance(regularization_weight, (int, float))
-                       and regularization_weight == 0):
-      # The variables are shared, so their penalty is counted once (clone 0).
-      regularization = tf.add_n([tf.cast(l, loss.dtype) for l in losses])
-      regularization *= tf.cast(regularization_weight, loss.dtype)
-    loss += regularization
-    scaled_loss = loss * tf.cast(loss_scale, loss.dtype)
+    loss, regularization, scaled_loss = trainer.objective(
+        loss_fn, labels, outputs, global_rows=global_rows, losses=losses,
+        penalty_weight=regularization_weight, loss_scale=loss_scale)
   gradients = tape.gradient(scaled_loss, trainable)
   return outputs, loss, regularization, gradients, [new_non_trainable]
 
@@ -81,9 +75,9 @@ def values_of(variables):
 
 
 def create_clones(config, model, loss_fn, images, labels, *,
-                  jit_compile=False, loss_scale=1.0, lockstep=None,
-                  pipeline=None, shard_sizes=None, global_rows=None,
-                  regularization=True):
+                  options=step_options.DEFAULTS, loss_scale=1.0,
+                  lockstep=None, stages=None, shard_sizes=None,
+                  global_rows=None, regularization=True):
   """Runs every clone on its device and its shard of the batch.
 
   Args:
@@ -94,22 +88,23 @@ def create_clones(config, model, loss_fn, images, labels, *,
     images: this worker's batch, `batch_size * num_clones` rows (the global
       batch, on one worker).
     labels: its labels, as many rows.
-    jit_compile: compile each clone's forward and backward pass with XLA,
-      one cluster per clone on that clone's device (compiling the whole
-      step would fuse every clone into one cluster on one device).
+    options: the `StepOptions`; here `xla` compiles each clone's forward
+      and backward pass with XLA, one cluster per clone on that clone's
+      device (compiling the whole step would fuse every clone into one
+      cluster on one device).
     loss_scale: multiplies each clone's loss before its gradient (the
       float16 loss scale of a `keras.optimizers.LossScaleOptimizer`).
     lockstep: None, or a `tf.distribute.MirroredStrategy` over the clone
       devices whose replicas run the clones at once (for synchronized
       BatchNorm; see `towers_in_strategy.run_clones_in_lockstep`).
-    pipeline: None, or a `pipeline.Pipeline`: each clone runs its rows in
+    stages: None, or a `pipeline.Stages`: each clone runs its shard in
       micro-batches through its stages, on `config.stage_devices(clone)`.
     shard_sizes: rows of each clone (uneven clone shares); None for equal.
     global_rows: rows of the whole job's batch that the clones' losses are
-      a part of; None for this batch on every worker (a gradient
-      accumulation step passes the rows of all its micro-steps).
-    regularization: count the regularization losses (on clone 0); a
-      gradient accumulation step counts them on its first micro-step only.
+      a part of; None for this batch on every worker (an accumulation step
+      passes the rows of all the update's accumulation steps).
+    regularization: count the regularization losses (on clone 0); with
+      gradient accumulation, the first accumulation step counts them.
 
   Returns:
     A list of `Clone`, one per clone.
@@ -119,7 +114,7 @@ def create_clones(config, model, loss_fn, images, labels, *,
 
   def clone_fn(*args):
     return clone_step(model, loss_fn, global_rows, *args)
-  if jit_compile:
+  if options.xla:
     clone_fn = tf.function(clone_fn, jit_compile=True)
   image_shards = split_batch(config, images, shard_sizes)
   label_shards = split_batch(config, labels, shard_sizes)
@@ -136,8 +131,8 @@ def create_clones(config, model, loss_fn, images, labels, *,
   else:
     results = []
     for i in range(config.num_clones):
-      if pipeline is not None:
-        clone_fn = functools.partial(pipeline.clone_step,
+      if stages is not None:
+        clone_fn = functools.partial(stages.clone_step,
                                      config.stage_devices(i), loss_fn,
                                      global_rows)
       with on_clone(config, i):
@@ -150,8 +145,8 @@ def create_clones(config, model, loss_fn, images, labels, *,
   for i, result in enumerate(results):
     *result, states = result
     rows = image_shards[i].shape[0]
-    piece_rows = [rows] if pipeline is None else pipeline.microbatch_rows(rows)
-    clones.append(Clone(*result, list(zip(piece_rows, states)),
+    part_rows = [rows] if stages is None else stages.microbatch_rows(rows)
+    clones.append(Clone(*result, list(zip(part_rows, states)),
                         scope=config.clone_scope(i),
                         device=config.clone_device(i)))
   return clones

@@ -9,11 +9,13 @@ rows evenly over the clones, runs each clone's forward pass, loss and
 gradient on its own device, sums the gradients on the optimizer device and
 applies them once. The result equals one device training on the whole batch.
 
-Three options keep that equality: `clone_shares` splits the rows unevenly
-(for unequal devices; `balance` measures and sets them), `pipeline` cuts
-each clone into stages on `DeploymentConfig.num_stages` devices fed with
-micro-batches (`tfmulti.pipeline`), and `accumulation_steps` sums several
-micro-steps into one update (`trainer.sum_microsteps`).
+How the step runs is one `StepOptions` record, passed whole. Three of its
+options keep that equality: `clone_shares` splits the rows unevenly (for
+unequal devices; `balance` measures and sets them), `num_microbatches`
+feeds each clone, cut into `DeploymentConfig.num_stages` stages on their
+own devices, with micro-batches (`tfmulti.pipeline`), and
+`accumulation_steps` sums several accumulation steps into one update
+(`rows.accumulate`).
 
 How this differs from slim (graph-mode TF 1):
   * `create_clones` records each clone under its own `tf.GradientTape` and
@@ -36,56 +38,44 @@ the towers meet a strategy (clones in lockstep, for synchronized BatchNorm)
 is `towers_in_strategy`.
 """
 
+import dataclasses
 import functools
 
 import tensorflow as tf
 
 from tfmulti import devices
 from tfmulti import errors
-from tfmulti.deploy import towers_in_strategy
+from tfmulti import rows
+from tfmulti import step_options
 from tfmulti import trainer
-# The BatchNorm policies, where slim users look for them: deploy.BN_*.
-from tfmulti.deploy.batch_norm import (  # noqa: F401
-    BATCH_NORM_POLICIES, BN_CLONE_0, BN_FULL_BATCH, BN_MEAN,
-    combine_non_trainable, moments_of)
-# Slim's building blocks, where its users look for them: deploy.<name>.
-from tfmulti.deploy.clones import (  # noqa: F401
-    Clone, clone_step, create_clones, on_clone, optimize_clones, split_batch,
-    values_of)
-from tfmulti.pipeline.stages import (
-    check_pipeline_options, Pipeline, PipelineConfig)
-# Slim's config, where its users look for it: deploy.DeploymentConfig.
-from tfmulti.deploy.placement import DeploymentConfig  # noqa: F401
-# The loss rules every path shares, also reachable as deploy.<name>.
-from tfmulti.trainer import mean_loss, shard_loss  # noqa: F401
+from tfmulti.deploy import balance
+from tfmulti.deploy import towers_in_strategy
+from tfmulti.deploy.batch_norm import combine_non_trainable, moments_of
+from tfmulti.deploy.clones import (
+    clone_step, create_clones, on_clone, optimize_clones, values_of)
+from tfmulti.pipeline import Stages
+
 
 class DeployedModel(trainer.Trainer):
   """A model deployed over clones, with its compiled training step.
 
   Slim's DeployedModel held a train_op and summary_op; in TF 2 it holds the
   `tf.function` that runs one step. Attributes: `config`, `model`,
-  `loss_fn`, `optimizer`, `batch_norm_policy`, `jit_compile`,
-  `return_gradients` (steps also return the summed gradients), `lockstep`
-  and `pipeline` (see `create_clones`), `clone_shares` (each clone's
-  share of a step's rows; None for equal; settable between steps, see
-  `balance`) and `accumulation_steps`.
+  `loss_fn`, `optimizer`, `options` (the `StepOptions`), `lockstep` and
+  `stages` (see `create_clones`), and `clone_shares`: each clone's share of
+  a step's rows, None for equal, settable between steps (see `balance`).
   """
 
-  def __init__(self, config, model, loss_fn, optimizer, *,
-               batch_norm_policy, jit_compile, return_gradients=False,
-               lockstep=None, pipeline=None, clone_shares=None,
-               accumulation_steps=1):
+  def __init__(self, config, model, loss_fn, optimizer, options, *,
+               lockstep=None, stages=None):
     self.config = config
     self.model = model
     self.loss_fn = loss_fn
     self.optimizer = optimizer
-    self.batch_norm_policy = batch_norm_policy
-    self.jit_compile = jit_compile
-    self.return_gradients = return_gradients
+    self.options = options
     self.lockstep = lockstep
-    self.pipeline = pipeline
-    self.clone_shares = clone_shares
-    self.accumulation_steps = accumulation_steps
+    self.stages = stages
+    self.clone_shares = options.fixed_shares
     self._moments = moments_of(model)
     self._probes = {}  # Clone index -> its timing function.
     self._step = tf.function(self.step_graph)
@@ -96,22 +86,22 @@ class DeployedModel(trainer.Trainer):
     (each worker of a multi-worker job runs it; Keras's `apply_gradients`
     then all-reduces the workers' summed gradients before the update).
 
-    `sizes`: each clone's rows of a micro-step (None: equal). With
-    `accumulation_steps` K the batch holds K micro-steps; their gradients
-    are summed on the optimizer device and applied once.
+    `sizes`: each clone's rows of an accumulation step (None: equal). With
+    `accumulation_steps` K the batch holds K accumulation steps; their
+    gradients are summed on the optimizer device and applied once.
     """
     config, model = self.config, self.model
     variables = model.trainable_variables
     loss_scale = trainer.loss_scale_of(self.optimizer)
     with tf.device(config.variables_device()):
       scale = 1.0 if loss_scale is None else tf.identity(loss_scale)
-    # Every micro-step of every worker is a part of the job's batch.
+    # Every accumulation step of every worker is a part of the job's batch.
     global_rows = tf.shape(labels)[0] * config.num_workers
 
-    def microstep(images, labels, first):
+    def accumulation_step(images, labels, first):
       clones = create_clones(config, model, self.loss_fn, images, labels,
-                             jit_compile=self.jit_compile, loss_scale=scale,
-                             lockstep=self.lockstep, pipeline=self.pipeline,
+                             options=self.options, loss_scale=scale,
+                             lockstep=self.lockstep, stages=self.stages,
                              shard_sizes=sizes, global_rows=global_rows,
                              regularization=first)
       with tf.device(config.optimizer_device()):
@@ -122,10 +112,9 @@ class DeployedModel(trainer.Trainer):
               [total_loss, clones[0].regularization_loss] +
               [clone.loss for clone in clones])
 
-    gradients, (total_loss, regularization, *clone_losses) = (
-        trainer.sum_microsteps(microstep, images, labels,
-                               self.accumulation_steps,
-                               config.optimizer_device()))
+    gradients, (total_loss, regularization, *clone_losses) = rows.accumulate(
+        accumulation_step, images, labels, self.options.accumulation_steps,
+        config.optimizer_device())
     with tf.device(config.optimizer_device()):
       grads_and_vars = [(g, v) for g, v in zip(gradients, variables)
                         if g is not None]
@@ -133,7 +122,7 @@ class DeployedModel(trainer.Trainer):
       # (halving the scale) when a gradient is not finite.
       self.optimizer.apply_gradients(grads_and_vars)
       summed = {}
-      if self.return_gradients:
+      if self.options.summarize_gradients:
         summed = trainer.gradients_by_path(
             grads_and_vars, None if loss_scale is None else scale)
     return trainer.StepOutputs(total_loss, regularization, clone_losses,
@@ -144,8 +133,8 @@ class DeployedModel(trainer.Trainer):
     model = self.model
     with tf.device(self.config.variables_device()), \
         tf.name_scope('update_state'):
-      new_values = combine_non_trainable(clones, self.batch_norm_policy,
-                                         self._moments)
+      new_values = combine_non_trainable(
+          clones, self.options.batch_norm_policy, self._moments)
       for variable, value in zip(model.non_trainable_variables, new_values):
         variable.assign(value)
 
@@ -153,33 +142,24 @@ class DeployedModel(trainer.Trainer):
     """`dataset` itself: each step splits its batch over the clones."""
     return dataset
 
-  def clone_rows(self, rows):
-    """Each clone's rows of a micro-step of a worker batch of `rows`, or
-    None for equal rows; raises `ConfigError` for a batch that cannot be
-    split so."""
-    steps, n = self.accumulation_steps, self.config.num_clones
-    if rows % steps:
-      raise errors.ConfigError(
-          f'a batch of {rows} rows does not split into accumulation_steps='
-          f'{steps} equal micro-steps; pass a multiple of {steps}.')
-    sizes = trainer.shard_rows(rows // steps, self.clone_shares, n)
-    if sizes is None and rows // steps % n:
-      raise errors.ConfigError(
-          f'a micro-step of {rows // steps} rows does not split evenly over '
-          f'num_clones={n}; pass batch_size * num_clones * '
-          f'accumulation_steps rows.')
-    if self.pipeline is not None:  # Raises if a micro-batch would be empty.
-      for size in sizes or [rows // steps // n]:
-        self.pipeline.microbatch_rows(size)
+  def clone_rows(self, images, labels):
+    """Each clone's rows of an accumulation step of this batch, or None for
+    equal rows; raises `ConfigError` for a batch that cannot be split so."""
+    rows.check_batch(images, labels)
+    step_rows = rows.accumulation_rows(images.shape[0],
+                                       self.options.accumulation_steps)
+    n = self.config.num_clones
+    sizes = rows.shard_rows(step_rows, self.clone_shares, n)
+    if self.stages is not None:  # Raises if a micro-batch would be empty.
+      for size in sizes or [step_rows // n]:
+        self.stages.microbatch_rows(size)
     return sizes
 
   def train_step_outputs(self, images, labels):
     """One step on this worker's batch; returns its `StepOutputs`."""
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    trainer.check_batch(images, labels, 1 if self.clone_shares else
-                        self.config.num_clones)
-    # One trace per distinct split: `sizes` is a tuple of Python ints.
-    return self._step(images, labels, self.clone_rows(images.shape[0]))
+    # One trace per distinct split: the sizes are a tuple of Python ints.
+    return self._step(images, labels, self.clone_rows(images, labels))
 
   def _probe_graph(self, clone_index, images, labels):
     """Clone `clone_index` alone: its forward and backward pass on its
@@ -190,11 +170,11 @@ class DeployedModel(trainer.Trainer):
       args = (values_of(model.trainable_variables),
               values_of(model.non_trainable_variables), images, labels, 0.0,
               1.0)
-      if self.pipeline is None:
+      if self.stages is None:
         _, loss, _, gradients, _ = clone_step(model, self.loss_fn, rows,
                                                *args)
       else:
-        _, loss, _, gradients, _ = self.pipeline.clone_step(
+        _, loss, _, gradients, _ = self.stages.clone_step(
             config.stage_devices(clone_index), self.loss_fn, rows, *args)
       return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
                               if g is not None])
@@ -219,10 +199,10 @@ class DeployedModel(trainer.Trainer):
       if not sizes[i]:
         continue
       with on_clone(self.config, i):
-        if self.pipeline is None:
+        if self.stages is None:
           outputs.append(self.model(shards[i], training=False))
         else:
-          outputs.append(self.pipeline.predict(
+          outputs.append(self.stages.predict(
               self.config.stage_devices(i), shards[i]))
     with tf.device(self.config.inputs_device()):
       return tf.concat(outputs, axis=0)
@@ -232,10 +212,7 @@ class DeployedModel(trainer.Trainer):
     return self._predict(tf.convert_to_tensor(images))
 
 
-def deploy(config, model, loss_fn, optimizer, *,
-           batch_norm_policy=BN_CLONE_0, jit_compile=False,
-           return_gradients=False, lockstep=None, pipeline=None,
-           clone_shares=None, accumulation_steps=1):
+def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   """Deploys `model` over `config`'s clones.
 
   Builds the optimizer's slot variables on the variables device, and checks,
@@ -249,57 +226,31 @@ def deploy(config, model, loss_fn, optimizer, *,
     loss_fn: `loss_fn(labels, outputs)` -> mean loss (any `keras.losses`
       object with its default reduction).
     optimizer: a Keras optimizer created under the variables device.
-    batch_norm_policy: one of `BATCH_NORM_POLICIES`; see
-      `combine_non_trainable`.
-    jit_compile: compile each clone's forward and backward pass with XLA.
-    return_gradients: steps also return the summed gradients (for
-      summaries).
-    lockstep: a `tf.distribute.MirroredStrategy` over exactly the clone
-      devices, to run the clones at once; needed by Keras's synchronized
-      BatchNorm, which all-reduces batch statistics between replicas.
-    pipeline: a `pipeline.PipelineConfig`: cut each clone into
-      `config.num_stages` stages and its rows into micro-batches. None is
-      one stage and one micro-batch (no pipeline).
-    clone_shares: each clone's share of the rows of every step, e.g.
-      (3, 1) for a device three times as fast (split by largest
-      remainder); None splits evenly. A step still equals one device on
-      the whole batch: each clone's loss is weighted by its rows. The
-      shares are a `deploy()` argument, not a `DeploymentConfig` field:
-      they say how rows are split, not where anything lives, and an
-      automatic balance changes them during training.
-    accumulation_steps: K: each step's batch holds K micro-steps whose
-      summed gradients make one update (gradient accumulation): one device
-      on the K micro-steps' rows.
+    options: a `StepOptions` (how each step runs); None for the defaults.
+    **fields: `StepOptions` fields that replace those of `options`, e.g.
+      `clone_shares=(3, 1)` for a device three times as fast, or
+      `accumulation_steps=2`. `sync_batch_norm=True` runs the clones in
+      lockstep (the replicas of a `MirroredStrategy` over the clone
+      devices), as Keras's synchronized BatchNorm needs; `clone_shares`
+      'auto' returns a `balance.Balanced` that measures and sets them.
 
   Returns:
-    A `DeployedModel`.
+    A `DeployedModel` (a `balance.Balanced` one with shares 'auto').
 
   Raises:
-    errors.UserError: a missing device, a misplaced variable, an unknown
-      policy, a model that is not built, or a lockstep strategy that does
-      not fit.
+    errors.UserError: a missing device, a misplaced variable, a bad option,
+      a model that is not built, or a cut that cannot be made.
   """
-  errors.check_choice('batch_norm_policy', batch_norm_policy,
-                      BATCH_NORM_POLICIES)
-  trainer.check_shares(clone_shares, config.num_clones)
-  errors.check_count('accumulation_steps', accumulation_steps, 1)
-  if lockstep is not None and (accumulation_steps > 1 or clone_shares):
-    raise errors.UnsupportedError(
-        'clone_shares and accumulation_steps are not supported with '
-        'synchronized BatchNorm (lockstep clones): drop one or the other.')
+  options = dataclasses.replace(options or step_options.StepOptions(),
+                                **fields)
+  check_options(config, options)
   if not model.built:
     raise errors.ConfigError(
         f'model {model.name!r} is not built; build a functional model '
         '(keras.Input) under the variables device.')
-  if lockstep is not None:
-    towers_in_strategy.check_lockstep(lockstep, config.clone_devices(),
-                                      jit_compile)
   stages = None
-  pipeline = pipeline or PipelineConfig()
-  if config.num_stages > 1 or pipeline.num_microbatches > 1:
-    check_pipeline_options(jit_compile=jit_compile,
-                           lockstep=lockstep is not None)
-    stages = Pipeline(model, config.num_stages, pipeline)
+  if config.num_stages > 1 or options.num_microbatches > 1:
+    stages = Stages(model, config.num_stages, options)
   devices.check_devices_exist(
       [config.variables_device(), config.optimizer_device(),
        config.inputs_device()] + config.compute_devices())
@@ -308,9 +259,18 @@ def deploy(config, model, loss_fn, optimizer, *,
       optimizer.build(model.trainable_variables)
   devices.check_placement(model.variables + optimizer.variables,
                           config.variables_device())
-  return DeployedModel(config, model, loss_fn, optimizer,
-                       batch_norm_policy=batch_norm_policy,
-                       jit_compile=jit_compile,
-                       return_gradients=return_gradients, lockstep=lockstep,
-                       pipeline=stages, clone_shares=clone_shares,
-                       accumulation_steps=accumulation_steps)
+  lockstep = None
+  if options.sync_batch_norm:
+    lockstep = towers_in_strategy.lockstep_strategy(config)
+  towers = DeployedModel(config, model, loss_fn, optimizer, options,
+                         lockstep=lockstep, stages=stages)
+  if options.auto_shares:
+    return balance.Balanced(towers, options.rebalance_every_steps)
+  return towers
+
+
+def check_options(config, options):
+  """Raises `UserError` for step options these clones cannot run: the
+  rules that need both records (the one-record rules are `StepOptions`')."""
+  options.check_stages(config.num_stages)
+  rows.check_share_count(options.fixed_shares, config.num_clones)

@@ -14,37 +14,19 @@ alone provides, and keep everything else their own:
   replica; Keras's `apply_gradients` all-reduces the workers' summed
   gradients once before the update, which every worker applies to its copy.
 
-Neither imports `deploy`: the towers hand in what they need.
+Neither imports `deploy.towers`: the towers hand in what they need.
 """
 
 import tensorflow as tf
 
-from tfmulti import errors
+from tfmulti import devices
+from tfmulti import rows
 from tfmulti import trainer
 
 
-def _device_key(device):
-  spec = tf.DeviceSpec.from_string(device)
-  return spec.device_type, spec.device_index
-
-
-def check_lockstep_options(jit_compile):
-  """Raises `ConfigError` if clones in lockstep are asked to use XLA."""
-  if jit_compile:
-    raise errors.ConfigError(
-        'synchronized_batch_norm=True (lockstep clones) cannot be combined '
-        'with xla=True (jit_compile): XLA compiles each clone alone, and '
-        'lockstep clones exchange statistics mid-pass; drop one of them.')
-
-
-def check_lockstep(lockstep, clone_devices, jit_compile):
-  """Raises `ConfigError` unless `lockstep` can run these clones at once."""
-  check_lockstep_options(jit_compile)
-  have = list(lockstep.extended.worker_devices)
-  if [_device_key(d) for d in have] != [_device_key(d) for d in clone_devices]:
-    raise errors.ConfigError(
-        f'lockstep replicas on {have} are not the clone devices '
-        f'{clone_devices}; build the strategy over config.clone_devices().')
+def lockstep_strategy(config):
+  """The `MirroredStrategy` whose replicas run `config`'s clones at once."""
+  return devices.mirrored_strategy(config)
 
 
 def run_clones_in_lockstep(lockstep, clone_fn, variables, shards, loss_scale):
@@ -109,21 +91,21 @@ class WorkerTowers(trainer.Trainer):
         {path: local(g)[0] for path, g in outputs.gradients.items()})
 
   def distribute_dataset(self, dataset):
-    """This worker's block of rows of each global batch.
+    """This worker's rows of each global batch.
 
     Worker i of N takes rows [i * B/N, (i + 1) * B/N) of every global batch
     of B rows: every worker reads the same pipeline (same seed), so the
     job's step sees exactly the global batch a single process would.
     """
     config = self.towers.config
-    return trainer.worker_blocks(dataset, worker=config.worker_index,
-                         num_workers=config.num_workers, pieces=1)
+    return rows.worker_shards(dataset, worker=config.worker_index,
+                              num_workers=config.num_workers,
+                              shards_per_worker=1)
 
   def train_step_outputs(self, images, labels):
-    """One step on this worker's block; returns the job's `StepOutputs`."""
+    """One step on this worker's rows; returns the job's `StepOutputs`."""
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    trainer.check_batch(images, labels, self.towers.config.num_clones)
-    self.towers.clone_rows(images.shape[0])  # Raises for a bad split.
+    self.towers.clone_rows(images, labels)  # Raises for a bad split.
     return self._step(images, labels)
 
   def predict(self, images):

@@ -16,10 +16,13 @@ copy, which is what the towers' `clone_0` policy keeps. Models built with
 synchronized BatchNorm all-reduce the batch statistics instead.
 """
 
-import keras
 import tensorflow as tf
 
+from tfmulti import devices
 from tfmulti import errors
+from tfmulti import layers
+from tfmulti import rows
+from tfmulti import step_options
 from tfmulti import trainer
 
 MIRRORED = 'mirrored'
@@ -38,8 +41,7 @@ def check_supported(strategy_name, model, num_replicas):
   """
   if strategy_name != CENTRAL_STORAGE or num_replicas == 1:
     return
-  batch_norms = [layer.name for layer in model._flatten_layers()
-                 if isinstance(layer, keras.layers.BatchNormalization)]
+  batch_norms = [layer.name for layer in layers.batch_norms(model)]
   if batch_norms:
     raise errors.UnsupportedError(
         f'strategy={strategy_name!r} cannot train {model.name!r} on '
@@ -54,15 +56,7 @@ def make_strategy(name, config, *, cross_device_ops=None):
   `cross_device_ops` overrides MirroredStrategy's choice of all-reduce.
   """
   if name == MIRRORED:
-    if cross_device_ops is None and config.clone_on_cpu:
-      # On CPUs TF picks collective ops, whose instance keys clash between
-      # two MirroredStrategy objects in one process; a reduction onto the
-      # optimizer device is what the towers do anyway.
-      cross_device_ops = tf.distribute.ReductionToOneDevice(
-          reduce_to_device=config.optimizer_device())
-    # None: TF's choice (NCCL all-reduce on GPUs).
-    return tf.distribute.MirroredStrategy(devices=config.clone_devices(),
-                                          cross_device_ops=cross_device_ops)
+    return devices.mirrored_strategy(config, cross_device_ops)
   if name == CENTRAL_STORAGE:
     return tf.distribute.experimental.CentralStorageStrategy(
         compute_devices=config.clone_devices(),
@@ -80,26 +74,23 @@ class DistributedModel(trainer.Trainer):
   constructor builds them.
   """
 
-  def __init__(self, strategy, model, loss_fn, optimizer, *,
-               return_gradients=False, worker_index=0, num_workers=1,
-               clone_shares=None, accumulation_steps=1):
-    """`worker_index` and `num_workers`: this process's place in a
-    multi-worker job (MultiWorkerMirroredStrategy), whose replicas span the
-    workers. `clone_shares`: each replica's share of a step's rows (one
-    process only; None for equal). `accumulation_steps`: micro-steps a
-    step (see `trainer.sum_microsteps`), all-reduced once."""
-    trainer.check_shares(clone_shares, strategy.num_replicas_in_sync,
-                         'num_replicas')
-    errors.check_count('accumulation_steps', accumulation_steps, 1)
-    self.clone_shares = clone_shares
-    self.accumulation_steps = accumulation_steps
+  def __init__(self, strategy, model, loss_fn, optimizer,
+               options=step_options.DEFAULTS, *, worker_index=0,
+               num_workers=1):
+    """`options`: the `StepOptions` (here `clone_shares`, one process
+    only: each replica's share of a step's rows; `accumulation_steps`,
+    all-reduced once a step; `summarize_gradients`). `worker_index` and
+    `num_workers`: this process's place in a multi-worker job
+    (MultiWorkerMirroredStrategy), whose replicas span the workers."""
+    rows.check_share_count(options.fixed_shares,
+                           strategy.num_replicas_in_sync, 'num_replicas')
+    self.options = options
     self.worker_index = worker_index
     self.num_workers = num_workers
     self.strategy = strategy
     self.model = model
     self.loss_fn = loss_fn
     self.optimizer = optimizer
-    self.return_gradients = return_gradients
     with strategy.scope():
       if not optimizer.built:
         optimizer.build(model.trainable_variables)
@@ -107,28 +98,28 @@ class DistributedModel(trainer.Trainer):
     self._predict = tf.function(self._predict_graph)
 
   @property
+  def clone_shares(self):
+    """Each replica's share of a step's rows; None for equal."""
+    return self.options.clone_shares
+
+  @property
   def num_replicas(self):
     """tf.distribute replicas in sync, over every worker."""
     return self.strategy.num_replicas_in_sync
 
-  def _microstep(self, images, labels, first, global_rows):
-    """One micro-step of a replica: (gradients, [loss, regularization]).
-
-    The regularization counts on the `first` micro-step only: the weights
-    do not change between micro-steps.
-    """
+  def _accumulation_step(self, images, labels, first, global_rows):
+    """One accumulation step of a replica: (gradients, [loss,
+    regularization]). The regularization counts on the `first` one only:
+    the weights do not change between them."""
     model = self.model
-    loss_scale = trainer.loss_scale_of(self.optimizer)
     with tf.GradientTape() as tape:
       outputs = model(images, training=True)
-      mean = trainer.mean_loss(self.loss_fn, labels, outputs)
-      loss = trainer.shard_loss(mean, tf.shape(labels)[0], global_rows)
-      regularization = tf.zeros([], loss.dtype)
-      if model.losses and first:
-        # Every replica adds its share; summed, the penalty counts once.
-        regularization = tf.add_n(model.losses) / self.num_replicas
-      loss += regularization
-      scaled_loss = loss if loss_scale is None else loss * loss_scale
+      # Every replica adds its share; summed, the penalty counts once.
+      loss, regularization, scaled_loss = trainer.objective(
+          self.loss_fn, labels, outputs, global_rows=global_rows,
+          losses=model.losses,
+          penalty_weight=1.0 / self.num_replicas if first else 0,
+          loss_scale=trainer.loss_scale_of(self.optimizer))
     return (tape.gradient(scaled_loss, model.trainable_variables),
             [loss, regularization])
 
@@ -137,13 +128,13 @@ class DistributedModel(trainer.Trainer):
     loss_scale = trainer.loss_scale_of(self.optimizer)
     # The sums live on the replica's device, beside its copy of the
     # variables (device None: the replica's own).
-    gradients, (loss, regularization) = trainer.sum_microsteps(
-        lambda x, y, first: self._microstep(x, y, first, global_rows),
-        images, labels, self.accumulation_steps, None)
+    gradients, (loss, regularization) = rows.accumulate(
+        lambda x, y, first: self._accumulation_step(x, y, first, global_rows),
+        images, labels, self.options.accumulation_steps, None)
     # Keras all-reduces (sums) the replicas' gradients inside
     # apply_gradients, once a step; a LossScaleOptimizer also unscales them.
     self.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-    if not self.return_gradients:
+    if not self.options.summarize_gradients:
       gradients = []
     elif loss_scale is not None:
       gradients = [g / loss_scale for g in gradients]
@@ -164,29 +155,29 @@ class DistributedModel(trainer.Trainer):
         trainer.gradients_by_path(zip(summed, self.model.trainable_variables)))
 
   def _shard(self, tensor, sizes=None):
-    """Replica i gets the i-th of num_replicas equal row blocks, or the
-    i-th block of `sizes[i]` rows."""
+    """Replica i gets the i-th of num_replicas equal shards, or the i-th
+    shard of `sizes[i]` rows."""
     # Split once, not per replica.
-    blocks = tf.split(tensor, sizes or self.num_replicas)
+    shards = tf.split(tensor, sizes or self.num_replicas)
     return self.strategy.experimental_distribute_values_from_function(
-        lambda ctx: blocks[ctx.replica_id_in_sync_group])
+        lambda ctx: shards[ctx.replica_id_in_sync_group])
 
   def distribute_dataset(self, dataset):
     """`dataset`'s global batches, split over the replicas by tf.distribute.
 
-    Replica i gets the i-th of num_replicas equal row blocks, prefetched to
-    its device (on several workers, through `trainer.worker_blocks`). With
+    Replica i gets the i-th of num_replicas equal shards, prefetched to
+    its device (on several workers, through `rows.worker_shards`). With
     clone shares, the global batches themselves: each step splits them.
     """
-    if self.clone_shares is not None:
+    if self.options.clone_shares is not None:
       return dataset
     if self.num_workers == 1:
       return self.strategy.experimental_distribute_dataset(dataset)
     local_replicas = self.num_replicas // self.num_workers
     return self.strategy.distribute_datasets_from_function(
-        lambda context: trainer.worker_blocks(
+        lambda context: rows.worker_shards(
             dataset, worker=self.worker_index, num_workers=self.num_workers,
-            pieces=local_replicas))
+            shards_per_worker=local_replicas))
 
   def train_step_outputs(self, images, labels):
     """One step on a global batch; returns its `trainer.StepOutputs`.
@@ -198,21 +189,16 @@ class DistributedModel(trainer.Trainer):
       worker_rows = tf.add_n(
           [tf.shape(shard)[0] for shard in
            self.strategy.experimental_local_results(labels)])
-      global_rows = worker_rows * self.num_workers  # Equal blocks a worker.
+      global_rows = worker_rows * self.num_workers  # Equal rows a worker.
       return self._step(images, labels, global_rows)
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    steps = self.accumulation_steps
-    trainer.check_batch(
-        images, labels, 1 if self.clone_shares else self.num_replicas * steps,
-        'num_replicas' if steps == 1 else 'num_replicas * accumulation_steps')
-    if images.shape[0] % steps:
-      raise errors.ConfigError(
-          f'a batch of {images.shape[0]} rows does not split into '
-          f'accumulation_steps={steps} equal micro-steps.')
-    sizes = trainer.shard_rows(images.shape[0] // steps, self.clone_shares,
-                               self.num_replicas)
+    rows.check_batch(images, labels)
+    steps = self.options.accumulation_steps
+    sizes = rows.shard_rows(rows.accumulation_rows(images.shape[0], steps),
+                            self.options.clone_shares, self.num_replicas,
+                            'num_replicas')
     # Replica i takes steps * sizes[i] consecutive rows: its part of each
-    # micro-step (the update sees every row of the batch once).
+    # accumulation step (the update sees every row of the batch once).
     sizes = sizes and [steps * size for size in sizes]
     return self._step(self._shard(images, sizes),
                       self._shard(labels, sizes), tf.shape(labels)[0])

@@ -1,7 +1,7 @@
 """Model registry: functional Keras model factories by name.
 
 Every factory takes `(input_shape, num_classes)` (and, with BatchNorm,
-`synchronized_batch_norm`) and returns a built functional `keras.Model`;
+`sync_batch_norm`) and returns a built functional `keras.Model`;
 call it under `tf.device(variables_device)` so its variables are created
 there.
 """
@@ -32,19 +32,19 @@ def has_batch_norm(name):
   return name in _WITH_BATCH_NORM
 
 
-def check(name, *, synchronized_batch_norm=False):
+def check(name, *, sync_batch_norm=False):
   """Raises `ConfigError` for an unknown name, or synchronized BatchNorm
   asked of a model without BatchNorm."""
   errors.check_choice('model', name, names())
-  if synchronized_batch_norm and not has_batch_norm(name):
+  if sync_batch_norm and not has_batch_norm(name):
     raise errors.ConfigError(
         f'model={name!r} has no BatchNorm to synchronize; drop '
-        f'synchronized_batch_norm (--sync_batch_norm) or pick one of '
+        f'--sync_batch_norm or pick one of '
         f'{_WITH_BATCH_NORM}.')
 
 
 def get_model(name, *, input_shape, num_classes, dtype_policy=None,
-              synchronized_batch_norm=False):
+              sync_batch_norm=False):
   """Builds the registered model `name`.
 
   Args:
@@ -54,7 +54,7 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
     dtype_policy: a Keras dtype policy name for every layer, e.g.
       'mixed_bfloat16'; None keeps the global policy. Mixed models get a
       float32 output layer, so the softmax and loss run in float32.
-    synchronized_batch_norm: BatchNorm all-reduces its batch statistics over
+    sync_batch_norm: BatchNorm all-reduces its batch statistics over
       the tf.distribute replicas (Keras's `synchronized=True`).
 
   Returns:
@@ -64,10 +64,10 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
     errors.ConfigError: `name` is not registered, or synchronized BatchNorm
       is asked of a model without BatchNorm.
   """
-  check(name, synchronized_batch_norm=synchronized_batch_norm)
+  check(name, sync_batch_norm=sync_batch_norm)
   options = {}
-  if synchronized_batch_norm:
-    options['synchronized_batch_norm'] = True
+  if sync_batch_norm:
+    options['sync_batch_norm'] = True
   previous = keras.config.dtype_policy()
   try:
     if dtype_policy:

@@ -31,7 +31,7 @@ def _d2l_residual(x, filters, strides, use_1x1conv, batch_norm):
   return layers.ReLU()(layers.Add()([y, x]))
 
 
-def resnet18(input_shape, num_classes, *, synchronized_batch_norm=False):
+def resnet18(input_shape, num_classes, *, sync_batch_norm=False):
   """ResNet-18 in the small-image form of D2L section 13.6.
 
   A 3x3 stem of 64 channels and no max pooling, then four stages of two
@@ -41,12 +41,12 @@ def resnet18(input_shape, num_classes, *, synchronized_batch_norm=False):
   Args:
     input_shape: (height, width, channels) of one image.
     num_classes: number of output logits.
-    synchronized_batch_norm: see `cifar_resnet`.
+    sync_batch_norm: see `cifar_resnet`.
 
   Returns:
     A functional `keras.Model` mapping images to logits.
   """
-  batch_norm = _batch_norm(synchronized_batch_norm)
+  batch_norm = _batch_norm(sync_batch_norm)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(64, 3, padding='same')(inputs)
   x = layers.ReLU()(batch_norm()(x))
@@ -89,7 +89,7 @@ def _cifar_block(x, filters, strides, regularizer, batch_norm):
 
 
 def cifar_resnet(input_shape, num_classes, *, depth=20, width=16,
-                 weight_decay=1e-4, name=None, synchronized_batch_norm=False):
+                 weight_decay=1e-4, name=None, sync_batch_norm=False):
   """The CIFAR-10 ResNet of He et al. 2016 (section 4.2), depth 6n + 2.
 
   Args:
@@ -99,7 +99,7 @@ def cifar_resnet(input_shape, num_classes, *, depth=20, width=16,
     width: channels of the first stage; the stages have width, 2x, 4x.
     weight_decay: L2 penalty on the kernels (1e-4 in the paper).
     name: model name, by default `resnet<depth>`.
-    synchronized_batch_norm: BatchNorm uses the statistics of the global
+    sync_batch_norm: BatchNorm uses the statistics of the global
       batch, all-reduced over tf.distribute replicas, not each replica's.
 
   Returns:
@@ -112,7 +112,7 @@ def cifar_resnet(input_shape, num_classes, *, depth=20, width=16,
     raise errors.ConfigError(f'depth={depth}: a CIFAR ResNet has 6n + 2 layers '
                      '(8, 20, 32, ...).')
   regularizer = keras.regularizers.L2(weight_decay) if weight_decay else None
-  batch_norm = _batch_norm(synchronized_batch_norm)
+  batch_norm = _batch_norm(sync_batch_norm)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(width, 3, padding='same', use_bias=False,
                     kernel_initializer='he_normal',
@@ -152,7 +152,7 @@ def _bottleneck(x, planes, strides, batch_norm, name):
   return layers.ReLU()(layers.Add(name=f'{name}_add')([y, x]))
 
 
-def resnet50(input_shape, num_classes, *, synchronized_batch_norm=False):
+def resnet50(input_shape, num_classes, *, sync_batch_norm=False):
   """ResNet-50 (He et al. 2016), as torchvision builds it.
 
   A 7x7 stride-2 stem and 3x3 stride-2 max pooling, bottleneck blocks
@@ -165,12 +165,12 @@ def resnet50(input_shape, num_classes, *, synchronized_batch_norm=False):
   Args:
     input_shape: (height, width, channels) of one image.
     num_classes: number of output logits.
-    synchronized_batch_norm: see `cifar_resnet`.
+    sync_batch_norm: see `cifar_resnet`.
 
   Returns:
     A functional `keras.Model` mapping images to logits.
   """
-  batch_norm = _batch_norm(synchronized_batch_norm, epsilon=1e-5)
+  batch_norm = _batch_norm(sync_batch_norm, epsilon=1e-5)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(64, 7, strides=2, padding='same', use_bias=False,
                     name='stem_conv')(inputs)

@@ -7,5 +7,4 @@
 """
 
 from tfmulti.pipeline.stages import (  # noqa: F401
-    Pipeline, PipelineConfig, Stage, check_pipeline_options, split_model,
-    stage_starts)
+    Stage, Stages, split_model, stage_starts)

@@ -17,10 +17,11 @@ import keras
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import step_options
 
-ESTIMATED = 'estimated'
-MEASURED = 'measured'
-KINDS = (ESTIMATED, MEASURED)
+# The kinds of cost, named where the step options choose them.
+ESTIMATED, MEASURED = step_options.ESTIMATED, step_options.MEASURED
+KINDS = step_options.STAGE_COSTS
 
 
 def median_seconds(run, repeats=3):

@@ -1,6 +1,6 @@
 """Model and pipeline parallelism: one clone cut into stages on devices.
 
-A `Pipeline` cuts a functional Keras model at layer boundaries into
+`Stages` cuts a functional Keras model at layer boundaries into
 consecutive stages (sub-models sharing the model's layers and variables),
 and runs one clone's shard of a step through them, cut into micro-batches
 (GPipe, Huang et al. 2019):
@@ -40,55 +40,17 @@ would need the clones' gradients all-reduced, the mirrored design.)
 """
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Tuple
 
 import keras
 import tensorflow as tf
 
-from tfmulti.pipeline import costs
 from tfmulti import errors
-from tfmulti.pipeline import partition
+from tfmulti import step_options
 from tfmulti import trainer
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-  """How each clone's step runs through its stages.
-
-  Attributes:
-    num_microbatches: pieces each clone's rows are cut into; they flow
-      through the stages one after another.
-    boundaries: names of the first layer of stages 1..K-1; None to cut
-      automatically (`partition.partition` on the layers' `costs`).
-    layer_costs: 'estimated' (multiply-adds from the shapes) or 'measured'
-      (each layer's forward and backward pass timed; see `costs`).
-    recompute: recompute each stage's activations in its backward pass.
-    stage_speeds: a speed factor per stage device for the automatic cut
-      (2 for a device twice as fast); None for equal devices.
-  """
-  num_microbatches: int = 1
-  boundaries: Optional[Tuple[str, ...]] = None
-  recompute: bool = False
-  stage_speeds: Optional[Tuple[float, ...]] = None
-  layer_costs: str = costs.ESTIMATED
-
-  def __post_init__(self):
-    errors.check_count('num_microbatches', self.num_microbatches, 1)
-    errors.check_choice('layer_costs', self.layer_costs, costs.KINDS)
-
-
-def check_pipeline_options(*, jit_compile, lockstep):
-  """Refuses what a pipelined step cannot combine with, in one line."""
-  if jit_compile:
-    raise errors.UnsupportedError(
-        'xla=True compiles a whole clone on one device; it cannot compile a '
-        'clone cut into stages or micro-batches: drop --xla, or use '
-        '--num_stages=1 --num_microbatches=1.')
-  if lockstep:
-    raise errors.UnsupportedError(
-        'synchronized BatchNorm runs whole clones in lockstep; it cannot run '
-        'stages or micro-batches: drop --sync_batch_norm (the full_batch '
-        'policy gives the whole batch\'s moving statistics).')
+from tfmulti.pipeline import costs
+from tfmulti.pipeline import partition
+from tfmulti.rows import split_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,25 +74,28 @@ class Stage:
   first_layer: str
 
 
-def stage_starts(model, num_stages, config):
-  """Index (among `costs.operations`) of each stage's first layer."""
+def stage_starts(model, num_stages, options):
+  """Index (among `costs.operations`) of each stage's first layer, cut by
+  `options` (a `StepOptions`: `stage_boundaries`, or else `stage_costs`
+  and `stage_speeds`)."""
   names = [op.name for op, _ in costs.operations(model)]
   if num_stages > len(names):
     raise errors.ConfigError(
         f'num_stages={num_stages}: {model.name!r} has {len(names)} layers '
         f'to cut; use --num_stages={len(names)} or fewer.')
-  if config.boundaries is None:
-    measure = (costs.measured_costs if config.layer_costs == costs.MEASURED
+  boundaries = options.stage_boundaries
+  if boundaries is None:
+    measure = (costs.measured_costs if options.stage_costs == costs.MEASURED
                else costs.estimated_costs)
     return partition.partition([cost for _, cost in measure(model)],
-                               num_stages, config.stage_speeds)
-  if len(config.boundaries) != num_stages - 1:
+                               num_stages, options.stage_speeds)
+  if len(boundaries) != num_stages - 1:
     raise errors.ConfigError(
-        f'stage_boundaries={",".join(config.boundaries)}: name the first '
+        f'stage_boundaries={",".join(boundaries)}: name the first '
         f'layer of stages 1..{num_stages - 1} ({num_stages - 1} names) for '
         f'num_stages={num_stages}.')
   starts = [0]
-  for name in config.boundaries:
+  for name in boundaries:
     if name not in names:
       raise errors.ConfigError(
           f'stage_boundaries: {model.name!r} has no layer {name!r}; its '
@@ -181,13 +146,14 @@ def split_model(model, starts):
   return stages
 
 
-class Pipeline:
+class Stages:
   """A model cut into stages, and one clone's step through them."""
 
-  def __init__(self, model, num_stages, config=PipelineConfig()):
-    """Cuts `model`; raises `ConfigError` for a cut that cannot be made."""
-    self.config = config
-    self.stages = split_model(model, stage_starts(model, num_stages, config))
+  def __init__(self, model, num_stages, options=step_options.DEFAULTS):
+    """Cuts `model` as the `StepOptions` say (the cut, micro-batches,
+    recomputation); raises `ConfigError` for a cut that cannot be made."""
+    self.options = options
+    self.stages = split_model(model, stage_starts(model, num_stages, options))
     self.input_key = id(model.inputs[0])
     self.output_key = id(model.outputs[0])
 
@@ -203,24 +169,21 @@ class Pipeline:
         [values[k] for k in stage.input_keys],
         training=True, return_losses=True)
     outputs = keras.tree.flatten(outputs)
-    penalty = tf.zeros([], tf.float32)
-    if losses and not (isinstance(weight, (int, float)) and weight == 0):
-      penalty = tf.add_n([tf.cast(l, tf.float32) for l in losses])
-      penalty *= tf.cast(weight, tf.float32)
+    penalty = trainer.penalty(losses, weight)
     loss = None
-    if s == len(self.stages) - 1:
-      loss = trainer.shard_loss(
-          trainer.mean_loss(context.loss_fn, labels, outputs[-1]),
-          tf.shape(labels)[0], context.global_rows)
+    if s == len(self.stages) - 1:  # The penalty is kept apart, per stage.
+      loss, _, _ = trainer.objective(context.loss_fn, labels, outputs[-1],
+                                     global_rows=context.global_rows)
     return outputs, new_non_trainable, penalty, loss
 
   def microbatch_rows(self, rows):
     """The rows of each micro-batch of a clone's `rows`."""
-    sizes = trainer.split_rows(rows, [1] * self.config.num_microbatches)
+    count = self.options.num_microbatches
+    sizes = split_rows(rows, [1] * count)
     if not all(sizes):
       raise errors.ConfigError(
-          f'num_microbatches={self.config.num_microbatches} is more than '
-          f'the {rows} rows of a clone; use at most {rows}.')
+          f'num_microbatches={count} is more than the {rows} rows of a '
+          f'clone; use at most {rows}.')
     return sizes
 
   def clone_step(self, devices, loss_fn, global_rows, trainable,
@@ -235,13 +198,13 @@ class Pipeline:
     """
     sizes = self.microbatch_rows(images.shape[0])
     with tf.device(devices[0]):
-      image_pieces = tf.split(images, sizes)
-      label_pieces = tf.split(labels, sizes)
+      image_parts = tf.split(images, sizes)
+      label_parts = tf.split(labels, sizes)
     context = _Context(loss_fn, global_rows, regularization_weight,
                        loss_scale)
     per_stage_grads = [[] for _ in self.stages]
     losses, regularizations, outputs, states = [], [], [], []
-    for m, (x, y) in enumerate(zip(image_pieces, label_pieces)):
+    for m, (x, y) in enumerate(zip(image_parts, label_parts)):
       with tf.name_scope(f'microbatch_{m}'):
         result = self._microbatch(devices, context, trainable, non_trainable,
                                   x, y, first=m == 0)
@@ -276,7 +239,7 @@ class Pipeline:
     for s, stage in enumerate(self.stages):
       with tf.device(devices[s]), tf.name_scope(f'stage_{s}'):
         inputs = [values[k] for k in stage.input_keys]
-        if self.config.recompute and s < last:
+        if self.options.recompute and s < last:
           tape, result = None, self._forward(
               s, trainable, non_trainable, values, labels, context, weight)
         else:

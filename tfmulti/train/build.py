@@ -61,7 +61,7 @@ def model_and_optimizer(config, deploy_config, *, input_shape, num_classes,
     model = models.get_model(
         config.model, input_shape=input_shape, num_classes=num_classes,
         dtype_policy=policy,
-        synchronized_batch_norm=config.synchronized_batch_norm)
+        sync_batch_norm=config.step_options.sync_batch_norm)
     optimizer = make_optimizer(config.optimizer, learning_rate)
     if policy == MIXED_GPU:  # float16 gradients underflow without it.
       optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

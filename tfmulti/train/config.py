@@ -1,25 +1,23 @@
 """`TrainConfig`: what to train, on what, for how long, and where to write.
 
-The command line turns its flags into a `TrainConfig` and a
-`deploy.DeploymentConfig` at once; the library takes only these. Every rule
-that needs no runtime is checked here, on construction, with one line that
-names the value and the fix; a path's own rules are in `strategies`.
+The command line turns its flags into a `TrainConfig` (holding the
+`StepOptions`) and a `deploy.DeploymentConfig` at once; the library takes
+only these. Every rule that needs no runtime is checked on construction,
+with one line that names the value and the fix: the job's here, the step's
+in `StepOptions`, a strategy's in `registry`.
 """
 
 import dataclasses
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
-from tfmulti.train import build
-from tfmulti.pipeline import costs
 from tfmulti import data
-from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import models
-from tfmulti import pipeline
+from tfmulti import step_options as step_options_lib
+from tfmulti.train import build
+from tfmulti.train import registry
 from tfmulti.train import schedules
-from tfmulti.train import registry as strategies
 
-AUTO = 'auto'  # --clone_shares=auto.
 _SEED_LIMIT = 2**32  # NumPy's seeds are unsigned 32-bit integers.
 
 
@@ -48,35 +46,19 @@ class TrainConfig:
     log_every_steps: steps between progress lines and summaries.
     checkpoint_steps: global steps between checkpoints (and one at the end).
     keep_checkpoints: how many recent checkpoints to keep.
-    summarize_gradients: write gradient histograms and norms.
-    batch_norm_policy: see `deploy.BATCH_NORM_POLICIES`.
-    synchronized_batch_norm: BatchNorm over the global batch's statistics,
-      all-reduced over the clones or replicas (the towers then run their
-      clones in lockstep, see `towers_in_strategy`).
     mixed_precision: compute in float16 on GPUs (with loss scaling) or
       bfloat16 on CPUs; variables stay float32.
-    xla: compile each clone's computation with XLA (towers only).
-    strategy: a name in `strategies.NAMES`: how the step runs.
+    strategy: a name in `registry.NAMES`: how the step runs.
     peer_timeout_s: seconds a multi-worker task waits for its peers, and
       for each collective, before it fails.
     export: write `export/<step>/` (SavedModel and .keras) at the end.
     profile_steps: (first, last) global steps to profile into
       `<model_dir>/plugins/profile/` for TensorBoard; None for no profile.
-    num_microbatches: pieces each clone's rows are cut into, flowing
-      through its stages (`pipeline`); towers only.
-    stage_boundaries: the first layer of each stage but the first; None
-      to cut where the estimated costs balance.
-    recompute: recompute each stage's activations in its backward pass.
-    stage_costs: what the automatic cut balances: 'estimated' or
-      'measured' layer costs (`costs`).
-    clone_shares: each clone's share of a step's rows (towers, mirrored),
-      e.g. (3, 1); 'auto' to measure the clones and balance them (towers);
-      None for equal shares.
-    rebalance_every_steps: with 'auto', steps between measurements.
-    accumulation_steps: micro-steps of batch_size * num_clones rows a
-      clone summed into one update (gradient accumulation); the global
-      batch of an update is batch_size * num_clones * num_workers *
-      accumulation_steps, and steps count updates.
+    step_options: how each step runs (`StepOptions`: BatchNorm policy,
+      XLA, micro-batches and the stages' cut, clone shares, accumulation,
+      gradient summaries), passed whole to the strategy's trainer; with
+      `accumulation_steps` K the global batch of an update is batch_size *
+      num_clones * num_workers * K, and steps count updates.
   """
   model: str = 'lenet'
   dataset: str = 'digits'
@@ -95,49 +77,24 @@ class TrainConfig:
   log_every_steps: int = 10
   checkpoint_steps: int = 500
   keep_checkpoints: int = 5
-  summarize_gradients: bool = False
-  batch_norm_policy: str = deploy.BN_CLONE_0
-  synchronized_batch_norm: bool = False
   mixed_precision: bool = False
-  xla: bool = False
-  strategy: str = strategies.TOWERS
+  strategy: str = registry.TOWERS
   peer_timeout_s: float = 120.0
   export: bool = True
   profile_steps: Optional[Tuple[int, int]] = None
-  num_microbatches: int = 1
-  stage_boundaries: Optional[Tuple[str, ...]] = None
-  recompute: bool = False
-  stage_costs: str = costs.ESTIMATED
-  clone_shares: Optional[Union[Tuple[float, ...], str]] = None
-  rebalance_every_steps: int = 100
-  accumulation_steps: int = 1
-
-  @property
-  def auto_shares(self):
-    """Whether the clones' shares are measured and balanced."""
-    return self.clone_shares == AUTO
-
-  def pipeline(self):
-    """The `pipeline.PipelineConfig` of this run."""
-    return pipeline.PipelineConfig(num_microbatches=self.num_microbatches,
-                                   boundaries=self.stage_boundaries,
-                                   recompute=self.recompute,
-                                   layer_costs=self.stage_costs)
+  step_options: step_options_lib.StepOptions = step_options_lib.DEFAULTS
 
   def __post_init__(self):
-    choices = [('dataset', data.DATASETS), ('strategy', strategies.NAMES),
+    choices = [('dataset', data.DATASETS), ('strategy', registry.NAMES),
                ('optimizer', build.OPTIMIZERS),
-               ('batch_norm_policy', deploy.BATCH_NORM_POLICIES),
                ('lr_scaling', schedules.LR_SCALINGS),
-               ('lr_schedule', schedules.LR_SCHEDULES),
-               ('stage_costs', costs.KINDS)]
+               ('lr_schedule', schedules.LR_SCHEDULES)]
     for name, allowed in choices:
       errors.check_choice(name, getattr(self, name), allowed)
     models.check(self.model,
-                 synchronized_batch_norm=self.synchronized_batch_norm)
+                 sync_batch_norm=self.step_options.sync_batch_norm)
     for name in ('batch_size', 'epochs', 'log_every_steps',
-                 'checkpoint_steps', 'keep_checkpoints', 'num_microbatches',
-                 'rebalance_every_steps', 'accumulation_steps'):
+                 'checkpoint_steps', 'keep_checkpoints'):
       errors.check_count(name, getattr(self, name), 1)
     if self.train_steps is not None:
       errors.check_count('train_steps', self.train_steps, 1)
@@ -155,14 +112,11 @@ class TrainConfig:
         raise errors.ConfigError(
             f'profile_steps={first},{last}: the last step must be >= the '
             'first, e.g. --profile_steps=5,7.')
-    if self.num_microbatches > self.batch_size:
+    microbatches = self.step_options.num_microbatches
+    if microbatches > self.batch_size:
       raise errors.ConfigError(
-          f'num_microbatches={self.num_microbatches} is more than '
+          f'num_microbatches={microbatches} is more than '
           f'batch_size={self.batch_size} rows a clone; use at most '
           f'{self.batch_size}.')
-    if isinstance(self.clone_shares, str) and not self.auto_shares:
-      raise errors.ConfigError(
-          f'clone_shares={self.clone_shares!r}: give numbers, e.g. 3,1, or '
-          f'{AUTO!r}.')
     if not self.model_dir:
       raise errors.ConfigError("model_dir='': name an output directory.")

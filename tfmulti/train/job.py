@@ -3,7 +3,7 @@
 `train_and_evaluate(config, deploy_config)` is the one call the command line
 makes. It checks the job and the directories, takes the model_dir's lock
 (`run_dir`), builds the trainer of the path `config.strategy` names
-(`strategies`), resumes from the latest intact checkpoint, trains to the
+(`registry`), resumes from the latest intact checkpoint, trains to the
 requested global step (`loop`), evaluates on the test split after every
 epoch and writes `<model_dir>/metrics.json` (`metrics`). Tests hand it
 their own data and trainer (`data_override`, `trainer_override`).
@@ -25,27 +25,28 @@ from tfmulti.train import export
 from tfmulti.train import loop
 from tfmulti.train import metrics
 from tfmulti.train import run_dir
-from tfmulti.train import registry as strategies
+from tfmulti.train import registry
 from tfmulti.train import summaries
 
 
 def global_batch_size(config, deploy_config):
   """Rows of one step (one update) of the whole job: every clone of every
-  worker, every accumulation micro-step."""
+  worker, every accumulation step."""
   return (config.batch_size * deploy_config.num_clones *
-          deploy_config.num_workers * config.accumulation_steps)
+          deploy_config.num_workers * config.step_options.accumulation_steps)
 
 
 def _log_deployment(config, deploy_config, path):
+  options = config.step_options
   logging.info('batch_size %d per clone x %d clones x %d workers x %d '
                'accumulation steps = global batch %d; the clones run on %s',
                config.batch_size, deploy_config.num_clones,
-               deploy_config.num_workers, config.accumulation_steps,
+               deploy_config.num_workers, options.accumulation_steps,
                global_batch_size(config, deploy_config),
                deploy_config.clone_devices())
-  if config.clone_shares:
-    logging.info('clone shares: %s', config.clone_shares)
-  if config.strategy == strategies.TOWERS:
+  if options.clone_shares:
+    logging.info('clone shares: %s', options.clone_shares)
+  if config.strategy == registry.TOWERS:
     logging.info('towers: variables and optimizer slots on %s; batch split '
                  'on %s; gradients summed and applied on %s',
                  deploy_config.variables_device(),
@@ -130,8 +131,8 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     loop.TrainingInterrupted: SIGTERM or SIGINT; a checkpoint was saved.
   """
   started = time.perf_counter()  # For the start-up phase in metrics.
-  path = strategies.get(config.strategy)
-  strategies.check(config, deploy_config)
+  path = registry.get(config.strategy)
+  registry.check(config, deploy_config)
   chief = cluster_info is None or cluster_info.is_chief
   if config.data_dir and not data_override:
     run_dir.check_directory('data_dir', config.data_dir)
@@ -141,15 +142,18 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     _log_deployment(config, deploy_config, path)
     if config.deterministic:
       tf.config.experimental.enable_op_determinism()
-    keras.utils.set_random_seed(config.seed)
     dataset = data_override or _load(config, deploy_config)
+    # Seeded after the data: preparing a data set the first time draws from
+    # the global generators, and the weights must not depend on whether
+    # this run prepared it.
+    keras.utils.set_random_seed(config.seed)
     batch = global_batch_size(config, deploy_config)
     total_steps = config.train_steps or (
         config.epochs * (dataset.train_examples // batch))
     schedule = build.make_schedule(
         config, deploy_config.num_clones * deploy_config.num_workers,
         total_steps)
-    trainer = trainer_override or path.build(strategies.Setup(
+    trainer = trainer_override or path.build(registry.Setup(
         config, deploy_config, build.model_and_optimizer(
             config, deploy_config, input_shape=dataset.input_shape,
             num_classes=dataset.num_classes, learning_rate=schedule),

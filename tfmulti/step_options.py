@@ -1,0 +1,141 @@
+"""`StepOptions`: how a training step runs, in one frozen record.
+
+Where things live is `deploy.DeploymentConfig`'s; how a step computes is
+this record's: the BatchNorm policy, XLA, the stages' micro-batches, the
+clones' shares, gradient accumulation. It is validated once, on
+construction (each rule here, with one message), built once from the flags
+(or from a library caller's keywords) and passed whole to the trainer that
+runs the step. Each registered strategy declares the options it honours
+(`train.registry`), and the registry refuses any other option set away
+from its default, in one line: nothing is ignored without a word.
+"""
+
+import dataclasses
+from typing import Optional, Tuple, Union
+
+from tfmulti import errors
+
+# BatchNorm moving statistics after a step of several clones (see
+# `deploy.batch_norm`): clone 0's (slim's rule, and what MirroredStrategy
+# reads back), the row-weighted mean, or one update from the whole batch.
+BN_CLONE_0 = 'clone_0'
+BN_MEAN = 'mean'
+BN_FULL_BATCH = 'full_batch'
+BATCH_NORM_POLICIES = (BN_CLONE_0, BN_MEAN, BN_FULL_BATCH)
+# What the automatic stage cut balances (see `pipeline.costs`).
+ESTIMATED = 'estimated'
+MEASURED = 'measured'
+STAGE_COSTS = (ESTIMATED, MEASURED)
+AUTO = 'auto'  # clone_shares=auto: measured and balanced (`deploy.balance`).
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+  """How each training step runs; every default is the plain step.
+
+  Attributes:
+    batch_norm_policy: one of `BATCH_NORM_POLICIES`: which moving
+      statistics a step of several clones (or micro-batches) keeps.
+    sync_batch_norm: BatchNorm over the global batch's statistics,
+      all-reduced between clones (the towers run them in lockstep) or
+      replicas.
+    xla: compile each clone's forward and backward pass with XLA.
+    num_microbatches: micro-batches each clone's shard is cut into,
+      flowing through its stages (`DeploymentConfig.num_stages`).
+    stage_boundaries: the first layer of each stage but the first; None
+      to cut where the layers' costs balance.
+    stage_costs: what the automatic cut balances: 'estimated' (multiply-adds
+      from the shapes) or 'measured' (each layer timed at start-up).
+    stage_speeds: a speed factor per stage device for the automatic cut
+      (2 for a device twice as fast); None for equal devices.
+    recompute: recompute each stage's activations in its backward pass.
+    clone_shares: each clone's share of a step's rows, e.g. (3, 1); 'auto'
+      to measure the clones and balance them; None for equal shares.
+    rebalance_every_steps: with 'auto', steps between measurements.
+    accumulation_steps: K: each step's batch holds K accumulation steps
+      whose summed gradients make one update.
+    summarize_gradients: steps also return the summed gradients (for
+      TensorBoard's histograms and norms).
+  """
+  batch_norm_policy: str = BN_CLONE_0
+  sync_batch_norm: bool = False
+  xla: bool = False
+  num_microbatches: int = 1
+  stage_boundaries: Optional[Tuple[str, ...]] = None
+  stage_costs: str = ESTIMATED
+  stage_speeds: Optional[Tuple[float, ...]] = None
+  recompute: bool = False
+  clone_shares: Optional[Union[Tuple[float, ...], str]] = None
+  rebalance_every_steps: int = 100
+  accumulation_steps: int = 1
+  summarize_gradients: bool = False
+
+  def __post_init__(self):
+    errors.check_choice('batch_norm_policy', self.batch_norm_policy,
+                        BATCH_NORM_POLICIES)
+    errors.check_choice('stage_costs', self.stage_costs, STAGE_COSTS)
+    for name in ('num_microbatches', 'rebalance_every_steps',
+                 'accumulation_steps'):
+      errors.check_count(name, getattr(self, name), 1)
+    for speed in self.stage_speeds or ():
+      errors.check_positive('stage_speeds', speed)
+    self._check_shares()
+    if self.sync_batch_norm:
+      for name in ('clone_shares', 'accumulation_steps', 'xla'):
+        if name in self.in_use():
+          raise errors.UnsupportedError(
+              f'{name}={getattr(self, name)!r} cannot be combined with '
+              'sync_batch_norm=True: synchronized BatchNorm runs equal, whole '
+              f'clones at once; drop one of the two.')
+    self.check_stages(1)
+
+  def _check_shares(self):
+    shares = self.clone_shares
+    if shares is None or shares == AUTO:
+      return
+    if isinstance(shares, str) or not all(
+        isinstance(share, (int, float)) and not isinstance(share, bool)
+        and 0 < share < float('inf') for share in shares):
+      text = shares if isinstance(shares, str) else ','.join(map(str, shares))
+      raise errors.ConfigError(
+          f'clone_shares={text}: every share must be a number > 0, e.g. '
+          f'--clone_shares=3,1, or {AUTO}.')
+
+  def check_stages(self, num_stages):
+    """Raises `UnsupportedError` if a clone cut into `num_stages` stages
+    (or micro-batches) is asked of what runs whole clones."""
+    if num_stages == 1 and self.num_microbatches == 1:
+      return
+    for name in ('xla', 'sync_batch_norm'):
+      if getattr(self, name):
+        raise errors.UnsupportedError(
+            f'{name}=True runs whole clones; it cannot run a clone cut into '
+            f'stages or micro-batches (num_stages={num_stages}, '
+            f'num_microbatches={self.num_microbatches}): drop one of them.')
+
+  @property
+  def auto_shares(self):
+    """Whether the clones' shares are measured and balanced."""
+    return self.clone_shares == AUTO
+
+  @property
+  def fixed_shares(self):
+    """The clones' shares when given as numbers; None for equal or auto."""
+    return None if self.auto_shares else self.clone_shares
+
+  def in_use(self):
+    """The names of the options set away from their defaults; shares set
+    to 'auto' are named 'clone_shares=auto' (a strategy may honour shares
+    given as numbers and not the measured ones)."""
+    names = []
+    for field in dataclasses.fields(self):
+      if getattr(self, field.name) != field.default:
+        names.append(field.name)
+    if self.auto_shares:
+      names[names.index('clone_shares')] = f'clone_shares={AUTO}'
+    elif 'rebalance_every_steps' in names:
+      names.remove('rebalance_every_steps')  # Read with 'auto' only.
+    return names
+
+
+DEFAULTS = StepOptions()  # The plain step: one stage, equal shards, no XLA.
