@@ -56,6 +56,7 @@ def test_each_dataset_trains(run_train, dataset, num_clones):
   assert METRIC_KEYS <= set(metrics)
 
 
+@pytest.mark.slow
 def test_a_pipelined_clone_learns_digits(run_train, caplog):
   with caplog.at_level('INFO', logger='absl'):
     metrics = run_train(num_stages=2, num_microbatches=4, train_steps=None,
@@ -66,6 +67,7 @@ def test_a_pipelined_clone_learns_digits(run_train, caplog):
   assert "['/device:CPU:1']" in caplog.text
 
 
+@pytest.mark.slow
 def test_digits_learns(run_train):
   metrics = run_train(num_clones=2, train_steps=None, epochs=8,
                       batch_size=64, log_every_steps=50)
@@ -84,6 +86,7 @@ def test_distribute_paths_share_the_contract(run_train, strategy):
   assert METRIC_KEYS <= set(metrics)
 
 
+@pytest.mark.slow
 def test_batch_norm_model_learns_alike_on_every_path(run_train):
   # Mirrored equals the towers to 1e-5 step for step on a BatchNorm model
   # (tests/distribute/test_distributed_model.py); here the towers and one
@@ -210,6 +213,7 @@ CHATTER = ('absl::InitializeLog', 'cudart_stub', 'cuInit')
     (['--num_clones=3'], 'train.py: error: --num_clones=3 needs 3 GPUs'),
     (['--model=vgg', '--verbosity=1'], '--model'),
 ])
+@pytest.mark.slow
 def test_bad_flags_exit_without_traceback(argv, message, tmp_path):
   result = subprocess.run(
       [sys.executable, 'train.py', f'--model_dir={tmp_path}/run'] + argv,
@@ -246,6 +250,7 @@ def _start_and_signal(command, line_part, signum, delay_s=0.0):
 
 
 
+@pytest.mark.slow
 def test_sigterm_then_rerun_equals_an_uninterrupted_run(tmp_path, digits_dir,
                                                         run_train):
   run_train(train_steps=1)  # Prepares digits in digits_dir once.
@@ -282,6 +287,7 @@ def test_sigterm_then_rerun_equals_an_uninterrupted_run(tmp_path, digits_dir,
     np.testing.assert_array_equal(got[key], value, err_msg=key)
 
 
+@pytest.mark.slow
 def test_a_killed_run_leaves_a_checkpoint_that_loads(tmp_path, digits_dir,
                                                      run_train):
   run_train(train_steps=1)  # Prepares digits in digits_dir once.

@@ -147,7 +147,7 @@ _NUM_MICROBATCHES = flags.DEFINE_integer(
     'micro-batches flowing through its stages (GPipe pipelining).')
 _STAGE_BOUNDARIES = flags.DEFINE_list(
     'stage_boundaries', None, 'The first layer of stages 1..N-1, e.g. '
-    'stage2_block0_conv1; default: cut where the estimated layer costs '
+    'layer3_block0_conv1 (resnet50); default: cut where the layer costs '
     'balance.')
 _STAGE_COSTS = flags.DEFINE_enum(
     'stage_costs', step_options.ESTIMATED, step_options.STAGE_COSTS,

@@ -80,6 +80,7 @@ def test_a_retracing_variant_fails_the_benchmark():
     bench.time_variants([variant], TINY)
 
 
+@pytest.mark.slow
 def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):
   output, chart = tmp_path / 'report.json', tmp_path / 'sweep.png'
   bench.main(['--model=lenet', '--clone_on_cpu', '--batch_size=2',

@@ -7,6 +7,7 @@ from tfmulti.bench import e2e as bench_e2e
 PHASES = {'startup', 'first_step', 'train_after_first_step', 'evaluation'}
 
 
+@pytest.mark.slow
 def test_every_variant_runs_the_whole_job_and_is_compared(digits_dir):
   e2e = bench_e2e.E2EConfig(model='lenet', global_batch_size=256, epochs=1,
                             rounds=1, data_dir=digits_dir)

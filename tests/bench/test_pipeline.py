@@ -32,6 +32,7 @@ def test_busy_fractions_are_the_union_of_each_stage_over_the_step():
   assert bench_pipeline.busy_fractions(space) == {0: 0.7, 1: 0.4}
 
 
+@pytest.mark.slow
 def test_a_tiny_run_reports_every_design(tmp_path):
   config = bench_pipeline.PipelineBenchConfig(
       model='resnet8_thin', image_size=8, batch_size=8, microbatches=(2,),

@@ -247,6 +247,7 @@ def test_train_py_auto_shares_balance_and_train(run_train, caplog):
   assert sum(metrics['clone_shares']) == 16  # Measured, out of 16.
 
 
+@pytest.mark.slow
 def test_train_py_accumulation_equals_the_bigger_batch(run_train):
   common = dict(optimizer='adam', num_clones=2, train_steps=3)
   accumulated = run_train(batch_size=4, accumulation_steps=2, **common)
@@ -257,6 +258,7 @@ def test_train_py_accumulation_equals_the_bigger_batch(run_train):
   _assert_same_checkpoints(_final(accumulated), _final(bigger))
 
 
+@pytest.mark.slow
 def test_train_py_accumulation_resumes_exactly(run_train, tmp_path):
   common = dict(optimizer='momentum', learning_rate=0.05, num_clones=2,
                 batch_size=4, accumulation_steps=2)

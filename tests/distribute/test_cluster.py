@@ -83,6 +83,7 @@ def _with_watchdog(peer, timeout_s, then):
   return result.returncode, result.stderr, time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_the_watchdog_kills_a_worker_whose_peer_never_answers():
   port, = _free_ports(1)  # Nothing listens there.
   code, stderr, _ = _with_watchdog(f'localhost:{port}', 1.0, 'time.sleep(60)')
@@ -90,6 +91,7 @@ def test_the_watchdog_kills_a_worker_whose_peer_never_answers():
   assert f'cannot reach its peer localhost:{port} after 1 s' in stderr
 
 
+@pytest.mark.slow
 def test_the_watchdog_lets_a_worker_whose_peers_answer_be():
   listener = socket.create_server(('localhost', 0))
   try:
@@ -100,6 +102,7 @@ def test_the_watchdog_lets_a_worker_whose_peers_answer_be():
   assert code == 0 and 'cannot reach' not in stderr
 
 
+@pytest.mark.slow
 def test_the_watchdog_ends_with_its_worker():
   """It never outlives the worker, nor signals a PID that may be reused."""
   port, = _free_ports(1)
@@ -141,6 +144,7 @@ def _run_job(model_dir, digits_dir, temp_root, *flags):
   return logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('strategy, clones', [
     ('multi_worker', 2), ('multi_worker_mirrored', 1)])
 def test_two_workers_train_like_one_process(tmp_path, digits_dir, run_train,
@@ -167,6 +171,7 @@ def test_two_workers_train_like_one_process(tmp_path, digits_dir, run_train,
     assert (metrics['resumed_from_step'], metrics['steps']) == (3, 5)
 
 
+@pytest.mark.slow
 def test_two_workers_accumulate_like_one_process(tmp_path, digits_dir,
                                                  run_train):
   """2 workers x 2 clones x 2 accumulation steps = one process with 4 clones
@@ -186,6 +191,7 @@ def test_two_workers_accumulate_like_one_process(tmp_path, digits_dir,
                                err_msg=key)
 
 
+@pytest.mark.slow
 def test_a_worker_without_its_peer_fails_with_the_address(tmp_path,
                                                           digits_dir):
   ports = _free_ports(2)
@@ -201,6 +207,7 @@ def test_a_worker_without_its_peer_fails_with_the_address(tmp_path,
   assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow
 def test_workers_started_with_different_flags_stop_with_one_line(
     tmp_path, digits_dir, run_train):
   run_train(train_steps=1)  # Prepares digits in digits_dir once.
@@ -223,6 +230,7 @@ def test_workers_started_with_different_flags_stop_with_one_line(
   assert not (tmp_path / 'job' / 'ckpt-1.index').exists()
 
 
+@pytest.mark.slow
 def test_a_peer_lost_mid_run_stops_the_others_with_one_line(
     tmp_path, digits_dir, run_train):
   run_train(train_steps=1)  # Prepares digits in digits_dir once.
@@ -246,6 +254,7 @@ def test_a_peer_lost_mid_run_stops_the_others_with_one_line(
   assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow
 def test_a_worker_whose_port_is_taken_stops_with_one_line(tmp_path,
                                                           digits_dir):
   taken = socket.create_server(('localhost', 0))

@@ -90,6 +90,7 @@ class TestStopSignals:
       assert signals.exit_code == code
     assert signal.getsignal(signum) is before
 
+  @pytest.mark.slow
   @pytest.mark.parametrize('second', [signal.SIGINT, signal.SIGTERM])
   def test_second_signal_stops_at_once_by_that_signal(self, second):
     script = ('import os, signal, time\n'
@@ -104,6 +105,7 @@ class TestStopSignals:
     assert 'Traceback' not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_pipelined_checkpoint_continues_on_the_towers(run_train, tmp_path):
   """2 stages x 2 micro-batches for 3 steps, then plain towers to step 5,
   ends where 2 plain clones trained for 5 steps end."""
@@ -122,6 +124,7 @@ def test_a_pipelined_checkpoint_continues_on_the_towers(run_train, tmp_path):
                                err_msg=key)
 
 
+@pytest.mark.slow
 def test_a_two_clone_checkpoint_continues_on_every_path(run_train, tmp_path):
   """2 clones -> mirrored, one device, 4 clones and 2 clones of 2 stages,
   at the same step.

@@ -43,6 +43,7 @@ print(json.dumps(accuracies))
 '''
 
 
+@pytest.mark.slow
 def test_runs_export_models_that_load_without_tfmulti(run_train,
                                                       digits_dir):
   """A 2-clone towers run and a 2-replica mirrored (BatchNorm) run."""

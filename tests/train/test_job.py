@@ -29,6 +29,7 @@ def test_the_same_command_resumes_where_it_stopped(run_train, tmp_path):
   assert sorted(scalars(model_dir)[summaries.TOTAL_LOSS]) == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('strategy', ['towers', 'mirrored'])
 def test_tensorboard_tags_are_the_same_on_every_path(run_train, tmp_path,
                                                      strategy):
@@ -144,6 +145,7 @@ def test_central_storage_trains_a_model_without_batch_norm(run_train):
   assert metrics['strategy'] == 'central_storage' and metrics['steps'] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('strategy', ['towers', 'mirrored'])
 def test_synchronized_batch_norm_flag_trains_on_both_paths(run_train,
                                                            strategy):
