@@ -152,6 +152,12 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
     (dict(num_microbatches=5, batch_size=4),
      'num_microbatches=5 is more than batch_size=4'),
     (dict(num_stages=0), 'num_stages=0: must be an integer >= 1'),
+    # Settings that one stage would ignore.
+    (dict(stage_boundaries=['dense']),
+     r"stage_boundaries=\('dense',\) says how to cut a clone into stages, "
+     'and num_stages=1 makes none: add --num_stages=2'),
+    (dict(recompute=True), 'recompute=True says how to cut a clone'),
+    (dict(stage_costs='measured'), "stage_costs='measured' says how to cut"),
 ])
 def test_bad_flags_stop_with_one_line(tmp_path, values, message):
   values = dict(dict(model_dir=str(tmp_path / 'run')), **values)
@@ -168,13 +174,101 @@ def test_bad_flags_stop_with_one_line(tmp_path, values, message):
     (dict(warmup_steps=5, train_steps=5),
      r'warmup_steps=5 must be in \[0, total_steps=5\): the run has 5 '
      'global steps; shorten the warm-up or train longer'),
+    (dict(profile_steps=['1', '3'], train_steps=2),
+     'profile_steps=1,3: the run ends at step 2'),
 ])
 def test_conflicts_found_before_training_stop_with_one_line(run_train,
                                                             tmp_path, values,
                                                             message):
   with pytest.raises(SystemExit, match=message):
-    run_train(model_dir=str(tmp_path / 'run'), **values)
-  assert not (tmp_path / 'run' / 'checkpoint').exists()
+    run_train(model_dir=str(tmp_path / 'new' / 'run'), **values)
+  # The refused run leaves no trace: not even the directories it made.
+  assert not (tmp_path / 'new').exists()
+
+
+@pytest.mark.parametrize('tf_config, message', [
+    ('not json', "TF_CONFIG='not json' is not a cluster"),
+    ('{"cluster": {"ps": ["h:1"], "worker": ["h:2"]}, '
+     '"task": {"type": "worker", "index": 0}}',
+     'TF_CONFIG names parameter servers'),
+])
+def test_tf_config_is_checked_under_every_strategy(tmp_path, monkeypatch,
+                                                   tf_config, message):
+  monkeypatch.setenv('TF_CONFIG', tf_config)
+  with flagsaver.flagsaver(model_dir=str(tmp_path / 'run')):
+    with pytest.raises(SystemExit, match=message):
+      cli.main(['train.py'])
+  assert not (tmp_path / 'run').exists()
+
+
+def test_a_cluster_that_one_process_ignores_is_named(run_train, monkeypatch,
+                                                     caplog):
+  monkeypatch.setenv('TF_CONFIG', json.dumps({
+      'cluster': {'worker': ['h:1', 'h:2']},
+      'task': {'type': 'worker', 'index': 0}}))
+  with caplog.at_level('WARNING', logger='absl'):
+    run_train(train_steps=1)
+  assert ('TF_CONFIG describes a cluster of 2 workers; strategy=towers runs '
+          'in this process alone') in caplog.text
+
+
+# The README's commands, as flags: each trains in a directory of its own.
+README_COMMANDS = [
+    dict(num_clones=2, clone_on_cpu=True),
+    dict(num_clones=2, clone_on_cpu=True, num_stages=2, num_microbatches=4),
+    dict(num_clones=2, clone_on_cpu=True, clone_shares=['3', '1']),
+    dict(num_clones=2, clone_on_cpu=True, clone_shares=['auto']),
+    dict(num_clones=2, clone_on_cpu=True, accumulation_steps=2),
+    dict(num_clones=2, clone_on_cpu=True, batch_norm_policy='full_batch',
+         model='resnet20'),
+    dict(num_clones=2, clone_on_cpu=True, batch_norm_policy='mean',
+         model='resnet20'),
+    dict(num_clones=2, clone_on_cpu=True, sync_batch_norm=True,
+         model='resnet20'),
+]
+
+
+def test_every_step_setting_names_the_default_model_dir():
+  names = []
+  for values in README_COMMANDS:
+    with flagsaver.flagsaver(**values):
+      names.append(cli.default_model_dir(cli._step_options()))
+  assert len(set(names)) == len(names), names
+  assert names[:5] == [
+      'runs/lenet-digits-towers-2clones',
+      'runs/lenet-digits-towers-2clones-2stages-4microbatches',
+      'runs/lenet-digits-towers-2clones-shares3:1',
+      'runs/lenet-digits-towers-2clones-sharesauto',
+      'runs/lenet-digits-towers-2clones-2accumulation']
+
+
+def test_a_readme_command_after_another_trains_its_own_run(
+    tmp_path, monkeypatch, digits_dir):
+  monkeypatch.chdir(tmp_path)  # The default model_dir is under runs/.
+  for values in README_COMMANDS[:2]:
+    with flagsaver.flagsaver(data_dir=digits_dir, train_steps=2, batch_size=4,
+                             export=False, **values):
+      cli.main(['train.py'])
+  runs = sorted(p.name for p in (tmp_path / 'runs').iterdir())
+  assert runs == ['lenet-digits-towers-2clones',
+                  'lenet-digits-towers-2clones-2stages-4microbatches']
+  for name in runs:
+    metrics = json.loads((tmp_path / 'runs' / name / 'metrics.json')
+                         .read_text())
+    assert metrics['resumed_from_step'] is None and metrics['steps'] == 2
+  assert metrics['num_stages'] == 2 and metrics['num_microbatches'] == 4
+
+
+def test_help_lists_every_flag_once_by_group():
+  listed = [name for _, names in cli.HELP_GROUPS for name in names]
+  defined = {flag.name
+             for flag in flags.FLAGS.get_flags_for_module(cli.__name__)}
+  assert sorted(listed) == sorted(defined)
+  text = cli.help_text()
+  for title, _ in cli.HELP_GROUPS:
+    assert f'\n{title}:\n' in text
+  assert '  --num_clones (default: 1)\n' in text
+  assert '  --model_dir (default: unset)\n' in text
 
 
 @pytest.mark.parametrize('where', ['file', 'under_file'])
@@ -307,3 +401,26 @@ def test_a_killed_run_leaves_a_checkpoint_that_loads(tmp_path, digits_dir,
   metrics = json.loads((model_dir / 'metrics.json').read_text())
   assert metrics['steps'] == 20 and metrics['resumed_from_step'] >= 1
   assert not list(model_dir.glob('*_temp'))  # No partial write is left.
+
+
+@pytest.mark.slow
+def test_help_shows_the_project_flags_and_exits_0():
+  result = subprocess.run([sys.executable, 'train.py', '--help'], cwd=REPO,
+                          capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+  assert result.returncode == 0, result.stderr
+  assert 'How each step runs (the step options):' in result.stdout
+  assert '  --accumulation_steps (default: 1)' in result.stdout
+  assert not any(chatter in result.stderr for chatter in CHATTER)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('module', ['tfmulti.train.export', 'tfmulti.bench'])
+def test_module_commands_start_as_quietly_as_the_main_one(module, tmp_path):
+  # A bad argument, so the command stops at once after its start-up.
+  result = subprocess.run(
+      [sys.executable, '-m', module, f'--model_dir={tmp_path}', '--model=x'],
+      cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+  assert result.returncode != 0
+  assert not any(chatter in result.stderr for chatter in CHATTER), (
+      result.stderr)

@@ -10,18 +10,15 @@ the fix (`errors.UserError`), before any training state exists.
 
 import os
 import sys
+import textwrap
 
 from tfmulti import native_logs
 
 # A clean first screen: TensorFlow's C++ start-up chatter (CUDA probing on a
 # CPU machine, oneDNN notices) is held back unless --verbosity asks for it.
-_VERBOSE = native_logs.verbose(sys.argv)
-if not _VERBOSE:
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-with native_logs.held(enabled=not _VERBOSE):
-  import tensorflow as tf
-  tf.config.list_physical_devices('GPU')  # Probes CUDA now, quietly.
+_VERBOSE = native_logs.quiet_start(sys.argv)
 
+import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
@@ -92,8 +89,9 @@ _DETERMINISTIC = flags.DEFINE_bool(
 _MODEL_DIR = flags.DEFINE_string(
     'model_dir', None, 'Checkpoints, TensorBoard events and metrics.json; '
     'a directory with checkpoints resumes. Default: '
-    'runs/<model>-<dataset>-<strategy>-<N>clones/, so the same command '
-    'resumes.')
+    'runs/<model>-<dataset>-<strategy>-<N>clones[-<stages, micro-batches, '
+    'shares, accumulation, BatchNorm>]/: the same command resumes, another '
+    'step never does.')
 _LOG_EVERY_STEPS = flags.DEFINE_integer(
     'log_every_steps', 10, 'Steps between progress lines and summaries.')
 _CHECKPOINT_STEPS = flags.DEFINE_integer(
@@ -211,26 +209,45 @@ def _clone_shares(values):
 
 
 def _cluster(path):
-  """This task's `cluster.Cluster` for a multi-worker path, else None."""
+  """This task's `cluster.Cluster` for a multi-worker path, else None.
+
+  A TF_CONFIG is checked under every strategy; a one-process strategy
+  says once that it runs alone.
+  """
   if not path.multi_worker:
     if _NUM_WORKERS.value not in (None, 1) or _WORKER_INDEX.value:
       raise errors.ConfigError(
           '--num_workers and --worker_index describe a multi-worker job: add '
           '--strategy=multi_worker and TF_CONFIG.')
+    if os.environ.get(cluster.TF_CONFIG):
+      info = cluster.from_environment()  # Raises for a malformed one.
+      logging.warning(
+          'TF_CONFIG describes a cluster of %d workers; strategy=%s runs in '
+          'this process alone and does not use it.', info.num_workers,
+          _STRATEGY.value)
     return None
   info = cluster.from_environment()
   cluster.check_flags(info, _NUM_WORKERS.value, _WORKER_INDEX.value)
   return info
 
 
+def default_model_dir(options):
+  """runs/<model>-<dataset>-<strategy>-<N>clones[-<stages>...]: no time
+  stamp, so the same command resumes; every setting that changes what a
+  step computes is in the name, so another command never resumes it."""
+  parts = [_MODEL.value, _DATASET.value, _STRATEGY.value,
+           f'{_NUM_CLONES.value}clones']
+  if _NUM_STAGES.value != 1:
+    parts.append(f'{_NUM_STAGES.value}stages')
+  return os.path.join('runs', '-'.join(parts + options.run_name_parts()))
+
+
 def _train_config():
+  options = _step_options()
   return config.TrainConfig(
       model=_MODEL.value, dataset=_DATASET.value,
-      # No time stamp: running the same command again resumes the same run.
       model_dir=(os.path.expanduser(_MODEL_DIR.value) if _MODEL_DIR.value
-                 is not None else os.path.join(
-                     'runs', f'{_MODEL.value}-{_DATASET.value}-'
-                     f'{_STRATEGY.value}-{_NUM_CLONES.value}clones')),
+                 is not None else default_model_dir(options)),
       data_dir=_DATA_DIR.value and os.path.expanduser(_DATA_DIR.value),
       batch_size=_BATCH_SIZE.value,
       optimizer=_OPTIMIZER.value, learning_rate=_LEARNING_RATE.value,
@@ -245,7 +262,7 @@ def _train_config():
       strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value,
       export=_EXPORT.value,
       profile_steps=_profile_steps(_PROFILE_STEPS.value),
-      step_options=_step_options())
+      step_options=options)
 
 
 def _step_options():
@@ -323,6 +340,65 @@ def main(argv):
     sys.exit(f'{PROGRAM}: error: {e}')
 
 
-def run():
-  """Console-script entry point (`tfmulti-train`)."""
-  app.run(main)
+# --help's groups: every flag of this module, once (a test checks it).
+HELP_GROUPS = (
+    ('Where the clones run', (
+        'num_clones', 'clone_on_cpu', 'variables_device', 'num_stages',
+        'strategy')),
+    ('What trains, on what', (
+        'model', 'dataset', 'data_dir', 'batch_size', 'mixed_precision')),
+    ('Optimisation', (
+        'optimizer', 'learning_rate', 'lr_scaling', 'lr_schedule',
+        'warmup_steps', 'epochs', 'train_steps', 'seed', 'deterministic')),
+    ('How each step runs (the step options)', (
+        'batch_norm_policy', 'sync_batch_norm', 'xla', 'num_microbatches',
+        'stage_boundaries', 'stage_costs', 'recompute', 'clone_shares',
+        'rebalance_every_steps', 'accumulation_steps', 'summarize_gradients')),
+    ('Output', (
+        'model_dir', 'log_every_steps', 'checkpoint_steps',
+        'keep_checkpoints', 'export', 'profile_steps')),
+    ('Several workers (TF_CONFIG)', (
+        'num_workers', 'worker_index', 'peer_timeout_s')),
+)
+_HELP_FLAGS = ('--help', '-h', '-?', '--helpshort')
+_HELP_WIDTH = 78
+
+
+def help_text():
+  """What --help prints: the program, then its flags by group with their
+  defaults; --helpfull lists absl's and TensorFlow's flags too."""
+  lines = ['Trains an image model over clones, stages and workers (tfmulti).',
+           '', '  python train.py --num_clones=2 --clone_on_cpu', '']
+  for title, names in HELP_GROUPS:
+    lines.append(f'{title}:')
+    for name in names:
+      flag = flags.FLAGS[name]
+      lines.append(f'  --{name} (default: {_shown(flag.default)})')
+      lines.extend(textwrap.wrap(
+          flag.help, _HELP_WIDTH, initial_indent='      ',
+          subsequent_indent='      ', break_long_words=False,
+          break_on_hyphens=False))
+    lines.append('')
+  lines.append('--helpfull lists every flag, absl\'s and TensorFlow\'s too.')
+  return '\n'.join(lines)
+
+
+def _shown(default):
+  if default is None:
+    return 'unset'
+  if isinstance(default, list):
+    return ','.join(default)
+  return str(default)
+
+
+def run(argv=None):
+  """Console-script entry point (`tfmulti-train`).
+
+  --help (-h, --helpshort) prints `help_text()` and exits 0; absl's own
+  help would show only the flags of the script that called this.
+  """
+  argv = sys.argv if argv is None else argv
+  if any(arg in _HELP_FLAGS for arg in argv[1:]):
+    print(help_text())
+    sys.exit(0)
+  app.run(main, argv=argv)

@@ -51,7 +51,8 @@ def create_logical_cpus(count):
         f'cannot create {count} logical CPU devices: TensorFlow is already '
         f'initialised with {existing}. Call create_logical_cpus({count}) '
         'before any TensorFlow op runs or any device is listed.') from e
-  logging.info('Created %d logical CPU devices.', count)
+  logging.info('Created %d logical CPU device%s.', count,
+               '' if count == 1 else 's')
 
 
 def split_gpu(count, memory_mb):

@@ -3,10 +3,12 @@
 Importing TensorFlow and probing for CUDA on a machine without a GPU prints
 lines from C++ straight to file descriptor 2 ("All log messages before
 absl::InitializeLog() ...", "Could not find cuda drivers", "failed call to
-cuInit"), which `TF_CPP_MIN_LOG_LEVEL` does not reach. The command line runs
-those two steps inside `held()`, which sends descriptor 2 to a temporary
-file and shows what it caught only if the step fails; `--verbosity=1` (or
-`-v 1`) shows everything. This module imports no TensorFlow.
+cuInit"), which `TF_CPP_MIN_LOG_LEVEL` does not reach. `quiet_start`
+runs those two steps inside `held()`, which sends descriptor 2 to a
+temporary file and shows what it caught only if the step fails;
+`--verbosity=1` (or `-v 1`) shows everything. The command line starts so,
+and so does every `python -m tfmulti.<module>` command (the package does it
+when run as one). Only `quiet_start` imports TensorFlow.
 """
 
 import contextlib
@@ -51,3 +53,15 @@ def held(enabled=True):
     finally:
       os.dup2(saved, 2)
       os.close(saved)
+
+
+def quiet_start(argv):
+  """Imports TensorFlow and probes for CUDA with the C++ start-up lines
+  held back, unless `argv` asks for --verbosity; returns whether it did."""
+  loud = verbose(argv)
+  if not loud:
+    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  with held(enabled=not loud):
+    import tensorflow as tf  # Here, inside held(): its start-up lines.
+    tf.config.list_physical_devices('GPU')  # Probes CUDA now, quietly.
+  return loud

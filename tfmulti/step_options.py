@@ -27,6 +27,8 @@ ESTIMATED = 'estimated'
 MEASURED = 'measured'
 STAGE_COSTS = (ESTIMATED, MEASURED)
 AUTO = 'auto'  # clone_shares=auto: measured and balanced (`deploy.balance`).
+# The options that say how a clone is cut into stages (num_stages > 1).
+_OF_THE_CUT = ('stage_boundaries', 'stage_costs', 'stage_speeds', 'recompute')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,7 @@ class StepOptions:
               f'{name}={getattr(self, name)!r} cannot be combined with '
               'sync_batch_norm=True: synchronized BatchNorm runs equal, whole '
               f'clones at once; drop one of the two.')
-    self.check_stages(1)
+    self._check_whole_clones(1)  # Micro-batches alone cut clones too.
 
   def _check_shares(self):
     shares = self.clone_shares
@@ -102,8 +104,19 @@ class StepOptions:
           f'--clone_shares=3,1, or {AUTO}.')
 
   def check_stages(self, num_stages):
-    """Raises `UnsupportedError` if a clone cut into `num_stages` stages
-    (or micro-batches) is asked of what runs whole clones."""
+    """Raises `UserError` for options these stages cannot run: a clone cut
+    into `num_stages` stages (or micro-batches) with what runs whole clones,
+    or an option of the cut with no stages to cut."""
+    if num_stages == 1:
+      for name in _OF_THE_CUT:
+        if name in self.in_use():
+          raise errors.ConfigError(
+              f'{name}={getattr(self, name)!r} says how to cut a clone into '
+              'stages, and num_stages=1 makes none: add --num_stages=2 or '
+              'more, or drop it.')
+    self._check_whole_clones(num_stages)
+
+  def _check_whole_clones(self, num_stages):
     if num_stages == 1 and self.num_microbatches == 1:
       return
     for name in ('xla', 'sync_batch_norm'):
@@ -122,6 +135,26 @@ class StepOptions:
   def fixed_shares(self):
     """The clones' shares when given as numbers; None for equal or auto."""
     return None if self.auto_shares else self.clone_shares
+
+  def run_name_parts(self):
+    """Short words for the options that change what a step computes, in a
+    fixed order, for a default run directory: two runs whose steps differ
+    never share one. Options that change only how it runs (XLA,
+    recomputation, where stages are cut, summaries) are left out."""
+    parts = []
+    if self.num_microbatches > 1:
+      parts.append(f'{self.num_microbatches}microbatches')
+    if self.clone_shares is not None:
+      shares = (self.clone_shares if self.auto_shares
+                else ':'.join(f'{share:g}' for share in self.clone_shares))
+      parts.append(f'shares{shares}')
+    if self.accumulation_steps > 1:
+      parts.append(f'{self.accumulation_steps}accumulation')
+    if self.batch_norm_policy != BN_CLONE_0:
+      parts.append(f'bn_{self.batch_norm_policy}')
+    if self.sync_batch_norm:
+      parts.append('syncbn')
+    return parts
 
   def in_use(self):
     """The names of the options set away from their defaults; shares set

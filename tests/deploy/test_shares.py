@@ -232,7 +232,7 @@ def test_train_py_shares_equal_one_device_on_towers_and_mirrored(run_train,
     with caplog.at_level('INFO', logger='absl'):
       metrics = run_train(strategy=strategy, num_clones=2, batch_size=4,
                           clone_shares=['3', '1'], **common)
-    assert 'clone shares: (3, 1)' in caplog.text
+    assert 'clone shares 3:1: 6/2 rows of each 8-row batch' in caplog.text
     assert metrics['global_batch_size'] == 8
     assert metrics['clone_shares'] == [3, 1]
     _assert_same_checkpoints(_final(metrics), one)

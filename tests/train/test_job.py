@@ -94,10 +94,22 @@ def test_a_diverging_run_stops_and_names_a_finite_checkpoint(
   assert not os.path.exists(os.path.join(model_dir, 'metrics.json'))
 
 
-def test_nothing_left_to_train_writes_strict_json(run_train, tmp_path):
+def test_nothing_left_to_train_keeps_the_figures_of_the_run_that_trained(
+    run_train, tmp_path):
+  model_dir = str(tmp_path / 'done')
+  trained = run_train(model_dir=model_dir)
+  again = run_train(model_dir=model_dir)  # The same command: nothing to do.
+  assert again == trained
+  assert trained['resumed_from_step'] is None and trained['steps'] == 2
+  assert trained['images_per_sec'] > 0 and trained['train_loss'] > 0
+
+
+def test_nothing_left_to_train_without_a_record_writes_strict_json(
+    run_train, tmp_path):
   model_dir = str(tmp_path / 'done')
   run_train(model_dir=model_dir)
-  run_train(model_dir=model_dir)  # The same command again: nothing to do.
+  os.remove(os.path.join(model_dir, 'metrics.json'))
+  run_train(model_dir=model_dir)
 
   def refuse(constant):
     raise ValueError(f'{constant} is not JSON')
@@ -106,7 +118,6 @@ def test_nothing_left_to_train_writes_strict_json(run_train, tmp_path):
   assert (metrics['resumed_from_step'], metrics['steps']) == (2, 2)
   assert metrics['images_per_sec'] is None and metrics['train_loss'] is None
   assert metrics['nulls']['images_per_sec'].startswith('no step ran')
-  assert 0 <= metrics['eval_accuracy'] <= 1
 
 
 def test_a_resume_that_changes_the_job_stops_with_one_line(run_train,
@@ -192,3 +203,25 @@ def test_the_run_that_prepares_the_data_starts_from_the_same_weights(
   assert got.keys() == want.keys()
   for key, value in want.items():
     np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def test_a_resume_with_other_settings_records_each_stretch(run_train,
+                                                           tmp_path):
+  model_dir = str(tmp_path / 'run')
+  common = dict(model_dir=model_dir, num_clones=2, optimizer='momentum')
+  run_train(train_steps=2, **common)
+  run_train(train_steps=4, num_stages=2, num_microbatches=2, **common)
+  metrics = run_train(train_steps=4, **common)  # Nothing left: kept.
+  stretches = metrics['stretches']
+  assert [s['from_step'] for s in stretches] == [0, 2]
+  first, second = (s['settings'] for s in stretches)
+  assert (first['num_stages'], first['step_options']['num_microbatches'],
+          first['total_steps']) == (1, 1, 2)
+  assert (second['num_stages'], second['step_options']['num_microbatches'],
+          second['total_steps']) == (2, 2, 4)
+  with open(os.path.join(model_dir, 'job.json')) as f:
+    assert json.load(f)['stretches'] == stretches
+  # A resume from an older checkpoint drops what it no longer holds.
+  metrics = run_train(model_dir=str(tmp_path / 'other'), train_steps=2,
+                      num_clones=2)
+  assert [s['from_step'] for s in metrics['stretches']] == [0]

@@ -100,7 +100,8 @@ def _design(config, num_stages, num_microbatches):
       batch_size=config.batch_size, step_options=step_options.StepOptions(
           num_microbatches=num_microbatches,
           stage_boundaries=config.boundaries if num_stages > 1 else None,
-          stage_costs=config.stage_costs))
+          stage_costs=(config.stage_costs if num_stages > 1
+                       else step_options.ESTIMATED)))
   deploy_config = deploy.DeploymentConfig(clone_on_cpu=config.clone_on_cpu,
                                           num_stages=num_stages)
   shape = (config.image_size, config.image_size, 3)

@@ -9,23 +9,24 @@ epoch and writes `<model_dir>/metrics.json` (`metrics`). Tests hand it
 their own data and trainer (`data_override`, `trainer_override`).
 """
 
-import contextlib
+import dataclasses
 import time
 
 import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmulti.train import build
-from tfmulti.train import checkpoints
-from tfmulti.distribute import cluster
 from tfmulti import data
 from tfmulti import errors
+from tfmulti import rows
+from tfmulti.distribute import cluster
+from tfmulti.train import build
+from tfmulti.train import checkpoints
 from tfmulti.train import export
 from tfmulti.train import loop
 from tfmulti.train import metrics
-from tfmulti.train import run_dir
 from tfmulti.train import registry
+from tfmulti.train import run_dir
 from tfmulti.train import summaries
 
 
@@ -44,8 +45,16 @@ def _log_deployment(config, deploy_config, path):
                deploy_config.num_workers, options.accumulation_steps,
                global_batch_size(config, deploy_config),
                deploy_config.clone_devices())
-  if options.clone_shares:
-    logging.info('clone shares: %s', options.clone_shares)
+  if options.auto_shares:
+    logging.info('clone shares: measured and balanced at the first step and '
+                 'every %d steps', options.rebalance_every_steps)
+  elif options.clone_shares:
+    step_rows = config.batch_size * deploy_config.num_clones
+    logging.info('clone shares %s: %s rows of each %d-row batch',
+                 ':'.join(f'{share:g}' for share in options.clone_shares),
+                 '/'.join(map(str, rows.split_rows(step_rows,
+                                                   options.clone_shares))),
+                 step_rows)
   if config.strategy == registry.TOWERS:
     logging.info('towers: variables and optimizer slots on %s; batch split '
                  'on %s; gradients summed and applied on %s',
@@ -89,13 +98,16 @@ def _job(config, deploy_config, dataset):
 
 
 def _settings(config, deploy_config, total_steps):
-  """What may change on resume (and is logged when it does)."""
+  """What may change on resume (logged when it does, and recorded for each
+  stretch of steps it trained)."""
   return {'learning_rate': config.learning_rate,
           'lr_scaling': config.lr_scaling, 'lr_schedule': config.lr_schedule,
           'warmup_steps': config.warmup_steps, 'total_steps': total_steps,
           'strategy': config.strategy,
           'num_clones': deploy_config.num_clones,
-          'num_workers': deploy_config.num_workers}
+          'num_workers': deploy_config.num_workers,
+          'num_stages': deploy_config.num_stages,
+          'step_options': dataclasses.asdict(config.step_options)}
 
 
 def _load(config, deploy_config):
@@ -136,8 +148,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
   chief = cluster_info is None or cluster_info.is_chief
   if config.data_dir and not data_override:
     run_dir.check_directory('data_dir', config.data_dir)
-  run_dir.check_directory('model_dir', config.model_dir)
-  with run_dir.Lock(config.model_dir) if chief else contextlib.nullcontext():
+  with run_dir.claimed(config.model_dir, lock=chief):
     workers = _start_workers(config, deploy_config, path, cluster_info)
     _log_deployment(config, deploy_config, path)
     if config.deterministic:
@@ -150,6 +161,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     batch = global_batch_size(config, deploy_config)
     total_steps = config.train_steps or (
         config.epochs * (dataset.train_examples // batch))
+    _check_profile_steps(config.profile_steps, total_steps)
     schedule = build.make_schedule(
         config, deploy_config.num_clones * deploy_config.num_workers,
         total_steps)
@@ -158,11 +170,11 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
             config, deploy_config, input_shape=dataset.input_shape,
             num_classes=dataset.num_classes, learning_rate=schedule),
         build.make_loss(), workers))
+    settings = _settings(config, deploy_config, total_steps)
     if chief:  # Recorded once the trainer exists: a refused build (a bad
       # cut, a strategy that cannot train the model) leaves no record.
       run_dir.check_job(
-          config.model_dir, _job(config, deploy_config, dataset),
-          _settings(config, deploy_config, total_steps),
+          config.model_dir, _job(config, deploy_config, dataset), settings,
           resuming=bool(checkpoints.numbered_checkpoints(config.model_dir)))
     if workers is not None:  # Before the first collective step.
       cluster.check_agreement(workers, dict(
@@ -176,16 +188,37 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
       with cluster.lost_peers_as_errors(cluster_info):
         result = _train_into(config, deploy_config, started, _run(
             config, deploy_config, trainer, dataset, schedule, total_steps,
-            out_dir))
+            out_dir), settings=settings if chief else None)
     finally:
       cluster.remove_output_dir(out_dir, config.model_dir)
     logging.info('final weights sha256 %s (every worker of a job logs the '
                  'same)', metrics.fingerprint(trainer.model))
     if chief:
-      if config.export:
-        result['export'] = export.export(trainer.model, config.model_dir,
-                                         result['steps'])
-      metrics.write(config.model_dir, result)
+      return _record(config, trainer, result)
+  return result
+
+
+def _check_profile_steps(profile_steps, total_steps):
+  """Refuses a profile of steps the run will not reach."""
+  if profile_steps and profile_steps[1] > total_steps:
+    raise errors.ConfigError(
+        f'profile_steps={profile_steps[0]},{profile_steps[1]}: the run ends '
+        f'at step {total_steps}; profile steps up to {total_steps}, or train '
+        'longer.')
+
+
+def _record(config, trainer, result):
+  """Exports and writes metrics.json, beside the weights they describe; a
+  session that trained nothing keeps the figures of the one that did."""
+  if config.export:
+    result['export'] = export.export(trainer.model, config.model_dir,
+                                     result['steps'])
+  kept = metrics.read(config.model_dir)
+  if result['resumed_from_step'] == result['steps'] and kept:
+    logging.info('nothing was trained: %s keeps the figures of the run that '
+                 'trained step %d', metrics.METRICS_FILE, kept['steps'])
+    return kept
+  metrics.write(config.model_dir, result)
   return result
 
 
@@ -207,16 +240,26 @@ def _run(config, deploy_config, trainer, dataset, schedule, total_steps,
       profile_steps=config.profile_steps, profile_dir=out_dir)
 
 
-def _train_into(config, deploy_config, started, run):
-  """Restores the latest checkpoint, runs the loop; returns the metrics."""
+def _train_into(config, deploy_config, started, run, *, settings):
+  """Restores the latest checkpoint, runs the loop; returns the metrics.
+
+  With `settings` (the chief's), job.json records that the steps trained
+  now are trained with them, and the metrics carry every stretch.
+  """
   restored = run.checkpointer.restore_latest()
-  if restored and restored.step >= run.total_steps:
+  start = restored.step if restored else 0
+  stretches = None
+  if start >= run.total_steps:
     logging.info('%s already holds step %d of %d: nothing left to train; '
-                 'evaluating', config.model_dir, restored.step,
-                 run.total_steps)
+                 'evaluating', config.model_dir, start, run.total_steps)
+  elif settings is not None:
+    stretches = run_dir.record_stretch(config.model_dir, start, settings)
   try:
     outcome = loop.train(run, restored or checkpoints.Position(0, 0, 0))
   finally:
     run.summaries.close()
-  return metrics.collect(config, deploy_config, run, outcome, restored,
-                         started)
+  result = metrics.collect(config, deploy_config, run, outcome, restored,
+                           started)
+  if stretches is not None:
+    result['stretches'] = stretches
+  return result

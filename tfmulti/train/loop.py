@@ -126,14 +126,15 @@ class Progress:
       return
     self.last_window_loss = float(np.mean(self.window))
     self.window = []
-    eta = float('nan')
+    speed, eta = 'not timed yet (the first step traces)', '?'
     if self.timed_steps:
-      eta = (self.total_steps - step) * self.global_batch_size / (
-          self.images_per_sec)
-    logging.info('step %d/%d (epoch %d) loss %.4f | %.0f images/sec | ETA %s',
-                 step, self.total_steps, epoch + 1, self.last_window_loss,
-                 self.images_per_sec, '?' if np.isnan(eta) else
-                 time.strftime('%H:%M:%S', time.gmtime(eta)))
+      rate = self.images_per_sec
+      speed = f'{rate:.0f} images/sec'
+      eta = time.strftime('%H:%M:%S', time.gmtime(
+          (self.total_steps - step) * self.global_batch_size / rate))
+    logging.info('step %d/%d (epoch %d) loss %.4f | %s | ETA %s', step,
+                 self.total_steps, epoch + 1, self.last_window_loss, speed,
+                 eta)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -95,6 +95,15 @@ def _shown(value, spec):
   return format(value, spec) if math.isfinite(value) else 'n/a'
 
 
+def read(model_dir):
+  """The metrics.json in `model_dir`, or None if there is none to read."""
+  try:
+    with open(os.path.join(model_dir, METRICS_FILE)) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
 def write(model_dir, metrics):
   """Writes metrics.json atomically (a reader never sees half a file).
 

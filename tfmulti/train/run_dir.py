@@ -8,13 +8,18 @@
 * `check_job`: `<model_dir>/job.json` records what the checkpoints are of
   (model, data, optimizer, global batch, precision). A resume that would
   change the job is refused with one line naming what differs; settings that
-  may change on resume (learning rate, steps, clones, path) take effect, and
-  the log says which changed.
+  may change on resume (learning rate, steps, clones, path, step options)
+  take effect, the log says which changed, and `record_stretch` keeps, for
+  each stretch of steps, the settings that trained it.
+* `claimed`: the directory checked and locked for the run; a run refused
+  before it trained leaves no trace of itself.
 """
 
+import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import tempfile
 
@@ -106,12 +111,83 @@ def check_job(directory, job, settings, *, resuming):
           f'--model_dir={directory} holds another job ({"; ".join(differs)})'
           '; resume with the flags that started it, or pass a new '
           '--model_dir.')
+    settings = _as_json(settings)
     changed = [f'{name} {saved_settings.get(name)!r} -> {value!r}'
                for name, value in settings.items()
                if saved_settings.get(name) != value]
     if changed:
       logging.info('resuming with changed settings: %s', ', '.join(changed))
+    # A record from before stretches were kept: one stretch from step 0.
+    stretches = saved.get('stretches') or [
+        {'from_step': 0, 'settings': saved_settings}]
+  else:
+    stretches = []
+  _write(path, {'job': job, 'settings': settings, 'stretches': stretches})
+
+
+def record_stretch(directory, from_step, settings):
+  """Records in job.json that steps from `from_step` on are trained with
+  `settings` (a stretch begins only where the settings change); returns
+  the stretches, [{'from_step': step, 'settings': {...}}], oldest first.
+
+  A stretch that began at or after `from_step` (a resume from an older
+  checkpoint) no longer describes the weights and is dropped.
+  """
+  path = os.path.join(directory, JOB_FILE)
+  with open(path) as f:
+    saved = json.load(f)
+  settings = _as_json(settings)
+  stretches = [stretch for stretch in saved.get('stretches', [])
+               if stretch['from_step'] < from_step]
+  if not stretches or stretches[-1]['settings'] != settings:
+    stretches.append({'from_step': from_step, 'settings': settings})
+  saved['stretches'] = stretches
+  _write(path, saved)
+  return stretches
+
+
+def _as_json(value):
+  """`value` as it reads back from JSON (tuples become lists)."""
+  return json.loads(json.dumps(value))
+
+
+def _write(path, record):
   with open(path + '.tmp', 'w') as f:
-    json.dump({'job': job, 'settings': settings}, f, indent=2,
-              sort_keys=True)
+    json.dump(record, f, indent=2, sort_keys=True)
   os.replace(path + '.tmp', path)
+
+
+# What a run leaves before it trains: a directory holding only these
+# describes nothing that happened.
+_BEFORE_TRAINING = {LOCK_FILE, JOB_FILE}
+
+
+@contextlib.contextmanager
+def claimed(directory, *, lock=True):
+  """`directory` checked (created if needed) and, with `lock`, locked.
+
+  A `UserError` raised inside, while a directory this call created holds
+  nothing but the lock and the job record, removes what it created (its
+  missing parents too): a refused run leaves the filesystem as it was.
+  """
+  created = _first_missing(directory)
+  check_directory('model_dir', directory)
+  try:
+    with Lock(directory) if lock else contextlib.nullcontext():
+      yield
+  except errors.UserError:
+    if created and _holds_only(created, _BEFORE_TRAINING):
+      shutil.rmtree(created)
+    raise
+
+
+def _first_missing(path):
+  """The outermost directory of `path` that does not exist yet, or None."""
+  path, missing = os.path.abspath(path), None
+  while not os.path.exists(path):
+    path, missing = os.path.dirname(path), path
+  return missing
+
+
+def _holds_only(top, names):
+  return all(set(files) <= names for _, _, files in os.walk(top))
