@@ -28,7 +28,9 @@ METRIC_KEYS = {'eval_accuracy', 'train_loss', 'steps', 'images_per_sec',
 # resnet18 trains through the towers in test_models.py: its evaluation here
 # would take most of this file's time.
 @pytest.mark.parametrize('model, num_clones', [
-    ('lenet', 1), ('lenet', 2), ('resnet20', 1), ('resnet8_thin', 2)])
+    ('lenet', 1), ('lenet', 2),
+    pytest.param('resnet20', 1, marks=pytest.mark.slow),
+    ('resnet8_thin', 2)])
 def test_each_model_trains(run_train, model, num_clones):
   metrics = run_train(model=model, num_clones=num_clones, train_steps=1,
                       batch_size=32)  # Evaluates in 360 / (32 * N) batches.

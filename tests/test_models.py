@@ -75,6 +75,7 @@ def test_cifar_resnet_depth_must_be_6n_plus_2():
     resnet.cifar_resnet(CIFAR, 10, depth=21)
 
 
+@pytest.mark.slow
 def test_resnet18_trains_a_step():
   """The big model through the towers (the command line's plumbing is the
   same for every model and is tested on the small ones)."""

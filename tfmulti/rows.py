@@ -112,19 +112,21 @@ def accumulate(step, images, labels, steps, device):
   The batch's rows are cut into `steps` equal consecutive parts; part k is
   accumulation step k. Step 0 runs first, and the others in a
   `tf.while_loop`, so only one accumulation step's activations live at a
-  time; their gradients and scalars are summed on `device`.
+  time; their gradients and scalars are summed on `device`, and their
+  outputs (if any) concatenated in row order.
 
   Args:
-    step: `step(images, labels, first)` -> (gradients, scalars): a list of
-      gradients (None where a variable is not reached) and a list of scalar
-      tensors; `first` (a Python bool) is True for accumulation step 0,
-      which counts the regularization.
+    step: `step(images, labels, first)` -> (gradients, scalars, outputs): a
+      list of gradients (None where a variable is not reached), a list of
+      scalar tensors and a list of row-major tensors (may be empty);
+      `first` (a Python bool) is True for accumulation step 0, which counts
+      the regularization.
     images, labels: the batch of all accumulation steps.
     steps: how many accumulation steps.
     device: where the sums live.
 
   Returns:
-    (summed gradients, summed scalars).
+    (summed gradients, summed scalars, concatenated outputs).
   """
   if steps == 1:
     return step(images, labels, True)
@@ -132,17 +134,22 @@ def accumulate(step, images, labels, steps, device):
   with tf.device(device), tf.name_scope('accumulate'):
     images = tf.reshape(images, [steps, rows, *images.shape[1:]])
     labels = tf.reshape(labels, [steps, rows, *labels.shape[1:]])
-  gradients, scalars = step(images[0], labels[0], True)
+  gradients, scalars, outputs = step(images[0], labels[0], True)
   reached = [g is not None for g in gradients]
+  arrays = [tf.TensorArray(out.dtype, size=steps, element_shape=out.shape)
+            .write(0, out) for out in outputs]
 
-  def body(k, sums, totals):
-    grads, values = step(images[k], labels[k], False)
+  def body(k, sums, totals, arrays):
+    grads, values, outs = step(images[k], labels[k], False)
     with tf.device(device), tf.name_scope('accumulate'):
       grads = [g for g, r in zip(grads, reached) if r]
       return (k + 1, [a + g for a, g in zip(sums, grads)],
-              [a + v for a, v in zip(totals, values)])
-  _, sums, scalars = tf.while_loop(
+              [a + v for a, v in zip(totals, values)],
+              [array.write(k, out) for array, out in zip(arrays, outs)])
+  _, sums, scalars, arrays = tf.while_loop(
       lambda k, *_: k < steps, body,
-      (tf.constant(1), [g for g in gradients if g is not None], scalars))
+      (tf.constant(1), [g for g in gradients if g is not None], scalars,
+       arrays))
   sums = iter(sums)
-  return [next(sums) if r else None for r in reached], scalars
+  return ([next(sums) if r else None for r in reached], scalars,
+          [array.concat() for array in arrays])

@@ -17,13 +17,17 @@ import collections
 import keras
 import tensorflow as tf
 
+from tfmulti import errors
+
 # What one training step reports: `total` is the loss that was minimised,
 # `regularization` its regularization part, `clones` each clone's (or
 # tf.distribute replica's) share of `total` (they sum to it); `gradients`
 # maps each variable's path to its combined gradient, when asked for (else
-# {}).
+# {}); `outputs` are the model's training outputs for the batch's rows, in
+# order, when asked for (for Keras's compiled metrics; else None).
 StepOutputs = collections.namedtuple(
-    'StepOutputs', ['total', 'regularization', 'clones', 'gradients'])
+    'StepOutputs', ['total', 'regularization', 'clones', 'gradients',
+                    'outputs'], defaults=(None,))
 
 
 class Trainer(abc.ABC):
@@ -99,11 +103,28 @@ def mean_loss(loss_fn, labels, outputs):
   A `keras.losses.Loss` with mean reduction also divides by the number of
   replicas when called in a tf.distribute replica context (Keras 3's
   `scale_loss_for_distribution`), which would count the replica scaling
-  twice here; its `call()` gives the unreduced per-example losses.
+  twice here; its `call()` gives the unreduced per-example losses. A plain
+  function may return one value a row (`keras.losses.mse`) or their mean:
+  the mean of either is the mean over the rows.
   """
   if isinstance(loss_fn, keras.losses.Loss):
     return tf.reduce_mean(loss_fn.call(labels, outputs))
-  return loss_fn(labels, outputs)
+  return tf.reduce_mean(loss_fn(labels, outputs))
+
+
+# The one reduction the towers reproduce: the mean over the global batch.
+_MEAN_REDUCTION = 'sum_over_batch_size'
+
+
+def check_loss(loss_fn):
+  """Raises `ConfigError` for a loss whose reduction is not the mean: the
+  towers weight each shard's mean by its rows, which only a mean keeps."""
+  reduction = getattr(loss_fn, 'reduction', _MEAN_REDUCTION)
+  if isinstance(loss_fn, keras.losses.Loss) and reduction != _MEAN_REDUCTION:
+    raise errors.ConfigError(
+        f'loss {loss_fn.name!r} has reduction={reduction!r}: the towers '
+        "compute the mean over the global batch; use reduction="
+        f"'{_MEAN_REDUCTION}' (Keras's default).")
 
 
 def loss_scale_of(optimizer):

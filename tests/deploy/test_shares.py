@@ -223,6 +223,7 @@ def _assert_same_checkpoints(got, want):
                                err_msg=key)
 
 
+@pytest.mark.slow
 def test_train_py_shares_equal_one_device_on_towers_and_mirrored(run_train,
                                                                  caplog):
   common = dict(optimizer='momentum', learning_rate=0.05, train_steps=3)

@@ -205,6 +205,7 @@ def test_the_run_that_prepares_the_data_starts_from_the_same_weights(
     np.testing.assert_array_equal(got[key], value, err_msg=key)
 
 
+@pytest.mark.slow
 def test_a_resume_with_other_settings_records_each_stretch(run_train,
                                                            tmp_path):
   model_dir = str(tmp_path / 'run')

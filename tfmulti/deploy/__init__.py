@@ -9,6 +9,7 @@ the BatchNorm policies (`deploy.BN_*`) and the step options
   placement           DeploymentConfig: every device string
   clones              one clone's step, the clones, their sum (slim's blocks)
   towers              deploy() and DeployedModel: the compiled step
+  towers_model        TowersModel: the towers behind Keras's compile/fit
   batch_norm          the moving statistics after a step of several clones
   balance             automatic clone shares for unequal devices
   towers_in_strategy  the towers inside a tf.distribute strategy
@@ -22,6 +23,7 @@ from tfmulti.deploy.clones import (  # noqa: F401
     values_of)
 from tfmulti.deploy.placement import DeploymentConfig  # noqa: F401
 from tfmulti.deploy.towers import (  # noqa: F401
-    DeployedModel, check_options, deploy)
+    DeployedModel, check_model, check_options, deploy)
+from tfmulti.deploy.towers_model import TowersModel  # noqa: F401
 from tfmulti.step_options import StepOptions  # noqa: F401
 from tfmulti.trainer import mean_loss, shard_loss  # noqa: F401

@@ -110,12 +110,13 @@ class Balanced(trainer.Trainer):
                          tuple(throughputs)))
     return self.towers.clone_shares
 
-  def train_step_outputs(self, images, labels):
-    """Re-balances when due, then runs the towers' step."""
+  def train_step_outputs(self, images, labels, **kwargs):
+    """Re-balances when due, then runs the towers' step (`kwargs` as
+    `DeployedModel.train_step_outputs` takes them)."""
     if self._steps % self.every_steps == 0:
       self.rebalance(images, labels)
     self._steps += 1
-    return self.towers.train_step_outputs(images, labels)
+    return self.towers.train_step_outputs(images, labels, **kwargs)
 
   def predict(self, images):
     return self.towers.predict(images)

@@ -81,7 +81,7 @@ class DeployedModel(trainer.Trainer):
     self._step = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
 
-  def step_graph(self, images, labels, sizes=None):
+  def step_graph(self, images, labels, sizes=None, with_outputs=False):
     """The step, untraced: for `tf.function`, or inside a replica context
     (each worker of a multi-worker job runs it; Keras's `apply_gradients`
     then all-reduces the workers' summed gradients before the update).
@@ -89,6 +89,7 @@ class DeployedModel(trainer.Trainer):
     `sizes`: each clone's rows of an accumulation step (None: equal). With
     `accumulation_steps` K the batch holds K accumulation steps; their
     gradients are summed on the optimizer device and applied once.
+    `with_outputs`: also return the clones' outputs, in row order.
     """
     config, model = self.config, self.model
     variables = model.trainable_variables
@@ -108,13 +109,18 @@ class DeployedModel(trainer.Trainer):
         total_loss, grads_and_vars = optimize_clones(clones, variables)
       self._update_state(clones)
       by_variable = {id(v): g for g, v in grads_and_vars}
+      outputs = []
+      if with_outputs:
+        with tf.device(config.inputs_device()):
+          outputs = [tf.concat([clone.outputs for clone in clones], axis=0)]
       return ([by_variable.get(id(v)) for v in variables],
               [total_loss, clones[0].regularization_loss] +
-              [clone.loss for clone in clones])
+              [clone.loss for clone in clones], outputs)
 
-    gradients, (total_loss, regularization, *clone_losses) = rows.accumulate(
-        accumulation_step, images, labels, self.options.accumulation_steps,
-        config.optimizer_device())
+    gradients, (total_loss, regularization, *clone_losses), outputs = (
+        rows.accumulate(accumulation_step, images, labels,
+                        self.options.accumulation_steps,
+                        config.optimizer_device()))
     with tf.device(config.optimizer_device()):
       grads_and_vars = [(g, v) for g, v in zip(gradients, variables)
                         if g is not None]
@@ -126,7 +132,7 @@ class DeployedModel(trainer.Trainer):
         summed = trainer.gradients_by_path(
             grads_and_vars, None if loss_scale is None else scale)
     return trainer.StepOutputs(total_loss, regularization, clone_losses,
-                               summed)
+                               summed, outputs[0] if outputs else None)
 
   def _update_state(self, clones):
     """Assigns the non-trainable variables once, under the BN policy."""
@@ -142,24 +148,36 @@ class DeployedModel(trainer.Trainer):
     """`dataset` itself: each step splits its batch over the clones."""
     return dataset
 
-  def clone_rows(self, images, labels):
+  def clone_rows(self, images, labels, uneven=False):
     """Each clone's rows of an accumulation step of this batch, or None for
-    equal rows; raises `ConfigError` for a batch that cannot be split so."""
+    equal rows; raises `ConfigError` for a batch that cannot be split so.
+    With `uneven`, a batch that equal shares do not split evenly is split
+    as evenly as it goes (each clone's loss is weighted by its rows)."""
     rows.check_batch(images, labels)
     step_rows = rows.accumulation_rows(images.shape[0],
                                        self.options.accumulation_steps)
     n = self.config.num_clones
-    sizes = rows.shard_rows(step_rows, self.clone_shares, n)
+    shares = self.clone_shares
+    if shares is None and uneven and step_rows % n:
+      shares = (1,) * n
+    sizes = rows.shard_rows(step_rows, shares, n)
     if self.stages is not None:  # Raises if a micro-batch would be empty.
       for size in sizes or [step_rows // n]:
         self.stages.microbatch_rows(size)
     return sizes
 
-  def train_step_outputs(self, images, labels):
-    """One step on this worker's batch; returns its `StepOutputs`."""
+  def train_step_outputs(self, images, labels, *, uneven=False,
+                         with_outputs=False):
+    """One step on this worker's batch; returns its `StepOutputs`.
+
+    `uneven` splits a batch that does not split evenly as evenly as it goes
+    instead of refusing it (Keras's last partial batch); `with_outputs`
+    returns the training outputs too (for compiled metrics).
+    """
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
     # One trace per distinct split: the sizes are a tuple of Python ints.
-    return self._step(images, labels, self.clone_rows(images, labels))
+    return self._step(images, labels,
+                      self.clone_rows(images, labels, uneven), with_outputs)
 
   def _probe_graph(self, clone_index, images, labels):
     """Clone `clone_index` alone: its forward and backward pass on its
@@ -244,10 +262,8 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   options = dataclasses.replace(options or step_options.StepOptions(),
                                 **fields)
   check_options(config, options)
-  if not model.built:
-    raise errors.ConfigError(
-        f'model {model.name!r} is not built; build a functional model '
-        '(keras.Input) under the variables device.')
+  check_model(model)
+  trainer.check_loss(loss_fn)
   stages = None
   if config.num_stages > 1 or options.num_microbatches > 1:
     stages = Stages(model, config.num_stages, options)
@@ -267,6 +283,30 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   if options.auto_shares:
     return balance.Balanced(towers, options.rebalance_every_steps)
   return towers
+
+
+def check_model(model):
+  """Raises `ConfigError` for a model the towers cannot clone: not built,
+  not functional, not one input and one output, or nothing to train."""
+  if not model.built:
+    raise errors.ConfigError(
+        f'model {model.name!r} is not built; build a functional model '
+        '(keras.Input) under the variables device.')
+  if not getattr(model, 'inputs', None):
+    raise errors.ConfigError(
+        f'model {model.name!r} is a subclassed keras.Model: the towers need '
+        'a functional one (keras.Model(inputs, outputs), or a built '
+        'keras.Sequential), whose layers they can call and cut; build it so.')
+  if len(model.inputs) != 1 or len(model.outputs) != 1:
+    raise errors.ConfigError(
+        f'model {model.name!r} has {len(model.inputs)} inputs and '
+        f'{len(model.outputs)} outputs: the towers split one input tensor '
+        'over the clones and take one output to the loss; concatenate the '
+        'inputs (or outputs) into one.')
+  if not model.trainable_variables:
+    raise errors.ConfigError(
+        f'model {model.name!r} has no trainable weights: there is nothing to '
+        'train; unfreeze some layers.')
 
 
 def check_options(config, options):

@@ -84,6 +84,7 @@ class DistributedModel(trainer.Trainer):
     (MultiWorkerMirroredStrategy), whose replicas span the workers."""
     rows.check_share_count(options.fixed_shares,
                            strategy.num_replicas_in_sync, 'num_replicas')
+    trainer.check_loss(loss_fn)
     self.options = options
     self.worker_index = worker_index
     self.num_workers = num_workers
@@ -109,8 +110,8 @@ class DistributedModel(trainer.Trainer):
 
   def _accumulation_step(self, images, labels, first, global_rows):
     """One accumulation step of a replica: (gradients, [loss,
-    regularization]). The regularization counts on the `first` one only:
-    the weights do not change between them."""
+    regularization], no outputs). The regularization counts on the `first`
+    one only: the weights do not change between them."""
     model = self.model
     with tf.GradientTape() as tape:
       outputs = model(images, training=True)
@@ -121,14 +122,14 @@ class DistributedModel(trainer.Trainer):
           penalty_weight=1.0 / self.num_replicas if first else 0,
           loss_scale=trainer.loss_scale_of(self.optimizer))
     return (tape.gradient(scaled_loss, model.trainable_variables),
-            [loss, regularization])
+            [loss, regularization], [])
 
   def _replica_step(self, images, labels, global_rows):
     model = self.model
     loss_scale = trainer.loss_scale_of(self.optimizer)
     # The sums live on the replica's device, beside its copy of the
     # variables (device None: the replica's own).
-    gradients, (loss, regularization) = rows.accumulate(
+    gradients, (loss, regularization), _ = rows.accumulate(
         lambda x, y, first: self._accumulation_step(x, y, first, global_rows),
         images, labels, self.options.accumulation_steps, None)
     # Keras all-reduces (sums) the replicas' gradients inside

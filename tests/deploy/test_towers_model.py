@@ -1,0 +1,209 @@
+"""TowersModel: Keras's compile / fit / evaluate / predict over the towers,
+equal to plain `fit` on one device."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import L2, make_batch, mlp, weights
+from tfmulti import deploy
+from tfmulti import devices
+from tfmulti import errors
+
+ROWS = 36  # 4 batches of 8 and a last one of 4 (Keras keeps it).
+BATCH = 8
+OPTIMIZERS = {
+    'momentum': lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    'adam': lambda: keras.optimizers.Adam(0.01),
+}
+
+
+def _loss():
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _data(rows=ROWS, batch=BATCH):
+  images, labels = make_batch(rows, seed=3)
+  return tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch)
+
+
+def _plain_fit(optimizer, batch=BATCH, model_fn=mlp, epochs=2):
+  """One device, Keras's own fit: the reference."""
+  model = model_fn()
+  model.compile(optimizer=OPTIMIZERS[optimizer](), loss=_loss(),
+                metrics=['accuracy'])
+  history = model.fit(_data(batch=batch), epochs=epochs, verbose=0)
+  return model, history.history
+
+
+def _towers_fit(optimizer, batch=BATCH, model_fn=mlp, epochs=2, **kwargs):
+  options = {k: kwargs.pop(k) for k in list(kwargs)
+             if k not in ('num_clones', 'num_stages', 'variables_device')}
+  config = deploy.DeploymentConfig(clone_on_cpu=True, **kwargs)
+  with tf.device(config.variables_device()):
+    model = model_fn()
+  towers = deploy.TowersModel(model, config, **options)
+  towers.compile(optimizer=OPTIMIZERS[optimizer](), loss=_loss(),
+                 metrics=['accuracy'])
+  history = towers.fit(_data(batch=batch), epochs=epochs, verbose=0)
+  return towers, history.history
+
+
+@pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
+@pytest.mark.parametrize('layout', [
+    dict(num_clones=2),
+    dict(num_clones=2, clone_shares=(3, 1)),
+    dict(num_clones=2, num_stages=2, num_microbatches=2),
+])
+def test_fit_equals_plain_fit_on_one_device(optimizer, layout):
+  want_model, want_logs = _plain_fit(optimizer)
+  towers, logs = _towers_fit(optimizer, **layout)
+  for got, want in zip(weights(towers.model), weights(want_model)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # The logs callbacks see: the loss (regularization in it) and accuracy.
+  assert logs.keys() == want_logs.keys()
+  for key in want_logs:
+    np.testing.assert_allclose(logs[key], want_logs[key], rtol=1e-5,
+                               err_msg=key)
+
+
+@pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
+def test_accumulation_equals_plain_fit_on_twice_the_batch(optimizer):
+  want_model, _ = _plain_fit(optimizer, batch=2 * BATCH)
+  towers, _ = _towers_fit(optimizer, batch=2 * BATCH, num_clones=2,
+                          accumulation_steps=2)
+  for got, want in zip(weights(towers.model), weights(want_model)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_last_partial_batch_trains_exactly_with_one_more_trace():
+  # 36 rows in batches of 8 over 3 clones: 3/3/2 rows, then 2/1/1.
+  want_model, _ = _plain_fit('momentum', epochs=1)
+  towers, _ = _towers_fit('momentum', num_clones=3, epochs=1)
+  for got, want in zip(weights(towers.model), weights(want_model)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert towers.towers.trace_count == 2  # Batches of 8, and the one of 4.
+
+
+def test_evaluate_and_predict_equal_the_plain_model():
+  towers, _ = _towers_fit('momentum', num_clones=2, epochs=1)
+  images, labels = make_batch(ROWS, seed=4)
+  plain = mlp()
+  plain.set_weights(towers.model.get_weights())
+  plain.compile(loss=_loss(), metrics=['accuracy'])
+  np.testing.assert_allclose(towers.predict(images, batch_size=BATCH,
+                                            verbose=0),
+                             plain.predict(images, verbose=0), atol=1e-6)
+  np.testing.assert_allclose(
+      towers.evaluate(images, labels, batch_size=BATCH, verbose=0),
+      plain.evaluate(images, labels, batch_size=BATCH, verbose=0),
+      rtol=1e-6)
+
+
+def test_compile_builds_the_slots_beside_the_variables_and_pins_clones():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
+                                   variables_device='/device:CPU:2')
+  with tf.device(config.variables_device()):
+    model = mlp()
+  towers = deploy.TowersModel(model, config)
+  towers.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                 loss=_loss())
+  # Built in compile, before any step: Keras's fit would build them on the
+  # default device otherwise.
+  assert {devices.device_of(v).split('device:')[-1]
+          for v in towers.optimizer.variables} == {'CPU:2'}
+  images, labels = make_batch(BATCH)
+  graph = towers.towers._step.get_concrete_function(
+      tf.constant(images), tf.constant(labels), None, True).graph
+  matmuls = {op.device.split('device:')[-1] for op in graph.get_operations()
+             if op.type == 'MatMul'}
+  assert matmuls == {'CPU:0', 'CPU:1'}
+
+
+def test_jit_compile_true_is_per_clone_xla():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  towers = deploy.TowersModel(mlp(), config)
+  towers.compile(optimizer='sgd', loss=_loss(), jit_compile=True)
+  assert towers.options.xla and not towers.jit_compile
+  towers.compile(optimizer='sgd', loss=_loss())  # 'auto': no XLA asked.
+  assert towers.jit_compile is False
+
+
+class TestClearErrors:
+
+  def _towers(self, model=None, **options):
+    config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+    return deploy.TowersModel(model or mlp(), config, **options)
+
+  def test_a_subclassed_model(self):
+    class Subclassed(keras.Model):
+      def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+      def call(self, inputs):
+        return self.dense(inputs)
+    model = Subclassed()
+    model(np.zeros((1, 6), np.float32))
+    with pytest.raises(errors.ConfigError, match='subclassed keras.Model'):
+      self._towers(model)
+
+  def test_two_inputs(self):
+    a, b = keras.Input((3,)), keras.Input((3,))
+    model = keras.Model([a, b], keras.layers.Dense(3)(
+        keras.layers.Concatenate()([a, b])))
+    with pytest.raises(errors.ConfigError, match='has 2 inputs and 1 '
+                       'outputs: the towers split one input tensor'):
+      self._towers(model)
+
+  @pytest.mark.parametrize('reduction', ['sum', None])
+  def test_a_loss_that_is_not_a_mean(self, reduction):
+    towers = self._towers()
+    with pytest.raises(errors.ConfigError,
+                       match=f'reduction={reduction!r}: the towers compute '
+                       'the mean'):
+      towers.compile(optimizer='sgd',
+                     loss=keras.losses.SparseCategoricalCrossentropy(
+                         from_logits=True, reduction=reduction))
+
+  def test_sample_weights_are_refused_before_any_update(self):
+    towers = self._towers()
+    towers.compile(optimizer='sgd', loss=_loss())
+    images, labels = make_batch(BATCH)
+    with pytest.raises(errors.ConfigError, match='sample_weight'):
+      towers.fit(images, labels, sample_weight=np.ones(BATCH), verbose=0)
+    assert int(towers.optimizer.iterations) == 0
+
+  def test_fewer_rows_than_clones_names_drop_remainder(self):
+    towers = self._towers()
+    towers.compile(optimizer='sgd', loss=_loss())
+    with pytest.raises(errors.ConfigError, match='drop_remainder=True'):
+      towers.fit(*make_batch(9), batch_size=4, verbose=0)  # Last batch: 1.
+
+  def test_inside_a_strategy_scope(self):
+    with tf.distribute.OneDeviceStrategy('/cpu:0').scope():
+      with pytest.raises(errors.ConfigError, match='outside any '
+                         'tf.distribute strategy scope'):
+        self._towers()
+
+
+def test_a_function_loss_of_one_value_a_row_is_its_mean():
+  """keras.losses.sparse_categorical_crossentropy returns a value a row;
+  2 clones must still equal one device."""
+  def loss(labels, logits):
+    return keras.losses.sparse_categorical_crossentropy(
+        labels, logits, from_logits=True)
+  images, labels = make_batch(BATCH)
+  runs = []
+  for num_clones in (1, 2):
+    config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True)
+    with tf.device(config.variables_device()):
+      model, optimizer = mlp(), keras.optimizers.SGD(0.1)
+    deployed = deploy.deploy(config, model, loss, optimizer)
+    for _ in range(3):
+      deployed.train_step(images, labels)
+    runs.append(weights(model))
+  for got, want in zip(*runs):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert L2 > 0  # The model's penalty counts too (mlp has L2).
