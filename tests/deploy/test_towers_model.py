@@ -1,6 +1,9 @@
 """TowersModel: Keras's compile / fit / evaluate / predict over the towers,
 equal to plain `fit` on one device."""
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -207,3 +210,93 @@ def test_a_function_loss_of_one_value_a_row_is_its_mean():
   for got, want in zip(*runs):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert L2 > 0  # The model's penalty counts too (mlp has L2).
+
+
+class _StopMidEpoch(keras.callbacks.Callback):
+  """Raises once, in the middle of epoch `epoch`: a crash."""
+
+  def __init__(self, epoch, batch):
+    super().__init__()
+    self.at = (epoch, batch)
+    self.epoch = None
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self.epoch = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    if (self.epoch, batch) == self.at:
+      self.at = None
+      raise RuntimeError('interrupted')
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path):
+  want, _ = _towers_fit('momentum', num_clones=2, epochs=3)
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  towers = deploy.TowersModel(mlp(), config)
+  towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
+  backup = keras.callbacks.BackupAndRestore(str(tmp_path / 'backup'))
+  with pytest.raises(RuntimeError, match='interrupted'):
+    towers.fit(_data(), epochs=3, verbose=0,
+               callbacks=[backup, _StopMidEpoch(epoch=1, batch=2)])
+  towers.fit(_data(), epochs=3, verbose=0, callbacks=[backup])
+  for got, expected in zip(weights(towers.model), weights(want.model)):
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_reduce_lr_on_plateau_changes_the_rate_the_towers_use():
+  plateau = dict(monitor='loss', factor=0.5, patience=0, min_delta=1e9)
+  model = mlp()
+  model.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
+  model.fit(_data(), epochs=3, verbose=0,
+            callbacks=[keras.callbacks.ReduceLROnPlateau(**plateau)])
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  towers = deploy.TowersModel(mlp(), config)
+  towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
+  towers.fit(_data(), epochs=3, verbose=0,
+             callbacks=[keras.callbacks.ReduceLROnPlateau(**plateau)])
+  assert float(towers.optimizer.learning_rate) == pytest.approx(0.1 / 4)
+  for got, want in zip(weights(towers.model), weights(model)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_early_stopping_and_tensorboard_see_the_towers_logs(tmp_path):
+  towers, _ = _towers_fit('momentum', num_clones=2, epochs=1)
+  stop = keras.callbacks.EarlyStopping(monitor='loss', patience=0,
+                                       min_delta=1e9)
+  history = towers.fit(
+      _data(), epochs=5, verbose=0, callbacks=[
+          stop, keras.callbacks.TensorBoard(str(tmp_path / 'tb'))])
+  assert len(history.history['loss']) == 2  # Stopped after no improvement.
+  assert list((tmp_path / 'tb' / 'train').glob('events.out.tfevents.*'))
+
+
+_LOAD_AND_PREDICT = '''
+import sys
+import subprocess
+import sys
+
+import keras
+import numpy as np
+model = keras.models.load_model(sys.argv[1])
+np.save(sys.argv[3], model.predict(np.load(sys.argv[2]), verbose=0))
+assert 'tfmulti' not in sys.modules
+'''
+
+
+@pytest.mark.slow
+def test_model_checkpoint_writes_what_plain_keras_loads_elsewhere(tmp_path):
+  path = str(tmp_path / 'best.keras')
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  towers = deploy.TowersModel(mlp(), config)
+  towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
+  towers.fit(_data(), epochs=2, verbose=0,
+             callbacks=[keras.callbacks.ModelCheckpoint(path)])
+  images, _ = make_batch(ROWS, seed=5)
+  np.save(tmp_path / 'images.npy', images)
+  result = subprocess.run(
+      [sys.executable, '-c', _LOAD_AND_PREDICT, path,
+       str(tmp_path / 'images.npy'), str(tmp_path / 'out.npy')],
+      cwd=tmp_path, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stderr[-2000:]
+  np.testing.assert_allclose(np.load(tmp_path / 'out.npy'),
+                             towers.predict(images, verbose=0), atol=1e-6)

@@ -27,6 +27,8 @@ How it differs from a plain Keras model:
     `compile`, under the variables device.
   * Sample and class weights are refused in one line (the towers weight
     each clone's loss by its rows only); evaluation takes them as Keras does.
+  * `save` (and ModelCheckpoint) writes the wrapped model, which plain Keras
+    loads without tfmulti.
 """
 
 import dataclasses
@@ -78,6 +80,7 @@ class TowersModel(keras.Model):
     self.config = config
     self.options = options
     self.towers = None
+    self.built = True  # Its weights are the built model's.
 
   def call(self, inputs, training=False):
     return self.model(inputs, training=training)
@@ -131,6 +134,12 @@ class TowersModel(keras.Model):
   def predict_step(self, data):
     images, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     return self.towers.predict(images)
+
+  def save(self, filepath, *args, **kwargs):
+    """Saves the wrapped model, so plain Keras loads the file without
+    tfmulti (what ModelCheckpoint writes too). `save_weights` keeps this
+    model's own, the optimizer's state included (BackupAndRestore's)."""
+    return self.model.save(filepath, *args, **kwargs)
 
 
 def _beside_the_variables(optimizer):
