@@ -157,7 +157,7 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
     # Settings that one stage would ignore.
     (dict(stage_boundaries=['dense']),
      r"stage_boundaries=\('dense',\) says how to cut a clone into stages, "
-     'and num_stages=1 makes none: add --num_stages=2'),
+     'and num_stages=1 makes none: set num_stages=2'),
     (dict(recompute=True), 'recompute=True says how to cut a clone'),
     (dict(stage_costs='measured'), "stage_costs='measured' says how to cut"),
 ])

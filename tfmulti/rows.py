@@ -37,8 +37,7 @@ def check_share_count(shares, num_shards, shard_word='num_clones'):
     return
   raise errors.ConfigError(
       f'clone_shares={",".join(map(str, shares))}: give one share per clone '
-      f'({shard_word}={num_shards}), e.g. --clone_shares='
-      f'{",".join(["1"] * num_shards)}.')
+      f'({shard_word}={num_shards}), e.g. {",".join(["1"] * num_shards)}.')
 
 
 def shard_rows(rows, shares, num_shards, shard_word='num_clones'):

@@ -101,7 +101,7 @@ class StepOptions:
       text = shares if isinstance(shares, str) else ','.join(map(str, shares))
       raise errors.ConfigError(
           f'clone_shares={text}: every share must be a number > 0, e.g. '
-          f'--clone_shares=3,1, or {AUTO}.')
+          f'3,1, or {AUTO}.')
 
   def check_stages(self, num_stages):
     """Raises `UserError` for options these stages cannot run: a clone cut
@@ -112,7 +112,7 @@ class StepOptions:
         if name in self.in_use():
           raise errors.ConfigError(
               f'{name}={getattr(self, name)!r} says how to cut a clone into '
-              'stages, and num_stages=1 makes none: add --num_stages=2 or '
+              'stages, and num_stages=1 makes none: set num_stages=2 or '
               'more, or drop it.')
     self._check_whole_clones(num_stages)
 

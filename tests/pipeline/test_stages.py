@@ -322,3 +322,24 @@ def test_a_refused_cut_leaves_the_model_dir_without_a_record(run_train,
               stage_boundaries=['nope'])
   assert not (model_dir / 'job.json').exists()
   assert not list(model_dir.glob('ckpt-*'))
+
+
+def test_a_float64_model_runs_in_stages_like_one_device():
+  def model_fn():
+    return skip_mlp_float64()
+  config = deploy.DeploymentConfig(clone_on_cpu=True, num_stages=2)
+  staged = make_deployed(config, model_fn, summarize_gradients=True,
+                         num_microbatches=2)
+  reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
+                            model_fn, summarize_gradients=True)
+  assert_same_steps(staged, reference, rows=8)
+  assert staged.model.trainable_variables[0].dtype == 'float64'
+
+
+def skip_mlp_float64():
+  previous = keras.config.dtype_policy()
+  keras.config.set_dtype_policy('float64')
+  try:
+    return skip_mlp()
+  finally:
+    keras.config.set_dtype_policy(previous)

@@ -169,7 +169,10 @@ class Stages:
         [values[k] for k in stage.input_keys],
         training=True, return_losses=True)
     outputs = keras.tree.flatten(outputs)
-    penalty = trainer.penalty(losses, weight)
+    # In the variables' dtype (float64 models too), not the activations'.
+    dtype = (trainable[stage.trainable[0]].dtype if stage.trainable
+             else tf.float32)
+    penalty = trainer.penalty(losses, weight, dtype)
     loss = None
     if s == len(self.stages) - 1:  # The penalty is kept apart, per stage.
       loss, _, _ = trainer.objective(context.loss_fn, labels, outputs[-1],
