@@ -13,8 +13,10 @@ def test_every_variant_runs_the_whole_job_and_is_compared(digits_dir):
                             rounds=1, data_dir=digits_dir)
   # One of each kind (the others differ by a flag, and the benchmark's
   # own runs use them all).
-  rounds = bench_e2e.run(e2e, variants=('tfmulti_2clones', 'fit_one_device'))
-  assert set(rounds) == {'tfmulti_2clones', 'fit_one_device'}
+  rounds = bench_e2e.run(e2e, variants=('tfmulti_2clones', 'fit_one_device',
+                                        'towers_fit_2clones'))
+  assert set(rounds) == {'tfmulti_2clones', 'fit_one_device',
+                         'towers_fit_2clones'}
   for name, runs in rounds.items():
     (entry,) = runs
     assert PHASES <= set(entry), name

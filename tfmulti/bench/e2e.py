@@ -3,13 +3,14 @@
   python -m tfmulti.bench.e2e --model=lenet --epochs=40 --rounds=3
 
 Runs, in one process and in interleaved rounds (the order rotates each
-round), the same work four ways: tfmulti's main job (`train_and_evaluate`:
+round), the same work five ways: tfmulti's main job (`train_and_evaluate`:
 input pipeline, evaluation every epoch, summaries, checkpoints; the export
 at the end is off, as the `model.fit` script has none) with 2 clones on
 logical CPUs and with 1 clone, and the plain Keras equivalent (`compile` +
 `fit` with `validation_data`, the same model, data pipeline, global batch,
-optimizer and epochs) on one device and under `MirroredStrategy` on the two
-logical CPUs. Each job is timed whole (wall and process CPU seconds) and by
+optimizer and epochs) on one device, under `MirroredStrategy` on the two
+logical CPUs, and as `deploy.TowersModel` (the towers behind `fit`) on
+them. Each job is timed whole (wall and process CPU seconds) and by
 phase: start-up to the first step, the first step (tracing), training after
 it, evaluation.
 """
@@ -36,7 +37,7 @@ from tfmulti import errors
 from tfmulti.train import job
 
 NUM_LOGICAL_CPUS = 2
-FIT_VARIANTS = ('fit_one_device', 'fit_mirrored')
+FIT_VARIANTS = ('fit_one_device', 'fit_mirrored', 'towers_fit_2clones')
 TFMULTI_VARIANTS = ('tfmulti_2clones', 'tfmulti_1clone')
 
 
@@ -127,22 +128,29 @@ class _Phases(keras.callbacks.Callback):
         time.perf_counter() - self._after_first - self.times['evaluation'])
 
 
-def _fit(e2e, mirrored):
-  """The plain Keras script: build, compile, fit with validation."""
+def _fit(e2e, kind):
+  """The plain Keras script: build, compile, fit with validation; `kind`
+  'one_device', 'mirrored' (MirroredStrategy) or 'towers' (TowersModel on
+  the two logical CPUs)."""
   started = time.perf_counter()
   keras.utils.set_random_seed(0)
   loaded = data.load('digits', global_batch_size=e2e.global_batch_size,
                      data_dir=e2e.data_dir)
-  scope = (tf.distribute.MirroredStrategy(
-      ['/cpu:0', '/cpu:1'],
-      cross_device_ops=tf.distribute.ReductionToOneDevice()).scope()
-           if mirrored else tf.device('/cpu:0'))
-  with scope:
+  towers = deploy.DeploymentConfig(num_clones=NUM_LOGICAL_CPUS,
+                                   clone_on_cpu=True)
+  scope = {'one_device': lambda: tf.device('/cpu:0'),
+           'towers': lambda: tf.device(towers.variables_device()),
+           'mirrored': lambda: tf.distribute.MirroredStrategy(
+               ['/cpu:0', '/cpu:1'],
+               cross_device_ops=tf.distribute.ReductionToOneDevice()).scope()}
+  with scope[kind]():
     model, optimizer = build.model_and_optimizer(
         config_lib.TrainConfig(model=e2e.model, optimizer=e2e.optimizer,
                                learning_rate=e2e.learning_rate),
         deploy.DeploymentConfig(), input_shape=loaded.input_shape,
         num_classes=loaded.num_classes, learning_rate=e2e.learning_rate)()
+    if kind == 'towers':
+      model = deploy.TowersModel(model, towers)
     model.compile(optimizer=optimizer, loss=build.make_loss(),
                   metrics=['accuracy'])
   phases = _Phases(started)
@@ -159,8 +167,9 @@ def run(e2e, variants=TFMULTI_VARIANTS + FIT_VARIANTS):
   """{variant: [per-round dicts with wall, cpu and the phases]}."""
   jobs = {'tfmulti_2clones': lambda: _tfmulti(e2e, 2),
           'tfmulti_1clone': lambda: _tfmulti(e2e, 1),
-          'fit_one_device': lambda: _fit(e2e, mirrored=False),
-          'fit_mirrored': lambda: _fit(e2e, mirrored=True)}
+          'fit_one_device': lambda: _fit(e2e, 'one_device'),
+          'fit_mirrored': lambda: _fit(e2e, 'mirrored'),
+          'towers_fit_2clones': lambda: _fit(e2e, 'towers')}
   names = [name for name in jobs if name in variants]
   rounds = {name: [] for name in names}
   for k in range(e2e.rounds):
