@@ -185,10 +185,31 @@ class TestClearErrors:
       towers.fit(*make_batch(9), batch_size=4, verbose=0)  # Last batch: 1.
 
   def test_inside_a_strategy_scope(self):
-    with tf.distribute.OneDeviceStrategy('/cpu:0').scope():
+    strategy = tf.distribute.OneDeviceStrategy('/cpu:0')
+    with strategy.scope():
       with pytest.raises(errors.ConfigError, match='outside any '
                          'tf.distribute strategy scope'):
         self._towers()
+    towers = self._towers()
+    towers.compile(optimizer='sgd', loss=_loss())
+    with strategy.scope():
+      with pytest.raises(errors.ConfigError, match='outside any'):
+        towers.fit(*make_batch(BATCH), verbose=0)
+    assert int(towers.optimizer.iterations) == 0
+
+  def test_a_model_built_outside_the_variables_device(self):
+    config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
+                                     variables_device='/device:CPU:2')
+    towers = deploy.TowersModel(mlp(), config)  # Built on CPU:0.
+    with pytest.raises(errors.DeviceError, match='not on the variables '
+                       "device '/device:CPU:2'"):
+      towers.compile(optimizer='sgd', loss=_loss())
+
+  def test_a_model_with_nothing_to_train(self):
+    model = mlp()
+    model.trainable = False
+    with pytest.raises(errors.ConfigError, match='no trainable weights'):
+      self._towers(model)
 
 
 def test_a_function_loss_of_one_value_a_row_is_its_mean():

@@ -67,10 +67,7 @@ class TowersModel(keras.Model):
       errors.UserError: a model or option the towers cannot run, or a
         tf.distribute strategy scope around it.
     """
-    if tf.distribute.has_strategy():
-      raise errors.ConfigError(
-          'TowersModel places its clones itself; build and fit it outside '
-          'any tf.distribute strategy scope.')
+    _check_no_strategy()
     towers_lib.check_model(model)
     options = dataclasses.replace(options or step_options.StepOptions(),
                                   **fields)
@@ -109,6 +106,7 @@ class TowersModel(keras.Model):
                                     self.options)
 
   def train_step(self, data):
+    _check_no_strategy()
     images, labels, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if sample_weight is not None:
       raise errors.ConfigError(
@@ -140,6 +138,13 @@ class TowersModel(keras.Model):
     tfmulti (what ModelCheckpoint writes too). `save_weights` keeps this
     model's own, the optimizer's state included (BackupAndRestore's)."""
     return self.model.save(filepath, *args, **kwargs)
+
+
+def _check_no_strategy():
+  if tf.distribute.has_strategy():
+    raise errors.ConfigError(
+        'TowersModel places its clones itself; build and fit it outside '
+        'any tf.distribute strategy scope.')
 
 
 def _beside_the_variables(optimizer):
