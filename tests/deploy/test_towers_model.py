@@ -340,7 +340,7 @@ def test_bring_your_own_model_mobilenet_v2():
   labels = np.arange(16) % 10
   plain = _mobilenet()
   plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=_CROSSENTROPY)
-  plain.fit(images, labels, batch_size=8, epochs=1, verbose=0)
+  plain.fit(images, labels, batch_size=8, epochs=1, verbose=0, shuffle=False)
   for layout in (dict(num_clones=1, num_stages=2),
                  dict(num_clones=2, num_stages=2)):
     config = deploy.DeploymentConfig(clone_on_cpu=True, **layout)
@@ -353,7 +353,8 @@ def test_bring_your_own_model_mobilenet_v2():
     convs = {op.device.split('device:')[-1] for op in graph.get_operations()
              if op.type in ('Conv2D', 'DepthwiseConv2dNative')}
     assert convs == {f'CPU:{d}' for d in range(config.num_clones * 2)}
-    history = towers.fit(images, labels, batch_size=8, epochs=1, verbose=0)
+    history = towers.fit(images, labels, batch_size=8, epochs=1, verbose=0,
+                         shuffle=False)
     assert np.isfinite(history.history['loss'][0])
     if config.num_clones == 1:  # To 1e-5 absolute: 50-odd BatchNorm layers
       # sum their gradients in another order across the cut.

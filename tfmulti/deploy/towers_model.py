@@ -116,13 +116,23 @@ class TowersModel(keras.Model):
                 self.options.accumulation_steps)
     result = self.towers.train_step_outputs(images, labels, uneven=True,
                                             with_outputs=True)
-    self._loss_tracker.update_state(result.total,
-                                    sample_weight=tf.shape(images)[0])
-    return self.compute_metrics(images, labels, result.outputs)
+    return self._train_metrics(images, labels, result.outputs, result.total)
+
+  @tf.function
+  def _train_metrics(self, images, labels, outputs, total):
+    """The loss tracker and compiled metrics, updated in one compiled call
+    (eager, they cost more than a small model's step)."""
+    self._loss_tracker.update_state(total, sample_weight=tf.shape(images)[0])
+    return self.compute_metrics(images, labels, outputs)
 
   def test_step(self, data):
     images, labels, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    outputs = self.towers.predict(images)
+    return self._test_metrics(images, labels, self.towers.predict(images),
+                              sample_weight)
+
+  @tf.function
+  def _test_metrics(self, images, labels, outputs, sample_weight):
+    """Keras's evaluation loss and metrics of the towers' outputs."""
     loss = self._compute_loss(x=images, y=labels, y_pred=outputs,
                               sample_weight=sample_weight, training=False)
     self._loss_tracker.update_state(loss, sample_weight=tf.shape(images)[0])
