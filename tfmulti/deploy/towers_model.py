@@ -114,14 +114,23 @@ class TowersModel(keras.Model):
           "each clone's loss by its rows only; drop the weights.")
     _check_rows(images, self.config.num_clones,
                 self.options.accumulation_steps)
-    result = self.towers.train_step_outputs(images, labels, uneven=True,
-                                            with_outputs=True)
-    return self._train_metrics(images, labels, result.outputs, result.total)
+    if isinstance(self.towers, towers_lib.DeployedModel):
+      sizes = self.towers.clone_rows(images, labels, uneven=True)
+      return self._train_function(images, labels, sizes)
+    result = self.towers.train_step_outputs(  # Balanced: measures first.
+        images, labels, uneven=True, with_outputs=True)
+    return self._update_metrics(images, labels, result.outputs, result.total)
 
   @tf.function
-  def _train_metrics(self, images, labels, outputs, total):
-    """The loss tracker and compiled metrics, updated in one compiled call
-    (eager, they cost more than a small model's step)."""
+  def _train_function(self, images, labels, sizes):
+    """The towers' step and the metrics, one compiled call a step (eager,
+    the metrics cost more than a small model's step). `sizes` are Python
+    ints: one trace per split, as the towers' own step."""
+    result = self.towers.step_graph(images, labels, sizes, with_outputs=True)
+    return self._update_metrics(images, labels, result.outputs, result.total)
+
+  def _update_metrics(self, images, labels, outputs, total):
+    """The loss tracker and the compiled metrics, as Keras updates them."""
     self._loss_tracker.update_state(total, sample_weight=tf.shape(images)[0])
     return self.compute_metrics(images, labels, outputs)
 
