@@ -181,6 +181,9 @@ class TestClearErrors:
     images, labels = make_batch(BATCH)
     with pytest.raises(errors.ConfigError, match='sample_weight'):
       towers.fit(images, labels, sample_weight=np.ones(BATCH), verbose=0)
+    with pytest.raises(errors.ConfigError, match='class_weight'):
+      towers.fit(images, labels, class_weight={0: 1.0, 1: 2.0, 2: 1.0},
+                 verbose=0)
     assert int(towers.optimizer.iterations) == 0
 
   def test_fewer_rows_than_clones_names_drop_remainder(self):
@@ -382,6 +385,6 @@ def test_the_fit_example_learns_and_writes_a_model_keras_loads(tmp_path):
   accuracies = re.search(r'validation accuracy by epoch: \[(.*)\]',
                          result.stderr).group(1)
   best = max(float(a) for a in accuracies.split(','))
-  assert best > 0.5  # Chance is 0.1.
+  assert best > 0.5  # Chance is 0.1; it reached 0.82 here.
   model = keras.models.load_model(tmp_path / 'best.keras')
   assert model.name.startswith('mobilenetv2')

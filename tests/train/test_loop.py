@@ -181,3 +181,13 @@ def test_train_and_evaluate_takes_its_data_and_trainer(tmp_path):
       one_clone, data_override=_tiny_data(), trainer_override=rest)
   assert (metrics['steps'], metrics['resumed_from_step']) == (12, 7)
   assert first.rows + rest.rows == _expected_rows(12)
+
+
+def test_the_first_progress_line_says_the_speed_is_not_timed_yet(caplog):
+  progress = loop.Progress(total_steps=4, global_batch_size=8,
+                           log_every_steps=1)
+  progress.first_step_started = 0.0
+  with caplog.at_level('INFO', logger='absl'):
+    progress.record(1, [0.5], epoch=0)  # The traced step: untimed.
+  assert 'not timed yet (the first step traces)' in caplog.text
+  assert 'nan' not in caplog.text
