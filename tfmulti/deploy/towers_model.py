@@ -136,12 +136,13 @@ class TowersModel(keras.Model):
 
   def test_step(self, data):
     images, labels, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    return self._test_metrics(images, labels, self.towers.predict(images),
-                              sample_weight)
+    return self._test_function(images, labels, sample_weight)
 
   @tf.function
-  def _test_metrics(self, images, labels, outputs, sample_weight):
-    """Keras's evaluation loss and metrics of the towers' outputs."""
+  def _test_function(self, images, labels, sample_weight):
+    """The towers' inference and Keras's evaluation loss and metrics of it,
+    one compiled call a batch."""
+    outputs = self.towers.predict(images)
     loss = self._compute_loss(x=images, y=labels, y_pred=outputs,
                               sample_weight=sample_weight, training=False)
     self._loss_tracker.update_state(loss, sample_weight=tf.shape(images)[0])
