@@ -69,6 +69,18 @@ def checkpoint_tensors(path, prefixes=('model/', 'optimizer/')):
   return found
 
 
+def assert_same_checkpoints(got_path, want_path, exact=False):
+  """Two checkpoints hold the same tensors, to 1e-5 (or bit for bit)."""
+  got, want = checkpoint_tensors(got_path), checkpoint_tensors(want_path)
+  assert got.keys() == want.keys()
+  for key, value in want.items():
+    if exact:
+      np.testing.assert_array_equal(got[key], value, err_msg=key)
+    else:
+      np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                                 err_msg=key)
+
+
 def scalars(model_dir):
   """{tag: {step: value}} from the event files in `model_dir`."""
   found = {}

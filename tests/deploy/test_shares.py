@@ -9,7 +9,7 @@ from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
 from tfmulti import rows
-from tests.helpers import (assert_same_steps, checkpoint_tensors,
+from tests.helpers import (assert_same_checkpoints, assert_same_steps,
                            make_batch, make_deployed, make_loss, mlp, weights)
 
 OPTIMIZERS = {
@@ -212,23 +212,12 @@ class TestClearErrors:
       towers.train_step(*make_batch(8))
 
 
-def _final(metrics):
-  return checkpoint_tensors(metrics['checkpoint'])
-
-
-def _assert_same_checkpoints(got, want):
-  assert got.keys() == want.keys()
-  for key, value in want.items():
-    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
-                               err_msg=key)
-
-
 @pytest.mark.slow
 def test_train_py_shares_equal_one_device_on_towers_and_mirrored(run_train,
                                                                  caplog):
   common = dict(optimizer='momentum', learning_rate=0.05, train_steps=3)
-  one = _final(run_train(strategy='single', num_clones=1, batch_size=8,
-                         **common))
+  one = run_train(strategy='single', num_clones=1, batch_size=8,
+                  **common)['checkpoint']
   for strategy in ('towers', 'mirrored'):
     with caplog.at_level('INFO', logger='absl'):
       metrics = run_train(strategy=strategy, num_clones=2, batch_size=4,
@@ -236,7 +225,7 @@ def test_train_py_shares_equal_one_device_on_towers_and_mirrored(run_train,
     assert 'clone shares 3:1: 6/2 rows of each 8-row batch' in caplog.text
     assert metrics['global_batch_size'] == 8
     assert metrics['clone_shares'] == [3, 1]
-    _assert_same_checkpoints(_final(metrics), one)
+    assert_same_checkpoints(metrics['checkpoint'], one)
 
 
 def test_train_py_auto_shares_balance_and_train(run_train, caplog):
@@ -256,7 +245,7 @@ def test_train_py_accumulation_equals_the_bigger_batch(run_train):
   assert accumulated['steps'] == 3  # Steps count updates.
   assert accumulated['accumulation_steps'] == 2
   bigger = run_train(batch_size=8, **common)
-  _assert_same_checkpoints(_final(accumulated), _final(bigger))
+  assert_same_checkpoints(accumulated['checkpoint'], bigger['checkpoint'])
 
 
 @pytest.mark.slow
@@ -269,7 +258,7 @@ def test_train_py_accumulation_resumes_exactly(run_train, tmp_path):
   assert (resumed['resumed_from_step'], resumed['steps']) == (2, 4)
   whole = run_train(model_dir=str(tmp_path / 'whole'), train_steps=4,
                     **common)
-  _assert_same_checkpoints(_final(resumed), _final(whole))
+  assert_same_checkpoints(resumed['checkpoint'], whole['checkpoint'])
 
 
 @pytest.mark.parametrize('values, message', [

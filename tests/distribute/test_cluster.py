@@ -9,10 +9,9 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
-from tests.helpers import REPO, checkpoint_tensors
+from tests.helpers import REPO, assert_same_checkpoints
 from tfmulti.distribute import cluster
 from tfmulti import errors
 
@@ -159,12 +158,7 @@ def test_two_workers_train_like_one_process(tmp_path, digits_dir, run_train,
   metrics = json.loads((model_dir / 'metrics.json').read_text())
   assert metrics['num_workers'] == 2 and metrics['steps'] == 3
   assert metrics['global_batch_size'] == 8 * clones
-  got, want = (checkpoint_tensors(metrics['checkpoint']),
-               checkpoint_tensors(reference['checkpoint']))
-  assert got.keys() == want.keys()
-  for key, value in want.items():
-    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
-                               err_msg=key)
+  assert_same_checkpoints(metrics['checkpoint'], reference['checkpoint'])
   if strategy == 'multi_worker':  # A whole-cluster restart resumes.
     _run_job(model_dir, digits_dir, tmp_path, *flags, '--train_steps=5')
     metrics = json.loads((model_dir / 'metrics.json').read_text())
@@ -184,11 +178,7 @@ def test_two_workers_accumulate_like_one_process(tmp_path, digits_dir,
            '--num_clones=2', '--accumulation_steps=2', '--train_steps=3')
   metrics = json.loads((model_dir / 'metrics.json').read_text())
   assert metrics['global_batch_size'] == 32 and metrics['steps'] == 3
-  got, want = (checkpoint_tensors(metrics['checkpoint']),
-               checkpoint_tensors(reference['checkpoint']))
-  for key, value in want.items():
-    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
-                               err_msg=key)
+  assert_same_checkpoints(metrics['checkpoint'], reference['checkpoint'])
 
 
 @pytest.mark.slow

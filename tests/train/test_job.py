@@ -134,6 +134,7 @@ def test_a_resume_that_changes_the_job_stops_with_one_line(run_train,
   assert (metrics['resumed_from_step'], metrics['steps']) == (2, 4)
 
 
+@pytest.mark.slow
 def test_mixed_precision_trains_in_bfloat16_on_cpus(run_train, tmp_path):
   model_dir = str(tmp_path / 'mixed')
   metrics = run_train(model_dir=model_dir, mixed_precision=True,
@@ -144,6 +145,7 @@ def test_mixed_precision_trains_in_bfloat16_on_cpus(run_train, tmp_path):
   assert losses[30] < 0.6 * losses[1], (losses[1], losses[30])
 
 
+@pytest.mark.slow
 def test_xla_trains(run_train, tmp_path):
   model_dir = str(tmp_path / 'xla')
   run_train(model_dir=model_dir, xla=True, num_clones=2, batch_size=32,
@@ -152,6 +154,7 @@ def test_xla_trains(run_train, tmp_path):
   assert losses[30] < 0.6 * losses[1], (losses[1], losses[30])
 
 
+@pytest.mark.slow
 def test_central_storage_trains_a_model_without_batch_norm(run_train):
   metrics = run_train(strategy='central_storage', num_clones=2)
   assert metrics['strategy'] == 'central_storage' and metrics['steps'] == 2
