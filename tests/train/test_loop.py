@@ -1,4 +1,4 @@
-"""Tests for tfmulti.loop (and train_lib's overrides) with a fake trainer.
+"""Tests for tfmulti.train.loop (and the job's overrides) with a fake trainer.
 
 No flags, no subprocesses, no real model step: a fake `Trainer` records the
 rows it is given and returns scripted losses, and the data is ten rows made

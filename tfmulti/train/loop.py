@@ -139,7 +139,7 @@ class Progress:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Run:
-  """What the loop works with, built once per run by `train_lib`.
+  """What the loop works with, built once per run by `train.job`.
 
   Attributes:
     trainer: any `trainer.Trainer`.
