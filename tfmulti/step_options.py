@@ -58,6 +58,9 @@ class StepOptions:
       whose summed gradients make one update.
     summarize_gradients: steps also return the summed gradients (for
       TensorBoard's histograms and norms).
+    reproducible_rows: a > 0 cuts each step's rows into atoms of `a` rows,
+      each run alone and summed in one fixed order, so the result does not
+      depend on the layout (`deploy.atoms`); 0 is off.
   """
   batch_norm_policy: str = BN_CLONE_0
   sync_batch_norm: bool = False
@@ -71,6 +74,7 @@ class StepOptions:
   rebalance_every_steps: int = 100
   accumulation_steps: int = 1
   summarize_gradients: bool = False
+  reproducible_rows: int = 0
 
   def __post_init__(self):
     errors.check_choice('batch_norm_policy', self.batch_norm_policy,
@@ -81,7 +85,9 @@ class StepOptions:
       errors.check_count(name, getattr(self, name), 1)
     for speed in self.stage_speeds or ():
       errors.check_positive('stage_speeds', speed)
+    errors.check_count('reproducible_rows', self.reproducible_rows, 0)
     self._check_shares()
+    self._check_reproducible()
     if self.sync_batch_norm:
       for name in ('clone_shares', 'accumulation_steps', 'xla'):
         if name in self.in_use():
@@ -102,6 +108,23 @@ class StepOptions:
       raise errors.ConfigError(
           f'clone_shares={text}: every share must be a number > 0, e.g. '
           f'3,1, or {AUTO}.')
+
+  def _check_reproducible(self):
+    """What atoms cannot make layout-independent: statistics shared across
+    atoms, or shares that move by measurement."""
+    if not self.reproducible_rows:
+      return
+    refused = {
+        'sync_batch_norm': self.sync_batch_norm,
+        'batch_norm_policy': self.batch_norm_policy == BN_FULL_BATCH,
+        'clone_shares': self.auto_shares}
+    for name, clash in refused.items():
+      if clash:
+        raise errors.UnsupportedError(
+            f'{name}={getattr(self, name)!r} cannot be combined with '
+            f'reproducible_rows={self.reproducible_rows}: atoms normalise '
+            'and are placed alone, so their sum does not depend on the '
+            'layout; drop one of the two.')
 
   def check_stages(self, num_stages):
     """Raises `UserError` for options these stages cannot run: a clone cut
@@ -154,6 +177,8 @@ class StepOptions:
       parts.append(f'bn_{self.batch_norm_policy}')
     if self.sync_batch_norm:
       parts.append('syncbn')
+    if self.reproducible_rows:
+      parts.append(f'reproducible{self.reproducible_rows}')
     return parts
 
   def in_use(self):

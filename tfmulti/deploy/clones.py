@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tfmulti import step_options
 from tfmulti import trainer
+from tfmulti.deploy import atoms
 from tfmulti.deploy import towers_in_strategy
 
 # A clone's share of one step (slim: Clone(outputs, scope, device)).
@@ -91,7 +92,9 @@ def create_clones(config, model, loss_fn, images, labels, *,
     options: the `StepOptions`; here `xla` compiles each clone's forward
       and backward pass with XLA, one cluster per clone on that clone's
       device (compiling the whole step would fuse every clone into one
-      cluster on one device).
+      cluster on one device), and `reproducible_rows` runs each atom of a
+      clone alone: each `Clone` then holds its atoms' losses and
+      gradients stacked, atom first, unsummed (`deploy.atoms`).
     loss_scale: multiplies each clone's loss before its gradient (the
       float16 loss scale of a `keras.optimizers.LossScaleOptimizer`).
     lockstep: None, or a `tf.distribute.MirroredStrategy` over the clone
@@ -116,10 +119,16 @@ def create_clones(config, model, loss_fn, images, labels, *,
     return clone_step(model, loss_fn, global_rows, *args)
   if options.xla:
     clone_fn = tf.function(clone_fn, jit_compile=True)
+  if options.reproducible_rows and stages is None:
+    clone_fn = atoms.per_atom(clone_fn, options.reproducible_rows)
   image_shards = split_batch(config, images, shard_sizes)
   label_shards = split_batch(config, labels, shard_sizes)
-  # Each worker's clone 0 carries its share of the penalty.
-  weights = [1.0 / config.num_workers if regularization else 0.0] + [
+  # Each worker's clone 0 carries its share of the penalty; with atoms,
+  # the job's atom 0 (worker 0's) carries all of it.
+  penalty = 1.0 / config.num_workers
+  if options.reproducible_rows:
+    penalty = float(config.worker_index == 0)
+  weights = [penalty if regularization else 0.0] + [
       0.0] * (config.num_clones - 1)
   if lockstep is not None:
     with tf.device(config.variables_device()):
@@ -146,6 +155,9 @@ def create_clones(config, model, loss_fn, images, labels, *,
     *result, states = result
     rows = image_shards[i].shape[0]
     part_rows = [rows] if stages is None else stages.microbatch_rows(rows)
+    if options.reproducible_rows:
+      part_rows = [options.reproducible_rows] * (
+          rows // options.reproducible_rows)
     clones.append(Clone(*result, list(zip(part_rows, states)),
                         scope=config.clone_scope(i),
                         device=config.clone_device(i)))

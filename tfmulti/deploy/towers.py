@@ -48,6 +48,7 @@ from tfmulti import errors
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
+from tfmulti.deploy import atoms
 from tfmulti.deploy import balance
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy.batch_norm import combine_non_trainable, moments_of
@@ -91,57 +92,118 @@ class DeployedModel(trainer.Trainer):
     gradients are summed on the optimizer device and applied once.
     `with_outputs`: also return the clones' outputs, in row order.
     """
-    config, model = self.config, self.model
-    variables = model.trainable_variables
+    config, variables = self.config, self.model.trainable_variables
     loss_scale = trainer.loss_scale_of(self.optimizer)
     with tf.device(config.variables_device()):
       scale = 1.0 if loss_scale is None else tf.identity(loss_scale)
     # Every accumulation step of every worker is a part of the job's batch.
     global_rows = tf.shape(labels)[0] * config.num_workers
 
-    def accumulation_step(images, labels, first):
-      clones = create_clones(config, model, self.loss_fn, images, labels,
-                             options=self.options, loss_scale=scale,
-                             lockstep=self.lockstep, stages=self.stages,
-                             shard_sizes=sizes, global_rows=global_rows,
-                             regularization=first)
-      with tf.device(config.optimizer_device()):
-        total_loss, grads_and_vars = optimize_clones(clones, variables)
-      self._update_state(clones)
-      by_variable = {id(v): g for g, v in grads_and_vars}
-      outputs = []
-      if with_outputs:
-        with tf.device(config.inputs_device()):
-          outputs = [tf.concat([clone.outputs for clone in clones], axis=0)]
-      return ([by_variable.get(id(v)) for v in variables],
-              [total_loss, clones[0].regularization_loss] +
-              [clone.loss for clone in clones], outputs)
+    def clones_of(images, labels, first):
+      return create_clones(config, self.model, self.loss_fn, images, labels,
+                           options=self.options, loss_scale=scale,
+                           lockstep=self.lockstep, stages=self.stages,
+                           shard_sizes=sizes, global_rows=global_rows,
+                           regularization=first)
 
-    gradients, (total_loss, regularization, *clone_losses), outputs = (
-        rows.accumulate(accumulation_step, images, labels,
-                        self.options.accumulation_steps,
-                        config.optimizer_device()))
+    run = self._atoms_step if self.options.reproducible_rows else (
+        self._summed_step)
+    gradients, (total_loss, regularization, *clone_losses), outputs = run(
+        clones_of, images, labels, with_outputs)
     with tf.device(config.optimizer_device()):
       grads_and_vars = [(g, v) for g, v in zip(gradients, variables)
                         if g is not None]
-      # A LossScaleOptimizer divides by the scale, and skips the update
-      # (halving the scale) when a gradient is not finite.
-      self.optimizer.apply_gradients(grads_and_vars)
       summed = {}
       if self.options.summarize_gradients:
         summed = trainer.gradients_by_path(
             grads_and_vars, None if loss_scale is None else scale)
+      if self.options.reproducible_rows and config.worker_index:
+        # Every worker folded the job's atoms alike; Keras's all-reduce
+        # then adds these zeros to worker 0's sums, which is exact.
+        grads_and_vars = [(tf.zeros_like(g), v) for g, v in grads_and_vars]
+        total_loss, regularization = tf.zeros_like(total_loss), (
+            tf.zeros_like(regularization))
+      # A LossScaleOptimizer divides by the scale, and skips the update
+      # (halving the scale) when a gradient is not finite.
+      self.optimizer.apply_gradients(grads_and_vars)
     return trainer.StepOutputs(total_loss, regularization, clone_losses,
                                summed, outputs[0] if outputs else None)
 
+  def _outputs(self, clones, with_outputs):
+    """The clones' outputs in row order, in a list (empty without)."""
+    if not with_outputs:
+      return []
+    with tf.device(self.config.inputs_device()):
+      return [tf.concat([clone.outputs for clone in clones], axis=0)]
+
+  def _summed_step(self, clones_of, images, labels, with_outputs):
+    """The clones' gradients summed on the optimizer device, over clones
+    then accumulation steps: (gradients, scalars, outputs) as
+    `rows.accumulate` gives them."""
+    config, variables = self.config, self.model.trainable_variables
+
+    def accumulation_step(images, labels, first):
+      clones = clones_of(images, labels, first)
+      with tf.device(config.optimizer_device()):
+        total_loss, grads_and_vars = optimize_clones(clones, variables)
+      self._update_state(clones)
+      by_variable = {id(v): g for g, v in grads_and_vars}
+      return ([by_variable.get(id(v)) for v in variables],
+              [total_loss, clones[0].regularization_loss] +
+              [clone.loss for clone in clones],
+              self._outputs(clones, with_outputs))
+    return rows.accumulate(accumulation_step, images, labels,
+                           self.options.accumulation_steps,
+                           config.optimizer_device())
+
+  def _atoms_step(self, clones_of, images, labels, with_outputs):
+    """`_summed_step` with `reproducible_rows`: every atom of the job kept
+    apart, then folded in atom order (`deploy.atoms`); the moving
+    statistics are the atoms' mean, assigned once."""
+    config, device = self.config, self.config.optimizer_device()
+    traced = {}  # Which variables the atoms reach; how many parts.
+
+    def accumulation_step(images, labels, first):
+      clones = clones_of(images, labels, first)
+      with tf.device(device), tf.name_scope('stack_atoms'):
+        gradients = [tf.concat(parts, axis=0) if parts[0] is not None
+                     else None for parts in zip(*(c.gradients for c in clones))]
+        traced['reached'] = [g is not None for g in gradients]
+        states = [tf.stack(values) for values in zip(
+            *(values for c in clones for _, values in c.non_trainable))]
+        stacked = [tf.concat([c.loss for c in clones], axis=0)] + [
+            g for g in gradients if g is not None] + states
+        traced['parts'] = len(stacked)
+      return ([], [clones[0].regularization_loss] +
+              [tf.reduce_sum(c.loss) for c in clones],
+              stacked + self._outputs(clones, with_outputs))
+
+    _, scalars, parts = rows.accumulate(
+        accumulation_step, images, labels, self.options.accumulation_steps,
+        device)
+    stacked, outputs = parts[:traced['parts']], parts[traced['parts']:]
+    with tf.device(device), tf.name_scope('fold_atoms'):
+      if config.num_workers > 1:
+        stacked = atoms.gather(stacked)
+      num_states = len(self.model.non_trainable_variables)
+      folded = stacked[:len(stacked) - num_states]
+      total_loss, *sums = atoms.fold(folded)
+      sums = iter(sums)
+      gradients = [next(sums) if r else None for r in traced['reached']]
+      self._assign_state(atoms.mean_state(stacked[len(folded):]))
+    return gradients, [total_loss] + scalars, outputs
+
   def _update_state(self, clones):
     """Assigns the non-trainable variables once, under the BN policy."""
-    model = self.model
     with tf.device(self.config.variables_device()), \
         tf.name_scope('update_state'):
-      new_values = combine_non_trainable(
-          clones, self.options.batch_norm_policy, self._moments)
-      for variable, value in zip(model.non_trainable_variables, new_values):
+      self._assign_state(combine_non_trainable(
+          clones, self.options.batch_norm_policy, self._moments))
+
+  def _assign_state(self, values):
+    """Assigns the non-trainable variables these values."""
+    with tf.device(self.config.variables_device()):
+      for variable, value in zip(self.model.non_trainable_variables, values):
         variable.assign(value)
 
   def distribute_dataset(self, dataset):
@@ -164,6 +226,10 @@ class DeployedModel(trainer.Trainer):
     if self.stages is not None:  # Raises if a micro-batch would be empty.
       for size in sizes or [step_rows // n]:
         self.stages.microbatch_rows(size)
+    if self.options.reproducible_rows:
+      atoms.check_rows(self.options.reproducible_rows, step_rows,
+                       sizes or [step_rows // n] * n,
+                       self.stages and self.stages.microbatch_rows)
     return sizes
 
   def train_step_outputs(self, images, labels, *, uneven=False,
@@ -275,6 +341,8 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
       optimizer.build(model.trainable_variables)
   devices.check_placement(model.variables + optimizer.variables,
                           config.variables_device())
+  if options.reproducible_rows:  # Atoms alone are not enough: kernels too.
+    tf.config.experimental.enable_op_determinism()
   lockstep = None
   if options.sync_batch_norm:
     lockstep = towers_in_strategy.lockstep_strategy(config)
@@ -314,3 +382,5 @@ def check_options(config, options):
   rules that need both records (the one-record rules are `StepOptions`')."""
   options.check_stages(config.num_stages)
   rows.check_share_count(options.fixed_shares, config.num_clones)
+  if options.reproducible_rows:
+    atoms.check_devices(config)

@@ -197,7 +197,9 @@ class Stages:
     Same arguments and results as `clones.clone_step`, with `devices` the
     clone's stage devices; the new non-trainable values come as a list,
     one a micro-batch (of `microbatch_rows` rows), for
-    `batch_norm.combine_non_trainable`.
+    `batch_norm.combine_non_trainable`. With `reproducible_rows` each
+    micro-batch is an atom, and the losses and gradients come stacked over
+    them, as `deploy.atoms.per_atom` gives them.
     """
     sizes = self.microbatch_rows(images.shape[0])
     with tf.device(devices[0]):
@@ -218,15 +220,20 @@ class Stages:
       states.append(state)
       for s, stage_grads in enumerate(grads):
         per_stage_grads[s].append(stage_grads)
+    # Summed over micro-batches on each stage's device; with atoms (each
+    # micro-batch one atom), stacked there instead, for the step's fold.
+    combine, loss_of = tf.add_n, tf.add_n
+    if self.options.reproducible_rows:
+      combine, loss_of = tf.stack, tf.stack
     gradients = [None] * len(trainable)
     for s, stage in enumerate(self.stages):
       with tf.device(devices[s]), tf.name_scope(f'stage_{s}_sum'):
         for k, index in enumerate(stage.trainable):
           grads = [g[k] for g in per_stage_grads[s] if g[k] is not None]
           if grads:
-            gradients[index] = tf.add_n(grads)
+            gradients[index] = combine(grads)
     with tf.device(devices[-1]):
-      loss = tf.add_n(losses)
+      loss = loss_of(losses)
       output = tf.concat(outputs, axis=0)
     return output, loss, tf.add_n(regularizations), gradients, states
 
