@@ -1,4 +1,4 @@
-"""Test setup: 4 logical CPU devices and soft placement off.
+"""Test setup: 8 logical CPU devices and soft placement off.
 
 Both must happen before TensorFlow initialises its runtime, so they run when
 pytest loads this file, before any test module imports TensorFlow code.
@@ -18,7 +18,7 @@ from absl.testing import flagsaver  # noqa: E402
 
 from tfmulti import devices  # noqa: E402
 
-NUM_LOGICAL_CPUS = 4
+NUM_LOGICAL_CPUS = 8  # 8 clones, or 4 clones of 2 stages.
 
 devices.create_logical_cpus(NUM_LOGICAL_CPUS)
 tf.config.set_soft_device_placement(False)
@@ -28,6 +28,15 @@ if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
   tf.config.threading.set_intra_op_parallelism_threads(max(
       1, (os.cpu_count() or 1) // int(os.environ['PYTEST_XDIST_WORKER_COUNT'])))
 tf.config.list_logical_devices()  # Initialises the runtime with them now.
+
+
+@pytest.fixture(autouse=True)
+def _op_determinism_off_after():
+  """`reproducible_rows` turns op determinism on for the whole process
+  (`deploy.deploy`, the job); the next test starts without it."""
+  yield
+  from tensorflow.python.framework import config as tf_config
+  tf_config.disable_op_determinism()
 
 
 def pytest_configure(config):

@@ -166,6 +166,11 @@ _ACCUMULATION_STEPS = flags.DEFINE_integer(
     'accumulation_steps', 1, 'Sum the gradients of this many accumulation '
     'steps (each batch_size * num_clones rows) into one update; steps count '
     'updates.')
+_REPRODUCIBLE_ROWS = flags.DEFINE_integer(
+    'reproducible_rows', 0, 'Cut each step into atoms of this many rows, '
+    'each run alone and summed in one fixed order: the same weights, bit for '
+    'bit, whatever the clones, shares, stages, micro-batches, accumulation '
+    'steps or workers (towers, multi_worker). 0: off.')
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (towers only).")
 _MIXED_PRECISION = flags.DEFINE_bool(
@@ -277,7 +282,8 @@ def _step_options():
       clone_shares=_clone_shares(_CLONE_SHARES.value),
       rebalance_every_steps=_REBALANCE_EVERY_STEPS.value,
       accumulation_steps=_ACCUMULATION_STEPS.value,
-      summarize_gradients=_SUMMARIZE_GRADIENTS.value)
+      summarize_gradients=_SUMMARIZE_GRADIENTS.value,
+      reproducible_rows=_REPRODUCIBLE_ROWS.value)
 
 
 def configs_from_flags():
@@ -353,7 +359,8 @@ HELP_GROUPS = (
     ('How each step runs (the step options)', (
         'batch_norm_policy', 'sync_batch_norm', 'xla', 'num_microbatches',
         'stage_boundaries', 'stage_costs', 'recompute', 'clone_shares',
-        'rebalance_every_steps', 'accumulation_steps', 'summarize_gradients')),
+        'rebalance_every_steps', 'accumulation_steps', 'summarize_gradients',
+        'reproducible_rows')),
     ('Output', (
         'model_dir', 'log_every_steps', 'checkpoint_steps',
         'keep_checkpoints', 'export', 'profile_steps')),

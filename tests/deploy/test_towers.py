@@ -307,8 +307,8 @@ class TestClearErrors:
       deployed.train_step(images, labels[:6])
 
   @pytest.mark.parametrize('kwargs, missing', [
-      (dict(num_clones=6, clone_on_cpu=True),
-       "'/device:CPU:4', '/device:CPU:5'"),
+      (dict(num_clones=10, clone_on_cpu=True),
+       "'/device:CPU:8', '/device:CPU:9'"),
       (dict(num_clones=1), "'/device:GPU:0'"),
   ])
   def test_missing_devices_named_before_any_change(self, kwargs, missing):

@@ -239,9 +239,9 @@ class TestClearErrors:
         make_deployed(config, **{option: True})
 
   def test_missing_stage_devices(self):
-    config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
+    config = deploy.DeploymentConfig(num_clones=3, clone_on_cpu=True,
                                      num_stages=3)
-    with pytest.raises(errors.DeviceError, match='CPU:5'):
+    with pytest.raises(errors.DeviceError, match='CPU:8'):
       make_deployed(config, skip_mlp)
 
   def test_a_layer_called_twice(self):

@@ -123,5 +123,5 @@ def mean_state(stacked):
   """The atoms' new non-trainable values (atom first) combined: floating
   ones (BatchNorm's moving statistics) the mean by the fold, the others
   (counters, generator states) atom 0's."""
-  return [fold([values])[0] / tf.cast(values.shape[0], values.dtype)
+  return [fold([values])[0] / tf.cast(tf.shape(values)[0], values.dtype)
           if values.dtype.is_floating else values[0] for values in stacked]

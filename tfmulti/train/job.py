@@ -151,7 +151,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
   with run_dir.claimed(config.model_dir, lock=chief):
     workers = _start_workers(config, deploy_config, path, cluster_info)
     _log_deployment(config, deploy_config, path)
-    if config.deterministic:
+    if config.deterministic or config.step_options.reproducible_rows:
       tf.config.experimental.enable_op_determinism()
     dataset = data_override or _load(config, deploy_config)
     # Seeded after the data: preparing a data set the first time draws from

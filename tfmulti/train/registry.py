@@ -167,7 +167,8 @@ BUILDERS = {
         variables='variables and the whole batch on one device'),
     MULTI_WORKER: StrategyBuilder(
         _worker_towers, frozenset({'batch_norm_policy', 'accumulation_steps',
-                                   'summarize_gradients'}),
+                                   'summarize_gradients',
+                                   'reproducible_rows'}),
         check=_check_workers, multi_worker=True,
         one_replica_per_worker=True,
         variables="each worker's towers; the workers' summed gradients "
