@@ -222,6 +222,7 @@ README_COMMANDS = [
     dict(num_clones=2, clone_on_cpu=True, clone_shares=['3', '1']),
     dict(num_clones=2, clone_on_cpu=True, clone_shares=['auto']),
     dict(num_clones=2, clone_on_cpu=True, accumulation_steps=2),
+    dict(num_clones=2, clone_on_cpu=True, reproducible_rows=8),
     dict(num_clones=2, clone_on_cpu=True, batch_norm_policy='full_batch',
          model='resnet20'),
     dict(num_clones=2, clone_on_cpu=True, batch_norm_policy='mean',
@@ -243,6 +244,7 @@ def test_every_step_setting_names_the_default_model_dir():
       'runs/lenet-digits-towers-2clones-shares3:1',
       'runs/lenet-digits-towers-2clones-sharesauto',
       'runs/lenet-digits-towers-2clones-2accumulation']
+  assert names[5] == 'runs/lenet-digits-towers-2clones-reproducible8'
 
 
 @pytest.mark.slow

@@ -11,11 +11,13 @@ from tfmulti.bench import variants as bench_variants
 
 TINY = bench.BenchConfig(model='lenet', batch_size=2, num_clones=2,
                          clone_on_cpu=True, rounds=2, steps_per_round=1,
-                         untimed_steps=1)
+                         untimed_steps=1, reproducible_rows=1)
 CPU_VARIANTS = {'single', 'towers', 'towers_one_device', 'independent',
-                'mirrored_reduce_to_one_device', 'central_storage'}
-# They run the same computation on the same global batch.
-SAME_COMPUTATION = ('towers', 'towers_one_device',
+                'towers_reproducible', 'mirrored_reduce_to_one_device',
+                'central_storage'}
+# They run the same computation on the same global batch (the atoms' sum
+# rounds differently: equal to 1e-5 too).
+SAME_COMPUTATION = ('towers', 'towers_one_device', 'towers_reproducible',
                     'mirrored_reduce_to_one_device', 'central_storage')
 
 
@@ -56,7 +58,7 @@ def test_the_report_is_computed_from_the_rates():
 
 def test_central_storage_is_skipped_with_its_reason_for_batch_norm():
   config = bench.BenchConfig(model='resnet8_thin', batch_size=2,
-                             clone_on_cpu=True)
+                             clone_on_cpu=True, reproducible_rows=2)
   variants, skipped = bench_variants.build_variants(config)
   assert 'central_storage' not in {v.name for v in variants}
   assert 'BatchNormalization' in skipped['central_storage']
@@ -64,11 +66,11 @@ def test_central_storage_is_skipped_with_its_reason_for_batch_norm():
 
 def test_xla_is_set_explicitly_in_every_variant():
   config = bench.BenchConfig(model='lenet', batch_size=2, clone_on_cpu=True,
-                             xla=True)
+                             xla=True, reproducible_rows=1)
   variants, _ = bench_variants.build_variants(config)
   # The tf.distribute paths, the single reference among them, cannot XLA.
   assert {v.name for v in variants if v.xla} == {
-      'towers', 'towers_one_device', 'independent'}
+      'towers', 'towers_one_device', 'towers_reproducible', 'independent'}
 
 
 def test_a_retracing_variant_fails_the_benchmark():
@@ -84,7 +86,7 @@ def test_a_retracing_variant_fails_the_benchmark():
 def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):
   output, chart = tmp_path / 'report.json', tmp_path / 'sweep.png'
   bench.main(['--model=lenet', '--clone_on_cpu', '--batch_size=2',
-              '--rounds=1', '--steps_per_round=1', '--untimed_steps=1',
+              '--reproducible_rows=2', '--rounds=1', '--steps_per_round=1', '--untimed_steps=1',
               f'--output={output}'])
   report = json.loads(output.read_text())
   assert set(report['comparison']['variants']) == CPU_VARIANTS
@@ -92,7 +94,8 @@ def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):
   assert 'x single' in capsys.readouterr().out
   rows = bench.sweep(bench.BenchConfig(
       model='lenet', batch_size=2, clone_on_cpu=True, rounds=1,
-      steps_per_round=1, untimed_steps=1, sweep_clones=(1, 2, 4)))
+      steps_per_round=1, untimed_steps=1, sweep_clones=(1, 2, 4),
+      reproducible_rows=2))
   assert [r['num_clones'] for r in rows] == [1, 2, 4]
   assert [r['global_batch'] for r in rows] == [2, 4, 8]
   for row in rows:  # Each clone count's cost a row over one clone's.
@@ -108,6 +111,8 @@ def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):
     (['--num_clones=0', '--clone_on_cpu'],
      'num_clones=0: must be an integer >= 1'),
     (['--chart=x.png', '--clone_on_cpu'], '--chart draws the sweep'),
+    (['--batch_size=48', '--clone_on_cpu'],
+     'reproducible_rows=32: each clone.s batch_size=48 must be whole atoms'),
     (['--num_clones=2'], 'do not exist'),
 ])
 def test_bad_arguments_stop_with_one_line(argv, message):

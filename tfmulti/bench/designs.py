@@ -53,6 +53,7 @@ class BenchConfig:
     steps_per_round: steps timed in one round.
     untimed_steps: steps per variant before the rounds, not timed.
     sweep_clones: clone counts of the sweep; empty for no sweep.
+    reproducible_rows: the atom of the `towers_reproducible` variant.
   """
   model: str = 'resnet20'
   batch_size: int = 64
@@ -64,14 +65,20 @@ class BenchConfig:
   steps_per_round: int = 10
   untimed_steps: int = 3
   sweep_clones: Tuple[int, ...] = ()
+  reproducible_rows: int = 32
 
   def __post_init__(self):
     models.check(self.model)
     for name in ('batch_size', 'num_clones', 'rounds', 'steps_per_round',
-                 'untimed_steps'):
+                 'untimed_steps', 'reproducible_rows'):
       errors.check_count(name, getattr(self, name), 1)
     for count in self.sweep_clones:
       errors.check_count('sweep_clones', count, 1)
+    if self.batch_size % self.reproducible_rows:
+      raise errors.ConfigError(
+          f'reproducible_rows={self.reproducible_rows}: each clone\'s '
+          f'batch_size={self.batch_size} must be whole atoms; pass a divisor '
+          f'of {self.batch_size}.')
 
 
 def _run_steps(variant, steps):
@@ -273,6 +280,8 @@ def _parse(argv):
   parser.add_argument('--batch_size', type=int, default=64,
                       help='examples per clone per step')
   parser.add_argument('--num_clones', type=int, default=2)
+  parser.add_argument('--reproducible_rows', type=int, default=32,
+                      help='the atom of the towers_reproducible variant')
   parser.add_argument('--clone_on_cpu', action='store_true',
                       help='clones on logical CPUs (created here)')
   parser.add_argument('--xla', action='store_true')
@@ -309,7 +318,8 @@ def main(argv=None):
         num_clones=args.num_clones, clone_on_cpu=args.clone_on_cpu,
         xla=args.xla, mixed_precision=args.mixed_precision,
         rounds=args.rounds, steps_per_round=args.steps_per_round,
-        untimed_steps=args.untimed_steps, sweep_clones=sweep_clones)
+        untimed_steps=args.untimed_steps, sweep_clones=sweep_clones,
+        reproducible_rows=args.reproducible_rows)
     if args.chart and not args.sweep:
       raise errors.ConfigError('--chart draws the sweep: add --sweep.')
     if args.clone_on_cpu:

@@ -9,6 +9,8 @@ devices (no input pipeline, as tf_cnn_benchmarks does by default):
   towers              the real `--strategy=towers` path, variables on CPU:0
   towers_gpu_vars     the same, variables (and the update) on GPU:0
   towers_one_device   every clone on clone 0's device: what splitting costs
+  towers_reproducible the towers with `reproducible_rows`: atoms run alone
+                      and folded in order (what bit-identical layouts cost)
   independent         clones that never combine gradients: the upper bound
   mirrored_<op>       MirroredStrategy with each cross-device op available
   central_storage     the real `--strategy=central_storage` path, where it
@@ -70,13 +72,15 @@ class _OneDevice(deploy.DeploymentConfig):
     return super().clone_device(0)
 
 
-def _setup(bench, deploy_config, strategy):
-  """A `registry.Setup` as train.py would make it for this benchmark."""
+def _setup(bench, deploy_config, strategy, **fields):
+  """A `registry.Setup` as train.py would make it for this benchmark;
+  `fields` are `StepOptions` fields."""
   train_config = config_lib.TrainConfig(
       model=bench.model, dataset='synthetic', optimizer=_OPTIMIZER,
       learning_rate=_LEARNING_RATE, mixed_precision=bench.mixed_precision,
       strategy=strategy, step_options=step_options.StepOptions(
-          xla=bench.xla and 'xla' in registry.get(strategy).honours))
+          xla=bench.xla and 'xla' in registry.get(strategy).honours,
+          **fields))
   make = build.model_and_optimizer(train_config, deploy_config,
                                    input_shape=INPUT_SHAPE,
                                    num_classes=NUM_CLASSES,
@@ -98,9 +102,10 @@ def global_batch(rows, device):
   return images, labels
 
 
-def _path(name, bench, deploy_config, strategy):
-  """A variant that runs the registered path `strategy`."""
-  setup = _setup(bench, deploy_config, strategy)
+def _path(name, bench, deploy_config, strategy, **fields):
+  """A variant that runs the registered path `strategy` (with these
+  `StepOptions` fields)."""
+  setup = _setup(bench, deploy_config, strategy, **fields)
   run = registry.get(strategy).build(setup)
   rows = bench.batch_size * bench.num_clones
   device = (deploy_config.clone_device(0) if strategy == distribute.SINGLE
@@ -195,6 +200,9 @@ def build_variants(bench):
       ('towers', lambda: towers(bench)),
       ('towers_one_device', lambda: _path('towers_one_device', bench,
                                           one_device, registry.TOWERS)),
+      ('towers_reproducible', lambda: _path(
+          'towers_reproducible', bench, deploy_config, registry.TOWERS,
+          reproducible_rows=bench.reproducible_rows)),
       ('independent', lambda: _independent(bench, deploy_config)),
   ]
   if not bench.clone_on_cpu:
