@@ -188,7 +188,7 @@ def test_two_workers_with_atoms_train_the_bits_of_one_clone(
   with one clone trains on the same global batch (16 rows, 4 atoms), over
   50 steps: the atoms are gathered, not all-reduced."""
   flags = dict(batch_size=16, train_steps=50, optimizer='momentum',
-               learning_rate=0.05, reproducible_rows=4)
+               learning_rate=0.05, reproducible_rows=4, log_every_steps=10)
   reference = run_train(model_dir=str(tmp_path / 'one'), num_clones=1,
                         **flags)
   model_dir = tmp_path / 'job'
