@@ -155,6 +155,12 @@ _STAGE_COSTS = flags.DEFINE_enum(
 _RECOMPUTE = flags.DEFINE_bool(
     'recompute', False, "Recompute each stage's activations in the backward "
     'pass (less memory, one more forward pass).')
+_PIPELINE_SCHEDULE = flags.DEFINE_enum(
+    'pipeline_schedule', step_options.ONE_F_ONE_B,
+    step_options.PIPELINE_SCHEDULES, "The order of each stage's forward and "
+    'backward passes over the micro-batches: 1f1b (one forward, one '
+    'backward in turn: less activation memory) or gpipe (all forwards, then '
+    'all backwards).')
 _CLONE_SHARES = flags.DEFINE_list(
     'clone_shares', None, "Each clone's share of a step's rows, e.g. 3,1 "
     "for a device 3x as fast (towers, mirrored), or 'auto': measure the "
@@ -279,6 +285,7 @@ def _step_options():
       stage_boundaries=(tuple(_STAGE_BOUNDARIES.value)
                         if _STAGE_BOUNDARIES.value else None),
       stage_costs=_STAGE_COSTS.value, recompute=_RECOMPUTE.value,
+      pipeline_schedule=_PIPELINE_SCHEDULE.value,
       clone_shares=_clone_shares(_CLONE_SHARES.value),
       rebalance_every_steps=_REBALANCE_EVERY_STEPS.value,
       accumulation_steps=_ACCUMULATION_STEPS.value,
@@ -358,7 +365,8 @@ HELP_GROUPS = (
         'warmup_steps', 'epochs', 'train_steps', 'seed', 'deterministic')),
     ('How each step runs (the step options)', (
         'batch_norm_policy', 'sync_batch_norm', 'xla', 'num_microbatches',
-        'stage_boundaries', 'stage_costs', 'recompute', 'clone_shares',
+        'stage_boundaries', 'stage_costs', 'recompute', 'pipeline_schedule',
+        'clone_shares',
         'rebalance_every_steps', 'accumulation_steps', 'summarize_gradients',
         'reproducible_rows')),
     ('Output', (

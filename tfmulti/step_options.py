@@ -26,9 +26,14 @@ BATCH_NORM_POLICIES = (BN_CLONE_0, BN_MEAN, BN_FULL_BATCH)
 ESTIMATED = 'estimated'
 MEASURED = 'measured'
 STAGE_COSTS = (ESTIMATED, MEASURED)
+# The order of each stage's passes (see `pipeline.schedules`).
+GPIPE = 'gpipe'
+ONE_F_ONE_B = '1f1b'
+PIPELINE_SCHEDULES = (ONE_F_ONE_B, GPIPE)
 AUTO = 'auto'  # clone_shares=auto: measured and balanced (`deploy.balance`).
 # The options that say how a clone is cut into stages (num_stages > 1).
-_OF_THE_CUT = ('stage_boundaries', 'stage_costs', 'stage_speeds', 'recompute')
+_OF_THE_CUT = ('stage_boundaries', 'stage_costs', 'stage_speeds', 'recompute',
+               'pipeline_schedule')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,9 @@ class StepOptions:
     stage_speeds: a speed factor per stage device for the automatic cut
       (2 for a device twice as fast); None for equal devices.
     recompute: recompute each stage's activations in its backward pass.
+    pipeline_schedule: the order of each stage's forward and backward
+      passes over the micro-batches: '1f1b' or 'gpipe'
+      (`pipeline.schedules`).
     clone_shares: each clone's share of a step's rows, e.g. (3, 1); 'auto'
       to measure the clones and balance them; None for equal shares.
     rebalance_every_steps: with 'auto', steps between measurements.
@@ -70,6 +78,7 @@ class StepOptions:
   stage_costs: str = ESTIMATED
   stage_speeds: Optional[Tuple[float, ...]] = None
   recompute: bool = False
+  pipeline_schedule: str = ONE_F_ONE_B
   clone_shares: Optional[Union[Tuple[float, ...], str]] = None
   rebalance_every_steps: int = 100
   accumulation_steps: int = 1
@@ -80,6 +89,8 @@ class StepOptions:
     errors.check_choice('batch_norm_policy', self.batch_norm_policy,
                         BATCH_NORM_POLICIES)
     errors.check_choice('stage_costs', self.stage_costs, STAGE_COSTS)
+    errors.check_choice('pipeline_schedule', self.pipeline_schedule,
+                        PIPELINE_SCHEDULES)
     for name in ('num_microbatches', 'rebalance_every_steps',
                  'accumulation_steps'):
       errors.check_count(name, getattr(self, name), 1)

@@ -47,10 +47,12 @@ def _assert_same_steps(deployed, steps=3, rows=8):
   assert_same_steps(deployed, reference, rows, steps)
 
 
-@pytest.mark.parametrize('num_stages,num_microbatches',
-                         list(itertools.product([2, 3, 4], [1, 2, 4])))
+@pytest.mark.parametrize('num_stages,num_microbatches', [
+    pytest.param(k, m, marks=[pytest.mark.slow] if m == 8 else [])
+    for k, m in itertools.product([2, 3, 4], [1, 2, 4, 8])])
 def test_stages_and_microbatches_equal_one_device(num_stages,
                                                   num_microbatches):
+  """With the default schedule, 1F1B (test_schedules.py: GPipe)."""
   for recompute in (False, True):
     deployed = _pipelined(num_stages, num_microbatches, recompute=recompute)
     assert len(deployed.stages.stages) == num_stages

@@ -50,6 +50,7 @@ from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.pipeline import costs
 from tfmulti.pipeline import partition
+from tfmulti.pipeline import schedules
 from tfmulti.rows import split_rows
 
 
@@ -199,104 +200,122 @@ class Stages:
     one a micro-batch (of `microbatch_rows` rows), for
     `batch_norm.combine_non_trainable`. With `reproducible_rows` each
     micro-batch is an atom, and the losses and gradients come stacked over
-    them, as `deploy.atoms.per_atom` gives them.
+    them, as `deploy.atoms.per_atom` gives them. Each stage runs its passes
+    in the order of `pipeline_schedule` (`schedules.passes`).
     """
     sizes = self.microbatch_rows(images.shape[0])
     with tf.device(devices[0]):
       image_parts = tf.split(images, sizes)
       label_parts = tf.split(labels, sizes)
     context = _Context(loss_fn, global_rows, regularization_weight,
-                       loss_scale)
-    per_stage_grads = [[] for _ in self.stages]
-    losses, regularizations, outputs, states = [], [], [], []
-    for m, (x, y) in enumerate(zip(image_parts, label_parts)):
-      with tf.name_scope(f'microbatch_{m}'):
-        result = self._microbatch(devices, context, trainable, non_trainable,
-                                  x, y, first=m == 0)
-      loss, regularization, output, state, grads = result
-      losses.append(loss)
+                       loss_scale, trainable, non_trainable,
+                       tf.get_current_name_scope())
+    # The regularization counts once a clone: on its first micro-batch.
+    flights = [_Flight({self.input_key: x}, y,
+                       regularization_weight if m == 0 else 0,
+                       len(self.stages), list(non_trainable))
+               for m, (x, y) in enumerate(zip(image_parts, label_parts))]
+    ends = [[] for _ in self.stages]  # What each stage's last pass made.
+    per_stage = schedules.passes(self.options.pipeline_schedule,
+                                 len(self.stages), len(sizes))
+    for s, kind, m in schedules.build_order(per_stage):
+      run = self._forward_pass if kind == schedules.FORWARD else (
+          self._backward_pass)
+      ends[s] = run(s, m, devices, context, flights[m], ends[s])
+    return self._clone_results(devices, flights, len(trainable))
+
+  def _clone_results(self, devices, flights, num_trainable):
+    """`clone_step`'s results from its micro-batches' flights."""
+    last = len(self.stages) - 1
+    losses, regularizations = [], []
+    for flight in flights:
+      with tf.device(devices[last]):
+        regularization = tf.add_n(flight.penalties)
+      losses.append(flight.kept[last][2][3] + regularization)
       regularizations.append(regularization)
-      outputs.append(output)
-      states.append(state)
-      for s, stage_grads in enumerate(grads):
-        per_stage_grads[s].append(stage_grads)
     # Summed over micro-batches on each stage's device; with atoms (each
     # micro-batch one atom), stacked there instead, for the step's fold.
-    combine, loss_of = tf.add_n, tf.add_n
-    if self.options.reproducible_rows:
-      combine, loss_of = tf.stack, tf.stack
-    gradients = [None] * len(trainable)
+    combine = tf.stack if self.options.reproducible_rows else tf.add_n
+    gradients = [None] * num_trainable
     for s, stage in enumerate(self.stages):
       with tf.device(devices[s]), tf.name_scope(f'stage_{s}_sum'):
         for k, index in enumerate(stage.trainable):
-          grads = [g[k] for g in per_stage_grads[s] if g[k] is not None]
+          grads = [f.stage_grads[s][k] for f in flights
+                   if f.stage_grads[s][k] is not None]
           if grads:
             gradients[index] = combine(grads)
     with tf.device(devices[-1]):
-      loss = loss_of(losses)
-      output = tf.concat(outputs, axis=0)
-    return output, loss, tf.add_n(regularizations), gradients, states
+      loss = combine(losses)
+      output = tf.concat([f.kept[last][2][0][-1] for f in flights], axis=0)
+    return (output, loss, tf.add_n(regularizations), gradients,
+            [f.new_non_trainable for f in flights])
 
-  def _microbatch(self, devices, context, trainable, non_trainable, images,
-                  labels, first):
-    """Forward then backward of one micro-batch through every stage."""
-    last = len(self.stages) - 1
-    # The regularization counts once a clone: on its first micro-batch.
-    weight = context.regularization_weight if first else 0
-    values = {self.input_key: images}
-    kept = []  # Each stage's inputs, tape (None: recompute) and results.
-    new_non_trainable = list(non_trainable)
-    for s, stage in enumerate(self.stages):
-      with tf.device(devices[s]), tf.name_scope(f'stage_{s}'):
-        inputs = [values[k] for k in stage.input_keys]
-        if self.options.recompute and s < last:
-          tape, result = None, self._forward(
-              s, trainable, non_trainable, values, labels, context, weight)
-        else:
-          tape, result = self._taped(s, trainable, non_trainable, inputs,
-                                     labels, context, weight)
-        outputs, state, _, _ = result
-        values.update(zip(stage.output_keys, outputs))
-        for i, value in zip(stage.non_trainable, state):
-          new_non_trainable[i] = value
-        kept.append((inputs, tape, result))
-    upstream = {}  # Gradients of the tensors read by the later stages.
-    stage_grads, penalties = [None] * len(self.stages), []
-    for s in range(last, -1, -1):
-      stage = self.stages[s]
-      inputs, tape, result = kept[s]
-      with tf.device(devices[s]), tf.name_scope(f'stage_{s}_backward'):
-        if tape is None:  # Recompute, once the output gradients exist.
-          with tf.control_dependencies(
-              [upstream[k] for k in stage.output_keys]):
-            inputs = [tf.identity(x) for x in inputs]
-          tape, result = self._taped(s, trainable, non_trainable, inputs,
-                                     labels, context, weight)
-        outputs, _, penalty, loss = result
-        penalties.append(penalty)
-        scale = tf.cast(context.loss_scale, penalty.dtype)
-        if s == last:
-          targets, output_gradients = [loss, penalty], [scale, scale]
-        else:
-          targets = outputs + [penalty]
-          output_gradients = [upstream[k] for k in stage.output_keys]
-          output_gradients.append(scale)
-        input_keys = [k for k in stage.input_keys if k != self.input_key]
-        sources = [trainable[i] for i in stage.trainable] + [
-            x for k, x in zip(stage.input_keys, inputs)
-            if k != self.input_key]
-        grads = tape.gradient(targets, sources,
-                              output_gradients=output_gradients)
-        n = len(stage.trainable)
-        stage_grads[s] = grads[:n]
-        for k, x, g in zip(input_keys, sources[n:], grads[n:]):
-          g = tf.zeros_like(x) if g is None else g
-          upstream[k] = upstream[k] + g if k in upstream else g
-    loss = kept[last][2][3]
-    with tf.device(devices[last]):
-      regularization = tf.add_n(penalties)
-    return (loss + regularization, regularization, kept[last][2][0][-1],
-            new_non_trainable, stage_grads)
+  def _scope(self, context, m, s, suffix=''):
+    """The absolute name scope of micro-batch m's pass on stage s (passes
+    of one micro-batch are built apart, in the schedule's order)."""
+    name = f'microbatch_{m}/stage_{s}{suffix}/'
+    return f'{context.scope}/{name}' if context.scope else name
+
+  def _forward_pass(self, s, m, devices, context, flight, after):
+    """Micro-batch m through stage s, once the stage's previous pass
+    (`after`, the tensors it made) is done; returns what it made."""
+    stage = self.stages[s]
+    with tf.device(devices[s]), tf.name_scope(self._scope(context, m, s)):
+      inputs = _gate([flight.values[k] for k in stage.input_keys], after)
+      if self.options.recompute and s < len(self.stages) - 1:
+        tape, result = None, self._forward(
+            s, context.trainable, context.non_trainable,
+            dict(zip(stage.input_keys, inputs)), flight.labels, context,
+            flight.weight)
+      else:
+        tape, result = self._taped(s, context.trainable,
+                                   context.non_trainable, inputs,
+                                   flight.labels, context, flight.weight)
+      outputs, state, penalty, loss = result
+      flight.values.update(zip(stage.output_keys, outputs))
+      for i, value in zip(stage.non_trainable, state):
+        flight.new_non_trainable[i] = value
+      flight.kept[s] = (inputs, tape, result)
+    return list(outputs) + [penalty] + ([] if loss is None else [loss])
+
+  def _backward_pass(self, s, m, devices, context, flight, after):
+    """Micro-batch m's backward pass through stage s, from the gradients
+    of its outputs, once the stage's previous pass (`after`) is done:
+    the gradients of its variables and of the tensors it read; returns
+    what it made."""
+    stage, last = self.stages[s], len(self.stages) - 1
+    inputs, tape, result = flight.kept[s]
+    with tf.device(devices[s]), tf.name_scope(
+        self._scope(context, m, s, '_backward')):
+      upstream = [flight.upstream[k] for k in stage.output_keys] if (
+          s < last) else []
+      if tape is None:  # Recompute, once the output gradients exist.
+        inputs = _gate(_gate(inputs, after), upstream, 'await_gradients')
+        tape, result = self._taped(s, context.trainable,
+                                   context.non_trainable, inputs,
+                                   flight.labels, context, flight.weight)
+      outputs, _, penalty, loss = result
+      flight.penalties.append(penalty)
+      scale = tf.cast(context.loss_scale, penalty.dtype)
+      if s == last:
+        targets = [loss, penalty]
+        output_gradients = _gate([scale, scale], after)
+      else:
+        targets = list(outputs) + [penalty]
+        output_gradients = _gate(upstream, after) + [scale]
+      input_keys = [k for k in stage.input_keys if k != self.input_key]
+      sources = [context.trainable[i] for i in stage.trainable] + [
+          x for k, x in zip(stage.input_keys, inputs)
+          if k != self.input_key]
+      grads = tape.gradient(targets, sources,
+                            output_gradients=output_gradients)
+      n = len(stage.trainable)
+      flight.stage_grads[s] = grads[:n]
+      for k, x, g in zip(input_keys, sources[n:], grads[n:]):
+        g = tf.zeros_like(x) if g is None else g
+        flight.upstream[k] = (flight.upstream[k] + g
+                              if k in flight.upstream else g)
+    return [g for g in grads if g is not None]
 
   def _taped(self, s, trainable, non_trainable, inputs, labels, context,
              weight):
@@ -321,10 +340,35 @@ class Stages:
     return values[self.output_key]
 
 
+def _gate(tensors, after, name='pass_gate'):
+  """`tensors` through identities that run after the ops making `after`:
+  what holds a pass back until its stage's previous pass is done."""
+  with tf.control_dependencies(after):
+    return [tf.identity(t, name=name) for t in tensors]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Context:
-  """What every stage of a clone's step shares (see `clone_step`)."""
+  """What every pass of a clone's step shares (see `clone_step`)."""
   loss_fn: object
   global_rows: object
   regularization_weight: object
   loss_scale: object
+  trainable: list
+  non_trainable: list
+  scope: str  # The clone's name scope, where the passes' scopes go.
+
+
+class _Flight:
+  """One micro-batch on its way through the stages: what its passes made
+  and what the later ones read."""
+
+  def __init__(self, values, labels, weight, num_stages, non_trainable):
+    self.values = values  # Keras tensor id -> the tensor; images first.
+    self.labels = labels
+    self.weight = weight  # Of the regularization losses.
+    self.kept = [None] * num_stages  # (inputs, tape or None, results).
+    self.upstream = {}  # Gradients of the tensors the later stages read.
+    self.stage_grads = [None] * num_stages
+    self.penalties = []
+    self.new_non_trainable = non_trainable
