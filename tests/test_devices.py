@@ -13,11 +13,11 @@ class TestLogicalCpus:
 
   def test_existing_devices_are_a_no_op(self):
     devices.create_logical_cpus(2)
-    assert len(tf.config.list_logical_devices('CPU')) == 4
+    assert len(tf.config.list_logical_devices('CPU')) == 8
 
   def test_too_late_says_so(self):
-    with pytest.raises(RuntimeError, match='already initialised with 4'):
-      devices.create_logical_cpus(8)
+    with pytest.raises(RuntimeError, match='already initialised with 8'):
+      devices.create_logical_cpus(16)
 
   def test_bad_count(self):
     with pytest.raises(errors.ConfigError, match='count=0'):

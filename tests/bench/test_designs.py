@@ -21,6 +21,7 @@ SAME_COMPUTATION = ('towers', 'towers_one_device', 'towers_reproducible',
                     'mirrored_reduce_to_one_device', 'central_storage')
 
 
+@pytest.mark.slow
 def test_the_variants_time_the_same_training():
   variants, skipped = bench_variants.build_variants(TINY)
   assert {v.name for v in variants} == CPU_VARIANTS and skipped == {}

@@ -228,6 +228,7 @@ def test_train_py_shares_equal_one_device_on_towers_and_mirrored(run_train,
     assert_same_checkpoints(metrics['checkpoint'], one)
 
 
+@pytest.mark.slow
 def test_train_py_auto_shares_balance_and_train(run_train, caplog):
   with caplog.at_level('INFO', logger='absl'):
     metrics = run_train(num_clones=2, batch_size=8, clone_shares=['auto'],

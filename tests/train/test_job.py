@@ -121,6 +121,7 @@ def test_nothing_left_to_train_without_a_record_writes_strict_json(
   assert metrics['nulls']['images_per_sec'].startswith('no step ran')
 
 
+@pytest.mark.slow
 def test_a_resume_that_changes_the_job_stops_with_one_line(run_train,
                                                            tmp_path):
   model_dir = str(tmp_path / 'adam')
