@@ -1,0 +1,87 @@
+"""tfmulti.bench.schedules: emulated stages run the schedule's order, and
+activation memory is counted from the traced graph."""
+
+import json
+
+import pytest
+import tensorflow as tf
+
+from tfmulti.bench import emulated
+from tfmulti.bench import schedules as bench
+from tfmulti.pipeline import schedules
+
+ROWS = 16
+
+
+@pytest.mark.parametrize('schedule', schedules.SCHEDULES)
+def test_each_emulated_stage_runs_its_passes_in_the_schedules_order(
+    schedule):
+  """Read from the passes as they ran (no timing): each stage's forward and
+  backward waits came in the order the schedule gives that stage."""
+  log = emulated.PassLog()
+  deployed = bench.deploy_stages(3, 4, schedule, log, forward_s_per_row=0.0)
+  deployed.train_step(*bench.batch(ROWS))
+  for s, passes in enumerate(schedules.passes(schedule, 3, 4)):
+    ran = [kind for stage, kind, _, _ in sorted(
+        log.records, key=lambda r: r[2]) if stage == s]
+    assert ran == [kind for kind, _ in passes]
+
+
+def _peak_bytes(schedule, recompute=False, k=2, m=8):
+  log = emulated.PassLog()
+  deployed = bench.deploy_stages(k, m, schedule, log, 0.0, recompute)
+  images, labels = bench.batch(64)
+  graph = deployed._step.get_concrete_function(
+      tf.constant(images), tf.constant(labels)).graph
+  counted = bench.activation_bytes(graph, k)
+  per_stage = schedules.passes(schedule, k, m)
+  return [b * schedules.peak_in_flight(passes)
+          for b, passes in zip(counted, per_stage)], counted
+
+
+def test_activation_memory_counted_from_the_graph():
+  gpipe, counted = _peak_bytes('gpipe')
+  one_f_one_b, _ = _peak_bytes('1f1b')
+  recomputed, _ = _peak_bytes('1f1b', recompute=True)
+  # Stage 0 keeps its input and its 3 Dense layers' outputs a micro-batch:
+  # 4 tensors of 8 rows x 64 float32 features.
+  assert counted[0] == 4 * 8 * bench.WIDTH * 4
+  assert one_f_one_b[0] == gpipe[0] // 4  # 2 micro-batches held, not 8.
+  assert recomputed[0] <= one_f_one_b[0] // 2
+
+
+def test_idle_fractions_of_logged_waits():
+  # Stage 0 busy 0-1 and 2-3, stage 1 busy 1-2 and 3-4: span 4, idle half.
+  records = [(0, 'F', 0.0, 1.0), (1, 'F', 1.0, 2.0), (0, 'B', 2.0, 3.0),
+             (1, 'B', 3.0, 4.0)]
+  assert bench.idle_fractions(records, 2) == (4.0, [0.5, 0.5])
+  with pytest.raises(RuntimeError, match='stage 0 ran two passes at once'):
+    bench.idle_fractions(records + [(0, 'F', 0.5, 1.5)], 2)
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--stages=2,x'], '--stages=2,x: give counts'),
+    (['--rows=12'], 'rows=12: each of microbatches=8 must get as many rows'),
+])
+def test_bad_arguments_stop_with_one_line(argv, message):
+  with pytest.raises(SystemExit, match=message):
+    bench.main(argv)
+
+
+@pytest.mark.slow
+def test_the_report_and_its_charts(tmp_path):
+  output = tmp_path / 'report.json'
+  bench.main(['--stages=2', '--microbatches=2', '--rows=8',
+              '--forward_ms_per_row=1', '--steps=1', f'--output={output}',
+              f'--chart_dir={tmp_path}'])
+  report = json.loads(output.read_text())
+  assert report['emulated'] is True
+  assert {r['schedule'] for r in report['results']} == set(
+      schedules.SCHEDULES)
+  for r in report['results']:
+    assert r['idle_theory'] == pytest.approx(1 / 3)
+    assert len(r['idle_measured']) == 2
+    assert len(r['passes']) == 2 * 2 * 2  # F and B, 2 stages, 2 each.
+  for name in schedules.SCHEDULES:
+    assert (tmp_path / f'schedule_{name}.png').read_bytes().startswith(
+        b'\x89PNG')

@@ -1,0 +1,91 @@
+"""Emulated devices: passes that take time without taking the CPU.
+
+Logical CPUs share the machine's cores, so stages on them cannot run at
+once and a schedule's overlap cannot be seen. An emulated device instead
+spends a fixed time per row in each pass, waiting (a `tf.py_function`
+sleep, on the device that would run the pass): K waits on K devices run
+at once given enough inter-op threads (`use_threads`), so the executor's
+real order and overlap are what the timings show. For benchmarks only;
+every figure that comes from it is labelled emulated.
+"""
+
+import threading
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+
+def use_threads(count):
+  """Enough inter-op threads for `count` waits at once; call it before
+  TensorFlow initialises its runtime (after, it says so and keeps the
+  runtime's threads: more waits than threads then queue)."""
+  try:
+    tf.config.threading.set_inter_op_parallelism_threads(count)
+  except RuntimeError:
+    logging.warning(
+        'the runtime already runs with %d inter-op threads; emulated '
+        'waits beyond that many run one after another.',
+        tf.config.threading.get_inter_op_parallelism_threads())
+
+
+class PassLog:
+  """The waits that ran: (stage, kind 'F' or 'B', start, end), seconds on
+  `time.perf_counter`'s clock."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.records = []
+
+  def add(self, record):
+    with self._lock:
+      self.records.append(record)
+
+  def clear(self):
+    with self._lock:
+      self.records = []
+
+
+class EmulatedPass(keras.layers.Layer):
+  """Identity whose forward pass waits `forward_s_per_row` a row and whose
+  backward pass waits `backward_s_per_row` a row, logged as stage
+  `stage`'s. Put one in each stage of a model cut into stages."""
+
+  def __init__(self, stage, forward_s_per_row, backward_s_per_row, log,
+               **kwargs):
+    super().__init__(**kwargs)
+    self.stage = stage
+    self.seconds = {'F': forward_s_per_row, 'B': backward_s_per_row}
+    self.log = log
+
+  def _wait(self, kind, values):
+    start = time.perf_counter()
+    time.sleep(len(values) * self.seconds[kind])
+    self.log.add((self.stage, kind, start, time.perf_counter()))
+    return np.float32(0.0)
+
+  def _waited(self, kind, tensor):
+    """`tensor`, after the wait (a zero added: a data dependency).
+
+    The wait is declared stateless: a stateful op would be chained to every
+    other one in the step by tf.function's automatic control dependencies,
+    and the stages' waits would run one after another. It reads the
+    tensor itself, so nothing folds it away before the step runs.
+    """
+    zero = tf.numpy_function(lambda values: self._wait(kind, values),
+                             [tensor], tf.float32, stateful=False)
+    zero.set_shape([])
+    return tensor + tf.cast(zero, tensor.dtype)
+
+  def call(self, inputs):
+    @tf.custom_gradient
+    def emulated(x):
+      def grad(dy):
+        return self._waited('B', dy)
+      return self._waited('F', x), grad
+    return emulated(inputs)
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
