@@ -22,3 +22,23 @@ def test_the_slow_clone_gets_fewer_rows_and_every_split_is_reported():
 def test_bad_slowdown_stops_with_one_line():
   with pytest.raises(SystemExit, match='slowdown=0.5: must be >= 1'):
     bench_balance.main(['--slowdown=0.5'])
+
+
+@pytest.mark.slow
+def test_emulated_pair_balanced_then_slowed_down():
+  """Shares follow the emulated speeds, before and after clone 1 slows
+  down 2x; one trace per distinct split (even, 3:1, then 6:1)."""
+  report = bench_balance.run_emulated((3, 1), batch_size=16, ms_per_row=2.0,
+                                      steps=2, every_steps=2)
+  assert report['emulated'] is True
+  assert report['auto_shares'] == [12, 4]
+  assert report['slowed_shares'] == [14, 2]
+  assert report['trace_count'] == report['distinct_splits'] == 3
+  assert len(report['slowed_of_ideal_by_step']) == 4
+  assert 'EMULATED' in bench_balance.format_emulated([report])
+
+
+@pytest.mark.parametrize('value', ['3', '3:0', 'a:b', '3:1:2'])
+def test_bad_emulated_pairs_stop_with_one_line(value):
+  with pytest.raises(SystemExit, match=f'--emulated={value}: give pairs'):
+    bench_balance.main([f'--emulated={value}'])

@@ -12,6 +12,14 @@ It then reports, side by side in one process (rounds interleaved):
   * the even split's throughput (what `fit` and tf.distribute do);
   * the throughput with `--clone_shares=auto`'s shares (`balance.Balanced`
     measures the clones and sets them; the log line gives them).
+
+`--emulated=3,1` measures the balancer on EMULATED devices instead: both
+clones only wait (`bench.emulated.DeviceWaits`, a time a row in proportion
+to 1 / speed, taking no CPU), so the two really run at once and the sum of
+their solo rates is reachable. It reports the balanced split's step rate
+against that sum, then slows clone 1 down 2x and reports, step by step,
+how soon the balancer (measuring every `--every_steps`) reaches the new
+ideal, and the traces (one a distinct split).
 """
 
 import argparse
@@ -25,6 +33,7 @@ import tensorflow as tf
 
 from tfmulti.deploy import balance
 from tfmulti.bench import designs as bench
+from tfmulti.bench import emulated
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
@@ -124,6 +133,94 @@ def run(model_name='lenet', batch_size=64, slowdown=3.0, rounds=5, steps=10):
   return report
 
 
+def _emulated_towers(waits, batch_size):
+  """Two towers on emulated devices (`waits`: seconds a row by device),
+  their `DeviceWaits` layer (whose copy of `waits` the step reads), and a
+  batch of 2 * batch_size rows."""
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    device_waits = emulated.DeviceWaits(waits)
+    outputs = keras.layers.Dense(10)(device_waits(inputs))
+    model = keras.Model(inputs, outputs)
+    optimizer = keras.optimizers.SGD(0.01)
+  towers = deploy.deploy(
+      config, model,
+      keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer)
+  rng = np.random.default_rng(0)
+  images = tf.constant(rng.random((2 * batch_size, 16), np.float32))
+  labels = tf.constant(rng.integers(0, 10, 2 * batch_size).astype(np.int32))
+  return towers, device_waits, images, labels
+
+
+def _step_rate(towers, images, labels):
+  """Rows a second of one step, timed alone."""
+  start = time.perf_counter()
+  float(towers.train_step(images, labels))
+  return images.shape[0] / (time.perf_counter() - start)
+
+
+def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
+                 every_steps=5):
+  """The balancer on an emulated pair of these speeds (the fastest waits
+  `ms_per_row` a row); the report, as a dict. Measurements are timed
+  apart from the steps."""
+  waits = {f'CPU:{i}': ms_per_row / 1000 * max(speeds) / speed
+           for i, speed in enumerate(speeds)}
+  towers, device_waits, images, labels = _emulated_towers(waits,
+                                                          batch_size)
+  solo = balance.clone_throughputs(towers, images, labels)
+  _step_rate(towers, images, labels)  # Traces the even split.
+  even = statistics.median(_step_rate(towers, images, labels)
+                           for _ in range(steps))
+  balanced = balance.Balanced(towers, every_steps)
+  shares = balanced.rebalance(images, labels)
+  _step_rate(towers, images, labels)  # Traces the balanced split.
+  auto = statistics.median(_step_rate(towers, images, labels)
+                           for _ in range(steps))
+  # Clone 1 slows down 2x, just after a measurement.
+  device_waits.seconds_per_row['CPU:1'] *= 2
+  after = []
+  for step in range(1, 2 * every_steps + 1):
+    if step % every_steps == 0:
+      balanced.rebalance(images, labels)
+    after.append(_step_rate(towers, images, labels))
+  new_solo = balance.clone_throughputs(towers, images, labels)
+  new_ideal = sum(new_solo)
+  reached = next((i + 1 for i, rate in enumerate(after)
+                  if min(after[i:]) >= 0.9 * new_ideal), None)
+  splits = {tuple(entry[1]) for entry in balanced.history} | {None}
+  return {
+      'emulated': True, 'speeds': list(speeds), 'solo_rows_per_sec': solo,
+      'ideal_rows_per_sec': sum(solo), 'even_rows_per_sec': even,
+      'even_of_ideal': even / sum(solo), 'auto_shares': list(shares),
+      'auto_rows_per_sec': auto, 'auto_of_ideal': auto / sum(solo),
+      'slowed_solo_rows_per_sec': new_solo,
+      'slowed_ideal_rows_per_sec': new_ideal,
+      'slowed_shares': list(towers.clone_shares),
+      'slowed_of_ideal_by_step': [rate / new_ideal for rate in after],
+      'steps_to_0_90_of_new_ideal': reached,
+      'distinct_splits': len(splits), 'trace_count': towers.trace_count}
+
+
+def format_emulated(reports):
+  lines = ['EMULATED devices (waits, not compute): the balancer',
+           f"{'pair':>6}{'even':>8}{'auto':>8}{'shares':>8}"
+           f"{'slowed 2x: steps to 0.90':>26}{'shares':>8}{'traces':>8}"
+           f"{'splits':>8}"]
+  for r in reports:
+    lines.append(
+        f"{':'.join(map(str, r['speeds'])):>6}{r['even_of_ideal']:>8.3f}"
+        f"{r['auto_of_ideal']:>8.3f}"
+        f"{':'.join(map(str, r['auto_shares'])):>8}"
+        f"{str(r['steps_to_0_90_of_new_ideal']):>26}"
+        f"{':'.join(map(str, r['slowed_shares'])):>8}"
+        f"{r['trace_count']:>8}{r['distinct_splits']:>8}")
+  lines.append('even and auto: step rate / the sum of the solo rates.')
+  return '\n'.join(lines)
+
+
 def format_report(report):
   lines = [
       'solo rows/s: ' + ', '.join(
@@ -152,20 +249,49 @@ def main(argv=None):
                       help="clone 1's time per row / clone 0's")
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--emulated', help='pairs of speeds, e.g. 3:1,5:3: '
+                      'measure the balancer on emulated devices instead')
+  parser.add_argument('--every_steps', type=int, default=5,
+                      help='(emulated) steps between measurements')
+  parser.add_argument('--ms_per_row', type=float, default=1.0,
+                      help="(emulated) the fastest device's wait a row")
   parser.add_argument('--output', help='write the report here as JSON')
   args = parser.parse_args(argv)
   try:
     errors.check_positive('slowdown', args.slowdown)
     if args.slowdown < 1:
       raise errors.ConfigError(f'slowdown={args.slowdown}: must be >= 1.')
-    for name in ('batch_size', 'rounds', 'steps'):
+    for name in ('batch_size', 'rounds', 'steps', 'every_steps'):
       errors.check_count(name, getattr(args, name), 1)
+    errors.check_positive('ms_per_row', args.ms_per_row)
+    pairs = _pairs(args.emulated) if args.emulated else None
+    if pairs:
+      emulated.use_threads(8)
     devices.create_logical_cpus(2)
   except errors.UserError as e:
     sys.exit(f'tfmulti.bench.balance: error: {e}')
+  if pairs:
+    reports = [run_emulated(pair, args.batch_size, args.ms_per_row,
+                            args.steps, args.every_steps) for pair in pairs]
+    bench.emit({'environment': bench.environment(), 'pairs': reports},
+               format_emulated(reports), args.output)
+    return
   report = run(args.model, args.batch_size, args.slowdown, args.rounds,
                args.steps)
   bench.emit(report, format_report(report), args.output)
+
+
+def _pairs(text):
+  """--emulated's pairs of speeds: '3:1,5:3' -> [(3.0, 1.0), (5.0, 3.0)]."""
+  try:
+    pairs = [tuple(float(v) for v in pair.split(':'))
+             for pair in text.split(',')]
+  except ValueError:
+    pairs = []
+  if not pairs or any(len(p) != 2 or min(p) <= 0 for p in pairs):
+    raise errors.ConfigError(
+        f'--emulated={text}: give pairs of speeds > 0, e.g. 3:1,5:3.')
+  return pairs
 
 
 if __name__ == '__main__':

@@ -89,3 +89,33 @@ class EmulatedPass(keras.layers.Layer):
 
   def compute_output_shape(self, input_shape):
     return input_shape
+
+
+class DeviceWaits(keras.layers.Layer):
+  """Identity that, on each device it runs on, waits that device's
+  `seconds_per_row` a row in its forward pass: devices of set speeds.
+
+  `seconds_per_row` maps 'CPU:1' (a device's type and index) to seconds;
+  the device is read when the step is traced, the seconds when it runs, so
+  a device can slow down mid-run without a retrace.
+  """
+
+  def __init__(self, seconds_per_row, **kwargs):
+    super().__init__(**kwargs)
+    self.seconds_per_row = seconds_per_row
+
+  def call(self, inputs):
+    spec = tf.DeviceSpec.from_string(tf.identity(inputs).device)
+    device = f'{spec.device_type}:{spec.device_index}'
+
+    def wait(values):
+      time.sleep(len(values) * self.seconds_per_row.get(device, 0.0))
+      return np.float32(0.0)
+    # Stateless, so waits on two devices are not chained (see
+    # `EmulatedPass`).
+    zero = tf.numpy_function(wait, [inputs], tf.float32, stateful=False)
+    zero.set_shape([])
+    return inputs + tf.cast(zero, inputs.dtype)
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
