@@ -26,7 +26,9 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from typing import Tuple
@@ -79,18 +81,18 @@ class ScheduleBenchConfig:
             'rows; pass a multiple of every micro-batch count.')
 
 
-def build_model(num_stages, forward_s_per_row, log):
+def build_model(num_stages, forward_s_per_row, log, width=WIDTH):
   """A chain of `num_stages` stages of Dense layers, each ending in an
   `EmulatedPass`; returns (model, the first layer of stages 1..K-1)."""
   keras.utils.set_random_seed(0)
-  inputs = x = keras.Input((WIDTH,))
+  inputs = x = keras.Input((width,))
   firsts = []
   for s in range(num_stages):
     for j in range(LAYERS_PER_STAGE):
       name = f'stage{s}_dense{j}'
       if j == 0 and s:
         firsts.append(name)
-      x = keras.layers.Dense(WIDTH, activation='tanh', name=name)(x)
+      x = keras.layers.Dense(width, activation='tanh', name=name)(x)
     x = emulated.EmulatedPass(s, forward_s_per_row, 2 * forward_s_per_row,
                               log, name=f'stage{s}_emulated')(x)
   outputs = keras.layers.Dense(10, name='logits')(x)
@@ -98,11 +100,11 @@ def build_model(num_stages, forward_s_per_row, log):
 
 
 def deploy_stages(num_stages, num_microbatches, schedule, log,
-                  forward_s_per_row, recompute=False):
+                  forward_s_per_row, recompute=False, width=WIDTH):
   """One clone in `num_stages` stages on logical CPUs, emulated."""
   config = deploy.DeploymentConfig(clone_on_cpu=True, num_stages=num_stages)
   with tf.device(config.variables_device()):
-    model, firsts = build_model(num_stages, forward_s_per_row, log)
+    model, firsts = build_model(num_stages, forward_s_per_row, log, width)
     optimizer = keras.optimizers.SGD(0.01)
   return deploy.deploy(
       config, model,
@@ -112,9 +114,9 @@ def deploy_stages(num_stages, num_microbatches, schedule, log,
       recompute=recompute)
 
 
-def batch(rows):
+def batch(rows, width=WIDTH):
   rng = np.random.default_rng(0)
-  return (rng.normal(size=(rows, WIDTH)).astype(np.float32),
+  return (rng.normal(size=(rows, width)).astype(np.float32),
           rng.integers(0, 10, size=rows).astype(np.int32))
 
 
@@ -282,6 +284,35 @@ def write_charts(report, directory):
   return paths
 
 
+# The coarse memory measurement: a process's peak resident memory, 2 stages
+# of wide activations (4 MiB a tensor a micro-batch), 8 micro-batches.
+RSS_ROWS, RSS_WIDTH, RSS_STEPS = 32768, 256, 2
+
+
+def rss_child(schedule):
+  """Trains RSS_STEPS steps under `schedule` (no waits); returns this
+  process's peak resident memory in MiB. Run it in a fresh process."""
+  deployed = deploy_stages(2, 8, schedule, emulated.PassLog(), 0.0,
+                           width=RSS_WIDTH)
+  images, labels = batch(RSS_ROWS, RSS_WIDTH)
+  for _ in range(RSS_STEPS):
+    float(deployed.train_step(images, labels))
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure_rss(repeats=2):
+  """{schedule: [peak MiB of each run]}, fresh processes, alternating."""
+  peaks = {name: [] for name in schedules.SCHEDULES}
+  for _ in range(repeats):
+    for name in peaks:
+      done = subprocess.run(
+          [sys.executable, '-m', 'tfmulti.bench.schedules',
+           f'--rss_child={name}'], capture_output=True, text=True,
+          check=True, timeout=600)
+      peaks[name].append(float(done.stdout.split()[-1]))
+  return peaks
+
+
 def _parse(argv):
   parser = argparse.ArgumentParser(
       prog='python -m tfmulti.bench.schedules',
@@ -293,6 +324,11 @@ def _parse(argv):
   parser.add_argument('--steps', type=int, default=3)
   parser.add_argument('--output', help='write the report here as JSON')
   parser.add_argument('--chart_dir', help='draw each schedule here (PNG)')
+  parser.add_argument('--rss', action='store_true',
+                      help="also each schedule's peak resident memory at "
+                      'K=2, M=8, in fresh processes (coarse)')
+  parser.add_argument('--rss_child', choices=schedules.SCHEDULES,
+                      help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
 
@@ -306,6 +342,10 @@ def _counts(name, text):
 
 def main(argv=None):
   args = _parse(argv)
+  if args.rss_child:
+    devices.create_logical_cpus(2)
+    print(f'peak_rss_mib {rss_child(args.rss_child):.1f}')
+    return
   try:
     config = ScheduleBenchConfig(
         stages=_counts('stages', args.stages),
@@ -317,7 +357,13 @@ def main(argv=None):
   except errors.UserError as e:
     sys.exit(f'tfmulti.bench.schedules: error: {e}')
   report = run(config)
-  print(format_report(report))
+  text = format_report(report)
+  if args.rss:
+    report['peak_rss_mib'] = measure_rss()
+    text += '\npeak resident MiB at K=2, M=8 (fresh processes): ' + ', '.join(
+        f'{name} {statistics.median(v):.0f}'
+        for name, v in report['peak_rss_mib'].items())
+  print(text)
   if args.output:
     with open(args.output, 'w') as f:
       json.dump(report, f, indent=1)

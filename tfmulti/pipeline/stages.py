@@ -3,21 +3,25 @@
 `Stages` cuts a functional Keras model at layer boundaries into
 consecutive stages (sub-models sharing the model's layers and variables),
 and runs one clone's shard of a step through them, cut into micro-batches
-(GPipe, Huang et al. 2019):
+(GPipe, Huang et al. 2019; here in the order of 1F1B, the default):
 
-    micro-batch  0   1   2   3                 time ->
-    stage 0     F0  F1  F2  F3              B3  B2  B1  B0
-    stage 1         F0  F1  F2  F3      B3  B2  B1  B0
+    time ->
+    stage 0     F0  F1      B0  F2  B1  F3  B2      B3
+    stage 1         F0  B0  F1  B1  F2  B2  F3  B3
 
 Stage s of clone c runs on `DeploymentConfig.stage_device(c, s)`. The step
 is one TensorFlow graph, whose executor runs an op as soon as its inputs
-exist: stage 1 works on micro-batch 0 while stage 0 works on micro-batch 1,
-with no scheduler of ours. Each stage's backward pass runs on its own
-device, from the gradient of its outputs (computed by the next stage) to
-the gradients of its inputs and variables (`tf.GradientTape` per stage and
-micro-batch, with `output_gradients`). A tensor that several stages read
-(a skip connection across a boundary) is sent from its producer to each
-reader, and the gradients that come back are summed on the producer's side.
+exist, so stage 1 works on micro-batch 0 while stage 0 works on
+micro-batch 1. The order of each stage's passes is the
+`pipeline_schedule`'s (`schedules`: 1F1B or GPipe), imposed with control
+dependencies: a pass's inputs go through `pass_gate` identities that wait
+for what the stage's previous pass made. Each stage's backward pass runs
+on its own device, from the gradient of its outputs (computed by the next
+stage) to the gradients of its inputs and variables (`tf.GradientTape` per
+stage and micro-batch, with `output_gradients`). A tensor that several
+stages read (a skip connection across a boundary) is sent from its
+producer to each reader, and the gradients that come back are summed on
+the producer's side.
 
 Each micro-batch's loss is `trainer.shard_loss` of its rows over the global
 batch, so the sum over micro-batches, clones (and workers) is the mean over
