@@ -36,8 +36,10 @@ def test_busy_fractions_are_the_union_of_each_stage_over_the_step():
 def test_a_tiny_run_reports_every_design(tmp_path):
   config = bench_pipeline.PipelineBenchConfig(
       model='resnet8_thin', image_size=8, batch_size=8, microbatches=(2,),
-      rounds=2, clone_on_cpu=True)
+      rounds=2, clone_on_cpu=True, pipeline_schedule='gpipe')
   report = bench_pipeline.run(config)
+  assert report['config']['pipeline_schedule'] == 'gpipe'
+  assert 'peak_bytes_per_device' not in report['rows'][0]  # CPUs: none.
   rows = {row['design']: row for row in report['rows']}
   assert list(rows) == ['one_device', 'model_parallel', 'one_device_2',
                         'pipelined_2']
@@ -61,3 +63,5 @@ def test_bad_microbatches_stop_with_one_line():
     bench_pipeline.main(['--microbatches=a,b', '--clone_on_cpu'])
   with pytest.raises(errors.ConfigError, match='microbatches=200 is more'):
     bench_pipeline.PipelineBenchConfig(microbatches=(200,))
+  with pytest.raises(errors.ConfigError, match="pipeline_schedule='zb'"):
+    bench_pipeline.PipelineBenchConfig(pipeline_schedule='zb')

@@ -72,6 +72,7 @@ class PipelineBenchConfig:
     boundaries: the first layer of stage 1; None to cut where the
       `stage_costs` balance.
     stage_costs: 'estimated' or 'measured' layer costs (`costs`).
+    pipeline_schedule: the order of each stage's passes ('1f1b', 'gpipe').
   """
   model: str = 'resnet50'
   image_size: int = 128
@@ -81,9 +82,12 @@ class PipelineBenchConfig:
   clone_on_cpu: bool = False
   boundaries: Tuple[str, ...] = None
   stage_costs: str = step_options.ESTIMATED
+  pipeline_schedule: str = step_options.ONE_F_ONE_B
 
   def __post_init__(self):
     models.check(self.model)
+    errors.check_choice('pipeline_schedule', self.pipeline_schedule,
+                        step_options.PIPELINE_SCHEDULES)
     for name in ('image_size', 'batch_size', 'rounds'):
       errors.check_count(name, getattr(self, name), 1)
     for count in self.microbatches:
@@ -101,7 +105,9 @@ def _design(config, num_stages, num_microbatches):
           num_microbatches=num_microbatches,
           stage_boundaries=config.boundaries if num_stages > 1 else None,
           stage_costs=(config.stage_costs if num_stages > 1
-                       else step_options.ESTIMATED)))
+                       else step_options.ESTIMATED),
+          pipeline_schedule=(config.pipeline_schedule if num_stages > 1
+                             else step_options.ONE_F_ONE_B)))
   deploy_config = deploy.DeploymentConfig(clone_on_cpu=config.clone_on_cpu,
                                           num_stages=num_stages)
   shape = (config.image_size, config.image_size, 3)
@@ -235,6 +241,8 @@ def run(config):
            'seconds_stdev': statistics.stdev(values) if len(values) > 1
            else 0.0, 'x_one_device': reference / mean,
            'first_seconds': first[name]}
+    if not config.clone_on_cpu:  # GPUs' allocators report their peaks.
+      row['peak_bytes_per_device'] = peak_memory(built[name])
     if name.startswith('pipelined_'):
       count = int(name.split('_')[1])
       row['microbatches'] = count
@@ -246,6 +254,18 @@ def run(config):
           'config': dataclasses.asdict(config),
           'stages': [stage.first_layer for stage in stages],
           'rows': rows}
+
+
+def peak_memory(design):
+  """{device: peak bytes} of 3 batches of `design` on each of its stage
+  devices (GPUs: `tf.config.experimental.get_memory_info`)."""
+  towers = design[0]
+  devices_used = towers.config.compute_devices()
+  for device in devices_used:
+    tf.config.experimental.reset_memory_stats(device)
+  _three_batches(design)
+  return {device: tf.config.experimental.get_memory_info(device)['peak']
+          for device in devices_used}
 
 
 def format_report(report):
@@ -309,6 +329,9 @@ def _parse(argv):
   parser.add_argument('--stage_costs', default=step_options.ESTIMATED,
                       choices=step_options.STAGE_COSTS,
                       help='what the automatic cut balances')
+  parser.add_argument('--pipeline_schedule', default=step_options.ONE_F_ONE_B,
+                      choices=step_options.PIPELINE_SCHEDULES,
+                      help="the order of each stage's passes")
   parser.add_argument('--output', help='write the report here as JSON')
   parser.add_argument('--chart', help='write the chart here (PNG)')
   return parser.parse_args(argv)
@@ -328,7 +351,8 @@ def main(argv=None):
         batch_size=args.batch_size, microbatches=counts, rounds=args.rounds,
         clone_on_cpu=args.clone_on_cpu,
         boundaries=(args.stage_boundary,) if args.stage_boundary else None,
-        stage_costs=args.stage_costs)
+        stage_costs=args.stage_costs,
+        pipeline_schedule=args.pipeline_schedule)
     if args.clone_on_cpu:
       devices.create_logical_cpus(NUM_STAGES)
     elif args.split_gpu:
