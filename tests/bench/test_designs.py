@@ -87,7 +87,8 @@ def test_a_retracing_variant_fails_the_benchmark():
 def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):
   output, chart = tmp_path / 'report.json', tmp_path / 'sweep.png'
   bench.main(['--model=lenet', '--clone_on_cpu', '--batch_size=2',
-              '--reproducible_rows=2', '--rounds=1', '--steps_per_round=1', '--untimed_steps=1',
+              '--reproducible_rows=2', '--rounds=1', '--steps_per_round=1',
+              '--untimed_steps=1',
               f'--output={output}'])
   report = json.loads(output.read_text())
   assert set(report['comparison']['variants']) == CPU_VARIANTS
