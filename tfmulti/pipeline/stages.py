@@ -165,8 +165,8 @@ class Stages:
   def _forward(self, s, trainable, non_trainable, values, labels, context,
                weight):
     """Stage `s` on one micro-batch: (outputs, new non-trainable values,
-    its regularization times `weight`, and on the last stage the
-    micro-batch's part of the loss, else None)."""
+    its regularization times `weight`, on the last stage the micro-batch's
+    part of the loss (else None), and its layers' regularization losses)."""
     stage = self.stages[s]
     outputs, new_non_trainable, losses = stage.model.stateless_call(
         [trainable[i] for i in stage.trainable],
@@ -182,7 +182,7 @@ class Stages:
     if s == len(self.stages) - 1:  # The penalty is kept apart, per stage.
       loss, _, _ = trainer.objective(context.loss_fn, labels, outputs[-1],
                                      global_rows=context.global_rows)
-    return outputs, new_non_trainable, penalty, loss
+    return outputs, new_non_trainable, penalty, loss, losses
 
   def microbatch_rows(self, rows):
     """The rows of each micro-batch of a clone's `rows`."""
@@ -233,9 +233,15 @@ class Stages:
     last = len(self.stages) - 1
     losses, regularizations = [], []
     for flight in flights:
+      loss = flight.kept[last][2][3]
       with tf.device(devices[last]):
-        regularization = tf.add_n(flight.penalties)
-      losses.append(flight.kept[last][2][3] + regularization)
+        # One sum over every layer's regularization loss, in the model's
+        # order, as one device sums them (the stages' tapes take theirs
+        # apart): the same value whatever the cut.
+        regularization = trainer.penalty(
+            [x for s in range(last + 1) for x in flight.kept[s][2][4]],
+            flight.weight, loss.dtype)
+      losses.append(loss + regularization)
       regularizations.append(regularization)
     # Summed over micro-batches on each stage's device; with atoms (each
     # micro-batch one atom), stacked there instead, for the step's fold.
@@ -275,7 +281,7 @@ class Stages:
         tape, result = self._taped(s, context.trainable,
                                    context.non_trainable, inputs,
                                    flight.labels, context, flight.weight)
-      outputs, state, penalty, loss = result
+      outputs, state, penalty, loss, _ = result
       flight.values.update(zip(stage.output_keys, outputs))
       for i, value in zip(stage.non_trainable, state):
         flight.new_non_trainable[i] = value
@@ -298,8 +304,7 @@ class Stages:
         tape, result = self._taped(s, context.trainable,
                                    context.non_trainable, inputs,
                                    flight.labels, context, flight.weight)
-      outputs, _, penalty, loss = result
-      flight.penalties.append(penalty)
+      outputs, _, penalty, loss, _ = result
       scale = tf.cast(context.loss_scale, penalty.dtype)
       if s == last:
         targets = [loss, penalty]
@@ -374,5 +379,4 @@ class _Flight:
     self.kept = [None] * num_stages  # (inputs, tape or None, results).
     self.upstream = {}  # Gradients of the tensors the later stages read.
     self.stage_grads = [None] * num_stages
-    self.penalties = []
     self.new_non_trainable = non_trainable
