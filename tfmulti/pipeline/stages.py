@@ -235,9 +235,8 @@ class Stages:
     for flight in flights:
       loss = flight.kept[last][2][3]
       with tf.device(devices[last]):
-        # One sum over every layer's regularization loss, in the model's
-        # order, as one device sums them (the stages' tapes take theirs
-        # apart): the same value whatever the cut.
+        # One sum over every layer's regularization loss (the stages'
+        # tapes take theirs apart).
         regularization = trainer.penalty(
             [x for s in range(last + 1) for x in flight.kept[s][2][4]],
             flight.weight, loss.dtype)
