@@ -217,7 +217,7 @@ def test_models_train_the_same_bits_for_50_steps(name, shape):
   batch = _images_batch(shape)
   reference = train(model_fn, (dict(num_clones=1), {}), 50, batch,
                     SLOW_ATOM_ROWS)
-  for name, layout in LAYOUTS.items():
+  for layout_name, layout in LAYOUTS.items():
     assert_bit_identical(
         train(model_fn, layout, 50, batch, SLOW_ATOM_ROWS), reference,
-        staged='stages' in name)
+        staged='stages' in layout_name)
