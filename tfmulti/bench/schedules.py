@@ -23,7 +23,6 @@ schedule, not a device's speed.
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import resource
@@ -38,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmulti.bench import designs as bench
 from tfmulti.bench import emulated
 from tfmulti import deploy
 from tfmulti import devices
@@ -363,10 +363,7 @@ def main(argv=None):
     text += '\npeak resident MiB at K=2, M=8 (fresh processes): ' + ', '.join(
         f'{name} {statistics.median(v):.0f}'
         for name, v in report['peak_rss_mib'].items())
-  print(text)
-  if args.output:
-    with open(args.output, 'w') as f:
-      json.dump(report, f, indent=1)
+  bench.emit(report, text, args.output)
   if args.chart_dir:
     for path in write_charts(report, args.chart_dir):
       logging.info('wrote %s', path)
