@@ -154,13 +154,6 @@ def _emulated_towers(waits, batch_size):
   return towers, device_waits, images, labels
 
 
-def _step_rate(towers, images, labels):
-  """Rows a second of one step, timed alone."""
-  start = time.perf_counter()
-  float(towers.train_step(images, labels))
-  return images.shape[0] / (time.perf_counter() - start)
-
-
 def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
                  every_steps=5):
   """The balancer on an emulated pair of these speeds (the fastest waits
@@ -171,13 +164,13 @@ def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
   towers, device_waits, images, labels = _emulated_towers(waits,
                                                           batch_size)
   solo = balance.clone_throughputs(towers, images, labels)
-  _step_rate(towers, images, labels)  # Traces the even split.
-  even = statistics.median(_step_rate(towers, images, labels)
+  _rate(towers, images, labels, 1)  # Traces the even split.
+  even = statistics.median(_rate(towers, images, labels, 1)
                            for _ in range(steps))
   balanced = balance.Balanced(towers, every_steps)
   shares = balanced.rebalance(images, labels)
-  _step_rate(towers, images, labels)  # Traces the balanced split.
-  auto = statistics.median(_step_rate(towers, images, labels)
+  _rate(towers, images, labels, 1)  # Traces the balanced split.
+  auto = statistics.median(_rate(towers, images, labels, 1)
                            for _ in range(steps))
   # Clone 1 slows down 2x, just after a measurement.
   device_waits.seconds_per_row['CPU:1'] *= 2
@@ -185,7 +178,7 @@ def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
   for step in range(1, 2 * every_steps + 1):
     if step % every_steps == 0:
       balanced.rebalance(images, labels)
-    after.append(_step_rate(towers, images, labels))
+    after.append(_rate(towers, images, labels, 1))
   new_solo = balance.clone_throughputs(towers, images, labels)
   new_ideal = sum(new_solo)
   reached = next((i + 1 for i, rate in enumerate(after)

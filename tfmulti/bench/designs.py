@@ -246,8 +246,8 @@ def format_report(report):
   return '\n'.join(lines)
 
 
-def write_chart(rows, path):
-  """A PNG of the sweep: cost per image and first-step time per clone count.
+def pyplot_for(flag):
+  """matplotlib's pyplot, drawing to files, for the benchmark flag `flag`.
 
   Raises:
     ImportError: matplotlib is missing (pip install -e ".[chart]").
@@ -257,8 +257,15 @@ def write_chart(rows, path):
     matplotlib.use('Agg')
     from matplotlib import pyplot
   except ImportError as e:
-    raise ImportError('--chart needs matplotlib: pip install -e ".[chart]"'
+    raise ImportError(f'{flag} needs matplotlib: pip install -e ".[chart]"'
                       ) from e
+  return pyplot
+
+
+def write_chart(rows, path):
+  """A PNG of the sweep: cost per image and first-step time per clone count
+  (`pyplot_for` says what is missing without matplotlib)."""
+  pyplot = pyplot_for('--chart')
   clones = [row['num_clones'] for row in rows]
   figure, (cost, trace) = pyplot.subplots(1, 2, figsize=(9, 3.5))
   cost.plot(clones, [row['per_image_cost_vs_1_clone'] for row in rows], 'o-')

@@ -285,9 +285,7 @@ def format_report(report):
 
 def write_chart(report, path):
   """A PNG: seconds per 3 batches against micro-batches, with spread."""
-  import matplotlib
-  matplotlib.use('Agg')
-  from matplotlib import pyplot
+  pyplot = bench.pyplot_for('--chart')
   piped = [row for row in report['rows'] if 'microbatches' in row]
   figure, axes = pyplot.subplots(figsize=(6, 3.8))
   axes.errorbar([r['microbatches'] for r in piped],

@@ -241,18 +241,9 @@ def format_report(report):
 
 
 def write_charts(report, directory):
-  """One PNG a schedule: its passes at the largest (K, M), stage x time.
-
-  Raises:
-    ImportError: matplotlib is missing (pip install -e ".[chart]").
-  """
-  try:
-    import matplotlib
-    matplotlib.use('Agg')
-    from matplotlib import pyplot
-  except ImportError as e:
-    raise ImportError('--chart_dir needs matplotlib: pip install -e '
-                      '".[chart]"') from e
+  """One PNG a schedule: its passes at the largest (K, M), stage x time
+  (`designs.pyplot_for` says what is missing without matplotlib)."""
+  pyplot = bench.pyplot_for('--chart_dir')
   k, m = max(report['config']['stages']), max(
       report['config']['microbatches'])
   paths = []

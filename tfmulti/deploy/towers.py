@@ -161,19 +161,18 @@ class DeployedModel(trainer.Trainer):
     apart, then folded in atom order (`deploy.atoms`); the moving
     statistics are the atoms' mean, assigned once."""
     config, device = self.config, self.config.optimizer_device()
-    traced = {}  # Which variables the atoms reach; how many parts.
+    reached = []  # Which variables the atoms reach, as traced.
 
     def accumulation_step(images, labels, first):
       clones = clones_of(images, labels, first)
       with tf.device(device), tf.name_scope('stack_atoms'):
         gradients = [tf.concat(parts, axis=0) if parts[0] is not None
                      else None for parts in zip(*(c.gradients for c in clones))]
-        traced['reached'] = [g is not None for g in gradients]
+        reached[:] = [g is not None for g in gradients]
         states = [tf.stack(values) for values in zip(
             *(values for c in clones for _, values in c.non_trainable))]
         stacked = [tf.concat([c.loss for c in clones], axis=0)] + [
             g for g in gradients if g is not None] + states
-        traced['parts'] = len(stacked)
       return ([], [clones[0].regularization_loss] +
               [tf.reduce_sum(c.loss) for c in clones],
               stacked + self._outputs(clones, with_outputs))
@@ -181,7 +180,8 @@ class DeployedModel(trainer.Trainer):
     _, scalars, parts = rows.accumulate(
         accumulation_step, images, labels, self.options.accumulation_steps,
         device)
-    stacked, outputs = parts[:traced['parts']], parts[traced['parts']:]
+    split = len(parts) - int(with_outputs)  # The outputs, if any, last.
+    stacked, outputs = parts[:split], parts[split:]
     with tf.device(device), tf.name_scope('fold_atoms'):
       if config.num_workers > 1:
         stacked = atoms.gather(stacked)
@@ -189,7 +189,7 @@ class DeployedModel(trainer.Trainer):
       folded = stacked[:len(stacked) - num_states]
       total_loss, *sums = atoms.fold(folded)
       sums = iter(sums)
-      gradients = [next(sums) if r else None for r in traced['reached']]
+      gradients = [next(sums) if r else None for r in reached]
       self._assign_state(atoms.mean_state(stacked[len(folded):]))
     return gradients, [total_loss] + scalars, outputs
 

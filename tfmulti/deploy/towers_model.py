@@ -114,10 +114,11 @@ class TowersModel(keras.Model):
           "each clone's loss by its rows only; drop the weights.")
     _check_rows(images, self.config.num_clones,
                 self.options.accumulation_steps)
-    # The compiled metrics' variables, made before the step is traced: made
-    # in its first trace, they would make tf.function trace it twice (what
-    # Keras's own fit does under a strategy).
-    self._symbolic_build(data_batch=(images, labels, None))
+    # The compiled metrics' variables, made once, before the step is traced:
+    # made in its first trace, they would make tf.function trace it twice
+    # (what Keras's own fit does under a strategy).
+    if self._compile_metrics is not None and not self._compile_metrics.built:
+      self._symbolic_build(data_batch=(images, labels, None))
     if isinstance(self.towers, towers_lib.DeployedModel):
       sizes = self.towers.clone_rows(images, labels, uneven=True)
       return self._train_function(images, labels, sizes)

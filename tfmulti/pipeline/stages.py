@@ -43,6 +43,7 @@ device because it has one clone; with several, one copy per stage device
 would need the clones' gradients all-reduced, the mirrored design.)
 """
 
+import collections
 import dataclasses
 from typing import Tuple
 
@@ -164,9 +165,7 @@ class Stages:
 
   def _forward(self, s, trainable, non_trainable, values, labels, context,
                weight):
-    """Stage `s` on one micro-batch: (outputs, new non-trainable values,
-    its regularization times `weight`, on the last stage the micro-batch's
-    part of the loss (else None), and its layers' regularization losses)."""
+    """Stage `s` on one micro-batch: its `_Result`."""
     stage = self.stages[s]
     outputs, new_non_trainable, losses = stage.model.stateless_call(
         [trainable[i] for i in stage.trainable],
@@ -182,7 +181,7 @@ class Stages:
     if s == len(self.stages) - 1:  # The penalty is kept apart, per stage.
       loss, _, _ = trainer.objective(context.loss_fn, labels, outputs[-1],
                                      global_rows=context.global_rows)
-    return outputs, new_non_trainable, penalty, loss, losses
+    return _Result(outputs, new_non_trainable, penalty, loss, losses)
 
   def microbatch_rows(self, rows):
     """The rows of each micro-batch of a clone's `rows`."""
@@ -211,8 +210,8 @@ class Stages:
     with tf.device(devices[0]):
       image_parts = tf.split(images, sizes)
       label_parts = tf.split(labels, sizes)
-    context = _Context(loss_fn, global_rows, regularization_weight,
-                       loss_scale, trainable, non_trainable,
+    context = _Context(loss_fn, global_rows, loss_scale, trainable,
+                       non_trainable,
                        tf.get_current_name_scope())
     # The regularization counts once a clone: on its first micro-batch.
     flights = [_Flight({self.input_key: x}, y,
@@ -233,12 +232,12 @@ class Stages:
     last = len(self.stages) - 1
     losses, regularizations = [], []
     for flight in flights:
-      loss = flight.kept[last][2][3]
+      loss = flight.kept[last][2].loss
       with tf.device(devices[last]):
         # One sum over every layer's regularization loss (the stages'
         # tapes take theirs apart).
         regularization = trainer.penalty(
-            [x for s in range(last + 1) for x in flight.kept[s][2][4]],
+            [x for s in range(last + 1) for x in flight.kept[s][2].losses],
             flight.weight, loss.dtype)
       losses.append(loss + regularization)
       regularizations.append(regularization)
@@ -255,7 +254,8 @@ class Stages:
             gradients[index] = combine(grads)
     with tf.device(devices[-1]):
       loss = combine(losses)
-      output = tf.concat([f.kept[last][2][0][-1] for f in flights], axis=0)
+      output = tf.concat([f.kept[last][2].outputs[-1] for f in flights],
+                         axis=0)
     return (output, loss, tf.add_n(regularizations), gradients,
             [f.new_non_trainable for f in flights])
 
@@ -280,12 +280,12 @@ class Stages:
         tape, result = self._taped(s, context.trainable,
                                    context.non_trainable, inputs,
                                    flight.labels, context, flight.weight)
-      outputs, state, penalty, loss, _ = result
-      flight.values.update(zip(stage.output_keys, outputs))
-      for i, value in zip(stage.non_trainable, state):
+      flight.values.update(zip(stage.output_keys, result.outputs))
+      for i, value in zip(stage.non_trainable, result.state):
         flight.new_non_trainable[i] = value
       flight.kept[s] = (inputs, tape, result)
-    return list(outputs) + [penalty] + ([] if loss is None else [loss])
+    return list(result.outputs) + [result.penalty] + (
+        [] if result.loss is None else [result.loss])
 
   def _backward_pass(self, s, m, devices, context, flight, after):
     """Micro-batch m's backward pass through stage s, from the gradients
@@ -303,7 +303,7 @@ class Stages:
         tape, result = self._taped(s, context.trainable,
                                    context.non_trainable, inputs,
                                    flight.labels, context, flight.weight)
-      outputs, _, penalty, loss, _ = result
+      outputs, penalty, loss = result.outputs, result.penalty, result.loss
       scale = tf.cast(context.loss_scale, penalty.dtype)
       if s == last:
         targets = [loss, penalty]
@@ -355,12 +355,18 @@ def _gate(tensors, after, name='pass_gate'):
     return [tf.identity(t, name=name) for t in tensors]
 
 
+# A stage's forward pass on one micro-batch: its outputs, the new
+# non-trainable values, its penalty times the weight, the micro-batch's part
+# of the loss (the last stage; else None), its layers' regularization losses.
+_Result = collections.namedtuple(
+    '_Result', ['outputs', 'state', 'penalty', 'loss', 'losses'])
+
+
 @dataclasses.dataclass(frozen=True)
 class _Context:
   """What every pass of a clone's step shares (see `clone_step`)."""
   loss_fn: object
   global_rows: object
-  regularization_weight: object
   loss_scale: object
   trainable: list
   non_trainable: list
