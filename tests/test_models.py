@@ -9,7 +9,7 @@ from tfmulti.train import build
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
-from tfmulti import layers
+from tfmulti import keras_internals
 from tfmulti import models
 from tfmulti.models import resnet
 
@@ -47,7 +47,7 @@ def test_input_shape_and_classes_come_from_the_caller(name):
   assert model.output_shape == (None, 7)
   # The registry's declaration (read before any model is built, to refuse
   # --sync_batch_norm early) is what the built model has.
-  assert models.has_batch_norm(name) == bool(layers.batch_norms(model))
+  assert models.has_batch_norm(name) == bool(keras_internals.batch_norms(model))
   outputs = model(np.zeros((2, 28, 28, 1), np.float32), training=False)
   assert outputs.shape == (2, 7)
 

@@ -1,11 +1,22 @@
-"""Batch arithmetic: how a step's rows are cut, in one place.
+"""Where a step's rows go, in one place: the step's layout.
 
-A global batch is cut over workers (each worker's rows), over clones or
-replicas (shards, equal or by `clone_shares`), over accumulation steps
-(equal consecutive parts whose gradients make one update), and, inside a
-pipelined clone, into micro-batches (`pipeline.stages`). Each rule that
-refuses a batch is here, once, with its message.
+A step's global batch (the whole job's rows of one update) is cut over
+workers (each its consecutive rows), accumulation steps (consecutive parts
+whose gradients make one update), clones (shards, by `clone_shares` or as
+evenly as the rows go), micro-batches (a clone's shard through its
+stages) and, with `reproducible_rows`, atoms. `StepLayout` holds every
+piece of that cut, with its row offset in the global batch and its rows,
+built once a batch shape from plain integers; the code that runs a piece
+reads its rows, its seed's offset and its penalty weight there. Each rule
+that refuses a batch is checked here, once, with its message.
+
+An empty piece (a short last batch, fewer rows than clones) is part of the
+layout and runs nothing: it adds exactly 0 to every sum.
 """
+
+import dataclasses
+import functools
+from typing import Tuple
 
 import tensorflow as tf
 
@@ -30,6 +41,220 @@ def split_rows(rows, shares):
   return sizes
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """Rows of a step that run one forward and backward pass together.
+
+  Attributes:
+    worker: the worker whose batch holds them.
+    accumulation_step: which of the worker's accumulation steps.
+    clone: the clone (or tf.distribute replica) that runs them.
+    microbatch: their micro-batch of the clone's shard (0 without stages).
+    atom: their atom's index in the job (-1 without `reproducible_rows`).
+    offset: their first row in the whole job's global batch.
+    rows: how many rows (0 for an empty piece, which runs nothing).
+    penalty: the piece's part of the weight penalties (they count once a
+      step over the job: the parts sum to 1).
+  """
+  worker: int
+  accumulation_step: int
+  clone: int
+  microbatch: int
+  atom: int
+  offset: int
+  rows: int
+  penalty: float
+
+  @property
+  def end(self):
+    """One past the piece's last row in the global batch."""
+    return self.offset + self.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+  """Every piece of one step of the job, in row order.
+
+  Attributes:
+    global_rows: the whole job's rows of the step (every worker, every
+      accumulation step): each piece's loss is a mean over its rows
+      weighted by rows / global_rows.
+    num_workers, num_clones, accumulation_steps: the cut's counts.
+    atom_rows: rows an atom (`reproducible_rows`); 0 without atoms.
+    pieces: every piece of every worker, ordered by worker, accumulation
+      step, clone, micro-batch (their offsets increase in that order).
+  """
+  global_rows: int
+  num_workers: int
+  num_clones: int
+  accumulation_steps: int
+  atom_rows: int
+  pieces: Tuple[Piece, ...]
+
+  def of(self, worker=None, accumulation_step=None, clone=None):
+    """The pieces of that worker, accumulation step and clone (None: all)."""
+    wanted = (worker, accumulation_step, clone)
+    return tuple(p for p in self.pieces if all(
+        w is None or w == v for w, v in
+        zip(wanted, (p.worker, p.accumulation_step, p.clone))))
+
+  def rows_of(self, **where):
+    """The rows of the pieces `of(**where)` selects."""
+    return sum(p.rows for p in self.of(**where))
+
+  def worker_rows(self, worker=0):
+    """Rows of `worker`'s batch (every worker's is as long)."""
+    return self.rows_of(worker=worker)
+
+  def step_rows(self, worker, accumulation_step):
+    """Rows of one accumulation step of `worker`'s batch."""
+    return self.rows_of(worker=worker, accumulation_step=accumulation_step)
+
+  def clone_rows(self, worker, accumulation_step):
+    """Each clone's rows of that accumulation step, a tuple."""
+    return tuple(self.rows_of(worker=worker,
+                              accumulation_step=accumulation_step, clone=c)
+                 for c in range(self.num_clones))
+
+  def microbatch_rows(self, worker, accumulation_step, clone):
+    """The rows of each non-empty micro-batch (or atom) of that clone."""
+    return tuple(p.rows for p in self.of(worker, accumulation_step, clone)
+                 if p.rows)
+
+  def equal_steps(self, worker=0):
+    """Whether `worker`'s accumulation steps are cut alike (then one traced
+    body serves them all, in a loop)."""
+    first = self._shape(worker, 0)
+    return all(self._shape(worker, k) == first
+               for k in range(1, self.accumulation_steps))
+
+  def _shape(self, worker, step):
+    return tuple((p.clone, p.microbatch, p.rows)
+                 for p in self.of(worker, step))
+
+  def is_even(self):
+    """Whether every clone of every accumulation step has as many rows."""
+    return len({p for w in range(self.num_workers)
+                for k in range(self.accumulation_steps)
+                for p in self.clone_rows(w, k)}) == 1
+
+
+@functools.lru_cache(maxsize=None)
+def step_layout(worker_rows, *, num_clones=1, shares=None,
+                accumulation_steps=1, num_microbatches=1, staged=False,
+                atom_rows=0, num_workers=1, partial=False):
+  """The `StepLayout` of a step whose workers each bring `worker_rows`.
+
+  Args:
+    worker_rows: rows of each worker's batch (the global batch, on one
+      worker).
+    num_clones: clones (or replicas) a worker.
+    shares: each clone's share of an accumulation step's rows; None for
+      equal shares.
+    accumulation_steps: K accumulation steps a batch.
+    num_microbatches: micro-batches a clone's shard is cut into.
+    staged: the clones run stages (with atoms, each micro-batch must then
+      be one atom).
+    atom_rows: `reproducible_rows` (0: off).
+    num_workers: workers in the job.
+    partial: the batch is a short last one (Keras's last partial batch):
+      it may leave clones or micro-batches empty, and accumulation steps
+      unequal, as plain `fit` trains it; a full batch must split fully.
+
+  Returns:
+    The `StepLayout`; the same object for the same arguments, so a
+    `tf.function` that takes it traces once a layout.
+
+  Raises:
+    errors.ConfigError: a batch this cut cannot split (each rule once).
+  """
+  errors.check_count('rows of a batch', worker_rows, 1)
+  check_share_count(shares, num_clones)
+  steps = _accumulation_rows(worker_rows, accumulation_steps,
+                             atom_rows, partial)
+  pieces, atom = [], 0
+  for worker in range(num_workers):
+    offset, atom = worker * worker_rows, worker * worker_rows // max(
+        atom_rows, 1)
+    for k, step_rows in enumerate(steps):
+      for clone, rows in enumerate(_clone_rows(step_rows, num_clones, shares,
+                                               atom_rows, partial)):
+        parts = _microbatch_rows(rows, num_microbatches, staged and atom_rows,
+                                 atom_rows, clone, partial)
+        for m, part in enumerate(parts):
+          penalty = _penalty(worker, k, clone, m, num_workers, atom_rows)
+          pieces.append(Piece(worker, k, clone, m,
+                              atom if atom_rows else -1, offset, part,
+                              penalty))
+          offset += part
+          atom += 1 if atom_rows else 0
+  return StepLayout(worker_rows * num_workers, num_workers, num_clones,
+                    accumulation_steps, atom_rows, tuple(pieces))
+
+
+def _penalty(worker, step, clone, microbatch, num_workers, atom_rows):
+  """A piece's part of the weight penalties: each worker's first piece
+  carries 1 / num_workers (every worker's gradients are alike in size);
+  with atoms, the job's first atom all of it (worker 0's)."""
+  if step or clone or microbatch:
+    return 0.0
+  if atom_rows:
+    return float(worker == 0)
+  return 1.0 / num_workers
+
+
+def _accumulation_rows(rows, steps, atom_rows, partial):
+  """The rows of each accumulation step of a worker's batch."""
+  if rows % steps and not partial:
+    raise errors.ConfigError(
+        f'a batch of {rows} rows does not split into accumulation_steps='
+        f'{steps} equal accumulation steps; pass a multiple of {steps} rows.')
+  if atom_rows and rows % (steps * atom_rows):
+    raise errors.ConfigError(
+        f'reproducible_rows={atom_rows}: a batch of {rows} rows on a worker '
+        f'is not {steps} accumulation step(s) of whole atoms of {atom_rows} '
+        f'rows; give every batch a multiple of {steps * atom_rows} rows (for '
+        f'numpy input, a multiple of {steps * atom_rows} rows in all).')
+  return split_rows(rows, [1] * steps)
+
+
+def _clone_rows(rows, num_clones, shares, atom_rows, partial):
+  """Each clone's rows of an accumulation step of `rows`; with atoms,
+  whole atoms a clone."""
+  if atom_rows:
+    sizes = [atom_rows * n for n in
+             split_rows(rows // atom_rows, shares or [1] * num_clones)]
+  else:
+    sizes = split_rows(rows, shares or [1] * num_clones)
+  if not partial and not all(sizes):
+    raise errors.ConfigError(
+        f'a batch of {rows} rows leaves clone {sizes.index(0)} of '
+        f'{num_clones} no rows (clone_shares='
+        f'{",".join(map(str, shares or [1] * num_clones))}); raise the '
+        'batch size or that clone\'s share.')
+  return sizes
+
+
+def _microbatch_rows(rows, count, staged_atoms, atom_rows, clone, partial):
+  """The rows of each of a clone's pieces: its micro-batches (with
+  stages), else its atoms, else the whole shard."""
+  if atom_rows and not staged_atoms:
+    return [atom_rows] * (rows // atom_rows) or [0]
+  sizes = split_rows(rows, [1] * count)
+  if staged_atoms and rows and set(sizes) != {atom_rows}:
+    raise errors.ConfigError(
+        f'reproducible_rows={atom_rows}: each micro-batch through the stages '
+        f'must be one atom, and clone {clone} cuts its {rows} rows into '
+        f'{count} micro-batches; use num_microbatches={rows // atom_rows}.')
+  if rows and not all(sizes):
+    if not partial:
+      raise errors.ConfigError(
+          f'num_microbatches={count} is more than the {rows} rows of clone '
+          f'{clone}; use at most {rows} (or a larger batch).')
+    sizes = [size for size in sizes if size]  # A short last batch.
+  return sizes or [0]
+
+
 def check_share_count(shares, num_shards, shard_word='num_clones'):
   """Raises `ConfigError` unless `shares` (numbers, if given) has one share
   per shard."""
@@ -40,48 +265,18 @@ def check_share_count(shares, num_shards, shard_word='num_clones'):
       f'({shard_word}={num_shards}), e.g. {",".join(["1"] * num_shards)}.')
 
 
-def shard_rows(rows, shares, num_shards, shard_word='num_clones'):
-  """The rows of each shard of a batch of `rows`: by `shares` (largest
-  remainder), or None for equal shards (the batch must split evenly).
-
-  Raises:
-    errors.ConfigError: a shard would get no rows, or equal shards would
-      differ.
-  """
-  if shares is None:
-    if rows % num_shards:
-      raise errors.ConfigError(
-          f'a batch of {rows} rows does not split evenly over {shard_word}='
-          f'{num_shards}; pass a multiple of {num_shards} rows (batch the '
-          'dataset with drop_remainder=True).')
-    return None  # tf.split's even split.
-  sizes = split_rows(rows, shares)
-  if not all(sizes):
+def batch_rows(images, labels):
+  """Rows of a batch of (possibly nested) `images` and `labels`, known when
+  the step is traced; raises `ConfigError` unless every tensor of both has
+  as many."""
+  counts = {tensor.shape[0] for tensor in tf.nest.flatten((images, labels))
+            if tensor is not None}
+  if len(counts) != 1 or None in counts:
     raise errors.ConfigError(
-        f'clone_shares={",".join(map(str, shares))} leaves clone '
-        f'{sizes.index(0)} no rows of a batch of {rows}; raise its share or '
-        'the batch size.')
-  return tuple(sizes)
-
-
-def accumulation_rows(rows, steps):
-  """The rows of each of `steps` equal accumulation steps of a batch of
-  `rows`; raises `ConfigError` if they cannot be equal."""
-  if rows % steps:
-    raise errors.ConfigError(
-        f'a batch of {rows} rows does not split into accumulation_steps='
-        f'{steps} equal accumulation steps; pass a multiple of {steps} rows.')
-  return rows // steps
-
-
-def check_batch(images, labels):
-  """Raises `ConfigError` unless `images` and `labels` have as many rows,
-  known when the step is traced."""
-  rows, label_rows = images.shape[0], labels.shape[0]
-  if rows is None or rows != label_rows:
-    raise errors.ConfigError(
-        f'images have {rows} rows and labels {label_rows}; pass a batch with '
-        'as many labels as images.')
+        f'a batch whose inputs and targets have {sorted(counts, key=str)} '
+        'rows; pass inputs and targets with as many rows each, of a known '
+        'batch size.')
+  return counts.pop()
 
 
 def worker_shards(dataset, *, worker, num_workers, shards_per_worker):
@@ -105,41 +300,63 @@ def worker_shards(dataset, *, worker, num_workers, shards_per_worker):
   return dataset.flat_map(shards)
 
 
-def accumulate(step, images, labels, steps, device):
-  """Gradient accumulation: `steps` accumulation steps of the batch, summed.
+def split(tensors, sizes):
+  """Each tensor of the nest `tensors` split by rows into `sizes` parts:
+  a list of nests, one a part."""
+  parts = [tf.split(t, sizes) for t in tf.nest.flatten(tensors)]
+  return [tf.nest.pack_sequence_as(tensors, list(column))
+          for column in zip(*parts)] if parts else [tensors] * len(sizes)
 
-  The batch's rows are cut into `steps` equal consecutive parts; part k is
-  accumulation step k. Step 0 runs first, and the others in a
-  `tf.while_loop`, so only one accumulation step's activations live at a
-  time; their gradients and scalars are summed on `device`, and their
-  outputs (if any) concatenated in row order.
+
+def accumulate(step, images, labels, layout, *, worker=0, device=None):
+  """Gradient accumulation: the layout's accumulation steps, summed.
+
+  Accumulation step k holds the consecutive rows the layout gives it.
+  Equal steps run step 0 first and the others in a `tf.while_loop`, so only
+  one accumulation step's activations live at a time; unequal ones (a
+  short last batch) are traced one by one. Their gradients and scalars are
+  summed on `device`, and their outputs (if any) concatenated in row order.
 
   Args:
-    step: `step(images, labels, first)` -> (gradients, scalars, outputs): a
-      list of gradients (None where a variable is not reached), a list of
-      scalar tensors and a list of row-major tensors (may be empty);
-      `first` (a Python bool) is True for accumulation step 0, which counts
-      the regularization.
-    images, labels: the batch of all accumulation steps.
-    steps: how many accumulation steps.
+    step: `step(images, labels, k, shift)` -> (gradients, scalars,
+      outputs): a list of gradients (None where a variable is not reached),
+      a list of scalar tensors and a list of row-major tensors (may be
+      empty). It runs the pieces of the layout's accumulation step `k` (a
+      Python int), their offsets moved by `shift` rows (0, or a tensor in
+      the loop, which runs step 1's pieces again).
+    images, labels: nests of the batch of all accumulation steps.
+    layout: the step's `StepLayout`.
+    worker: this worker's index in it.
     device: where the sums live.
 
   Returns:
     (summed gradients, summed scalars, concatenated outputs).
   """
+  steps = layout.accumulation_steps
   if steps == 1:
-    return step(images, labels, True)
-  rows = images.shape[0] // steps
+    return step(images, labels, 0, 0)
+  if not layout.equal_steps(worker):
+    sizes = [layout.step_rows(worker, k) for k in range(steps)]
+    results = [step(x, y, k, 0) for k, (x, y) in enumerate(zip(
+        split(images, sizes), split(labels, sizes)))]
+    with tf.device(device), tf.name_scope('accumulate'):
+      return _summed(results)
+  rows = layout.step_rows(worker, 0)
   with tf.device(device), tf.name_scope('accumulate'):
-    images = tf.reshape(images, [steps, rows, *images.shape[1:]])
-    labels = tf.reshape(labels, [steps, rows, *labels.shape[1:]])
-  gradients, scalars, outputs = step(images[0], labels[0], True)
+    images, labels = [tf.nest.map_structure(
+        lambda t: tf.reshape(t, [steps, rows, *t.shape[1:]]), nest)
+                      for nest in (images, labels)]
+
+  def part(nest, k):
+    return tf.nest.map_structure(lambda t: t[k], nest)
+  gradients, scalars, outputs = step(part(images, 0), part(labels, 0), 0, 0)
   reached = [g is not None for g in gradients]
   arrays = [tf.TensorArray(out.dtype, size=steps, element_shape=out.shape)
             .write(0, out) for out in outputs]
 
   def body(k, sums, totals, arrays):
-    grads, values, outs = step(images[k], labels[k], False)
+    grads, values, outs = step(part(images, k), part(labels, k), 1,
+                               (k - 1) * rows)
     with tf.device(device), tf.name_scope('accumulate'):
       grads = [g for g, r in zip(grads, reached) if r]
       return (k + 1, [a + g for a, g in zip(sums, grads)],
@@ -152,3 +369,17 @@ def accumulate(step, images, labels, steps, device):
   sums = iter(sums)
   return ([next(sums) if r else None for r in reached], scalars,
           [array.concat() for array in arrays])
+
+
+def _summed(results):
+  """(gradients, scalars, outputs) of several accumulation steps, summed
+  (gradients None where no step reaches a variable) and concatenated."""
+  gradients = []
+  for parts in zip(*(grads for grads, _, _ in results)):
+    parts = [g for g in parts if g is not None]
+    gradients.append(tf.add_n(parts) if parts else None)
+  scalars = [tf.add_n(list(values))
+             for values in zip(*(values for _, values, _ in results))]
+  outputs = [tf.concat(list(outs), axis=0)
+             for outs in zip(*(outs for _, _, outs in results))]
+  return gradients, scalars, outputs

@@ -141,11 +141,11 @@ def gradients_by_path(grads_and_vars, scale=None):
 
 
 def penalty(losses, weight, dtype=tf.float32):
-  """The regularization losses' sum times `weight`, as `dtype`.
+  """The weight penalties' sum times `weight`, as `dtype`.
 
-  The variables are shared, so the penalty counts once over the job: each
-  clone, stage or replica passes its part of it as `weight` (1 on one
-  device; a Python 0 where it counts elsewhere, which adds no op).
+  The variables are shared, so a penalty counts once over the job: each
+  piece of the step passes its part of it as `weight` (1 on one device; a
+  Python 0 where it counts elsewhere, which adds no op).
   """
   if not losses or (isinstance(weight, (int, float)) and weight == 0):
     return tf.zeros([], dtype)
@@ -153,26 +153,43 @@ def penalty(losses, weight, dtype=tf.float32):
           tf.cast(weight, dtype))
 
 
-def objective(loss_fn, labels, outputs, *, global_rows, losses=(),
-              penalty_weight=0, loss_scale=None):
-  """A shard's part of the job's loss, and what its gradient is taken of.
+def model_loss(losses, rows, global_rows, dtype=tf.float32):
+  """A piece's part of the model's `add_loss` terms (activity
+  regularizers, a layer's own): their sum on the piece's rows, weighted by
+  its rows of the global batch, as the data loss is (`shard_loss`).
+
+  Keras reads such a term as a mean over the batch's rows (it divides an
+  activity penalty by them), as tf.distribute does (it scales it by
+  1 / replicas); the pieces' parts then sum to the term on the whole batch.
+  """
+  if not losses:
+    return tf.zeros([], dtype)
+  return shard_loss(tf.add_n([tf.cast(loss, dtype) for loss in losses]),
+                    rows, global_rows)
+
+
+def objective(loss_fn, labels, outputs, *, global_rows, model_losses=(),
+              penalties=(), penalty_weight=0, loss_scale=None):
+  """A piece's part of the job's loss, and what its gradient is taken of.
 
   Args:
     loss_fn: `loss_fn(labels, outputs)` -> mean loss over those rows.
-    labels, outputs: the shard's (or micro-batch's) rows.
+    labels, outputs: the piece's rows (nests).
     global_rows: rows of the whole job's batch of this update.
-    losses: the regularization losses the forward pass produced.
-    penalty_weight: this shard's part of the penalty (see `penalty`).
+    model_losses: the `add_loss` terms the piece's forward pass produced.
+    penalties: the weight penalties it produced.
+    penalty_weight: this piece's part of the penalties (see `penalty`).
     loss_scale: the float16 loss scale, or None.
 
   Returns:
-    (loss, regularization, scaled_loss): the shard's part of the total loss
-    (its regularization included), the regularization alone, and the loss
-    times the loss scale.
+    (loss, regularization, scaled_loss): the piece's part of the total loss
+    (its regularization included), the regularization alone (the weight
+    penalties and the model's losses), and the loss times the loss scale.
   """
-  loss = shard_loss(mean_loss(loss_fn, labels, outputs), tf.shape(labels)[0],
-                    global_rows)
-  regularization = penalty(losses, penalty_weight, loss.dtype)
+  rows = tf.shape(tf.nest.flatten(outputs)[0])[0]
+  loss = shard_loss(mean_loss(loss_fn, labels, outputs), rows, global_rows)
+  regularization = (penalty(penalties, penalty_weight, loss.dtype) +
+                    model_loss(model_losses, rows, global_rows, loss.dtype))
   loss += regularization
   return loss, regularization, scaled(loss, loss_scale)
 

@@ -4,7 +4,6 @@ activation memory is counted from the traced graph."""
 import json
 
 import pytest
-import tensorflow as tf
 
 from tfmulti.bench import emulated
 from tfmulti.bench import schedules as bench
@@ -31,8 +30,7 @@ def _peak_bytes(schedule, recompute=False, k=2, m=8):
   log = emulated.PassLog()
   deployed = bench.deploy_stages(k, m, schedule, log, 0.0, recompute)
   images, labels = bench.batch(64)
-  graph = deployed._step.get_concrete_function(
-      tf.constant(images), tf.constant(labels)).graph
+  graph = deployed.traced_step(images, labels).graph
   counted = bench.activation_bytes(graph, k)
   per_stage = schedules.passes(schedule, k, m)
   return [b * schedules.peak_in_flight(passes)

@@ -10,7 +10,6 @@ import types
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tests.helpers import make_batch, make_deployed, mlp
 from tfmulti import deploy
@@ -114,8 +113,7 @@ def test_the_atoms_run_alone_and_fold_in_order():
   forward pass per atom, on its device), and the sum is a loop."""
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   deployed = make_deployed(config, reproducible_rows=ATOM_ROWS)
-  graph = deployed._step.get_concrete_function(
-      *map(tf.constant, make_batch(16)), None, False).graph
+  graph = deployed.traced_step(*make_batch(16), with_outputs=False).graph
   matmuls = {}
   for op in graph.get_operations():
     if op.type == 'MatMul' and 'atom_' in op.name and (
@@ -153,10 +151,9 @@ class TestRefused:
   before any variable changes."""
 
   @pytest.mark.parametrize('config_fields, fields, rows, match', [
-      (dict(num_clones=2), {}, 12, 'clone 0 gets 6 rows, not whole atoms'),
-      (dict(num_clones=1), {}, 10, 'a batch of 10 rows .* not whole atoms'),
+      (dict(num_clones=1), {}, 10, 'a batch of 10 rows .* not .* whole atoms'),
       (dict(num_clones=2), dict(clone_shares=(3, 1)), 8,
-       'clone 0 gets 6 rows'),
+       'leaves clone 1 of 2 no rows'),
       (dict(num_clones=1, num_stages=2), dict(num_microbatches=2), 16,
        'each micro-batch through the stages must be one atom.*'
        'num_microbatches=4'),

@@ -46,21 +46,23 @@ def test_noise_on_equal_devices_keeps_the_split():
   for step in range(3):
     balanced.train_step(*make_batch(16, seed=step))
   # 8/8 stays: 9/7 or 7/9 would predict a step less than 5% faster.
-  assert [shares for _, shares, _ in balanced.history] == [(8, 8)] * 3
+  assert [shares for _, shares, _ in balanced.balancer.history] == [(8, 8)] * 3
   assert balanced.trace_count == 1
 
 
 def _balanced(measure, every_steps):
   towers = make_deployed(deploy.DeploymentConfig(num_clones=2,
                                                  clone_on_cpu=True))
-  return balance.Balanced(towers, every_steps, measure=measure)
+  towers.balancer = balance.Balancer(
+      every_steps, measure=lambda towers, x, y: measure(x, y))
+  return towers
 
 
 def test_rebalances_at_the_next_measurement_after_a_slowdown():
   balanced = _balanced(_Timings(slow_down_after=1), every_steps=3)
   for step in range(7):
     balanced.train_step(*make_batch(16, seed=step))
-  assert [(step, shares) for step, shares, _ in balanced.history] == [
+  assert [(step, shares) for step, shares, _ in balanced.balancer.history] == [
       (0, (12, 4)), (3, (4, 12)), (6, (4, 12))]
 
 

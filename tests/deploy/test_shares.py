@@ -140,8 +140,7 @@ def test_accumulators_live_on_the_variables_device_in_a_loop():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
                                    variables_device='/device:CPU:2')
   towers = make_deployed(config, accumulation_steps=4)
-  graph = towers._step.get_concrete_function(
-      *map(tf.constant, make_batch(16)), None).graph
+  graph = towers.traced_step(*make_batch(16)).graph
   loops = [op for op in graph.get_operations() if op.type == 'While']
   assert len(loops) == 1  # Accumulation steps 1..3; step 0 comes first.
   body = graph._functions[loops[0].get_attr('body').name].definition
@@ -190,7 +189,7 @@ class TestClearErrors:
   def test_a_share_that_leaves_a_clone_no_rows(self):
     towers = _towers(2, clone_shares=(100, 1))
     with pytest.raises(errors.ConfigError,
-                       match='clone_shares=100,1 leaves clone 1 no rows'):
+                       match='leaves clone 1 of 2 no rows .clone_shares=100,1'):
       towers.train_step(*make_batch(8))
     assert int(towers.optimizer.iterations) == 0
 

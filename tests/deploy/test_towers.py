@@ -1,11 +1,15 @@
 """Tests for tfmulti.deploy: device strings, equivalence, placement, BN."""
 
+import functools
+import types
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import L2, make_loss, make_batch, make_deployed, mlp, weights
+from tests.helpers import (
+    L2, assert_same_steps, make_batch, make_deployed, make_loss, mlp, weights)
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
@@ -193,8 +197,7 @@ class TestPlacement:
   def test_clone_ops_run_on_their_devices(self):
     config = deploy.DeploymentConfig(num_clones=3, clone_on_cpu=True)
     deployed = make_deployed(config)
-    graph = deployed._step.get_concrete_function(
-        *map(tf.constant, make_batch(6))).graph
+    graph = deployed.traced_step(*make_batch(6)).graph
     ops = graph.get_operations()
     for i in range(3):
       # Forward ops are named clone_i/..., gradients gradient_tape/clone_i/...
@@ -220,8 +223,7 @@ class TestPlacement:
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
                                      variables_device='/device:CPU:2')
     deployed = make_deployed(config)
-    graph = deployed._step.get_concrete_function(
-        *map(tf.constant, make_batch(4))).graph
+    graph = deployed.traced_step(*make_batch(4)).graph
     ops = graph.get_operations()
     # Every variable (weights, slots, iteration count) is captured from
     # CPU:2, and every op that writes one is placed there.
@@ -287,23 +289,36 @@ class TestBatchNorm:
       make_deployed(config, batch_norm_policy='median')
 
 
-class TestClearErrors:
+@pytest.mark.parametrize('rows, num_clones', [(7, 2), (3, 4)])
+def test_uneven_and_short_batches_train_as_one_device(rows, num_clones):
+  # 7 rows on 2 clones go 4:3; 3 rows on 4 clones (a short last batch)
+  # leave clone 3 empty, which runs nothing and adds exactly 0.
+  config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True)
+  deployed = make_deployed(config)
+  reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True))
+  step = functools.partial(deployed.train_step_outputs, partial=True)
+  assert_same_steps(types.SimpleNamespace(train_step_outputs=step,
+                                          model=deployed.model),
+                    reference, rows)
 
-  def test_indivisible_batch_changes_nothing(self):
-    config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-    deployed = make_deployed(config)
-    before = weights(deployed.model)
-    with pytest.raises(ValueError, match='7 rows does not split evenly'):
-      deployed.train_step(*make_batch(7))
-    for got, want in zip(weights(deployed.model), before):
-      np.testing.assert_array_equal(got, want)
-    assert int(deployed.optimizer.iterations) == 0
+
+def test_an_empty_clone_leaves_batch_norm_finite():
+  config = deploy.DeploymentConfig(num_clones=4, clone_on_cpu=True)
+  deployed = make_deployed(config, model_fn=lambda: mlp(batch_norm=True),
+                           batch_norm_policy='full_batch')
+  with pytest.raises(errors.ConfigError, match='leaves clone 3 of 4 no rows'):
+    deployed.train_step(*make_batch(3))  # A full batch must fill clones.
+  deployed.train_step_outputs(*make_batch(3), partial=True)
+  assert all(np.isfinite(w).all() for w in weights(deployed.model))
+
+
+class TestClearErrors:
 
   def test_mismatched_labels(self):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
     deployed = make_deployed(config)
     images, labels = make_batch(8)
-    with pytest.raises(ValueError, match='8 rows and labels 6'):
+    with pytest.raises(ValueError, match=r'\[6, 8\] rows'):
       deployed.train_step(images, labels[:6])
 
   @pytest.mark.parametrize('kwargs, missing', [

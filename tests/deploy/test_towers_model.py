@@ -126,8 +126,7 @@ def test_compile_builds_the_slots_beside_the_variables_and_pins_clones():
   assert {devices.device_of(v).split('device:')[-1]
           for v in towers.optimizer.variables} == {'CPU:2'}
   images, labels = make_batch(BATCH)
-  graph = towers.towers._step.get_concrete_function(
-      tf.constant(images), tf.constant(labels), None, True).graph
+  graph = towers.towers.traced_step(images, (labels,), with_outputs=True).graph
   matmuls = {op.device.split('device:')[-1] for op in graph.get_operations()
              if op.type == 'MatMul'}
   assert matmuls == {'CPU:0', 'CPU:1'}
@@ -161,14 +160,6 @@ class TestClearErrors:
     with pytest.raises(errors.ConfigError, match='subclassed keras.Model'):
       self._towers(model)
 
-  def test_two_inputs(self):
-    a, b = keras.Input((3,)), keras.Input((3,))
-    model = keras.Model([a, b], keras.layers.Dense(3)(
-        keras.layers.Concatenate()([a, b])))
-    with pytest.raises(errors.ConfigError, match='has 2 inputs and 1 '
-                       'outputs: the towers split one input tensor'):
-      self._towers(model)
-
   @pytest.mark.parametrize('reduction', ['sum', None])
   def test_a_loss_that_is_not_a_mean(self, reduction):
     towers = self._towers()
@@ -178,23 +169,6 @@ class TestClearErrors:
       towers.compile(optimizer='sgd',
                      loss=keras.losses.SparseCategoricalCrossentropy(
                          from_logits=True, reduction=reduction))
-
-  def test_sample_weights_are_refused_before_any_update(self):
-    towers = self._towers()
-    towers.compile(optimizer='sgd', loss=_loss())
-    images, labels = make_batch(BATCH)
-    with pytest.raises(errors.ConfigError, match='sample_weight'):
-      towers.fit(images, labels, sample_weight=np.ones(BATCH), verbose=0)
-    with pytest.raises(errors.ConfigError, match='class_weight'):
-      towers.fit(images, labels, class_weight={0: 1.0, 1: 2.0, 2: 1.0},
-                 verbose=0)
-    assert int(towers.optimizer.iterations) == 0
-
-  def test_fewer_rows_than_clones_names_drop_remainder(self):
-    towers = self._towers()
-    towers.compile(optimizer='sgd', loss=_loss())
-    with pytest.raises(errors.ConfigError, match='drop_remainder=True'):
-      towers.fit(*make_batch(9), batch_size=4, verbose=0)  # Last batch: 1.
 
   def test_inside_a_strategy_scope(self):
     strategy = tf.distribute.OneDeviceStrategy('/cpu:0')
@@ -362,8 +336,7 @@ def test_bring_your_own_model_mobilenet_v2():
       model = _mobilenet()
     towers = deploy.TowersModel(model, config)
     towers.compile(optimizer=keras.optimizers.SGD(0.01), loss=_CROSSENTROPY)
-    graph = towers.towers._step.get_concrete_function(
-        tf.constant(images[:8]), tf.constant(labels[:8]), None, False).graph
+    graph = towers.towers.traced_step(images[:8], (labels[:8],)).graph
     convs = {op.device.split('device:')[-1] for op in graph.get_operations()
              if op.type in ('Conv2D', 'DepthwiseConv2dNative')}
     assert convs == {f'CPU:{d}' for d in range(config.num_clones * 2)}

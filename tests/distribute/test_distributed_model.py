@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import make_batch, make_deployed, make_loss, mlp, weights
+from tests.helpers import (
+    assert_same_steps, make_batch, make_deployed, make_loss, mlp, weights)
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
@@ -70,8 +71,7 @@ def test_lockstep_clones_still_run_on_their_devices():
       CLONES, model_fn=lambda: mlp(batch_norm=True, synchronized=True),
       sync_batch_norm=True)
   images, labels = make_batch(8)
-  graph = deployed._step.get_concrete_function(
-      tf.constant(images), tf.constant(labels)).graph
+  graph = deployed.traced_step(images, labels).graph
   matmul_devices = {op.device for op in graph.get_operations()
                     if op.type == 'MatMul'}
   assert {d.split('/device:')[-1] for d in matmul_devices} == {
@@ -160,13 +160,11 @@ def test_mirrored_step_losses_sum_over_replicas():
   assert mirrored.trace_count == 1
 
 
-def test_mirrored_refuses_an_indivisible_batch():
+def test_mirrored_splits_an_indivisible_batch_as_one_device():
+  # 5 rows on 2 replicas go 3:2, each replica's loss weighted by its rows.
   mirrored = _distributed('mirrored')
-  before = weights(mirrored.model)
-  with pytest.raises(ValueError, match='over num_replicas=2'):
-    mirrored.train_step(*make_batch(5))
-  for got, want in zip(weights(mirrored.model), before):
-    np.testing.assert_array_equal(got, want)
+  single = _distributed('single')
+  assert_same_steps(mirrored, single, rows=5, steps=1)
 
 
 def test_mean_loss_undoes_keras_replica_scaling():

@@ -86,8 +86,7 @@ def stage_orders(graph):
 @pytest.mark.parametrize('recompute', [False, True])
 def test_each_stage_runs_the_schedules_order(schedule, recompute):
   deployed = _pipelined(3, 4, pipeline_schedule=schedule, recompute=recompute)
-  graph = deployed._step.get_concrete_function(
-      *map(tf.constant, make_batch(8))).graph
+  graph = deployed.traced_step(*make_batch(8)).graph
   assert stage_orders(graph) == schedules.passes(schedule, 3, 4)
 
 

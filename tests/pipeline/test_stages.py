@@ -66,7 +66,8 @@ def test_two_clones_of_two_stages_equal_one_device():
 def test_uneven_microbatches_weigh_their_rows():
   # 7 rows in 2 micro-batches: 4 and 3, each weighted by its rows.
   deployed = _pipelined(2, 2)
-  assert deployed.stages.microbatch_rows(7) == [4, 3]
+  assert deployed.layout_for(*make_batch(7)).microbatch_rows(0, 0, 0) == (
+      4, 3)
   _assert_same_steps(deployed, steps=1, rows=7)
 
 
@@ -83,8 +84,7 @@ def test_skip_connection_crosses_the_cut():
 
 def test_stage_ops_run_on_their_devices():
   deployed = _pipelined(2, 2, num_clones=2)
-  graph = deployed._step.get_concrete_function(
-      *map(tf.constant, make_batch(8))).graph
+  graph = deployed.traced_step(*make_batch(8)).graph
   ops = graph.get_operations()
   config = deployed.config
   for c, s in itertools.product(range(2), range(2)):

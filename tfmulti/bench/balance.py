@@ -10,7 +10,7 @@ It then reports, side by side in one process (rounds interleaved):
   * each clone's solo throughput (rows a second, alone) and the ideal: the
     sum of the two, what a perfect split reaches;
   * the even split's throughput (what `fit` and tf.distribute do);
-  * the throughput with `--clone_shares=auto`'s shares (`balance.Balanced`
+  * the throughput with `--clone_shares=auto`'s shares (`balance.Balancer`
     measures the clones and sets them; the log line gives them).
 
 `--emulated=3,1` measures the balancer on EMULATED devices instead: both
@@ -103,8 +103,8 @@ def run(model_name='lenet', batch_size=64, slowdown=3.0, rounds=5, steps=10):
   base = balance.clone_throughputs(towers, images, labels)  # No extra yet.
   extra.seconds_per_row = (slowdown - 1) / base[0]
   solo = balance.clone_throughputs(towers, images, labels)
-  balanced = balance.Balanced(towers, every_steps=10**9)
-  auto_shares = balanced.rebalance(images, labels)
+  auto_shares = balance.Balancer(every_steps=10**9).rebalance(
+      towers, images, labels)
   splits = {'even': None, 'auto': auto_shares}
   rates = {name: [] for name in splits}
   for shares in splits.values():  # Traces each split once.
@@ -167,8 +167,8 @@ def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
   _rate(towers, images, labels, 1)  # Traces the even split.
   even = statistics.median(_rate(towers, images, labels, 1)
                            for _ in range(steps))
-  balanced = balance.Balanced(towers, every_steps)
-  shares = balanced.rebalance(images, labels)
+  balanced = balance.Balancer(every_steps)
+  shares = towers.clone_shares = balanced.rebalance(towers, images, labels)
   _rate(towers, images, labels, 1)  # Traces the balanced split.
   auto = statistics.median(_rate(towers, images, labels, 1)
                            for _ in range(steps))
@@ -177,7 +177,7 @@ def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
   after = []
   for step in range(1, 2 * every_steps + 1):
     if step % every_steps == 0:
-      balanced.rebalance(images, labels)
+      towers.clone_shares = balanced.rebalance(towers, images, labels)
     after.append(_rate(towers, images, labels, 1))
   new_solo = balance.clone_throughputs(towers, images, labels)
   new_ideal = sum(new_solo)

@@ -186,8 +186,7 @@ def measure(config, num_stages, num_microbatches, schedule, log):
   for recompute in (False, True):
     stages = deploy_stages(num_stages, num_microbatches, schedule, log,
                            seconds, recompute) if recompute else deployed
-    graph = stages._step.get_concrete_function(
-        tf.constant(images), tf.constant(labels)).graph
+    graph = stages.traced_step(images, labels).graph
     counted = activation_bytes(graph, num_stages)
     memory['recompute' if recompute else 'plain'] = [
         {'bytes_per_microbatch': b,

@@ -18,8 +18,14 @@ gradients, instead of one running sum).
 
 BatchNorm normalises each atom by its own statistics (ghost BatchNorm with
 groups of a rows); the moving statistics become the mean of the atoms'
-updates (the same fold, divided by A). The regularization losses count
-once, in atom 0's pass.
+updates (the same fold, divided by A). The weight penalties count once, in
+the job's atom 0; the model's `add_loss` terms on every atom, weighted by
+its rows. Random layers fold each atom's generators with its first row in
+the global batch, so its masks depend only on the step and its place.
+
+The atoms are cut by `rows.StepLayout`, which hands clones whole atoms (by
+their shares, as the atoms go) and refuses a batch that is not whole atoms
+(a short last batch included: give it a multiple of a rows).
 
 What is guaranteed: the same weights after the same steps for any layout
 of the same global batch and a, on devices of one type, with one
@@ -32,6 +38,7 @@ TensorFlow builds.
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import rows
 
 
 def check_devices(config):
@@ -46,52 +53,34 @@ def check_devices(config):
         'device type.')
 
 
-def check_rows(a, step_rows, shard_sizes, microbatch_rows=None):
-  """Raises `ConfigError` unless every clone's shard of an accumulation
-  step of `step_rows` rows (`shard_sizes`) is whole atoms of `a` rows, and
-  each micro-batch (`microbatch_rows(shard)`, with stages) is one atom."""
-  if step_rows % a:
-    raise errors.ConfigError(
-        f'reproducible_rows={a}: a batch of {step_rows} rows (of an '
-        f'accumulation step, on a worker) is not whole atoms of {a} rows; '
-        f'pass a multiple of {a} rows (batch with drop_remainder=True).')
-  for clone, size in enumerate(shard_sizes):
-    if size % a:
-      raise errors.ConfigError(
-          f'reproducible_rows={a}: clone {clone} gets {size} rows, not whole '
-          f'atoms of {a}; choose clone_shares (or a batch) that give each '
-          f'clone a multiple of {a} rows.')
-    if microbatch_rows is not None and set(microbatch_rows(size)) != {a}:
-      raise errors.ConfigError(
-          f'reproducible_rows={a}: each micro-batch through the stages must '
-          f'be one atom, and clone {clone} cuts its {size} rows into '
-          f'{microbatch_rows(size)}; use num_microbatches={size // a}.')
+def run_pieces(clone_fn, pieces, shift, trainable, non_trainable, images,
+               labels, loss_scale, *, stacked):
+  """`clone_fn` (as `clones.clone_step`) on a clone's pieces (its rows'
+  `rows.Piece`s), each alone, offsets moved by `shift`.
 
-
-def per_atom(clone_fn, a):
-  """`clone_fn` (as `clones.clone_step`, on one clone's shard) run on each
-  atom of `a` rows alone.
-
-  The returned function takes `clone_fn`'s arguments and returns (outputs
-  in row order, the atoms' losses stacked, atom 0's regularization, each
+  Without `stacked` the clone has one piece, and this is `clone_fn`'s
+  result. With it (each piece an atom), the result is (outputs in row
+  order, the atoms' losses stacked, the sum of their regularization, each
   gradient stacked over the atoms (None where no atom reaches it), one set
-  of new non-trainable values an atom). The regularization weight goes to
-  the shard's first atom only.
+  of new non-trainable values an atom).
   """
-  def run(trainable, non_trainable, images, labels, regularization_weight,
-          loss_scale):
-    count = images.shape[0] // a
-    results = []
-    for k, (x, y) in enumerate(zip(tf.split(images, count),
-                                   tf.split(labels, count))):
-      with tf.name_scope(f'atom_{k}'):
-        weight = regularization_weight if k == 0 else 0.0
-        results.append(clone_fn(trainable, non_trainable, x, y, weight,
-                                loss_scale))
-    outputs, losses, regularizations, gradients, states = zip(*results)
-    return (tf.concat(outputs, axis=0), tf.stack(losses), regularizations[0],
-            stack(gradients), [state for (state,) in states])
-  return run
+  live = [piece for piece in pieces if piece.rows]
+  if not stacked:
+    (piece,) = live
+    return clone_fn(trainable, non_trainable, images, labels, piece.penalty,
+                    loss_scale, piece.offset + shift)
+  sizes = [piece.rows for piece in live]
+  results = []
+  for k, (piece, x, y) in enumerate(zip(live, rows.split(images, sizes),
+                                        rows.split(labels, sizes))):
+    with tf.name_scope(f'atom_{k}'):
+      results.append(clone_fn(trainable, non_trainable, x, y, piece.penalty,
+                              loss_scale, piece.offset + shift))
+  outputs, losses, regularizations, gradients, states = zip(*results)
+  return (tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0),
+                                *outputs),
+          tf.stack(losses), tf.add_n(list(regularizations)),
+          stack(gradients), [state for (state,) in states])
 
 
 def stack(per_atom_gradients):

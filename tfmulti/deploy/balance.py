@@ -6,21 +6,21 @@ wastes the fast ones. `Balanced` measures each clone's throughput alone
 proportion, and measures again every `every_steps` steps, so a device that
 slows down later gets fewer rows at the next measurement.
 
-Shares are whole numbers out of `BUCKETS` (3:1 is 12:4), and a new split
-is taken only when it predicts a step at least `MIN_GAIN` faster than the
-current split does under the same measurement, so noise does not move it.
+`Balancer` is a policy the towers consult before cutting a step's layout:
+it replaces the shares between steps. Shares are whole numbers out of
+`BUCKETS` (3:1 is 12:4), and a new split is taken only when it predicts a
+step at least `MIN_GAIN` faster than the current split does under the same
+measurement, so noise does not move it.
 The step, traced once per distinct split, thus retraces a bounded number
 of times (at most the splits of BUCKETS, in practice one or two;
 `Trainer.trace_count` counts them). Any split trains exactly as one device
 on the whole batch (`trainer.shard_loss`).
 """
 
-import functools
-
 from absl import logging
+import tensorflow as tf
 
 from tfmulti import errors
-from tfmulti import trainer
 from tfmulti.rows import split_rows
 from tfmulti.pipeline import costs
 
@@ -51,9 +51,9 @@ def predicted_step_seconds(rows, throughputs):
 def clone_throughputs(towers, images, labels):
   """Each clone's rows a second alone (forward and backward on its
   devices), on an equal share of an accumulation step of this batch."""
-  rows = (images.shape[0] // towers.options.accumulation_steps //
-          towers.config.num_clones)
-  images, labels = images[:rows], labels[:rows]
+  rows = (tf.nest.flatten(images)[0].shape[0] //
+          towers.options.accumulation_steps // towers.config.num_clones)
+  images, labels = tf.nest.map_structure(lambda t: t[:rows], (images, labels))
   speeds = []
   for i in range(towers.config.num_clones):
     probe = towers.probe(i)
@@ -62,61 +62,52 @@ def clone_throughputs(towers, images, labels):
   return speeds
 
 
-class Balanced(trainer.Trainer):
-  """A `deploy.DeployedModel` whose clone shares follow measured speeds.
+class Balancer:
+  """The policy behind `clone_shares='auto'`: the shares a step uses,
+  measured again every `every_steps` steps.
+
+  `DeployedModel.train_step_outputs` asks it for the shares before it cuts
+  the step's layout; nothing else sees it.
 
   Attributes:
-    towers: the deployed model; its `clone_shares` are set here.
     every_steps: steps between measurements (the first is at step 0 of
       this process, so a resumed run measures again).
-    measure: `measure(images, labels)` -> each clone's throughput in rows a
-      second; `clone_throughputs` unless given (tests inject it).
+    measure: `measure(towers, images, labels)` -> each clone's throughput
+      in rows a second; `clone_throughputs` unless given (tests inject it).
     history: (step, shares, throughputs) of every measurement.
   """
 
-  def __init__(self, towers, every_steps, measure=None):
-    self.towers = towers
-    self.model = towers.model
-    self.optimizer = towers.optimizer
+  def __init__(self, every_steps, measure=None):
     self.every_steps = every_steps
-    self.measure = measure or functools.partial(clone_throughputs, towers)
+    self.measure = measure or clone_throughputs
     self.history = []
     self._steps = 0
 
-  @property
-  def _step(self):
-    return self.towers._step
+  def shares(self, towers, images, labels):
+    """The shares of `towers`' next step on this batch: measured again
+    when due, else its current ones."""
+    shares = towers.clone_shares
+    if self._steps % self.every_steps == 0:
+      shares = self.rebalance(towers, images, labels)
+    self._steps += 1
+    return shares
 
-  def distribute_dataset(self, dataset):
-    return self.towers.distribute_dataset(dataset)
-
-  def rebalance(self, images, labels):
-    """Measures the clones and sets their shares; returns the shares."""
-    throughputs = self.measure(images, labels)
-    rows = images.shape[0] // self.towers.options.accumulation_steps
-    current = self.towers.clone_shares or [1] * len(throughputs)
-    now = predicted_step_seconds(split_rows(rows, current),
-                                 throughputs)
+  def rebalance(self, towers, images, labels):
+    """Measures the clones; returns the shares to use (the current ones
+    unless a new split predicts a step `MIN_GAIN` faster)."""
+    throughputs = self.measure(towers, images, labels)
+    rows = (tf.nest.flatten(images)[0].shape[0] //
+            towers.options.accumulation_steps)
+    current = towers.clone_shares
+    now = predicted_step_seconds(
+        split_rows(rows, current or [1] * len(throughputs)), throughputs)
     shares = shares_for(throughputs)
-    new = predicted_step_seconds(split_rows(rows, shares),
-                                 throughputs)
-    if self.towers.clone_shares is None or new < now * (1 - MIN_GAIN):
+    new = predicted_step_seconds(split_rows(rows, shares), throughputs)
+    if current is None or new < now * (1 - MIN_GAIN):
       logging.info(
           'clone shares %s from %s rows/s; predicted step %.1f ms (the '
           'split before: %.1f ms)', '/'.join(map(str, shares)),
           ', '.join(f'{t:.0f}' for t in throughputs), 1e3 * new, 1e3 * now)
-      self.towers.clone_shares = shares
-    self.history.append((self._steps, self.towers.clone_shares,
-                         tuple(throughputs)))
-    return self.towers.clone_shares
-
-  def train_step_outputs(self, images, labels, **kwargs):
-    """Re-balances when due, then runs the towers' step (`kwargs` as
-    `DeployedModel.train_step_outputs` takes them)."""
-    if self._steps % self.every_steps == 0:
-      self.rebalance(images, labels)
-    self._steps += 1
-    return self.towers.train_step_outputs(images, labels, **kwargs)
-
-  def predict(self, images):
-    return self.towers.predict(images)
+      current = shares
+    self.history.append((self._steps, current, tuple(throughputs)))
+    return current

@@ -7,7 +7,7 @@ step assigns them once, under one of these policies.
 
 import tensorflow as tf
 
-from tfmulti import layers
+from tfmulti import keras_internals
 # The policies' names live with the step options that choose them.
 from tfmulti.step_options import (  # noqa: F401
     BATCH_NORM_POLICIES, BN_CLONE_0, BN_FULL_BATCH, BN_MEAN)
@@ -19,7 +19,7 @@ def moments_of(model):
   where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
   return [(where[id(layer.moving_mean)], where[id(layer.moving_variance)],
            layer.momentum)
-          for layer in layers.batch_norms(model)
+          for layer in keras_internals.batch_norms(model)
           if id(layer.moving_mean) in where]
 
 

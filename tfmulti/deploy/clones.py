@@ -8,10 +8,11 @@ these; they are also there for writing one's own loop, as in slim.
 
 import collections
 import contextlib
-import functools
 
 import tensorflow as tf
 
+from tfmulti import keras_internals
+from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.deploy import atoms
@@ -19,7 +20,7 @@ from tfmulti.deploy import towers_in_strategy
 
 # A clone's share of one step (slim: Clone(outputs, scope, device)).
 # `loss` is the clone's part of the total loss (its mean loss weighted by
-# its share of the global batch, plus the regularization losses on clone 0);
+# its share of the global batch, plus its part of the regularization);
 # `gradients` are d loss / d trainable variable, computed on `device`;
 # `non_trainable` is a list of (rows, values): the model's non-trainable
 # variables as the forward pass of the clone's shard (or of each of its
@@ -30,24 +31,34 @@ Clone = collections.namedtuple(
 
 
 def clone_step(model, loss_fn, global_rows, trainable, non_trainable,
-               images, labels, regularization_weight, loss_scale):
-  """Forward pass, loss and gradient of one clone; changes no variable.
+               images, labels, penalty_weight, loss_scale, offset=0):
+  """Forward pass, loss and gradient of one piece; changes no variable.
 
   `trainable` and `non_trainable` are the variables' values as tensors, so
   the computation can be compiled by XLA apart from the variables (XLA will
   not read a variable that lives on another device). `global_rows` counts
-  the whole job's batch. The regularization losses count
-  `regularization_weight` times (1 / num_workers on clone 0, else 0); the
-  gradient is of `loss * loss_scale` (float16 loss scaling; 1 otherwise).
+  the whole job's batch. The weight penalties count `penalty_weight` times
+  (the piece's part of them, `rows.Piece.penalty`); the model's `add_loss`
+  terms count on every piece, weighted by its rows. Random layers draw
+  from their generators folded with `offset`, the piece's first row in the
+  global batch, so no two pieces repeat a mask; the generators come back
+  advanced from their unfolded state. The gradient is of
+  `loss * loss_scale` (float16 loss scaling; 1 otherwise).
   """
+  seeds = keras_internals.seed_indices(model)
+  folded = keras_internals.fold_seeds(non_trainable, seeds, offset)
   with tf.GradientTape() as tape:
     tape.watch(trainable)
     outputs, new_non_trainable, losses = model.stateless_call(
-        trainable, non_trainable, images, training=True, return_losses=True)
+        trainable, folded, images, training=True, return_losses=True)
+    model_losses, penalties = keras_internals.split_losses(model, losses)
     loss, regularization, scaled_loss = trainer.objective(
-        loss_fn, labels, outputs, global_rows=global_rows, losses=losses,
-        penalty_weight=regularization_weight, loss_scale=loss_scale)
+        loss_fn, labels, outputs, global_rows=global_rows,
+        model_losses=model_losses, penalties=penalties,
+        penalty_weight=penalty_weight, loss_scale=loss_scale)
   gradients = tape.gradient(scaled_loss, trainable)
+  new_non_trainable = keras_internals.unfold_seeds(
+      new_non_trainable, folded, non_trainable, seeds)
   return outputs, loss, regularization, gradients, [new_non_trainable]
 
 
@@ -63,11 +74,14 @@ def on_clone(config, clone_index):
       yield
 
 
-def split_batch(config, tensor, sizes=None):
-  """Splits `tensor`'s rows over the clones, on the inputs device: evenly,
-  or `sizes[i]` rows to clone i."""
+def split_batch(config, tensors, sizes=None):
+  """Splits the rows of `tensors` (a nest) over the clones, on the inputs
+  device: evenly, or `sizes[i]` rows to clone i; a list of nests."""
   with tf.device(config.inputs_device()), tf.name_scope('split_batch'):
-    return tf.split(tensor, sizes or config.num_clones, axis=0)
+    if sizes is None:
+      sizes = rows.split_rows(tf.nest.flatten(tensors)[0].shape[0],
+                              [1] * config.num_clones)
+    return rows.split(tensors, sizes)
 
 
 def values_of(variables):
@@ -75,89 +89,104 @@ def values_of(variables):
   return [tf.convert_to_tensor(v) for v in variables]
 
 
+def layout_of(config, options, images, labels, *, shares=None,
+              staged=False, partial=False):
+  """The `rows.StepLayout` of a step on this worker's batch."""
+  return rows.step_layout(
+      rows.batch_rows(images, labels), num_clones=config.num_clones,
+      shares=shares, accumulation_steps=options.accumulation_steps,
+      num_microbatches=options.num_microbatches, staged=staged,
+      atom_rows=options.reproducible_rows, num_workers=config.num_workers,
+      partial=partial)
+
+
 def create_clones(config, model, loss_fn, images, labels, *,
+                  layout=None, accumulation_step=0, shift=0,
                   options=step_options.DEFAULTS, loss_scale=1.0,
-                  lockstep=None, stages=None, shard_sizes=None,
-                  global_rows=None, regularization=True):
-  """Runs every clone on its device and its shard of the batch.
+                  lockstep=None, stages=None):
+  """Runs every clone on its device and its pieces of the batch.
 
   Args:
     config: a `DeploymentConfig`.
     model: a built functional `keras.Model` whose variables live on
       `config.variables_device()`.
     loss_fn: `loss_fn(labels, outputs)` -> mean loss over those examples.
-    images: this worker's batch, `batch_size * num_clones` rows (the global
-      batch, on one worker).
-    labels: its labels, as many rows.
-    options: the `StepOptions`; here `xla` compiles each clone's forward
-      and backward pass with XLA, one cluster per clone on that clone's
+    images: this worker's rows of the accumulation step (a nest).
+    labels: its targets, as many rows (a nest).
+    layout: the step's `rows.StepLayout`; None for this batch alone (one
+      accumulation step, the clones' shares as even as the rows go).
+    accumulation_step: whose pieces these rows are, in `layout`.
+    shift: rows to add to those pieces' offsets (a tensor inside the
+      accumulation loop, which runs step 1's pieces again).
+    options: the `StepOptions`; here `xla` compiles each piece's forward
+      and backward pass with XLA, one cluster per piece on its clone's
       device (compiling the whole step would fuse every clone into one
       cluster on one device), and `reproducible_rows` runs each atom of a
       clone alone: each `Clone` then holds its atoms' losses and
       gradients stacked, atom first, unsummed (`deploy.atoms`).
-    loss_scale: multiplies each clone's loss before its gradient (the
+    loss_scale: multiplies each piece's loss before its gradient (the
       float16 loss scale of a `keras.optimizers.LossScaleOptimizer`).
     lockstep: None, or a `tf.distribute.MirroredStrategy` over the clone
-      devices whose replicas run the clones at once (for synchronized
-      BatchNorm; see `towers_in_strategy.run_clones_in_lockstep`).
+      devices whose replicas run the clones at once, every BatchNorm
+      synchronized (see `towers_in_strategy.run_clones_in_lockstep`).
     stages: None, or a `pipeline.Stages`: each clone runs its shard in
       micro-batches through its stages, on `config.stage_devices(clone)`.
-    shard_sizes: rows of each clone (uneven clone shares); None for equal.
-    global_rows: rows of the whole job's batch that the clones' losses are
-      a part of; None for this batch on every worker (an accumulation step
-      passes the rows of all the update's accumulation steps).
-    regularization: count the regularization losses (on clone 0); with
-      gradient accumulation, the first accumulation step counts them.
 
   Returns:
-    A list of `Clone`, one per clone.
+    A list of `Clone`, one per clone with rows (an empty clone of a short
+    batch runs nothing and adds nothing).
   """
-  if global_rows is None:  # Each worker brings a batch of as many rows.
-    global_rows = tf.shape(labels)[0] * config.num_workers
+  if layout is None:
+    layout = rows.step_layout(
+        rows.batch_rows(images, labels), num_clones=config.num_clones,
+        num_microbatches=options.num_microbatches,
+        staged=stages is not None, atom_rows=options.reproducible_rows,
+        partial=True)
+  worker = config.worker_index if layout.num_workers > 1 else 0
+  sizes = layout.clone_rows(worker, accumulation_step)
+  pieces = [layout.of(worker, accumulation_step, c)
+            for c in range(config.num_clones)]
 
   def clone_fn(*args):
-    return clone_step(model, loss_fn, global_rows, *args)
+    return clone_step(model, loss_fn, layout.global_rows, *args)
   if options.xla:
     clone_fn = tf.function(clone_fn, jit_compile=True)
-  if options.reproducible_rows and stages is None:
-    clone_fn = atoms.per_atom(clone_fn, options.reproducible_rows)
-  image_shards = split_batch(config, images, shard_sizes)
-  label_shards = split_batch(config, labels, shard_sizes)
-  # Each worker's clone 0 carries its share of the penalty; with atoms,
-  # the job's atom 0 (worker 0's) carries all of it.
-  penalty = 1.0 / config.num_workers
-  if options.reproducible_rows:
-    penalty = float(config.worker_index == 0)
-  weights = [penalty if regularization else 0.0] + [
-      0.0] * (config.num_clones - 1)
+  image_shards = split_batch(config, images, sizes)
+  label_shards = split_batch(config, labels, sizes)
   if lockstep is not None:
     with tf.device(config.variables_device()):
       variables = (values_of(model.trainable_variables),
                    values_of(model.non_trainable_variables))
-    results = towers_in_strategy.run_clones_in_lockstep(
-        lockstep, clone_fn, variables,
-        list(zip(image_shards, label_shards, weights)), loss_scale)
+    with keras_internals.synchronized_batch_norms(model):
+      results = towers_in_strategy.run_clones_in_lockstep(
+          lockstep, clone_fn, variables,
+          [(x, y, p[0].penalty, p[0].offset + shift)
+           for x, y, p in zip(image_shards, label_shards, pieces)],
+          loss_scale)
   else:
-    results = []
+    results = [None] * config.num_clones
     for i in range(config.num_clones):
-      if stages is not None:
-        clone_fn = functools.partial(stages.clone_step,
-                                     config.stage_devices(i), loss_fn,
-                                     global_rows)
+      if not sizes[i]:
+        continue
       with on_clone(config, i):
         # Each clone reads the variables from the variables device.
-        results.append(clone_fn(
-            values_of(model.trainable_variables),
-            values_of(model.non_trainable_variables), image_shards[i],
-            label_shards[i], weights[i], loss_scale))
+        variables = (values_of(model.trainable_variables),
+                     values_of(model.non_trainable_variables))
+        if stages is not None:
+          results[i] = stages.clone_step(
+              config.stage_devices(i), loss_fn, layout.global_rows,
+              pieces[i], shift, *variables, image_shards[i],
+              label_shards[i], loss_scale)
+        else:
+          results[i] = atoms.run_pieces(
+              clone_fn, pieces[i], shift, *variables, image_shards[i],
+              label_shards[i], loss_scale, stacked=bool(layout.atom_rows))
   clones = []
   for i, result in enumerate(results):
+    if result is None:
+      continue
     *result, states = result
-    rows = image_shards[i].shape[0]
-    part_rows = [rows] if stages is None else stages.microbatch_rows(rows)
-    if options.reproducible_rows:
-      part_rows = [options.reproducible_rows] * (
-          rows // options.reproducible_rows)
+    part_rows = [p.rows for p in pieces[i] if p.rows]
     clones.append(Clone(*result, list(zip(part_rows, states)),
                         scope=config.clone_scope(i),
                         device=config.clone_device(i)))

@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti import keras_internals
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
@@ -53,7 +54,8 @@ from tfmulti.deploy import balance
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy.batch_norm import combine_non_trainable, moments_of
 from tfmulti.deploy.clones import (
-    clone_step, create_clones, on_clone, optimize_clones, values_of)
+    clone_step, create_clones, layout_of, on_clone, optimize_clones,
+    split_batch, values_of)
 from tfmulti.pipeline import Stages
 
 
@@ -63,12 +65,13 @@ class DeployedModel(trainer.Trainer):
   Slim's DeployedModel held a train_op and summary_op; in TF 2 it holds the
   `tf.function` that runs one step. Attributes: `config`, `model`,
   `loss_fn`, `optimizer`, `options` (the `StepOptions`), `lockstep` and
-  `stages` (see `create_clones`), and `clone_shares`: each clone's share of
-  a step's rows, None for equal, settable between steps (see `balance`).
+  `stages` (see `create_clones`), `clone_shares`: each clone's share of
+  a step's rows, None for equal, settable between steps, and `balancer`:
+  with shares 'auto', the `balance.Balancer` that sets them.
   """
 
   def __init__(self, config, model, loss_fn, optimizer, options, *,
-               lockstep=None, stages=None):
+               lockstep=None, stages=None, balancer=None):
     self.config = config
     self.model = model
     self.loss_fn = loss_fn
@@ -77,18 +80,20 @@ class DeployedModel(trainer.Trainer):
     self.lockstep = lockstep
     self.stages = stages
     self.clone_shares = options.fixed_shares
+    self.balancer = balancer
     self._moments = moments_of(model)
     self._probes = {}  # Clone index -> its timing function.
     self._step = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
 
-  def step_graph(self, images, labels, sizes=None, with_outputs=False):
+  def step_graph(self, images, labels, layout, with_outputs=False):
     """The step, untraced: for `tf.function`, or inside a replica context
     (each worker of a multi-worker job runs it; Keras's `apply_gradients`
     then all-reduces the workers' summed gradients before the update).
 
-    `sizes`: each clone's rows of an accumulation step (None: equal). With
-    `accumulation_steps` K the batch holds K accumulation steps; their
+    `images` and `labels` are nests of this worker's batch; `layout` is
+    the step's `rows.StepLayout` (`layout_for`): which rows each clone,
+    accumulation step, micro-batch and atom runs. The accumulation steps'
     gradients are summed on the optimizer device and applied once.
     `with_outputs`: also return the clones' outputs, in row order.
     """
@@ -96,20 +101,18 @@ class DeployedModel(trainer.Trainer):
     loss_scale = trainer.loss_scale_of(self.optimizer)
     with tf.device(config.variables_device()):
       scale = 1.0 if loss_scale is None else tf.identity(loss_scale)
-    # Every accumulation step of every worker is a part of the job's batch.
-    global_rows = tf.shape(labels)[0] * config.num_workers
 
-    def clones_of(images, labels, first):
+    def clones_of(images, labels, k, shift):
       return create_clones(config, self.model, self.loss_fn, images, labels,
+                           layout=layout, accumulation_step=k, shift=shift,
                            options=self.options, loss_scale=scale,
-                           lockstep=self.lockstep, stages=self.stages,
-                           shard_sizes=sizes, global_rows=global_rows,
-                           regularization=first)
+                           lockstep=self.lockstep, stages=self.stages)
 
     run = self._atoms_step if self.options.reproducible_rows else (
         self._summed_step)
+    structure = []  # The outputs' nest, as traced.
     gradients, (total_loss, regularization, *clone_losses), outputs = run(
-        clones_of, images, labels, with_outputs)
+        clones_of, images, labels, layout, structure if with_outputs else None)
     with tf.device(config.optimizer_device()):
       grads_and_vars = [(g, v) for g, v in zip(gradients, variables)
                         if g is not None]
@@ -126,45 +129,60 @@ class DeployedModel(trainer.Trainer):
       # A LossScaleOptimizer divides by the scale, and skips the update
       # (halving the scale) when a gradient is not finite.
       self.optimizer.apply_gradients(grads_and_vars)
-    return trainer.StepOutputs(total_loss, regularization, clone_losses,
-                               summed, outputs[0] if outputs else None)
+    return trainer.StepOutputs(
+        total_loss, regularization, clone_losses, summed,
+        tf.nest.pack_sequence_as(structure[0], outputs) if outputs else None)
 
-  def _outputs(self, clones, with_outputs):
-    """The clones' outputs in row order, in a list (empty without)."""
-    if not with_outputs:
+  def _outputs(self, clones, structure):
+    """The clones' outputs in row order, flat (empty without a
+    `structure` list, which gets their nest)."""
+    if structure is None:
       return []
+    structure[:] = [clones[0].outputs]
     with tf.device(self.config.inputs_device()):
-      return [tf.concat([clone.outputs for clone in clones], axis=0)]
+      return [tf.concat(parts, axis=0) for parts in zip(
+          *(tf.nest.flatten(clone.outputs) for clone in clones))]
 
-  def _summed_step(self, clones_of, images, labels, with_outputs):
+  def _clone_losses(self, clones, layout, k, combine):
+    """Each clone's loss (0 for an empty clone of a short batch)."""
+    worker = self.config.worker_index if layout.num_workers > 1 else 0
+    found = iter(clones)
+    return [combine(next(found).loss) if rows_ else tf.zeros([])
+            for rows_ in layout.clone_rows(worker, k)]
+
+  def _summed_step(self, clones_of, images, labels, layout, structure):
     """The clones' gradients summed on the optimizer device, over clones
     then accumulation steps: (gradients, scalars, outputs) as
     `rows.accumulate` gives them."""
     config, variables = self.config, self.model.trainable_variables
 
-    def accumulation_step(images, labels, first):
-      clones = clones_of(images, labels, first)
+    def accumulation_step(images, labels, k, shift):
+      clones = clones_of(images, labels, k, shift)
       with tf.device(config.optimizer_device()):
         total_loss, grads_and_vars = optimize_clones(clones, variables)
+        regularization = tf.add_n([c.regularization_loss for c in clones])
       self._update_state(clones)
       by_variable = {id(v): g for g, v in grads_and_vars}
       return ([by_variable.get(id(v)) for v in variables],
-              [total_loss, clones[0].regularization_loss] +
-              [clone.loss for clone in clones],
-              self._outputs(clones, with_outputs))
-    return rows.accumulate(accumulation_step, images, labels,
-                           self.options.accumulation_steps,
-                           config.optimizer_device())
+              [total_loss, regularization] +
+              self._clone_losses(clones, layout, k, tf.identity),
+              self._outputs(clones, structure))
+    return rows.accumulate(accumulation_step, images, labels, layout,
+                           worker=self._worker(layout),
+                           device=config.optimizer_device())
 
-  def _atoms_step(self, clones_of, images, labels, with_outputs):
+  def _worker(self, layout):
+    return self.config.worker_index if layout.num_workers > 1 else 0
+
+  def _atoms_step(self, clones_of, images, labels, layout, structure):
     """`_summed_step` with `reproducible_rows`: every atom of the job kept
     apart, then folded in atom order (`deploy.atoms`); the moving
     statistics are the atoms' mean, assigned once."""
     config, device = self.config, self.config.optimizer_device()
     reached = []  # Which variables the atoms reach, as traced.
 
-    def accumulation_step(images, labels, first):
-      clones = clones_of(images, labels, first)
+    def accumulation_step(images, labels, k, shift):
+      clones = clones_of(images, labels, k, shift)
       with tf.device(device), tf.name_scope('stack_atoms'):
         gradients = [tf.concat(parts, axis=0) if parts[0] is not None
                      else None for parts in zip(*(c.gradients for c in clones))]
@@ -173,14 +191,16 @@ class DeployedModel(trainer.Trainer):
             *(values for c in clones for _, values in c.non_trainable))]
         stacked = [tf.concat([c.loss for c in clones], axis=0)] + [
             g for g in gradients if g is not None] + states
-      return ([], [clones[0].regularization_loss] +
-              [tf.reduce_sum(c.loss) for c in clones],
-              stacked + self._outputs(clones, with_outputs))
+        regularization = tf.add_n([c.regularization_loss for c in clones])
+      return ([], [regularization] +
+              self._clone_losses(clones, layout, k, tf.reduce_sum),
+              stacked + self._outputs(clones, structure))
 
     _, scalars, parts = rows.accumulate(
-        accumulation_step, images, labels, self.options.accumulation_steps,
-        device)
-    split = len(parts) - int(with_outputs)  # The outputs, if any, last.
+        accumulation_step, images, labels, layout,
+        worker=self._worker(layout), device=device)
+    num_outputs = len(tf.nest.flatten(structure[0])) if structure else 0
+    split = len(parts) - num_outputs  # The outputs, if any, last.
     stacked, outputs = parts[:split], parts[split:]
     with tf.device(device), tf.name_scope('fold_atoms'):
       if config.num_workers > 1:
@@ -210,56 +230,65 @@ class DeployedModel(trainer.Trainer):
     """`dataset` itself: each step splits its batch over the clones."""
     return dataset
 
-  def clone_rows(self, images, labels, uneven=False):
-    """Each clone's rows of an accumulation step of this batch, or None for
-    equal rows; raises `ConfigError` for a batch that cannot be split so.
-    With `uneven`, a batch that equal shares do not split evenly is split
-    as evenly as it goes (each clone's loss is weighted by its rows)."""
-    rows.check_batch(images, labels)
-    step_rows = rows.accumulation_rows(images.shape[0],
-                                       self.options.accumulation_steps)
-    n = self.config.num_clones
-    shares = self.clone_shares
-    if shares is None and uneven and step_rows % n:
-      shares = (1,) * n
-    sizes = rows.shard_rows(step_rows, shares, n)
-    if self.stages is not None:  # Raises if a micro-batch would be empty.
-      for size in sizes or [step_rows // n]:
-        self.stages.microbatch_rows(size)
-    if self.options.reproducible_rows:
-      atoms.check_rows(self.options.reproducible_rows, step_rows,
-                       sizes or [step_rows // n] * n,
-                       self.stages and self.stages.microbatch_rows)
-    return sizes
+  def layout_for(self, images, labels, partial=False):
+    """The `rows.StepLayout` of a step on this worker's batch (nests),
+    under the clones' current shares; raises `ConfigError` for a batch
+    that cannot be cut so. `partial`: a short last batch (Keras's), which
+    may leave clones or micro-batches empty, as plain `fit` trains it."""
+    layout = layout_of(self.config, self.options, images, labels,
+                       shares=self.clone_shares,
+                       staged=self.stages is not None, partial=partial)
+    if self.lockstep is not None and not layout.is_even():
+      raise errors.ConfigError(
+          f'sync_batch_norm=True runs equal clones in lockstep, and a batch '
+          f'of {layout.worker_rows()} rows does not split evenly over '
+          f'num_clones={self.config.num_clones}; give every batch a multiple '
+          f'of {self.config.num_clones} rows.')
+    return layout
 
-  def train_step_outputs(self, images, labels, *, uneven=False,
+  def train_step_outputs(self, images, labels, *, partial=False,
                          with_outputs=False):
     """One step on this worker's batch; returns its `StepOutputs`.
 
-    `uneven` splits a batch that does not split evenly as evenly as it goes
-    instead of refusing it (Keras's last partial batch); `with_outputs`
-    returns the training outputs too (for compiled metrics).
+    `partial` takes a short last batch (see `layout_for`);
+    `with_outputs` returns the training outputs too (for compiled metrics).
+    With `clone_shares='auto'` the shares are measured first, when due.
     """
-    images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    # One trace per distinct split: the sizes are a tuple of Python ints.
+    images, labels = [tf.nest.map_structure(tf.convert_to_tensor, nest)
+                      for nest in (images, labels)]
+    if self.balancer is not None:
+      self.clone_shares = self.balancer.shares(self, images, labels)
+    # One trace per distinct layout: it is a frozen record of Python ints.
     return self._step(images, labels,
-                      self.clone_rows(images, labels, uneven), with_outputs)
+                      self.layout_for(images, labels, partial), with_outputs)
+
+  def traced_step(self, images, labels, with_outputs=False):
+    """The step's concrete function on this batch (its graph shows where
+    each op runs)."""
+    images, labels = [tf.nest.map_structure(tf.convert_to_tensor, nest)
+                      for nest in (images, labels)]
+    return self._step.get_concrete_function(
+        images, labels, self.layout_for(images, labels), with_outputs)
 
   def _probe_graph(self, clone_index, images, labels):
     """Clone `clone_index` alone: its forward and backward pass on its
     device(s), reduced to one number so nothing is pruned."""
     config, model = self.config, self.model
-    rows = tf.shape(labels)[0]
+    layout = rows.step_layout(
+        rows.batch_rows(images, labels),
+        num_microbatches=self.options.num_microbatches,
+        staged=self.stages is not None)
     with on_clone(config, clone_index):
       args = (values_of(model.trainable_variables),
-              values_of(model.non_trainable_variables), images, labels, 0.0,
-              1.0)
+              values_of(model.non_trainable_variables))
       if self.stages is None:
-        _, loss, _, gradients, _ = clone_step(model, self.loss_fn, rows,
-                                               *args)
+        _, loss, _, gradients, _ = clone_step(
+            model, self.loss_fn, layout.global_rows, *args, images, labels,
+            0.0, 1.0)
       else:
         _, loss, _, gradients, _ = self.stages.clone_step(
-            config.stage_devices(clone_index), self.loss_fn, rows, *args)
+            config.stage_devices(clone_index), self.loss_fn,
+            layout.global_rows, layout.pieces, 0, *args, images, labels, 1.0)
       return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
                               if g is not None])
 
@@ -271,29 +300,47 @@ class DeployedModel(trainer.Trainer):
           functools.partial(self._probe_graph, clone_index))
     return self._probes[clone_index]
 
-  def _predict_graph(self, images):
-    rows, n = images.shape[0], self.config.num_clones
+  def _predict_graph(self, images, with_losses=False):
+    n, model = self.config.num_clones, self.model
     # Inference may see a short last batch: shards differ by one row at most,
     # and a batch of fewer rows than clones leaves the last clones idle.
-    sizes = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
-    with tf.device(self.config.inputs_device()):
-      shards = tf.split(images, sizes, axis=0)
-    outputs = []
+    total = tf.nest.flatten(images)[0].shape[0]
+    sizes = rows.split_rows(total, [1] * n)
+    shards = split_batch(self.config, images, sizes)
+    outputs, regularization = [], []
     for i in range(n):
       if not sizes[i]:
         continue
       with on_clone(self.config, i):
+        variables = (values_of(model.trainable_variables),
+                     values_of(model.non_trainable_variables))
         if self.stages is None:
-          outputs.append(self.model(shards[i], training=False))
+          output, _, losses = model.stateless_call(
+              *variables, shards[i], training=False, return_losses=True)
+          model_losses, penalties = keras_internals.split_losses(model,
+                                                                 losses)
         else:
-          outputs.append(self.stages.predict(
-              self.config.stage_devices(i), shards[i]))
+          output, model_losses, penalties = self.stages.predict(
+              self.config.stage_devices(i), shards[i], *variables)
+        outputs.append(output)
+        # The weight penalties once; the add_loss terms by rows, as a step.
+        regularization.append(
+            trainer.penalty(penalties, float(not regularization)) +
+            trainer.model_loss(model_losses, sizes[i], total))
     with tf.device(self.config.inputs_device()):
-      return tf.concat(outputs, axis=0)
+      outputs = tf.nest.map_structure(
+          lambda *parts: tf.concat(parts, axis=0), *outputs)
+      return (outputs, tf.add_n(regularization)) if with_losses else outputs
 
   def predict(self, images):
-    """Inference outputs for `images`, computed over the clones."""
-    return self._predict(tf.convert_to_tensor(images))
+    """Inference outputs for `images` (a nest), computed over the clones."""
+    return self._predict(tf.nest.map_structure(tf.convert_to_tensor, images))
+
+  def evaluate_outputs(self, images):
+    """(inference outputs, the model's losses on them: weight penalties and
+    `add_loss` terms, as one device would count them), for evaluation."""
+    return self._predict_graph(
+        tf.nest.map_structure(tf.convert_to_tensor, images), with_losses=True)
 
 
 def deploy(config, model, loss_fn, optimizer, options=None, **fields):
@@ -315,11 +362,11 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
       `clone_shares=(3, 1)` for a device three times as fast, or
       `accumulation_steps=2`. `sync_batch_norm=True` runs the clones in
       lockstep (the replicas of a `MirroredStrategy` over the clone
-      devices), as Keras's synchronized BatchNorm needs; `clone_shares`
-      'auto' returns a `balance.Balanced` that measures and sets them.
+      devices) with every BatchNormalization synchronized; `clone_shares`
+      'auto' measures the clones and sets their shares (`balance`).
 
   Returns:
-    A `DeployedModel` (a `balance.Balanced` one with shares 'auto').
+    A `DeployedModel`.
 
   Raises:
     errors.UserError: a missing device, a misplaced variable, a bad option,
@@ -346,16 +393,17 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   lockstep = None
   if options.sync_batch_norm:
     lockstep = towers_in_strategy.lockstep_strategy(config)
-  towers = DeployedModel(config, model, loss_fn, optimizer, options,
-                         lockstep=lockstep, stages=stages)
+  balancer = None
   if options.auto_shares:
-    return balance.Balanced(towers, options.rebalance_every_steps)
-  return towers
+    balancer = balance.Balancer(options.rebalance_every_steps)
+  return DeployedModel(config, model, loss_fn, optimizer, options,
+                       lockstep=lockstep, stages=stages, balancer=balancer)
 
 
 def check_model(model):
   """Raises `ConfigError` for a model the towers cannot clone: not built,
-  not functional, not one input and one output, or nothing to train."""
+  not functional, or nothing to train. Several inputs and outputs (lists
+  or dicts) are split by rows as one input is."""
   if not model.built:
     raise errors.ConfigError(
         f'model {model.name!r} is not built; build a functional model '
@@ -365,12 +413,6 @@ def check_model(model):
         f'model {model.name!r} is a subclassed keras.Model: the towers need '
         'a functional one (keras.Model(inputs, outputs), or a built '
         'keras.Sequential), whose layers they can call and cut; build it so.')
-  if len(model.inputs) != 1 or len(model.outputs) != 1:
-    raise errors.ConfigError(
-        f'model {model.name!r} has {len(model.inputs)} inputs and '
-        f'{len(model.outputs)} outputs: the towers split one input tensor '
-        'over the clones and take one output to the loss; concatenate the '
-        'inputs (or outputs) into one.')
   if not model.trainable_variables:
     raise errors.ConfigError(
         f'model {model.name!r} has no trainable weights: there is nothing to '

@@ -35,9 +35,10 @@ def run_clones_in_lockstep(lockstep, clone_fn, variables, shards, loss_scale):
   Args:
     lockstep: a `tf.distribute.MirroredStrategy` over the clone devices.
     clone_fn: `clone_fn(trainable, non_trainable, images, labels,
-      regularization_weight, loss_scale)` -> a tuple of tensors.
+      penalty_weight, loss_scale, offset)` -> a tuple of tensors.
     variables: (trainable values, non-trainable values), read once.
-    shards: per clone, (images, labels, regularization_weight).
+    shards: per clone, (images, labels, penalty_weight, offset): its rows
+      (nests) and its piece's part of the penalties and first row.
     loss_scale: passed to every clone.
 
   Returns:
@@ -45,11 +46,14 @@ def run_clones_in_lockstep(lockstep, clone_fn, variables, shards, loss_scale):
   """
   trainable, non_trainable = variables
   per_clone = lockstep.experimental_distribute_values_from_function(
-      lambda ctx: tuple(tf.convert_to_tensor(value) for value in
-                        shards[ctx.replica_id_in_sync_group]))
-  per_replica = lockstep.run(
-      lambda shard: clone_fn(trainable, non_trainable, *shard, loss_scale),
-      args=(per_clone,))
+      lambda ctx: tf.nest.map_structure(tf.convert_to_tensor,
+                                        shards[ctx.replica_id_in_sync_group]))
+
+  def replica_fn(shard):
+    images, labels, weight, offset = shard
+    return clone_fn(trainable, non_trainable, images, labels, weight,
+                    loss_scale, offset)
+  per_replica = lockstep.run(replica_fn, args=(per_clone,))
   num_clones = len(shards)
   columns = []
   for value in tf.nest.flatten(per_replica):
@@ -80,8 +84,10 @@ class WorkerTowers(trainer.Trainer):
     self.optimizer = towers.optimizer
     self._step = tf.function(self._train_step_graph)
 
-  def _train_step_graph(self, images, labels):
-    outputs = self.strategy.run(self.towers.step_graph, args=(images, labels))
+  def _train_step_graph(self, images, labels, layout):
+    outputs = self.strategy.run(
+        lambda x, y: self.towers.step_graph(x, y, layout),
+        args=(images, labels))
     local = self.strategy.experimental_local_results
     total = tf.distribute.ReduceOp.SUM
     return trainer.StepOutputs(
@@ -105,8 +111,7 @@ class WorkerTowers(trainer.Trainer):
   def train_step_outputs(self, images, labels):
     """One step on this worker's rows; returns the job's `StepOutputs`."""
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    self.towers.clone_rows(images, labels)  # Raises for a bad split.
-    return self._step(images, labels)
+    return self._step(images, labels, self.towers.layout_for(images, labels))
 
   def predict(self, images):
     """Inference outputs for `images`, over this worker's clones."""

@@ -25,10 +25,13 @@ How it differs from a plain Keras model:
   * The optimizer is made (again, from its config, if it was made
     elsewhere) and built, and every variable's placement checked, in
     `compile`, under the variables device.
-  * Sample and class weights are refused in one line (the towers weight
-    each clone's loss by its rows only); evaluation takes them as Keras does.
-  * `save` (and ModelCheckpoint) writes the wrapped model, which plain Keras
-    loads without tfmulti.
+  * Several inputs and outputs (lists or dicts), several losses with
+    `loss_weights`, and sample or class weights are Keras's own: each is a
+    mean over rows, split with the batch and weighted by each piece's rows,
+    which is exact. A loss over a Keras mask is refused in one line.
+  * `save` (and ModelCheckpoint) writes the wrapped model with the
+    optimizer's state, which plain Keras loads without tfmulti; `export`
+    exports it; `predict` before `compile` runs it on one device.
 """
 
 import dataclasses
@@ -37,6 +40,8 @@ import keras
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import keras_internals
+from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.deploy import towers as towers_lib
@@ -50,15 +55,14 @@ class TowersModel(keras.Model):
       model's; save or export it as any Keras model).
     config: the `DeploymentConfig`.
     options: the `StepOptions`.
-    towers: the `DeployedModel` (or `balance.Balanced`) that `compile`
-      builds.
+    towers: the `DeployedModel` that `compile` builds.
   """
 
   def __init__(self, model, config, options=None, **fields):
     """Wraps `model`, built under `config.variables_device()`.
 
     Args:
-      model: a built functional `keras.Model`, one input and one output.
+      model: a built functional `keras.Model` (any inputs and outputs).
       config: a `DeploymentConfig`.
       options: a `StepOptions`; None for the defaults.
       **fields: `StepOptions` fields that replace those of `options`.
@@ -69,6 +73,7 @@ class TowersModel(keras.Model):
     """
     _check_no_strategy()
     towers_lib.check_model(model)
+    _check_no_mask(model)
     options = dataclasses.replace(options or step_options.StepOptions(),
                                   **fields)
     towers_lib.check_options(config, options)
@@ -77,6 +82,7 @@ class TowersModel(keras.Model):
     self.config = config
     self.options = options
     self.towers = None
+    self._compile_args = {}
     self.built = True  # Its weights are the built model's.
 
   def call(self, inputs, training=False):
@@ -85,84 +91,133 @@ class TowersModel(keras.Model):
   def compile(self, optimizer='rmsprop', loss=None, metrics=None, *,
               jit_compile='auto', **kwargs):
     """Keras's `compile`, then the towers: the optimizer built and every
-    variable checked on the variables device. `jit_compile=True` compiles
-    each clone with XLA (`xla=True`)."""
-    if kwargs.get('loss_weights') is not None:
-      raise errors.ConfigError(
-          'loss_weights: TowersModel trains one output with one loss; drop '
-          'loss_weights.')
+    variable checked on the variables device. Several losses,
+    `loss_weights` and weighted metrics are Keras's own; `jit_compile=True`
+    compiles each clone with XLA (`xla=True`)."""
     if kwargs.pop('run_eagerly', None) is False:
       raise errors.ConfigError(
           'run_eagerly=False: TowersModel runs Keras\'s step eagerly around '
           "the towers' compiled step; leave run_eagerly unset.")
+    for each in tf.nest.flatten(loss):
+      if isinstance(each, keras.losses.Loss):
+        trainer.check_loss(each)
     if jit_compile is True:
       self.options = dataclasses.replace(self.options, xla=True)
     with tf.device(self.config.variables_device()):
       super().compile(optimizer=_beside_the_variables(optimizer), loss=loss,
                       metrics=metrics, jit_compile=False, run_eagerly=True,
                       **kwargs)
+    self._compile_args = dict(loss=loss, metrics=metrics, **kwargs)
     self.towers = towers_lib.deploy(self.config, self.model,
-                                    _one_loss(self.loss), self.optimizer,
+                                    _CompiledLoss(self), self.optimizer,
                                     self.options)
+    self._full_rows = 0  # The most rows a batch had: fewer is a last one.
 
   def train_step(self, data):
     _check_no_strategy()
     images, labels, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    if sample_weight is not None:
-      raise errors.ConfigError(
-          'sample_weight (or class_weight) given to fit: the towers weight '
-          "each clone's loss by its rows only; drop the weights.")
-    _check_rows(images, self.config.num_clones,
-                self.options.accumulation_steps)
-    # The compiled metrics' variables, made once, before the step is traced:
-    # made in its first trace, they would make tf.function trace it twice
+    # The compiled loss and metrics, built once before the step is traced:
+    # built in its first trace, they would make tf.function trace it twice
     # (what Keras's own fit does under a strategy).
-    if self._compile_metrics is not None and not self._compile_metrics.built:
-      self._symbolic_build(data_batch=(images, labels, None))
-    if isinstance(self.towers, towers_lib.DeployedModel):
-      sizes = self.towers.clone_rows(images, labels, uneven=True)
-      return self._train_function(images, labels, sizes)
-    result = self.towers.train_step_outputs(  # Balanced: measures first.
-        images, labels, uneven=True, with_outputs=True)
-    return self._update_metrics(images, labels, result.outputs, result.total)
+    keras_internals.build_compiled(self, (images, labels, sample_weight))
+    targets = _targets(labels, sample_weight)
+    rows_ = rows.batch_rows(images, targets)
+    self._full_rows = max(self._full_rows, rows_)
+    towers = self.towers
+    if towers.balancer is not None:
+      towers.clone_shares = towers.balancer.shares(towers, images, targets)
+    layout = towers.layout_for(images, targets,
+                               partial=rows_ < self._full_rows)
+    return self._train_function(images, targets, layout)
 
   @tf.function
-  def _train_function(self, images, labels, sizes):
+  def _train_function(self, images, targets, layout):
     """The towers' step and the metrics, one compiled call a step (eager,
-    the metrics cost more than a small model's step). `sizes` are Python
-    ints: one trace per split, as the towers' own step."""
-    result = self.towers.step_graph(images, labels, sizes, with_outputs=True)
-    return self._update_metrics(images, labels, result.outputs, result.total)
-
-  def _update_metrics(self, images, labels, outputs, total):
-    """The loss tracker and the compiled metrics, as Keras updates them."""
-    self._loss_tracker.update_state(total, sample_weight=tf.shape(images)[0])
-    return self.compute_metrics(images, labels, outputs)
+    the metrics cost more than a small model's step). `layout` is a frozen
+    record of Python ints: one trace per layout, as the towers' own step."""
+    result = self.towers.step_graph(images, targets, layout,
+                                    with_outputs=True)
+    labels, sample_weight = (*targets, None)[:2]
+    keras_internals.loss_tracker(self).update_state(
+        result.total, sample_weight=layout.worker_rows())
+    return self.compute_metrics(images, labels, result.outputs,
+                                sample_weight=sample_weight)
 
   def test_step(self, data):
     images, labels, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    keras_internals.build_compiled(self, (images, labels, sample_weight))
     return self._test_function(images, labels, sample_weight)
 
   @tf.function
   def _test_function(self, images, labels, sample_weight):
     """The towers' inference and Keras's evaluation loss and metrics of it,
     one compiled call a batch."""
-    outputs = self.towers.predict(images)
-    loss = self._compute_loss(x=images, y=labels, y_pred=outputs,
-                              sample_weight=sample_weight, training=False)
-    self._loss_tracker.update_state(loss, sample_weight=tf.shape(images)[0])
+    outputs, regularization = self.towers.evaluate_outputs(images)
+    loss = _CompiledLoss(self)(_targets(labels, sample_weight), outputs)
+    loss += tf.cast(regularization, loss.dtype)
+    rows_ = tf.shape(tf.nest.flatten(images)[0])[0]
+    keras_internals.loss_tracker(self).update_state(loss,
+                                                    sample_weight=rows_)
     return self.compute_metrics(images, labels, outputs,
                                 sample_weight=sample_weight)
 
   def predict_step(self, data):
     images, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    if self.towers is None:  # Before compile: the model on one device.
+      return self.model(images, training=False)
     return self.towers.predict(images)
 
   def save(self, filepath, *args, **kwargs):
-    """Saves the wrapped model, so plain Keras loads the file without
-    tfmulti (what ModelCheckpoint writes too). `save_weights` keeps this
-    model's own, the optimizer's state included (BackupAndRestore's)."""
+    """Saves the wrapped model with this model's optimizer state and
+    compile config, as Keras would save a compiled model, so plain Keras
+    loads the file without tfmulti (what ModelCheckpoint writes too).
+    `save_weights` keeps this model's own (BackupAndRestore's)."""
+    if self.towers is not None and not self.model.compiled:
+      self.model.compile(optimizer=self.optimizer, **self._compile_args)
     return self.model.save(filepath, *args, **kwargs)
+
+  def export(self, filepath, *args, **kwargs):
+    """Exports the wrapped model (a SavedModel for serving)."""
+    return self.model.export(filepath, *args, **kwargs)
+
+
+class _CompiledLoss:
+  """Keras's compiled loss as the towers' `loss_fn(targets, outputs)`, with
+  targets = `_targets(labels, sample_weight)`: several outputs, their losses,
+  `loss_weights` and sample (or class) weights, each a mean over the rows
+  that the towers weight by a piece's rows, which is exact."""
+
+  def __init__(self, model):
+    self.model = model
+
+  def __call__(self, targets, outputs):
+    labels, sample_weight = (*targets, None)[:2]
+    loss = keras_internals.compile_loss(self.model)
+    if loss is None:  # The model's own add_loss terms alone.
+      return tf.zeros([])
+    # A mean-reduced Keras loss divides by the replica count in the
+    # clones' lockstep; the towers weight by rows themselves.
+    return keras_internals.unscale_for_replicas(
+        loss(labels, outputs, sample_weight))
+
+
+def _targets(labels, sample_weight):
+  """What the towers split with the inputs: (labels,) or (labels,
+  sample_weight), a nest of tensors (None is no row-major tensor)."""
+  return (labels,) if sample_weight is None else (labels, sample_weight)
+
+
+def _check_no_mask(model):
+  """Refuses a model whose output carries a Keras mask: a masked loss is a
+  mean over each piece's valid entries, not its rows, which the towers
+  cannot weight exactly."""
+  for output in model.outputs:
+    if keras_internals.mask_of(output) is not None:
+      raise errors.ConfigError(
+          f'model {model.name!r} outputs a Keras mask (from '
+          f'{output.name!r}), whose loss is a mean over valid entries, not '
+          'rows, so the towers cannot split it exactly; drop the mask from '
+          'the output or train on one device.')
 
 
 def _check_no_strategy():
@@ -182,25 +237,3 @@ def _beside_the_variables(optimizer):
         f'optimizer {optimizer.name!r} is already built (it has slots for '
         'other variables); pass a new optimizer to compile.')
   return type(optimizer).from_config(optimizer.get_config())
-
-
-def _one_loss(loss):
-  """The one loss `compile` was given, as a callable the towers take."""
-  if isinstance(loss, (list, tuple, dict)) or loss is None:
-    raise errors.ConfigError(
-        f'loss={loss!r}: TowersModel trains one output; compile with one '
-        'loss, e.g. loss=keras.losses.SparseCategoricalCrossentropy().')
-  loss = keras.losses.get(loss) if isinstance(loss, str) else loss
-  trainer.check_loss(loss)
-  return loss
-
-
-def _check_rows(images, num_clones, accumulation_steps):
-  """Refuses a batch the towers cannot split, naming drop_remainder."""
-  rows = images.shape[0]
-  if rows < num_clones or rows % accumulation_steps:
-    raise errors.ConfigError(
-        f'a batch of {rows} rows cannot be split over num_clones='
-        f'{num_clones} in accumulation_steps={accumulation_steps} equal '
-        "parts (fit's last partial batch); batch the dataset with "
-        'drop_remainder=True.')

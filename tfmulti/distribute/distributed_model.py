@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tfmulti import devices
 from tfmulti import errors
-from tfmulti import layers
+from tfmulti import keras_internals
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
@@ -41,7 +41,7 @@ def check_supported(strategy_name, model, num_replicas):
   """
   if strategy_name != CENTRAL_STORAGE or num_replicas == 1:
     return
-  batch_norms = [layer.name for layer in layers.batch_norms(model)]
+  batch_norms = [layer.name for layer in keras_internals.batch_norms(model)]
   if batch_norms:
     raise errors.UnsupportedError(
         f'strategy={strategy_name!r} cannot train {model.name!r} on '
@@ -110,15 +110,18 @@ class DistributedModel(trainer.Trainer):
 
   def _accumulation_step(self, images, labels, first, global_rows):
     """One accumulation step of a replica: (gradients, [loss,
-    regularization], no outputs). The regularization counts on the `first`
-    one only: the weights do not change between them."""
+    regularization], no outputs). The weight penalties count on the
+    `first` one only (the weights do not change between them); the model's
+    `add_loss` terms on every one, weighted by its rows."""
     model = self.model
     with tf.GradientTape() as tape:
       outputs = model(images, training=True)
+      model_losses, penalties = keras_internals.split_losses(model,
+                                                             model.losses)
       # Every replica adds its share; summed, the penalty counts once.
       loss, regularization, scaled_loss = trainer.objective(
           self.loss_fn, labels, outputs, global_rows=global_rows,
-          losses=model.losses,
+          model_losses=model_losses, penalties=penalties,
           penalty_weight=1.0 / self.num_replicas if first else 0,
           loss_scale=trainer.loss_scale_of(self.optimizer))
     return (tape.gradient(scaled_loss, model.trainable_variables),
@@ -129,9 +132,13 @@ class DistributedModel(trainer.Trainer):
     loss_scale = trainer.loss_scale_of(self.optimizer)
     # The sums live on the replica's device, beside its copy of the
     # variables (device None: the replica's own).
+    layout = rows.step_layout(
+        rows.batch_rows(images, labels),
+        accumulation_steps=self.options.accumulation_steps)
     gradients, (loss, regularization), _ = rows.accumulate(
-        lambda x, y, first: self._accumulation_step(x, y, first, global_rows),
-        images, labels, self.options.accumulation_steps, None)
+        lambda x, y, k, shift: self._accumulation_step(x, y, k == 0,
+                                                       global_rows),
+        images, labels, layout)
     # Keras all-reduces (sums) the replicas' gradients inside
     # apply_gradients, once a step; a LossScaleOptimizer also unscales them.
     self.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
@@ -193,14 +200,14 @@ class DistributedModel(trainer.Trainer):
       global_rows = worker_rows * self.num_workers  # Equal rows a worker.
       return self._step(images, labels, global_rows)
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    rows.check_batch(images, labels)
     steps = self.options.accumulation_steps
-    sizes = rows.shard_rows(rows.accumulation_rows(images.shape[0], steps),
-                            self.options.clone_shares, self.num_replicas,
-                            'num_replicas')
+    layout = rows.step_layout(
+        rows.batch_rows(images, labels), num_clones=self.num_replicas,
+        shares=self.options.clone_shares, accumulation_steps=steps)
+    sizes = list(layout.clone_rows(0, 0))
     # Replica i takes steps * sizes[i] consecutive rows: its part of each
     # accumulation step (the update sees every row of the batch once).
-    sizes = sizes and [steps * size for size in sizes]
+    sizes = [steps * size for size in sizes]
     return self._step(self._shard(images, sizes),
                       self._shard(labels, sizes), tf.shape(labels)[0])
 

@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import keras_internals
 from tfmulti import step_options
 
 # The kinds of cost, named where the step options choose them.
@@ -42,16 +43,16 @@ def operations(model):
     errors.ConfigError: not a functional model with one output, or a layer
       called more than once (stages cut each layer once).
   """
-  if not hasattr(model, '_nodes') or len(model.outputs) != 1:
+  if not keras_internals.is_functional(model) or len(model.outputs) != 1:
     raise errors.ConfigError(
         f'model {model.name!r}: stages cut a functional model with one '
-        'output (keras.Model(inputs, outputs)); build it that way.')
+        'output (keras.Model(inputs, outputs)); build it that way, or train '
+        'several outputs with num_stages=1.')
   found = []
   for operation in model.operations:
     if isinstance(operation, keras.layers.InputLayer):
       continue
-    nodes = [node for i, node in enumerate(operation._inbound_nodes)
-             if f'{id(operation)}_ib-{i}' in model._nodes]
+    nodes = keras_internals.operation_nodes(model, operation)
     if len(nodes) != 1:
       raise errors.ConfigError(
           f'layer {operation.name!r} is called {len(nodes)} times in '

@@ -45,7 +45,7 @@ def partition(costs, num_stages, speeds=None):
   if num_stages > n:
     raise errors.ConfigError(
         f'num_stages={num_stages}: the model has {n} layers to cut; use '
-        f'--num_stages={n} or fewer.')
+        f'num_stages={n} or fewer.')
   check_speeds(speeds, num_stages)
   speeds = speeds or [1.0] * num_stages
   prefix = [0.0]

@@ -51,12 +51,13 @@ import keras
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import keras_internals
+from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.pipeline import costs
 from tfmulti.pipeline import partition
 from tfmulti.pipeline import schedules
-from tfmulti.rows import split_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,6 @@ def stage_starts(model, num_stages, options):
   `options` (a `StepOptions`: `stage_boundaries`, or else `stage_costs`
   and `stage_speeds`)."""
   names = [op.name for op, _ in costs.operations(model)]
-  if num_stages > len(names):
-    raise errors.ConfigError(
-        f'num_stages={num_stages}: {model.name!r} has {len(names)} layers '
-        f'to cut; use --num_stages={len(names)} or fewer.')
   boundaries = options.stage_boundaries
   if boundaries is None:
     measure = (costs.measured_costs if options.stage_costs == costs.MEASURED
@@ -159,65 +156,65 @@ class Stages:
     """Cuts `model` as the `StepOptions` say (the cut, micro-batches,
     recomputation); raises `ConfigError` for a cut that cannot be made."""
     self.options = options
+    self.model = model
     self.stages = split_model(model, stage_starts(model, num_stages, options))
-    self.input_key = id(model.inputs[0])
+    self.input_keys = tuple(id(t) for t in model.inputs)
     self.output_key = id(model.outputs[0])
 
-  def _forward(self, s, trainable, non_trainable, values, labels, context,
-               weight):
-    """Stage `s` on one micro-batch: its `_Result`."""
+  def _forward(self, s, context, values, flight):
+    """Stage `s` on one micro-batch (`flight`): its `_Result`."""
     stage = self.stages[s]
+    non_trainable = [context.non_trainable[i] for i in stage.non_trainable]
+    seeds = keras_internals.seed_indices(stage.model)
+    folded = keras_internals.fold_seeds(non_trainable, seeds, flight.offset)
     outputs, new_non_trainable, losses = stage.model.stateless_call(
-        [trainable[i] for i in stage.trainable],
-        [non_trainable[i] for i in stage.non_trainable],
+        [context.trainable[i] for i in stage.trainable], folded,
         [values[k] for k in stage.input_keys],
         training=True, return_losses=True)
+    new_non_trainable = keras_internals.unfold_seeds(
+        new_non_trainable, folded, non_trainable, seeds)
     outputs = keras.tree.flatten(outputs)
     # In the variables' dtype (float64 models too), not the activations'.
-    dtype = (trainable[stage.trainable[0]].dtype if stage.trainable
+    dtype = (context.trainable[stage.trainable[0]].dtype if stage.trainable
              else tf.float32)
-    penalty = trainer.penalty(losses, weight, dtype)
+    model_losses, penalties = keras_internals.split_losses(stage.model,
+                                                           losses)
+    penalty = (trainer.penalty(penalties, flight.weight, dtype) +
+               trainer.model_loss(model_losses, flight.rows,
+                                  context.global_rows, dtype))
     loss = None
     if s == len(self.stages) - 1:  # The penalty is kept apart, per stage.
-      loss, _, _ = trainer.objective(context.loss_fn, labels, outputs[-1],
+      loss, _, _ = trainer.objective(context.loss_fn, flight.labels,
+                                     outputs[-1],
                                      global_rows=context.global_rows)
-    return _Result(outputs, new_non_trainable, penalty, loss, losses)
+    return _Result(outputs, new_non_trainable, penalty, loss,
+                   (model_losses, penalties))
 
-  def microbatch_rows(self, rows):
-    """The rows of each micro-batch of a clone's `rows`."""
-    count = self.options.num_microbatches
-    sizes = split_rows(rows, [1] * count)
-    if not all(sizes):
-      raise errors.ConfigError(
-          f'num_microbatches={count} is more than the {rows} rows of a '
-          f'clone; use at most {rows}.')
-    return sizes
-
-  def clone_step(self, devices, loss_fn, global_rows, trainable,
-                 non_trainable, images, labels, regularization_weight,
-                 loss_scale):
+  def clone_step(self, devices, loss_fn, global_rows, pieces, shift,
+                 trainable, non_trainable, images, labels, loss_scale):
     """One clone's forward and backward passes over its stages.
 
-    Same arguments and results as `clones.clone_step`, with `devices` the
-    clone's stage devices; the new non-trainable values come as a list,
-    one a micro-batch (of `microbatch_rows` rows), for
+    As `clones.clone_step`, on the clone's `pieces` (`rows.Piece`s: its
+    micro-batches, whose rows, penalty weights and offsets it reads, the
+    offsets moved by `shift`), with `devices` the clone's stage devices;
+    the new non-trainable values come as a list, one a micro-batch, for
     `batch_norm.combine_non_trainable`. With `reproducible_rows` each
     micro-batch is an atom, and the losses and gradients come stacked over
-    them, as `deploy.atoms.per_atom` gives them. Each stage runs its passes
-    in the order of `pipeline_schedule` (`schedules.passes`).
+    them, as `deploy.atoms.run_pieces` gives them. Each stage runs its
+    passes in the order of `pipeline_schedule` (`schedules.passes`).
     """
-    sizes = self.microbatch_rows(images.shape[0])
+    pieces = [piece for piece in pieces if piece.rows]
+    sizes = [piece.rows for piece in pieces]
     with tf.device(devices[0]):
-      image_parts = tf.split(images, sizes)
-      label_parts = tf.split(labels, sizes)
+      image_parts = rows.split(images, sizes)
+      label_parts = rows.split(labels, sizes)
     context = _Context(loss_fn, global_rows, loss_scale, trainable,
                        non_trainable,
                        tf.get_current_name_scope())
-    # The regularization counts once a clone: on its first micro-batch.
-    flights = [_Flight({self.input_key: x}, y,
-                       regularization_weight if m == 0 else 0,
-                       len(self.stages), list(non_trainable))
-               for m, (x, y) in enumerate(zip(image_parts, label_parts))]
+    flights = [_Flight(dict(zip(self.input_keys, keras_internals.flat_inputs(
+        self.model, x))), y, piece, shift, len(self.stages),
+                       list(non_trainable))
+               for piece, x, y in zip(pieces, image_parts, label_parts)]
     ends = [[] for _ in self.stages]  # What each stage's last pass made.
     per_stage = schedules.passes(self.options.pipeline_schedule,
                                  len(self.stages), len(sizes))
@@ -225,20 +222,23 @@ class Stages:
       run = self._forward_pass if kind == schedules.FORWARD else (
           self._backward_pass)
       ends[s] = run(s, m, devices, context, flights[m], ends[s])
-    return self._clone_results(devices, flights, len(trainable))
+    return self._clone_results(devices, context, flights, len(trainable))
 
-  def _clone_results(self, devices, flights, num_trainable):
+  def _clone_results(self, devices, context, flights, num_trainable):
     """`clone_step`'s results from its micro-batches' flights."""
     last = len(self.stages) - 1
     losses, regularizations = [], []
     for flight in flights:
       loss = flight.kept[last][2].loss
       with tf.device(devices[last]):
-        # One sum over every layer's regularization loss (the stages'
-        # tapes take theirs apart).
+        # One sum over every layer's regularization (the stages' tapes
+        # take theirs apart), the same whatever the cut.
+        kept = [flight.kept[s][2].losses for s in range(last + 1)]
         regularization = trainer.penalty(
-            [x for s in range(last + 1) for x in flight.kept[s][2].losses],
-            flight.weight, loss.dtype)
+            [x for _, penalties in kept for x in penalties], flight.weight,
+            loss.dtype) + trainer.model_loss(
+                [x for model_losses, _ in kept for x in model_losses],
+                flight.rows, context.global_rows, loss.dtype)
       losses.append(loss + regularization)
       regularizations.append(regularization)
     # Summed over micro-batches on each stage's device; with atoms (each
@@ -273,13 +273,9 @@ class Stages:
       inputs = _gate([flight.values[k] for k in stage.input_keys], after)
       if self.options.recompute and s < len(self.stages) - 1:
         tape, result = None, self._forward(
-            s, context.trainable, context.non_trainable,
-            dict(zip(stage.input_keys, inputs)), flight.labels, context,
-            flight.weight)
+            s, context, dict(zip(stage.input_keys, inputs)), flight)
       else:
-        tape, result = self._taped(s, context.trainable,
-                                   context.non_trainable, inputs,
-                                   flight.labels, context, flight.weight)
+        tape, result = self._taped(s, context, inputs, flight)
       flight.values.update(zip(stage.output_keys, result.outputs))
       for i, value in zip(stage.non_trainable, result.state):
         flight.new_non_trainable[i] = value
@@ -300,9 +296,7 @@ class Stages:
           s < last) else []
       if tape is None:  # Recompute, once the output gradients exist.
         inputs = _gate(_gate(inputs, after), upstream, 'await_gradients')
-        tape, result = self._taped(s, context.trainable,
-                                   context.non_trainable, inputs,
-                                   flight.labels, context, flight.weight)
+        tape, result = self._taped(s, context, inputs, flight)
       outputs, penalty, loss = result.outputs, result.penalty, result.loss
       scale = tf.cast(context.loss_scale, penalty.dtype)
       if s == last:
@@ -311,10 +305,11 @@ class Stages:
       else:
         targets = list(outputs) + [penalty]
         output_gradients = _gate(upstream, after) + [scale]
-      input_keys = [k for k in stage.input_keys if k != self.input_key]
+      input_keys = [k for k in stage.input_keys
+                    if k not in self.input_keys]
       sources = [context.trainable[i] for i in stage.trainable] + [
           x for k, x in zip(stage.input_keys, inputs)
-          if k != self.input_key]
+          if k not in self.input_keys]
       grads = tape.gradient(targets, sources,
                             output_gradients=output_gradients)
       n = len(stage.trainable)
@@ -325,27 +320,34 @@ class Stages:
                               if k in flight.upstream else g)
     return [g for g in grads if g is not None]
 
-  def _taped(self, s, trainable, non_trainable, inputs, labels, context,
-             weight):
+  def _taped(self, s, context, inputs, flight):
     """`_forward` recorded on a tape: (tape, its results)."""
     stage = self.stages[s]
     values = dict(zip(stage.input_keys, inputs))
     with tf.GradientTape() as tape:
-      tape.watch([trainable[i] for i in stage.trainable])
-      tape.watch([x for k, x in values.items() if k != self.input_key])
-      result = self._forward(s, trainable, non_trainable, values, labels,
-                             context, weight)
+      tape.watch([context.trainable[i] for i in stage.trainable])
+      tape.watch([x for k, x in values.items() if k not in self.input_keys])
+      result = self._forward(s, context, values, flight)
     return tape, result
 
-  def predict(self, devices, images):
-    """Inference outputs of `images` through the stages on `devices`."""
-    values = {self.input_key: images}
+  def predict(self, devices, images, trainable, non_trainable):
+    """Inference through the stages on `devices`: (outputs, the layers'
+    add_loss terms, their weight penalties)."""
+    values = dict(zip(self.input_keys,
+                      keras_internals.flat_inputs(self.model, images)))
+    model_losses, penalties = [], []
     for s, stage in enumerate(self.stages):
       with tf.device(devices[s]):
-        outputs = keras.tree.flatten(stage.model(
-            [values[k] for k in stage.input_keys], training=False))
-        values.update(zip(stage.output_keys, outputs))
-    return values[self.output_key]
+        outputs, _, losses = stage.model.stateless_call(
+            [trainable[i] for i in stage.trainable],
+            [non_trainable[i] for i in stage.non_trainable],
+            [values[k] for k in stage.input_keys], training=False,
+            return_losses=True)
+        values.update(zip(stage.output_keys, keras.tree.flatten(outputs)))
+        adds, weights = keras_internals.split_losses(stage.model, losses)
+        model_losses += adds
+        penalties += weights
+    return values[self.output_key], model_losses, penalties
 
 
 def _gate(tensors, after, name='pass_gate'):
@@ -356,8 +358,9 @@ def _gate(tensors, after, name='pass_gate'):
 
 
 # A stage's forward pass on one micro-batch: its outputs, the new
-# non-trainable values, its penalty times the weight, the micro-batch's part
-# of the loss (the last stage; else None), its layers' regularization losses.
+# non-trainable values, its part of the regularization (penalties times the
+# weight, add_loss terms by rows), the micro-batch's part of the loss (the
+# last stage; else None), and its layers' (add_loss terms, penalties).
 _Result = collections.namedtuple(
     '_Result', ['outputs', 'state', 'penalty', 'loss', 'losses'])
 
@@ -377,10 +380,13 @@ class _Flight:
   """One micro-batch on its way through the stages: what its passes made
   and what the later ones read."""
 
-  def __init__(self, values, labels, weight, num_stages, non_trainable):
-    self.values = values  # Keras tensor id -> the tensor; images first.
+  def __init__(self, values, labels, piece, shift, num_stages,
+               non_trainable):
+    self.values = values  # Keras tensor id -> the tensor; inputs first.
     self.labels = labels
-    self.weight = weight  # Of the regularization losses.
+    self.rows = piece.rows
+    self.weight = piece.penalty  # Its part of the weight penalties.
+    self.offset = piece.offset + shift  # Its first row, for its seeds.
     self.kept = [None] * num_stages  # (inputs, tape or None, results).
     self.upstream = {}  # Gradients of the tensors the later stages read.
     self.stage_grads = [None] * num_stages

@@ -1,0 +1,168 @@
+"""The Keras models users bring, through `TowersModel.fit`, equal to plain
+one-device `fit` on the same rows and initial weights: several inputs and
+outputs (dicts and lists), several losses with `loss_weights`, sample and
+class weights, `add_loss` terms (an activity regularizer and a layer's
+own), numpy input whose last batch has fewer rows than clones."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmulti import deploy
+from tfmulti import errors
+
+ROWS = 34  # Batches of 8 and a last one of 2: fewer rows than 4 clones.
+BATCH = 8
+
+
+class _Penalized(keras.layers.Layer):
+  """A layer with an `add_loss` term of its own, a mean over its rows, and
+  a name Keras gives with a leading '_' (from its class name)."""
+
+  def call(self, x):
+    self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+    return x
+
+
+def _dict_model():
+  """Two dict inputs, two dict outputs, an activity regularizer and a
+  layer's own add_loss."""
+  keras.utils.set_random_seed(0)
+  a, b = keras.Input((4,), name='a'), keras.Input((2,), name='b')
+  x = keras.layers.Concatenate()([a, b])
+  x = keras.layers.Dense(8, activation='tanh',
+                         activity_regularizer=keras.regularizers.L2(0.01),
+                         kernel_regularizer=keras.regularizers.L2(0.01))(x)
+  x = _Penalized()(x)
+  return keras.Model({'a': a, 'b': b}, {
+      'logits': keras.layers.Dense(3, name='logits')(x),
+      'value': keras.layers.Dense(1, name='value')(x)})
+
+
+def _list_model():
+  """Two list inputs and two list outputs."""
+  keras.utils.set_random_seed(0)
+  a, b = keras.Input((4,)), keras.Input((2,))
+  x = keras.layers.Dense(8, activation='tanh')(
+      keras.layers.Concatenate()([a, b]))
+  return keras.Model([a, b], [keras.layers.Dense(3)(x),
+                              keras.layers.Dense(1)(x)])
+
+
+def _one_dict_output():
+  keras.utils.set_random_seed(0)
+  x = keras.Input((6,))
+  h = keras.layers.Dense(8, activation='tanh')(x)
+  return keras.Model(x, {'logits': keras.layers.Dense(3)(h)})
+
+
+def _data(kind):
+  rng = np.random.default_rng(3)
+  a = rng.normal(size=(ROWS, 4)).astype(np.float32)
+  b = rng.normal(size=(ROWS, 2)).astype(np.float32)
+  label = rng.integers(0, 3, size=ROWS).astype(np.int32)
+  value = rng.normal(size=(ROWS, 1)).astype(np.float32)
+  weight = rng.uniform(0.5, 2.0, size=ROWS).astype(np.float32)
+  if kind == 'dict':
+    return dict(x={'a': a, 'b': b}, y={'logits': label, 'value': value},
+                sample_weight=weight)
+  if kind == 'list':
+    return dict(x=[a, b], y=[label, value])
+  return dict(x=np.concatenate([a, b], axis=1), y={'logits': label},
+              class_weight=None)
+
+
+def _compile_args(kind):
+  scce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  if kind == 'dict':
+    return dict(loss={'logits': scce, 'value': 'mse'},
+                loss_weights={'logits': 1.0, 'value': 0.5})
+  if kind == 'list':
+    return dict(loss=[scce, 'mse'], loss_weights=[1.0, 0.25])
+  return dict(loss={'logits': scce})
+
+
+BUILD = {'dict': _dict_model, 'list': _list_model, 'one': _one_dict_output}
+
+
+def _fit(model, kind, **fit_args):
+  model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                **_compile_args(kind))
+  history = model.fit(**_data(kind), batch_size=BATCH, epochs=1,
+                      shuffle=False, verbose=0, **fit_args)
+  return history.history['loss'][-1]
+
+
+def _towers(kind, num_clones, **options):
+  config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    model = BUILD[kind]()
+  return deploy.TowersModel(model, config, **options)
+
+
+@pytest.mark.parametrize('kind, num_clones, options', [
+    ('dict', 4, {}),
+    ('dict', 2, dict(clone_shares=(3, 1), accumulation_steps=2)),
+    ('list', 2, {}),
+    ('one', 2, dict(accumulation_steps=2)),
+])
+def test_fit_equals_one_device(kind, num_clones, options):
+  plain = BUILD[kind]()
+  want_loss = _fit(plain, kind)
+  towers = _towers(kind, num_clones, **options)
+  got_loss = _fit(towers, kind)
+  for got, want in zip(towers.model.get_weights(), plain.get_weights()):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+
+
+def test_class_weight_equals_one_device():
+  def model():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    return keras.Model(x, keras.layers.Dense(3)(
+        keras.layers.Dense(8, activation='tanh')(x)))
+  data = _data('one')
+  data['y'] = data['y']['logits']
+  weights = {0: 1.0, 1: 3.0, 2: 0.5}
+  results = []
+  for net in (model(), None):
+    if net is None:
+      config = deploy.DeploymentConfig(num_clones=4, clone_on_cpu=True)
+      with tf.device(config.variables_device()):
+        net = deploy.TowersModel(model(), config)
+    net.compile(optimizer='sgd',
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+    history = net.fit(data['x'], data['y'], class_weight=weights,
+                      batch_size=BATCH, shuffle=False, verbose=0)
+    results.append((net.get_weights(), history.history['loss'][-1]))
+  (want, want_loss), (got, got_loss) = results
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+
+
+def test_evaluate_counts_the_model_losses_as_one_device():
+  plain = _dict_model()
+  towers = _towers('dict', 4)
+  for model in (plain, towers):
+    model.compile(optimizer='sgd', **_compile_args('dict'))
+  data = _data('dict')
+  # The total loss: both outputs' weighted losses, the penalties and the
+  # add_loss terms, over a last batch of fewer rows than clones.
+  np.testing.assert_allclose(
+      towers.evaluate(**data, batch_size=BATCH, verbose=0)[0],
+      plain.evaluate(**data, batch_size=BATCH, verbose=0)[0], rtol=1e-5)
+
+
+def test_a_masked_output_is_refused_in_one_line():
+  keras.utils.set_random_seed(0)
+  x = keras.Input((5,), dtype='int32')
+  h = keras.layers.Embedding(10, 4, mask_zero=True)(x)
+  model = keras.Model(x, keras.layers.Dense(2)(h))
+  with pytest.raises(errors.ConfigError, match='outputs a Keras mask') as e:
+    deploy.TowersModel(
+        model, deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
+  assert '\n' not in str(e.value) and len(str(e.value)) < 300

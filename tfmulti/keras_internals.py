@@ -1,0 +1,153 @@
+"""What tfmulti reads of Keras beyond its public API, in one place.
+
+Every private Keras name the library reads is here, and only here, with
+the Keras versions it was tested on (`TESTED_KERAS`, pinned in setup.cfg):
+a new Keras that moves one breaks this module's tests, not a training run.
+The conventions read here:
+
+* `stateless_call(..., return_losses=True)` returns the layers' `add_loss`
+  terms (activity regularizers included) first, then one penalty a
+  trainable weight that has a regularizer (`Layer.losses`' order).
+* A layer's random generators are `keras.random.SeedGenerator`s in its
+  `_seed_generators`; each keeps an int64 state `[seed, counter]` among the
+  model's non-trainable variables, and each draw reads the state and adds
+  1 to the counter.
+* A mean-reduced Keras loss divides by the replica count inside a
+  tf.distribute replica context (`scale_loss_for_distribution`).
+* A functional model's nodes (`_nodes`, a layer's `_inbound_nodes`), its
+  inputs' structure (`_inputs_struct`), a tensor's Keras mask, a compiled
+  model's loss (`_compile_loss`), metrics (`_compile_metrics`,
+  `_symbolic_build`) and loss tracker (`_loss_tracker`).
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+# The Keras releases this module was tested on (setup.cfg pins the range).
+TESTED_KERAS = ('3.15',)
+
+
+def flat_layers(model):
+  """Every layer of `model`, nested ones too, in order."""
+  return list(model._flatten_layers())
+
+
+def batch_norms(model):
+  """The model's `BatchNormalization` layers (nested ones too), in order."""
+  return [layer for layer in flat_layers(model)
+          if isinstance(layer, keras.layers.BatchNormalization)]
+
+
+@contextlib.contextmanager
+def synchronized_batch_norms(model):
+  """Every BatchNormalization of `model` all-reduces its batch statistics
+  over the replicas while the block traces (Keras reads `synchronized`
+  when the layer is called); the layers' config is restored after, so a
+  saved model is as the user built it."""
+  layers = [layer for layer in batch_norms(model) if not layer.synchronized]
+  for layer in layers:
+    layer.synchronized = True
+  try:
+    yield
+  finally:
+    for layer in layers:
+      layer.synchronized = False
+
+
+def split_losses(model, losses):
+  """`stateless_call`'s losses of `model` as (add_loss terms, weight
+  penalties): the penalties are the last, one a regularized weight."""
+  count = sum(getattr(v, 'regularizer', None) is not None
+              for v in model.trainable_weights)
+  cut = len(losses) - count
+  return list(losses[:cut]), list(losses[cut:])
+
+
+def seed_indices(model):
+  """Indices, in `model.non_trainable_variables`, of its layers' random
+  generator states (`[seed, counter]`)."""
+  where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+  return tuple(where[id(generator.state)]
+               for layer in flat_layers(model)
+               for generator in getattr(layer, '_seed_generators', ())
+               if id(generator.state) in where)
+
+
+def fold_seeds(values, indices, offset):
+  """`values` (non-trainable values) with each generator state at
+  `indices` folded with `offset` (a piece's first row in the global batch):
+  pieces of one step draw different numbers, and a piece draws the same
+  wherever it runs."""
+  values = list(values)
+  for i in indices:
+    values[i] = tf.random.experimental.stateless_fold_in(
+        values[i], tf.cast(offset, values[i].dtype))
+  return values
+
+
+def unfold_seeds(new_values, folded, original, indices):
+  """`new_values` with each generator state at `indices` advanced from
+  its `original` (unfolded) state by as many draws as the piece made."""
+  new_values = list(new_values)
+  for i in indices:
+    new_values[i] = original[i] + (new_values[i] - folded[i])
+  return new_values
+
+
+def unscale_for_replicas(loss):
+  """A mean-reduced Keras loss computed in a replica context, times the
+  replica count it was divided by."""
+  return keras.src.losses.loss.unscale_loss_for_distribution(loss)
+
+
+def operation_nodes(model, operation):
+  """The nodes of `operation` that belong to functional `model`."""
+  return [node for i, node in enumerate(operation._inbound_nodes)
+          if f'{id(operation)}_ib-{i}' in model._nodes]
+
+
+def is_functional(model):
+  """Whether `model` is a functional graph of layers (or a Sequential)."""
+  return hasattr(model, '_nodes') and bool(getattr(model, 'inputs', None))
+
+
+def flat_inputs(model, inputs):
+  """`inputs` (a tensor, list or dict) flattened in `model.inputs`' order."""
+  struct = getattr(model, '_inputs_struct', None)
+  if isinstance(inputs, dict) and struct is not None:
+    return [inputs[key] for key in _input_names(model)]
+  return tf.nest.flatten(inputs)
+
+
+def _input_names(model):
+  """The names under which a dict input feeds each of `model.inputs`."""
+  struct = model._inputs_struct
+  if isinstance(struct, dict):
+    order = {id(t): key for key, t in struct.items()}
+    return [order[id(t)] for t in model.inputs]
+  return [t.name for t in model.inputs]
+
+
+def mask_of(tensor):
+  """The Keras mask a layer attached to `tensor`, or None."""
+  return keras.src.backend.get_keras_mask(tensor)
+
+
+def compile_loss(model):
+  """The loss `compile` built (one or several, with their weights)."""
+  return model._compile_loss
+
+
+def build_compiled(model, data):
+  """Builds a compiled model's loss and metrics from a batch, once."""
+  unbuilt = [part for part in (model._compile_metrics, model._compile_loss)
+             if part is not None and not part.built]
+  if unbuilt:
+    model._symbolic_build(data_batch=data)
+
+
+def loss_tracker(model):
+  """The metric `fit` reports as 'loss'."""
+  return model._loss_tracker
