@@ -1,0 +1,135 @@
+"""What every piece of a step computes on its own rows: the model's
+`add_loss` terms weighted by rows on every layout, synchronized BatchNorm
+for any BatchNormalization, random layers that never repeat a mask across
+pieces and keep the same bits under `reproducible_rows`."""
+
+import keras
+import numpy as np
+import pytest
+
+from tests.helpers import (L2, assert_same_steps, make_batch, make_deployed,
+                           make_loss, mlp, weights)
+from tfmulti import deploy
+from tfmulti import distribute
+
+
+class _Penalized(keras.layers.Layer):
+  """A layer's own add_loss term: a mean over the rows."""
+
+  def call(self, x):
+    self.add_loss(0.5 * keras.ops.mean(keras.ops.square(x)))
+    return x
+
+
+def add_loss_mlp(seed=0):
+  """6 -> 3 with an activity regularizer, a layer's add_loss, L2."""
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((6,))
+  h = keras.layers.Dense(16, activation='tanh', name='d1',
+                         kernel_regularizer=keras.regularizers.L2(L2),
+                         activity_regularizer=keras.regularizers.L2(0.05))(x)
+  h = _Penalized(name='penalized')(h)
+  h = keras.layers.Dense(8, activation='tanh', name='d2')(h)
+  return keras.Model(x, keras.layers.Dense(3, name='out')(h))
+
+
+def _one_device():
+  return make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
+                       model_fn=add_loss_mlp)
+
+
+@pytest.mark.parametrize('config_fields, options', [
+    (dict(num_clones=2), {}),
+    (dict(num_clones=4), {}),
+    (dict(num_clones=2), dict(clone_shares=(3, 1))),
+    (dict(num_clones=2), dict(accumulation_steps=2)),
+    (dict(num_clones=2, num_stages=2), dict(num_microbatches=2)),
+])
+def test_add_loss_terms_count_over_every_row(config_fields, options):
+  config = deploy.DeploymentConfig(clone_on_cpu=True, **config_fields)
+  towers = make_deployed(config, model_fn=add_loss_mlp, **options)
+  assert_same_steps(towers, _one_device(), rows=16)
+
+
+def test_add_loss_terms_on_mirrored_replicas_with_accumulation():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  runs = []
+  for name in ('mirrored', 'single'):
+    strategy = distribute.make_strategy(name, config)
+    with strategy.scope():
+      model = add_loss_mlp()
+      optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    runs.append(distribute.DistributedModel(
+        strategy, model, make_loss(), optimizer,
+        deploy.StepOptions(accumulation_steps=2)))
+  assert_same_steps(*runs, rows=16)
+
+
+def test_sync_batch_norm_synchronizes_layers_built_unsynchronized():
+  def bn_mlp():
+    return mlp(batch_norm=True, synchronized=False)
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  synced = make_deployed(config, model_fn=bn_mlp, sync_batch_norm=True)
+  reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
+                            model_fn=bn_mlp)
+  assert_same_steps(synced, reference, rows=16)
+  # The moving statistics too, and the layers' config as the user built it.
+  for got, want in zip(weights(synced.model), weights(reference.model)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  layer = next(layer for layer in synced.model.layers
+               if isinstance(layer, keras.layers.BatchNormalization))
+  assert layer.get_config()['synchronized'] is False
+
+
+def dropout_mlp(seed=0):
+  return mlp(seed=seed, dropout=True)
+
+
+def _training_outputs(towers, images, labels):
+  return towers.train_step_outputs(images, labels, with_outputs=True).outputs
+
+
+def test_clones_draw_their_own_masks():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  towers = make_deployed(config, model_fn=dropout_mlp)
+  images, labels = make_batch(8)
+  # The same 8 rows twice: clone 0 and clone 1 get identical inputs.
+  doubled = np.concatenate([images, images]), np.concatenate([labels, labels])
+  outputs = np.array(_training_outputs(towers, *doubled))
+  assert not np.allclose(outputs[:8], outputs[8:])
+  # The generator advanced once a step from its unfolded state.
+  state = next(v for v in towers.model.non_trainable_variables
+               if 'seed_generator' in v.path)
+  assert int(state[1]) == 1
+
+
+@pytest.mark.parametrize('config_fields, options', [
+    (dict(num_clones=2), {}),
+    (dict(num_clones=2), dict(clone_shares=(3, 1))),
+    (dict(num_clones=2), dict(accumulation_steps=2)),
+    (dict(num_clones=2, num_stages=2), dict(num_microbatches=2)),
+])
+def test_dropout_keeps_the_same_bits_on_every_layout(config_fields, options):
+  atoms = dict(reproducible_rows=4)
+  reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
+                            model_fn=dropout_mlp, **atoms)
+  config = deploy.DeploymentConfig(clone_on_cpu=True, **config_fields)
+  towers = make_deployed(config, model_fn=dropout_mlp, **atoms, **options)
+  for step in range(3):
+    images, labels = make_batch(16, seed=step)
+    want = reference.train_step_outputs(images, labels)
+    got = towers.train_step_outputs(images, labels)
+    np.testing.assert_array_equal(got.total, want.total)
+  for got, want in zip(weights(towers.model), weights(reference.model)):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_piece_draws_from_its_offset_alone():
+  # The atoms of a step under one generator state: every atom a new mask.
+  towers = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
+                         model_fn=dropout_mlp, reproducible_rows=2)
+  images, labels = make_batch(2)
+  same_rows = np.tile(images, (4, 1)), np.tile(labels, 4)
+  outputs = np.array(_training_outputs(towers, *same_rows))
+  atoms = [outputs[i:i + 2] for i in range(0, 8, 2)]
+  assert all(not np.allclose(atoms[0], other) for other in atoms[1:])
