@@ -40,9 +40,10 @@ def _one_device():
 
 @pytest.mark.parametrize('config_fields, options', [
     (dict(num_clones=2), {}),
-    (dict(num_clones=4), {}),
+    pytest.param(dict(num_clones=4), {}, marks=pytest.mark.slow),
     (dict(num_clones=2), dict(clone_shares=(3, 1))),
-    (dict(num_clones=2), dict(accumulation_steps=2)),
+    pytest.param(dict(num_clones=2), dict(accumulation_steps=2),
+                 marks=pytest.mark.slow),
     (dict(num_clones=2, num_stages=2), dict(num_microbatches=2)),
 ])
 def test_add_loss_terms_count_over_every_row(config_fields, options):
@@ -51,6 +52,7 @@ def test_add_loss_terms_count_over_every_row(config_fields, options):
   assert_same_steps(towers, _one_device(), rows=16)
 
 
+@pytest.mark.slow
 def test_add_loss_terms_on_mirrored_replicas_with_accumulation():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   runs = []
@@ -104,10 +106,12 @@ def test_clones_draw_their_own_masks():
 
 
 @pytest.mark.parametrize('config_fields, options', [
-    (dict(num_clones=2), {}),
+    pytest.param(dict(num_clones=2), {}, marks=pytest.mark.slow),
     (dict(num_clones=2), dict(clone_shares=(3, 1))),
-    (dict(num_clones=2), dict(accumulation_steps=2)),
-    (dict(num_clones=2, num_stages=2), dict(num_microbatches=2)),
+    pytest.param(dict(num_clones=2), dict(accumulation_steps=2),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(num_clones=2, num_stages=2), dict(num_microbatches=2),
+                 marks=pytest.mark.slow),
 ])
 def test_dropout_keeps_the_same_bits_on_every_layout(config_fields, options):
   atoms = dict(reproducible_rows=4)

@@ -103,9 +103,11 @@ def _towers(kind, num_clones, **options):
 
 @pytest.mark.parametrize('kind, num_clones, options', [
     ('dict', 4, {}),
-    ('dict', 2, dict(clone_shares=(3, 1), accumulation_steps=2)),
-    ('list', 2, {}),
-    ('one', 2, dict(accumulation_steps=2)),
+    pytest.param('dict', 2, dict(clone_shares=(3, 1), accumulation_steps=2),
+                 marks=pytest.mark.slow),
+    pytest.param('list', 2, {}, marks=pytest.mark.slow),
+    pytest.param('one', 2, dict(accumulation_steps=2),
+                 marks=pytest.mark.slow),
 ])
 def test_fit_equals_one_device(kind, num_clones, options):
   plain = BUILD[kind]()
