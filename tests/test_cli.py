@@ -152,7 +152,13 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
     (dict(num_microbatches=2, model='resnet8_thin', sync_batch_norm=True),
      'sync_batch_norm=True runs whole clones'),
     (dict(num_microbatches=5, batch_size=4),
-     'num_microbatches=5 is more than batch_size=4'),
+     'num_microbatches=5 is more than the 4 rows of clone 0'),
+    (dict(reproducible_rows=7, batch_size=32),
+     'reproducible_rows=7: a batch of 32 rows on a worker is not 1 '
+     'accumulation step'),
+    (dict(num_clones=2, clone_on_cpu=True, clone_shares=['100', '1'],
+          batch_size=4),
+     'a batch of 8 rows leaves clone 1 of 2 no rows'),
     (dict(num_stages=0), 'num_stages=0: must be an integer >= 1'),
     # Settings that one stage would ignore.
     (dict(stage_boundaries=['dense']),
@@ -164,9 +170,16 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
 def test_bad_flags_stop_with_one_line(tmp_path, values, message):
   values = dict(dict(model_dir=str(tmp_path / 'run')), **values)
   with flagsaver.flagsaver(**values):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit, match=message) as refused:
       cli.main(['train.py'])
+  assert '\n' not in str(refused.value) and len(str(refused.value)) < 300
   assert not (tmp_path / 'run').exists()
+
+
+def test_help_shows_plain_text():
+  helps = [flag.help for flag in flags.FLAGS.flags_by_module_dict()[
+      cli.__name__]]
+  assert helps and not [text for text in helps if '%%' in text]
 
 
 @pytest.mark.parametrize('values, message', [

@@ -73,7 +73,7 @@ _LR_SCALING = flags.DEFINE_enum(
 _LR_SCHEDULE = flags.DEFINE_enum(
     'lr_schedule', schedules.CONSTANT, schedules.LR_SCHEDULES,
     'Decay after warm-up, over the global steps of the run: cosine to 0, or '
-    'x0.1 at 50%% and 75%% of the steps.')
+    'x0.1 at half and three quarters of the steps.')
 _WARMUP_STEPS = flags.DEFINE_integer(
     'warmup_steps', 0, 'Global steps of linear warm-up from 0 to the peak '
     'rate.')

@@ -182,9 +182,11 @@ def check_placement(variables, device):
   misplaced = [(getattr(v, 'path', v.name), device_of(v)) for v in variables
                if not _matches(wanted, tf.DeviceSpec.from_string(device_of(v)))]
   if misplaced:
+    (path, where), more = misplaced[0], len(misplaced) - 1
+    others = f' and {more} more' if more else ''
     raise errors.DeviceError(
-        f'variables {misplaced} are not on the variables device {device!r}; '
-        'create the model and the optimizer under '
+        f'variable {path!r} (on {where}){others} not on the variables device '
+        f'{device!r}; create the model and the optimizer under '
         'tf.device(config.variables_device()).')
 
 

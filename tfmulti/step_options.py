@@ -112,13 +112,15 @@ class StepOptions:
     shares = self.clone_shares
     if shares is None or shares == AUTO:
       return
-    if isinstance(shares, str) or not all(
+    if isinstance(shares, str):  # '3,1', as the flag is written.
+      shares = tuple(_number(part) for part in shares.split(','))
+      object.__setattr__(self, 'clone_shares', shares)
+    if not all(
         isinstance(share, (int, float)) and not isinstance(share, bool)
         and 0 < share < float('inf') for share in shares):
-      text = shares if isinstance(shares, str) else ','.join(map(str, shares))
       raise errors.ConfigError(
-          f'clone_shares={text}: every share must be a number > 0, e.g. '
-          f'3,1, or {AUTO}.')
+          f'clone_shares={",".join(map(str, shares))}: every share must be a '
+          f'number > 0, e.g. (3, 1), or {AUTO!r}.')
 
   def _check_reproducible(self):
     """What atoms cannot make layout-independent: statistics shared across
@@ -205,6 +207,17 @@ class StepOptions:
     elif 'rebalance_every_steps' in names:
       names.remove('rebalance_every_steps')  # Read with 'auto' only.
     return names
+
+
+def _number(text):
+  """A share written as text: an int or a float; the text itself if it is
+  neither (the check then names it)."""
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
 
 
 DEFAULTS = StepOptions()  # The plain step: one stage, equal shards, no XLA.

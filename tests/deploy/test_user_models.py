@@ -168,3 +168,76 @@ def test_a_masked_output_is_refused_in_one_line():
     deploy.TowersModel(
         model, deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
   assert '\n' not in str(e.value) and len(str(e.value)) < 300
+
+
+class TestAsItsModel:
+  """`predict` before `compile`, `export` and `save` as on the model."""
+
+  def _towers(self):
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    model = keras.Model(x, keras.layers.Dense(3)(x))
+    return deploy.TowersModel(
+        model, deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
+
+  def test_predict_before_compile(self):
+    towers = self._towers()
+    images = np.ones((5, 6), np.float32)
+    np.testing.assert_allclose(towers.predict(images, verbose=0),
+                               towers.model.predict(images, verbose=0))
+
+  def test_export_serves_the_model(self, tmp_path):
+    towers = self._towers()
+    towers.export(str(tmp_path / 'served'), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / 'served'))
+    images = np.ones((2, 6), np.float32)
+    np.testing.assert_allclose(served.serve(images),
+                               towers.model(images), atol=1e-6)
+
+  def test_a_saved_file_holds_the_optimizer_state(self, tmp_path):
+    towers = self._towers()
+    towers.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')
+    towers.fit(np.ones((8, 6), np.float32), np.ones((8, 3), np.float32),
+               batch_size=4, verbose=0)
+    path = str(tmp_path / 'model.keras')
+    towers.save(path)
+    loaded = keras.models.load_model(path)  # Plain Keras, no tfmulti.
+    assert int(loaded.optimizer.iterations) == 2
+    want = sorted(np.array(v).sum() for v in towers.optimizer.variables)
+    got = sorted(np.array(v).sum() for v in loaded.optimizer.variables)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+  def test_a_batch_too_small_for_the_clones_names_the_batch_size(self):
+    towers = self._towers()
+    towers.compile(optimizer='sgd', loss='mse')
+    with pytest.raises(errors.ConfigError,
+                       match='a batch of 1 rows leaves clone 1 of 2 no rows'
+                       '.*raise the batch size'):
+      towers.fit(np.ones((4, 6), np.float32), np.ones((4, 3), np.float32),
+                 batch_size=1, verbose=0)
+    assert int(towers.optimizer.iterations) == 0
+
+
+def test_shares_written_as_the_flag_is():
+  assert deploy.StepOptions(clone_shares='3,1').clone_shares == (3, 1)
+  with pytest.raises(errors.ConfigError, match='clone_shares=3,x: every'):
+    deploy.StepOptions(clone_shares='3,x')
+
+
+def test_a_layer_named_with_a_leading_underscore_trains_on_one_clone():
+  class _Scale(keras.layers.Layer):  # Keras names it '__scale'.
+    def build(self, shape):
+      self.w = self.add_weight(shape=(shape[-1],), initializer='ones')
+
+    def call(self, x):
+      return x * self.w
+  keras.utils.set_random_seed(0)
+  x = keras.Input((6,))
+  model = keras.Model(x, keras.layers.Dense(3)(_Scale()(x)))
+  assert any(layer.name.startswith('_') for layer in model.layers)
+  towers = deploy.TowersModel(model, deploy.DeploymentConfig(
+      clone_on_cpu=True))
+  towers.compile(optimizer='sgd', loss='mse')
+  towers.fit(np.ones((4, 6), np.float32), np.ones((4, 3), np.float32),
+             verbose=0)
+  assert int(towers.optimizer.iterations) == 1

@@ -64,14 +64,12 @@ def clone_step(model, loss_fn, global_rows, trainable, non_trainable,
 
 @contextlib.contextmanager
 def on_clone(config, clone_index):
-  """Places ops on the clone's device, under its name scope (if any)."""
-  scope = config.clone_scope(clone_index)
-  with tf.device(config.clone_device(clone_index)):
-    if scope:
-      with tf.name_scope(scope):
-        yield
-    else:
-      yield
+  """Places ops on the clone's device, under its name scope: slim's
+  (none for one clone) or 'clone', as a layer named with a leading '_'
+  may not open a name scope at the root."""
+  scope = config.clone_scope(clone_index) or 'clone'
+  with tf.device(config.clone_device(clone_index)), tf.name_scope(scope):
+    yield
 
 
 def split_batch(config, tensors, sizes=None):

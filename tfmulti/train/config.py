@@ -112,11 +112,5 @@ class TrainConfig:
         raise errors.ConfigError(
             f'profile_steps={first},{last}: the last step must be >= the '
             'first, e.g. --profile_steps=5,7.')
-    microbatches = self.step_options.num_microbatches
-    if microbatches > self.batch_size:
-      raise errors.ConfigError(
-          f'num_microbatches={microbatches} is more than '
-          f'batch_size={self.batch_size} rows a clone; use at most '
-          f'{self.batch_size}.')
     if not self.model_dir:
       raise errors.ConfigError("model_dir='': name an output directory.")

@@ -26,6 +26,7 @@ from absl import logging
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
+from tfmulti import rows
 from tfmulti import step_options
 
 TOWERS = 'towers'
@@ -217,9 +218,24 @@ def check(config, deploy_config):
         f'--strategy={TOWERS}.')
   if config.strategy in (TOWERS, MULTI_WORKER):
     deploy.check_options(deploy_config, options)
+  check_layout(config, deploy_config)
   if deploy_config.num_workers > 1 and not builder.multi_worker:
     raise errors.ConfigError(
         f'{deploy_config.num_workers} workers need a multi-worker strategy: '
         f'use --strategy={MULTI_WORKER} (or {MULTI_WORKER_MIRRORED}) with '
         'TF_CONFIG.')
   builder.check(config, deploy_config)
+
+
+def check_layout(config, deploy_config):
+  """Raises `ConfigError` for a batch the step's layout cannot cut (the
+  layout's own rules, checked before anything is built or written)."""
+  options = config.step_options
+  rows.step_layout(
+      config.batch_size * deploy_config.num_clones * options.accumulation_steps,
+      num_clones=deploy_config.num_clones, shares=options.fixed_shares,
+      accumulation_steps=options.accumulation_steps,
+      num_microbatches=options.num_microbatches,
+      staged=deploy_config.num_stages > 1 or options.num_microbatches > 1,
+      atom_rows=options.reproducible_rows,
+      num_workers=deploy_config.num_workers)
