@@ -1,0 +1,96 @@
+"""The step's layout (`rows.StepLayout`): integers only, no devices, as
+`DeploymentConfig`'s tests are."""
+
+import pytest
+
+from tfmulti import errors
+from tfmulti import rows
+
+
+def _cut(layout):
+  return [(p.worker, p.accumulation_step, p.clone, p.microbatch, p.offset,
+           p.rows) for p in layout.pieces]
+
+
+def test_clones_split_as_evenly_as_the_rows_go():
+  layout = rows.step_layout(10, num_clones=4)
+  assert layout.clone_rows(0, 0) == (3, 3, 2, 2)
+  assert [p.offset for p in layout.pieces] == [0, 3, 6, 8]
+  assert layout.global_rows == 10 and not layout.is_even()
+
+
+def test_shares_split_by_largest_remainder():
+  assert rows.step_layout(16, num_clones=2, shares=(3, 1)).clone_rows(
+      0, 0) == (12, 4)
+  assert rows.split_rows(16, (2, 1)) == [11, 5]
+
+
+def test_workers_accumulation_clones_and_microbatches_in_row_order():
+  layout = rows.step_layout(8, num_clones=2, accumulation_steps=2,
+                            num_microbatches=2, staged=True, num_workers=2)
+  assert layout.global_rows == 16
+  assert _cut(layout)[:4] == [(0, 0, 0, 0, 0, 1), (0, 0, 0, 1, 1, 1),
+                              (0, 0, 1, 0, 2, 1), (0, 0, 1, 1, 3, 1)]
+  assert _cut(layout)[8] == (1, 0, 0, 0, 8, 1)  # Worker 1 starts at row 8.
+  offsets = [p.offset for p in layout.pieces]
+  assert offsets == sorted(offsets) and sum(p.rows for p in layout.pieces) \
+      == 16
+  assert layout.equal_steps() and layout.step_rows(1, 1) == 4
+
+
+def test_the_penalties_count_once_over_the_job():
+  layout = rows.step_layout(8, num_clones=2, accumulation_steps=2,
+                            num_workers=2)
+  assert sum(p.penalty for p in layout.pieces) == 1.0
+  assert [p.penalty for p in layout.pieces if p.penalty] == [0.5, 0.5]
+  atoms = rows.step_layout(8, num_clones=2, atom_rows=2, num_workers=2)
+  assert [(p.worker, p.atom) for p in atoms.pieces if p.penalty] == [(0, 0)]
+
+
+def test_atoms_are_whole_and_numbered_over_the_job():
+  layout = rows.step_layout(12, num_clones=2, atom_rows=4, num_workers=2)
+  assert layout.clone_rows(0, 0) == (8, 4)  # 3 atoms: 2 and 1.
+  assert [p.atom for p in layout.pieces] == list(range(6))
+  assert {p.rows for p in layout.pieces} == {4}
+  assert [p.offset for p in layout.pieces] == [0, 4, 8, 12, 16, 20]
+
+
+def test_a_short_last_batch_leaves_empty_pieces():
+  layout = rows.step_layout(3, num_clones=4, accumulation_steps=2,
+                            num_microbatches=2, staged=True, partial=True)
+  assert [layout.step_rows(0, k) for k in range(2)] == [2, 1]
+  assert layout.clone_rows(0, 1) == (1, 0, 0, 0)
+  assert layout.microbatch_rows(0, 0, 0) == (1,)  # Not an empty one.
+  assert not layout.equal_steps()
+  assert sum(p.rows for p in layout.pieces) == 3
+
+
+def test_one_layout_object_a_shape():
+  # tf.function traces once a layout: equal arguments give the same object.
+  assert rows.step_layout(8, num_clones=2) is rows.step_layout(
+      8, num_clones=2)
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(worker_rows=6, accumulation_steps=4),
+     'a batch of 6 rows does not split into accumulation_steps=4'),
+    (dict(worker_rows=3, num_clones=4),
+     'a batch of 3 rows leaves clone 3 of 4 no rows'),
+    (dict(worker_rows=8, num_clones=2, shares=(100, 1)),
+     r'leaves clone 1 of 2 no rows \(clone_shares=100,1\)'),
+    (dict(worker_rows=4, num_microbatches=5, staged=True),
+     'num_microbatches=5 is more than the 4 rows of clone 0; use at most 4'),
+    (dict(worker_rows=10, atom_rows=4),
+     'reproducible_rows=4: a batch of 10 rows on a worker is not'),
+    (dict(worker_rows=16, atom_rows=4, num_microbatches=2, staged=True),
+     'each micro-batch through the stages must be one atom.*'
+     'num_microbatches=4'),
+    (dict(worker_rows=8, num_clones=2, shares=(1, 1, 1)),
+     'give one share per clone'),
+    (dict(worker_rows=0), r'rows of a batch=0: must be an integer >= 1'),
+])
+def test_each_rule_refuses_in_one_line(kwargs, message):
+  worker_rows = kwargs.pop('worker_rows')
+  with pytest.raises(errors.ConfigError, match=message) as refused:
+    rows.step_layout(worker_rows, **kwargs)
+  assert '\n' not in str(refused.value) and len(str(refused.value)) < 300
