@@ -15,7 +15,8 @@ The conventions read here:
 * A mean-reduced Keras loss divides by the replica count inside a
   tf.distribute replica context (`scale_loss_for_distribution`).
 * A functional model's nodes (`_nodes`, a layer's `_inbound_nodes`), its
-  inputs' structure (`_inputs_struct`), a tensor's Keras mask, a compiled
+  inputs' structure (`_inputs_struct`), whether a layer takes `training`
+  (`_call_has_training_arg`), a tensor's Keras mask, a compiled
   model's loss (`_compile_loss`), metrics (`_compile_metrics`,
   `_symbolic_build`) and loss tracker (`_loss_tracker`).
 """
@@ -106,6 +107,11 @@ def operation_nodes(model, operation):
   """The nodes of `operation` that belong to functional `model`."""
   return [node for i, node in enumerate(operation._inbound_nodes)
           if f'{id(operation)}_ib-{i}' in model._nodes]
+
+
+def takes_training(layer):
+  """Whether `layer.call` takes a `training` argument."""
+  return layer._call_has_training_arg
 
 
 def is_functional(model):

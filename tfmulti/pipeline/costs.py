@@ -90,7 +90,7 @@ def _forward_backward(operation, node, inputs):
     if isinstance(operation, keras.layers.Layer):
       trainable = [v.value for v in operation.trainable_variables]
       tape.watch(trainable)
-      if operation._call_has_training_arg:
+      if keras_internals.takes_training(operation):
         kwargs['training'] = True
       outputs, _ = operation.stateless_call(
           trainable, [v.value for v in operation.non_trainable_variables],

@@ -1,0 +1,65 @@
+"""The private Keras conventions tfmulti reads, pinned to the Keras
+releases they were tested on: a Keras that moves one fails here."""
+
+import keras
+import numpy as np
+
+from tfmulti import keras_internals
+
+
+def _model():
+  keras.utils.set_random_seed(0)
+  x = keras.Input((4,))
+  h = keras.layers.Dense(3, kernel_regularizer='l2',
+                         activity_regularizer='l2')(x)
+  h = keras.layers.Dropout(0.5)(keras.layers.BatchNormalization()(h))
+  return keras.Model(x, keras.layers.Dense(2, bias_regularizer='l1')(h))
+
+
+def test_the_keras_release_is_a_tested_one():
+  assert keras.__version__.rsplit('.', 1)[0] in keras_internals.TESTED_KERAS
+
+
+def test_stateless_losses_are_add_loss_terms_then_penalties():
+  model = _model()
+  values = ([v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables])
+  _, _, losses = model.stateless_call(*values, np.ones((2, 4), np.float32),
+                                      training=True, return_losses=True)
+  added, penalties = keras_internals.split_losses(model, losses)
+  assert (len(added), len(penalties)) == (1, 2)
+  want = sum(float(v.regularizer(v)) for v in model.trainable_weights
+             if v.regularizer is not None)
+  np.testing.assert_allclose(sum(float(p) for p in penalties), want,
+                             rtol=1e-6)
+
+
+def test_seed_states_are_found_and_fold_apart():
+  model = _model()
+  (index,) = keras_internals.seed_indices(model)
+  state = model.non_trainable_variables[index]
+  assert 'seed_generator' in state.path and state.dtype == 'int64'
+  values = [v.value for v in model.non_trainable_variables]
+  folded = [keras_internals.fold_seeds(values, [index], offset)[index]
+            for offset in (0, 8)]
+  assert not np.array_equal(folded[0], folded[1])
+  advanced = [folded[0] + np.array([0, 3])]
+  back = keras_internals.unfold_seeds(advanced, [folded[0]], [values[index]],
+                                      [0])
+  np.testing.assert_array_equal(back[0], np.array(values[index]) + [0, 3])
+
+
+def test_synchronized_batch_norms_restores_the_config():
+  model = _model()
+  (layer,) = keras_internals.batch_norms(model)
+  with keras_internals.synchronized_batch_norms(model):
+    assert layer.synchronized
+  assert not layer.synchronized and not layer.get_config()['synchronized']
+
+
+def test_dict_inputs_follow_the_model_inputs():
+  a, b = keras.Input((1,), name='a'), keras.Input((2,), name='b')
+  model = keras.Model({'b': b, 'a': a},
+                      keras.layers.Concatenate()([a, b]))
+  flat = keras_internals.flat_inputs(model, {'a': 'A', 'b': 'B'})
+  assert flat == [{'a': 'A', 'b': 'B'}[t.name] for t in model.inputs]
