@@ -15,13 +15,13 @@ reached 0.82 validation accuracy in 4 epochs.
 
 import os
 
-import keras
-import numpy as np
-import tensorflow as tf
 from absl import app
 from absl import flags
 from absl import logging
+import keras
+import numpy as np
 from sklearn import datasets
+import tensorflow as tf
 
 from tfmulti import deploy
 from tfmulti import devices

@@ -12,11 +12,11 @@ runs 5 steps of mean squared error on random data on two logical CPUs, and
 the same steps on one device, and logs both losses: they are equal.
 """
 
+from absl import app
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import app
-from absl import logging
 
 from tfmulti import deploy
 from tfmulti import devices

@@ -11,10 +11,10 @@ import os
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from absl import flags  # noqa: E402
 from absl.testing import flagsaver  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 from tfmulti import devices  # noqa: E402
 

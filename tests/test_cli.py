@@ -8,14 +8,15 @@ import subprocess
 import sys
 import time
 
+from absl import flags
+from absl.testing import flagsaver
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from absl import flags
-from absl.testing import flagsaver
 
-from tests.helpers import REPO, checkpoint_tensors
+from tests.helpers import checkpoint_tensors
+from tests.helpers import REPO
 from tfmulti import cli
 from tfmulti import models
 

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti.train import build
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import models
 from tfmulti.models import resnet
+from tfmulti.train import build
 
 MNIST = (28, 28, 1)
 CIFAR = (32, 32, 3)

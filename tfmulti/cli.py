@@ -18,10 +18,10 @@ from tfmulti import native_logs
 # CPU machine, oneDNN notices) is held back unless --verbosity asks for it.
 _VERBOSE = native_logs.quiet_start(sys.argv)
 
-import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 from tfmulti import data  # noqa: E402
 from tfmulti import deploy  # noqa: E402
@@ -33,9 +33,9 @@ from tfmulti.distribute import cluster  # noqa: E402
 from tfmulti.train import build  # noqa: E402
 from tfmulti.train import config  # noqa: E402
 from tfmulti.train import job  # noqa: E402
+from tfmulti.train import learning_rates  # noqa: E402
 from tfmulti.train import loop  # noqa: E402
 from tfmulti.train import registry  # noqa: E402
-from tfmulti.train import schedules  # noqa: E402
 
 PROGRAM = 'train.py'
 
@@ -67,11 +67,11 @@ _LEARNING_RATE = flags.DEFINE_float(
     'learning_rate', 1e-3, 'Base learning rate of one device (see '
     '--lr_scaling).')
 _LR_SCALING = flags.DEFINE_enum(
-    'lr_scaling', schedules.NO_SCALING, schedules.LR_SCALINGS,
+    'lr_scaling', learning_rates.NO_SCALING, learning_rates.LR_SCALINGS,
     "'linear': the peak rate is --learning_rate times the job's clones "
     '(Goyal et al. 2017); use it with --warmup_steps.')
 _LR_SCHEDULE = flags.DEFINE_enum(
-    'lr_schedule', schedules.CONSTANT, schedules.LR_SCHEDULES,
+    'lr_schedule', learning_rates.CONSTANT, learning_rates.LR_SCHEDULES,
     'Decay after warm-up, over the global steps of the run: cosine to 0, or '
     'x0.1 at half and three quarters of the steps.')
 _WARMUP_STEPS = flags.DEFINE_integer(

@@ -6,8 +6,8 @@ decides, before TensorFlow initialises, whether the clones of a command-line
 run go to GPUs or to logical CPUs.
 """
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 from tfmulti import errors
 

@@ -3,8 +3,8 @@
 import pytest
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from tfmulti.bench import pipeline as bench_pipeline
 from tfmulti import errors
+from tfmulti.bench import pipeline as bench_pipeline
 
 
 def _space(events):

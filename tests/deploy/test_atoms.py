@@ -11,7 +11,9 @@ import keras
 import numpy as np
 import pytest
 
-from tests.helpers import make_batch, make_deployed, mlp
+from tests.helpers import make_batch
+from tests.helpers import make_deployed
+from tests.helpers import mlp
 from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import models

@@ -3,10 +3,12 @@
 import numpy as np
 import pytest
 
-from tfmulti.deploy import balance
+from tests.helpers import make_batch
+from tests.helpers import make_deployed
+from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import errors
-from tests.helpers import make_batch, make_deployed, weights
+from tfmulti.deploy import balance
 
 
 def test_shares_follow_throughputs_within_rounding():

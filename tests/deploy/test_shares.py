@@ -5,12 +5,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.helpers import assert_same_checkpoints
+from tests.helpers import assert_same_steps
+from tests.helpers import make_batch
+from tests.helpers import make_deployed
+from tests.helpers import make_loss
+from tests.helpers import mlp
+from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
 from tfmulti import rows
-from tests.helpers import (assert_same_checkpoints, assert_same_steps,
-                           make_batch, make_deployed, make_loss, mlp, weights)
 
 OPTIMIZERS = {
     'sgd': lambda: keras.optimizers.SGD(0.1),

@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import L2, REPO, make_batch, mlp, weights
+from tests.helpers import L2
+from tests.helpers import make_batch
+from tests.helpers import mlp
+from tests.helpers import REPO
+from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors

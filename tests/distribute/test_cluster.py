@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, assert_same_checkpoints
-from tfmulti.distribute import cluster
+from tests.helpers import assert_same_checkpoints
+from tests.helpers import REPO
 from tfmulti import errors
+from tfmulti.distribute import cluster
 
 TIMEOUT_S = 300  # Per worker process; a run here takes 10 to 30 seconds.
 

@@ -7,7 +7,8 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import make_batch
-from tests.pipeline.test_stages import _assert_same_steps, _pipelined
+from tests.pipeline.test_stages import _assert_same_steps
+from tests.pipeline.test_stages import _pipelined
 from tfmulti import errors
 from tfmulti.pipeline import schedules
 

@@ -10,13 +10,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti.pipeline import costs as costs_lib
+from tests.helpers import assert_same_steps
+from tests.helpers import L2
+from tests.helpers import make_batch
+from tests.helpers import make_deployed
+from tests.helpers import REPO
+from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import errors
-from tfmulti.pipeline import partition
 from tfmulti import pipeline
-from tests.helpers import (L2, REPO, assert_same_steps, make_batch,
-                           make_deployed, weights)
+from tfmulti.pipeline import costs as costs_lib
+from tfmulti.pipeline import partition
 
 
 def skip_mlp(seed=0):

@@ -12,11 +12,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import (REPO, checkpoint_tensors, make_batch,
-                           make_deployed, mlp, weights)
-from tfmulti.train import checkpoints
+from tests.helpers import checkpoint_tensors
+from tests.helpers import make_batch
+from tests.helpers import make_deployed
+from tests.helpers import mlp
+from tests.helpers import REPO
+from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import errors
+from tfmulti.train import checkpoints
 
 ONE = deploy.DeploymentConfig(num_clones=1, clone_on_cpu=True)
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti.train import export
 from tfmulti import models
+from tfmulti.train import export
 
 # Loads each export in a process that imports only TensorFlow, Keras and
 # TFDS (for the prepared digits files), and prints each one's accuracy on the

@@ -9,7 +9,8 @@ import pytest
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from tests.helpers import checkpoint_tensors, scalars
+from tests.helpers import checkpoint_tensors
+from tests.helpers import scalars
 from tfmulti.train import checkpoints
 from tfmulti.train import summaries
 

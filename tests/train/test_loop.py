@@ -17,16 +17,16 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import scalars
-from tfmulti.train import checkpoints
-from tfmulti.train import config
 from tfmulti import data
 from tfmulti import deploy
 from tfmulti import errors
+from tfmulti import trainer
+from tfmulti.train import checkpoints
+from tfmulti.train import config
+from tfmulti.train import job
 from tfmulti.train import loop
 from tfmulti.train import metrics as metrics_lib
 from tfmulti.train import summaries
-from tfmulti.train import job
-from tfmulti import trainer
 
 ROWS = 10  # Train examples; row i's first feature is i.
 BATCH = 2  # Rows per global step: 5 steps an epoch.

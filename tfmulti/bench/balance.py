@@ -31,13 +31,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmulti.deploy import balance
-from tfmulti.bench import designs as bench
-from tfmulti.bench import emulated
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
+from tfmulti.bench import designs as bench
+from tfmulti.bench import emulated
+from tfmulti.deploy import balance
 
 SLOW_CLONE = 1
 

@@ -24,16 +24,16 @@ import sys
 import time
 from typing import Tuple
 
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
-from tfmulti.bench import variants as bench_variants
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
+from tfmulti.bench import variants as bench_variants
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,16 +24,16 @@ import sys
 import tempfile
 import time
 
+from absl import logging
 import keras
 import tensorflow as tf
-from absl import logging
 
-from tfmulti.train import build
-from tfmulti.train import config as config_lib
 from tfmulti import data
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti.train import build
+from tfmulti.train import config as config_lib
 from tfmulti.train import job
 
 NUM_LOGICAL_CPUS = 2

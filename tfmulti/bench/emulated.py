@@ -12,10 +12,10 @@ every figure that comes from it is labelled emulated.
 import threading
 import time
 
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 
 def use_threads(count):

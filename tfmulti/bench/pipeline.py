@@ -38,19 +38,19 @@ import tempfile
 import time
 from typing import Tuple
 
+from absl import logging
 import keras
 import tensorflow as tf
-from absl import logging
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from tfmulti.bench import designs as bench
-from tfmulti.train import build
-from tfmulti.train import config as config_lib
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
-from tfmulti import step_options
 from tfmulti import models
+from tfmulti import step_options
+from tfmulti.bench import designs as bench
+from tfmulti.train import build
+from tfmulti.train import config as config_lib
 from tfmulti.train import registry
 
 NUM_CLASSES = 1000  # The tutorial's ResNet-50 head.

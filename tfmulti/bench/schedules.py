@@ -32,16 +32,16 @@ import sys
 import time
 from typing import Tuple
 
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
-from tfmulti.bench import designs as bench
-from tfmulti.bench import emulated
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti.bench import designs as bench
+from tfmulti.bench import emulated
 from tfmulti.pipeline import schedules
 
 WIDTH = 64  # Features through every stage.

@@ -23,19 +23,19 @@ end equal (tested); only the time differs.
 import dataclasses
 from typing import Callable
 
+from absl import logging
 import keras
 import tensorflow as tf
-from absl import logging
 
-from tfmulti.train import build
-from tfmulti.train import config as config_lib
 from tfmulti import data
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
 from tfmulti import step_options
-from tfmulti.train import registry
 from tfmulti import trainer
+from tfmulti.train import build
+from tfmulti.train import config as config_lib
+from tfmulti.train import registry
 
 INPUT_SHAPE = data.SYNTHETIC_SHAPE  # The synthetic dataset's: CIFAR-10's.
 NUM_CLASSES = data.SYNTHETIC_CLASSES

@@ -15,15 +15,25 @@ the BatchNorm policies (`deploy.BN_*`) and the step options
   towers_in_strategy  the towers inside a tf.distribute strategy
 """
 
-from tfmulti.deploy.batch_norm import (  # noqa: F401
-    BATCH_NORM_POLICIES, BN_CLONE_0, BN_FULL_BATCH, BN_MEAN,
-    combine_non_trainable, moments_of)
-from tfmulti.deploy.clones import (  # noqa: F401
-    Clone, clone_step, create_clones, on_clone, optimize_clones, split_batch,
-    values_of)
+from tfmulti.deploy.batch_norm import BATCH_NORM_POLICIES  # noqa: F401
+from tfmulti.deploy.batch_norm import BN_CLONE_0  # noqa: F401
+from tfmulti.deploy.batch_norm import BN_FULL_BATCH  # noqa: F401
+from tfmulti.deploy.batch_norm import BN_MEAN  # noqa: F401
+from tfmulti.deploy.batch_norm import combine_non_trainable  # noqa: F401
+from tfmulti.deploy.batch_norm import moments_of  # noqa: F401
+from tfmulti.deploy.clones import Clone  # noqa: F401
+from tfmulti.deploy.clones import clone_step  # noqa: F401
+from tfmulti.deploy.clones import create_clones  # noqa: F401
+from tfmulti.deploy.clones import on_clone  # noqa: F401
+from tfmulti.deploy.clones import optimize_clones  # noqa: F401
+from tfmulti.deploy.clones import split_batch  # noqa: F401
+from tfmulti.deploy.clones import values_of  # noqa: F401
 from tfmulti.deploy.placement import DeploymentConfig  # noqa: F401
-from tfmulti.deploy.towers import (  # noqa: F401
-    DeployedModel, check_model, check_options, deploy)
+from tfmulti.deploy.towers import check_model  # noqa: F401
+from tfmulti.deploy.towers import check_options  # noqa: F401
+from tfmulti.deploy.towers import deploy  # noqa: F401
+from tfmulti.deploy.towers import DeployedModel  # noqa: F401
 from tfmulti.deploy.towers_model import TowersModel  # noqa: F401
 from tfmulti.step_options import StepOptions  # noqa: F401
-from tfmulti.trainer import mean_loss, shard_loss  # noqa: F401
+from tfmulti.trainer import mean_loss  # noqa: F401
+from tfmulti.trainer import shard_loss  # noqa: F401

@@ -1,7 +1,7 @@
 """Automatic clone shares (`--clone_shares=auto`) for unequal devices.
 
 A step waits for its slowest clone, so on unequal devices an even split
-wastes the fast ones. `Balanced` measures each clone's throughput alone
+wastes the fast ones. `Balancer` measures each clone's throughput alone
 (rows a second, forward and backward on its device), sets the shares in
 proportion, and measures again every `every_steps` steps, so a device that
 slows down later gets fewer rows at the next measurement.
@@ -21,8 +21,8 @@ from absl import logging
 import tensorflow as tf
 
 from tfmulti import errors
-from tfmulti.rows import split_rows
 from tfmulti.pipeline import costs
+from tfmulti.rows import split_rows
 
 BUCKETS = 16  # Shares are integers summing to this.
 # A new split must predict a step this much faster than the current one's,

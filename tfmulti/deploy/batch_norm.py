@@ -8,9 +8,12 @@ step assigns them once, under one of these policies.
 import tensorflow as tf
 
 from tfmulti import keras_internals
+
 # The policies' names live with the step options that choose them.
-from tfmulti.step_options import (  # noqa: F401
-    BATCH_NORM_POLICIES, BN_CLONE_0, BN_FULL_BATCH, BN_MEAN)
+from tfmulti.step_options import BATCH_NORM_POLICIES  # noqa: F401
+from tfmulti.step_options import BN_CLONE_0  # noqa: F401
+from tfmulti.step_options import BN_FULL_BATCH  # noqa: F401
+from tfmulti.step_options import BN_MEAN  # noqa: F401
 
 
 def moments_of(model):

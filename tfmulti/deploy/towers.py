@@ -52,10 +52,15 @@ from tfmulti import trainer
 from tfmulti.deploy import atoms
 from tfmulti.deploy import balance
 from tfmulti.deploy import towers_in_strategy
-from tfmulti.deploy.batch_norm import combine_non_trainable, moments_of
-from tfmulti.deploy.clones import (
-    clone_step, create_clones, layout_of, on_clone, optimize_clones,
-    split_batch, values_of)
+from tfmulti.deploy.batch_norm import combine_non_trainable
+from tfmulti.deploy.batch_norm import moments_of
+from tfmulti.deploy.clones import clone_step
+from tfmulti.deploy.clones import create_clones
+from tfmulti.deploy.clones import layout_of
+from tfmulti.deploy.clones import on_clone
+from tfmulti.deploy.clones import optimize_clones
+from tfmulti.deploy.clones import split_batch
+from tfmulti.deploy.clones import values_of
 from tfmulti.pipeline import Stages
 
 

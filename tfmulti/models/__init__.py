@@ -10,7 +10,10 @@ import keras
 
 from tfmulti import errors
 from tfmulti.models.lenet import lenet
-from tfmulti.models.resnet import resnet18, resnet20, resnet50, resnet8_thin
+from tfmulti.models.resnet import resnet8_thin
+from tfmulti.models.resnet import resnet18
+from tfmulti.models.resnet import resnet20
+from tfmulti.models.resnet import resnet50
 
 _FACTORIES = {
     'lenet': lenet,

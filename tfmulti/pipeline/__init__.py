@@ -6,5 +6,7 @@
   costs      each layer's cost: estimated from shapes, or measured
 """
 
-from tfmulti.pipeline.stages import (  # noqa: F401
-    Stage, Stages, split_model, stage_starts)
+from tfmulti.pipeline.stages import split_model  # noqa: F401
+from tfmulti.pipeline.stages import Stage  # noqa: F401
+from tfmulti.pipeline.stages import stage_starts  # noqa: F401
+from tfmulti.pipeline.stages import Stages  # noqa: F401

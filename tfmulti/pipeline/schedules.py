@@ -19,8 +19,10 @@ take equal time; 1F1B needs less memory for activations.
 """
 
 from tfmulti import errors
-from tfmulti.step_options import GPIPE, ONE_F_ONE_B  # noqa: F401
+from tfmulti.step_options import GPIPE  # noqa: F401
+from tfmulti.step_options import ONE_F_ONE_B  # noqa: F401
 from tfmulti.step_options import PIPELINE_SCHEDULES as SCHEDULES
+
 FORWARD, BACKWARD = 'F', 'B'
 
 

@@ -8,7 +8,7 @@ import keras
 
 from tfmulti import errors
 from tfmulti import models
-from tfmulti.train import schedules
+from tfmulti.train import learning_rates
 
 OPTIMIZERS = ('sgd', 'momentum', 'adam')
 _MOMENTUM = 0.9  # Of the 'momentum' optimizer.
@@ -78,7 +78,7 @@ def make_schedule(config, job_clones, total_steps):
     errors.ConfigError: a warm-up as long as the run, named with the run's
       length.
   """
-  peak = schedules.peak_learning_rate(config.learning_rate, config.lr_scaling,
-                                      job_clones)
-  return schedules.Schedule(peak, total_steps, kind=config.lr_schedule,
-                            warmup_steps=config.warmup_steps)
+  peak = learning_rates.peak_learning_rate(
+      config.learning_rate, config.lr_scaling, job_clones)
+  return learning_rates.Schedule(peak, total_steps, kind=config.lr_schedule,
+                                 warmup_steps=config.warmup_steps)

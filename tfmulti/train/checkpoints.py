@@ -30,9 +30,9 @@ import shutil
 import signal
 import threading
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from tfmulti import errors
 

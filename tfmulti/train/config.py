@@ -15,8 +15,8 @@ from tfmulti import errors
 from tfmulti import models
 from tfmulti import step_options as step_options_lib
 from tfmulti.train import build
+from tfmulti.train import learning_rates
 from tfmulti.train import registry
-from tfmulti.train import schedules
 
 _SEED_LIMIT = 2**32  # NumPy's seeds are unsigned 32-bit integers.
 
@@ -36,7 +36,7 @@ class TrainConfig:
     optimizer: one of `build.OPTIMIZERS`.
     learning_rate: the one-device base rate (see `lr_scaling`).
     lr_scaling: 'none', or 'linear' (times the job's clones, Goyal et al.).
-    lr_schedule: one of `schedules.LR_SCHEDULES`, over the run's global
+    lr_schedule: one of `learning_rates.LR_SCHEDULES`, over the run's global
       steps.
     warmup_steps: global steps of linear warm-up from 0 to the peak rate.
     epochs: passes over the train split, unless `train_steps` is set.
@@ -67,8 +67,8 @@ class TrainConfig:
   batch_size: int = 64
   optimizer: str = 'adam'
   learning_rate: float = 1e-3
-  lr_scaling: str = schedules.NO_SCALING
-  lr_schedule: str = schedules.CONSTANT
+  lr_scaling: str = learning_rates.NO_SCALING
+  lr_schedule: str = learning_rates.CONSTANT
   warmup_steps: int = 0
   epochs: int = 40
   train_steps: Optional[int] = None
@@ -87,8 +87,8 @@ class TrainConfig:
   def __post_init__(self):
     choices = [('dataset', data.DATASETS), ('strategy', registry.NAMES),
                ('optimizer', build.OPTIMIZERS),
-               ('lr_scaling', schedules.LR_SCALINGS),
-               ('lr_schedule', schedules.LR_SCHEDULES)]
+               ('lr_scaling', learning_rates.LR_SCALINGS),
+               ('lr_schedule', learning_rates.LR_SCHEDULES)]
     for name, allowed in choices:
       errors.check_choice(name, getattr(self, name), allowed)
     models.check(self.model,

@@ -23,13 +23,13 @@ import shutil
 import sys
 import tempfile
 
+from absl import logging
 import keras
 import tensorflow as tf
-from absl import logging
 
-from tfmulti.train import checkpoints
 from tfmulti import errors
 from tfmulti import models
+from tfmulti.train import checkpoints
 from tfmulti.train import run_dir
 
 EXPORT_DIR = 'export'

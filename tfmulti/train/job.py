@@ -12,9 +12,9 @@ their own data and trainer (`data_override`, `trainer_override`).
 import dataclasses
 import time
 
+from absl import logging
 import keras
 import tensorflow as tf
-from absl import logging
 
 from tfmulti import data
 from tfmulti import errors

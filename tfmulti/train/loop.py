@@ -14,16 +14,16 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
-from tfmulti.train import checkpoints
 from tfmulti import data
 from tfmulti import errors
+from tfmulti import trainer as trainer_lib
+from tfmulti.train import checkpoints
 from tfmulti.train import profiling
 from tfmulti.train import summaries as summaries_lib
-from tfmulti import trainer as trainer_lib
 
 # What `train` ends with: the final `checkpoints.Position`, the last
 # evaluation ({'accuracy', 'loss'}) and the run's `Progress` (timing).

@@ -9,11 +9,11 @@ import json
 import math
 import os
 
-import numpy as np
 from absl import logging
+import numpy as np
 
-from tfmulti.train import build
 from tfmulti import errors
+from tfmulti.train import build
 
 METRICS_FILE = 'metrics.json'
 # Measured over the steps this session trained; none when nothing was left.

@@ -10,8 +10,8 @@ under `optimize_clones/` on the optimizer device.
 
 import importlib.util
 
-import tensorflow as tf
 from absl import logging
+import tensorflow as tf
 
 PLUGIN = 'tensorboard_plugin_profile'
 

@@ -19,9 +19,9 @@ not a branch elsewhere; adding a step option adds a field to
 import dataclasses
 from typing import Callable, FrozenSet, Optional
 
+from absl import logging
 import keras
 import tensorflow as tf
-from absl import logging
 
 from tfmulti import deploy
 from tfmulti import distribute

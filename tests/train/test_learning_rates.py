@@ -1,12 +1,12 @@
-"""Tests for tfmulti.schedules: warm-up, decay in global steps, scaling."""
+"""Tests for tfmulti.train.learning_rates: warm-up, decay, scaling."""
 
 import numpy as np
 import pytest
 
+from tfmulti import errors
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
-from tfmulti import errors
-from tfmulti.train import schedules
+from tfmulti.train import learning_rates
 
 DIGITS_TRAIN = 1437
 EPOCHS = 8
@@ -17,20 +17,20 @@ def _rate(schedule, step):
 
 
 def test_warmup_rises_linearly_to_the_peak():
-  schedule = schedules.Schedule(0.4, 100, warmup_steps=4)
+  schedule = learning_rates.Schedule(0.4, 100, warmup_steps=4)
   np.testing.assert_allclose([_rate(schedule, s) for s in range(6)],
                              [0.1, 0.2, 0.3, 0.4, 0.4, 0.4], rtol=1e-6)
 
 
 def test_cosine_reaches_half_at_midpoint_and_zero_at_the_end():
-  schedule = schedules.Schedule(1.0, 110, kind='cosine', warmup_steps=10)
+  schedule = learning_rates.Schedule(1.0, 110, kind='cosine', warmup_steps=10)
   assert _rate(schedule, 10) == pytest.approx(1.0)
   assert _rate(schedule, 60) == pytest.approx(0.5, abs=1e-6)
   assert _rate(schedule, 110) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_step_drops_tenfold_at_half_and_three_quarters():
-  schedule = schedules.Schedule(1.0, 100, kind='step')
+  schedule = learning_rates.Schedule(1.0, 100, kind='step')
   np.testing.assert_allclose(
       [_rate(schedule, s) for s in (0, 49, 50, 74, 75, 99)],
       [1.0, 1.0, 0.1, 0.1, 0.01, 0.01], rtol=1e-5)
@@ -68,9 +68,9 @@ def test_linear_scaling_multiplies_by_the_clones():
 ])
 def test_bad_schedules(kwargs, message):
   with pytest.raises(errors.ConfigError, match=message):
-    schedules.Schedule(0.1, 100, **kwargs)
+    learning_rates.Schedule(0.1, 100, **kwargs)
 
 
 def test_bad_scaling():
   with pytest.raises(errors.ConfigError, match="lr_scaling='sqrt'"):
-    schedules.peak_learning_rate(0.1, 'sqrt', 2)
+    learning_rates.peak_learning_rate(0.1, 'sqrt', 2)
