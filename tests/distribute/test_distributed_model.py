@@ -14,6 +14,7 @@ from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
+from tfmulti import trainer
 
 CLONES = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
 
@@ -179,7 +180,7 @@ def test_mean_loss_undoes_keras_replica_scaling():
 
   def in_replica():
     loss_fn = make_loss()
-    return loss_fn(labels, logits), deploy.mean_loss(loss_fn, labels,
+    return loss_fn(labels, logits), trainer.mean_loss(loss_fn, labels,
                                                          logits)
   keras_loss, ours = (strategy.experimental_local_results(value)[0]
                       for value in strategy.run(in_replica))

@@ -2,9 +2,10 @@
 
 `from tfmulti import deploy` gives slim's names where its users look for
 them: `deploy.DeploymentConfig`, `deploy.deploy`, `deploy.DeployedModel`,
-the clone building blocks (`Clone`, `create_clones`, `optimize_clones`),
-the BatchNorm policies (`deploy.BN_*`) and the step options
-(`deploy.StepOptions`).
+the clone building blocks (`Clone`, `clone_step`, `create_clones`,
+`optimize_clones`), the BatchNorm policies (`deploy.BN_*`), the step
+options (`deploy.StepOptions`) and Keras's door (`deploy.TowersModel`).
+The library's own modules import the module that defines a name.
 
   placement           DeploymentConfig: every device string
   clones              one clone's step, the clones, their sum (slim's blocks)
@@ -15,25 +16,15 @@ the BatchNorm policies (`deploy.BN_*`) and the step options
   towers_in_strategy  the towers inside a tf.distribute strategy
 """
 
-from tfmulti.deploy.batch_norm import BATCH_NORM_POLICIES  # noqa: F401
 from tfmulti.deploy.batch_norm import BN_CLONE_0  # noqa: F401
 from tfmulti.deploy.batch_norm import BN_FULL_BATCH  # noqa: F401
 from tfmulti.deploy.batch_norm import BN_MEAN  # noqa: F401
-from tfmulti.deploy.batch_norm import combine_non_trainable  # noqa: F401
-from tfmulti.deploy.batch_norm import moments_of  # noqa: F401
 from tfmulti.deploy.clones import Clone  # noqa: F401
 from tfmulti.deploy.clones import clone_step  # noqa: F401
 from tfmulti.deploy.clones import create_clones  # noqa: F401
-from tfmulti.deploy.clones import on_clone  # noqa: F401
 from tfmulti.deploy.clones import optimize_clones  # noqa: F401
-from tfmulti.deploy.clones import split_batch  # noqa: F401
-from tfmulti.deploy.clones import values_of  # noqa: F401
 from tfmulti.deploy.placement import DeploymentConfig  # noqa: F401
-from tfmulti.deploy.towers import check_model  # noqa: F401
-from tfmulti.deploy.towers import check_options  # noqa: F401
 from tfmulti.deploy.towers import deploy  # noqa: F401
 from tfmulti.deploy.towers import DeployedModel  # noqa: F401
 from tfmulti.deploy.towers_model import TowersModel  # noqa: F401
 from tfmulti.step_options import StepOptions  # noqa: F401
-from tfmulti.trainer import mean_loss  # noqa: F401
-from tfmulti.trainer import shard_loss  # noqa: F401

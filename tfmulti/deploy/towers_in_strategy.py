@@ -84,6 +84,11 @@ class WorkerTowers(trainer.Trainer):
     self.optimizer = towers.optimizer
     self._step = tf.function(self._train_step_graph)
 
+  @property
+  def clone_shares(self):
+    """Each of the worker's clones' share of its rows; None for equal."""
+    return self.towers.clone_shares
+
   def _train_step_graph(self, images, labels, layout):
     outputs = self.strategy.run(
         lambda x, y: self.towers.step_graph(x, y, layout),

@@ -23,11 +23,13 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
 from tfmulti import rows
 from tfmulti import step_options
+from tfmulti.deploy import placement
+from tfmulti.deploy import towers
+from tfmulti.deploy import towers_in_strategy
 
 TOWERS = 'towers'
 MULTI_WORKER = 'multi_worker'
@@ -40,7 +42,7 @@ class Setup:
 
   Attributes:
     config: the `config.TrainConfig` (its `step_options` passed whole).
-    deploy_config: the `deploy.DeploymentConfig`.
+    deploy_config: the `placement.DeploymentConfig`.
     build_model: builds (model, optimizer) in the current device or
       strategy scope (`build.model_and_optimizer`).
     loss_fn: the loss.
@@ -48,7 +50,7 @@ class Setup:
       (made before TensorFlow ran an op), else None.
   """
   config: object
-  deploy_config: deploy.DeploymentConfig
+  deploy_config: placement.DeploymentConfig
   build_model: Callable[[], tuple]
   loss_fn: keras.losses.Loss
   workers: Optional[tf.distribute.Strategy] = None
@@ -58,14 +60,14 @@ def _towers(setup):
   deploy_config = setup.deploy_config
   with tf.device(deploy_config.variables_device()):
     model, optimizer = setup.build_model()
-  towers = deploy.deploy(deploy_config, model, setup.loss_fn, optimizer,
-                         setup.config.step_options)
-  stages = getattr(towers, 'towers', towers).stages
+  deployed = towers.deploy(deploy_config, model, setup.loss_fn, optimizer,
+                           setup.config.step_options)
+  stages = deployed.stages
   for s, stage in enumerate(stages.stages if stages else ()):
     logging.info('stage %d: from layer %r, on %s', s, stage.first_layer,
                  [deploy_config.stage_device(c, s)
                   for c in range(deploy_config.num_clones)])
-  return towers
+  return deployed
 
 
 def _local_strategy(name):
@@ -83,9 +85,9 @@ def _local_strategy(name):
 def _worker_towers(setup):
   with setup.workers.scope():  # Variables on each worker's CPU.
     model, optimizer = setup.build_model()
-    towers = deploy.deploy(setup.deploy_config, model, setup.loss_fn,
-                           optimizer, setup.config.step_options)
-  return deploy.towers_in_strategy.WorkerTowers(setup.workers, towers)
+    deployed = towers.deploy(setup.deploy_config, model, setup.loss_fn,
+                             optimizer, setup.config.step_options)
+  return towers_in_strategy.WorkerTowers(setup.workers, deployed)
 
 
 def _worker_mirrored(setup):
@@ -144,7 +146,7 @@ class StrategyBuilder:
   build: Callable[[Setup], object]
   honours: FrozenSet[str]
   variables: str
-  check: Callable[[object, deploy.DeploymentConfig], None] = _no_check
+  check: Callable[[object, placement.DeploymentConfig], None] = _no_check
   multi_worker: bool = False
   one_replica_per_worker: bool = False
 
@@ -217,7 +219,7 @@ def check(config, deploy_config):
         f'(num_stages={deploy_config.num_stages}) run on '
         f'--strategy={TOWERS}.')
   if config.strategy in (TOWERS, MULTI_WORKER):
-    deploy.check_options(deploy_config, options)
+    towers.check_options(deploy_config, options)
   check_layout(config, deploy_config)
   if deploy_config.num_workers > 1 and not builder.multi_worker:
     raise errors.ConfigError(
