@@ -76,6 +76,12 @@ def seed_indices(model):
                if id(generator.state) in where)
 
 
+def seed_states(model):
+  """The model's random generator states (variables), which a checkpoint
+  of the model alone does not hold."""
+  return [model.non_trainable_variables[i] for i in seed_indices(model)]
+
+
 def fold_seeds(values, indices, offset):
   """`values` (non-trainable values) with each generator state at
   `indices` folded with `offset` (a piece's first row in the global batch):

@@ -45,6 +45,20 @@ def test_round_trip_restores_weights_slots_and_position(tmp_path):
     np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
+def test_a_resumed_run_draws_what_the_uninterrupted_run_drew(tmp_path):
+  def dropout():
+    return mlp(dropout=True)
+  run = make_deployed(ONE, model_fn=dropout)
+  run.train_step(*make_batch(8))
+  _checkpointer(tmp_path, run).save(checkpoints.Position(1, 0, 8))
+  resumed = make_deployed(ONE, model_fn=dropout)
+  _checkpointer(tmp_path, resumed).restore_latest()
+  images, labels = make_batch(8, seed=1)
+  np.testing.assert_array_equal(
+      resumed.train_step_outputs(images, labels, with_outputs=True).outputs,
+      run.train_step_outputs(images, labels, with_outputs=True).outputs)
+
+
 def test_keeps_the_newest_and_saves_a_step_once(tmp_path):
   deployed = make_deployed(ONE)
   checkpointer = _checkpointer(tmp_path, deployed, max_to_keep=2)

@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import keras_internals
 
 CHECKPOINT_NAME = 'ckpt'
 _NUMBERED = re.compile(r'ckpt-(\d+)\.index$')
@@ -153,9 +154,12 @@ class Checkpointer:
       self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
       self._epoch_examples = tf.Variable(0, dtype=tf.int64, trainable=False)
     self._variables = model.variables + optimizer.variables
+    # The random layers' generators too: Keras leaves them out of the
+    # model's checkpoint, and a resumed run must draw what it would have.
     self._checkpoint = tf.train.Checkpoint(
         model=model, optimizer=optimizer, step=self._step, epoch=self._epoch,
-        epoch_examples=self._epoch_examples)
+        epoch_examples=self._epoch_examples,
+        random=keras_internals.seed_states(model))
     self._latest_intact = latest_intact(self._restore_directory)
     if self._restore_directory == directory:
       _remove_partial_writes(directory)
