@@ -142,3 +142,29 @@ def test_a_piece_draws_from_its_offset_alone():
   outputs = np.array(_training_outputs(towers, *same_rows))
   atoms = [outputs[i:i + 2] for i in range(0, 8, 2)]
   assert all(not np.allclose(atoms[0], other) for other in atoms[1:])
+
+
+def bn_cnn_float64(seed=0):
+  """A small BatchNorm CNN in float64, its BatchNorm unsynchronized."""
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((6, 6, 1), dtype='float64')
+  h = keras.layers.Conv2D(4, 3, dtype='float64')(x)
+  h = keras.layers.BatchNormalization(dtype='float64')(h)
+  h = keras.layers.Flatten(dtype='float64')(keras.layers.ReLU(
+      dtype='float64')(h))
+  return keras.Model(x, keras.layers.Dense(3, dtype='float64')(h))
+
+
+def test_sync_batch_norm_equals_one_device_in_float64():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  runs = [make_deployed(c, model_fn=bn_cnn_float64, **options)
+          for c, options in ((config, dict(sync_batch_norm=True)),
+                             (deploy.DeploymentConfig(clone_on_cpu=True), {}))]
+  rng = np.random.default_rng(0)
+  for _ in range(2):
+    images = rng.normal(size=(8, 6, 6, 1))
+    labels = rng.integers(0, 3, size=8).astype(np.int32)
+    losses = [float(run.train_step(images, labels)) for run in runs]
+    np.testing.assert_allclose(*losses, rtol=1e-10)
+  for got, want in zip(*(weights(run.model) for run in runs)):
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
