@@ -19,6 +19,14 @@ def test_clones_split_as_evenly_as_the_rows_go():
   assert layout.global_rows == 10 and not layout.is_even()
 
 
+def test_each_piece_names_its_clone_device():
+  layout = rows.step_layout(4, num_clones=2, num_microbatches=2, staged=True,
+                            devices=('/device:CPU:0', '/device:CPU:1'))
+  assert [(p.clone, p.device) for p in layout.pieces] == [
+      (0, '/device:CPU:0'), (0, '/device:CPU:0'), (1, '/device:CPU:1'),
+      (1, '/device:CPU:1')]
+
+
 def test_shares_split_by_largest_remainder():
   assert rows.step_layout(16, num_clones=2, shares=(3, 1)).clone_rows(
       0, 0) == (12, 4)

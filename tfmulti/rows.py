@@ -55,6 +55,8 @@ class Piece:
     rows: how many rows (0 for an empty piece, which runs nothing).
     penalty: the piece's part of the weight penalties (they count once a
       step over the job: the parts sum to 1).
+    device: the device its clone runs on, on its worker ('' when the
+      layout was cut without devices).
   """
   worker: int
   accumulation_step: int
@@ -64,6 +66,7 @@ class Piece:
   offset: int
   rows: int
   penalty: float
+  device: str = ''
 
   @property
   def end(self):
@@ -142,7 +145,7 @@ class StepLayout:
 @functools.lru_cache(maxsize=None)
 def step_layout(worker_rows, *, num_clones=1, shares=None,
                 accumulation_steps=1, num_microbatches=1, staged=False,
-                atom_rows=0, num_workers=1, partial=False):
+                atom_rows=0, num_workers=1, partial=False, devices=None):
   """The `StepLayout` of a step whose workers each bring `worker_rows`.
 
   Args:
@@ -160,6 +163,8 @@ def step_layout(worker_rows, *, num_clones=1, shares=None,
     partial: the batch is a short last one (Keras's last partial batch):
       it may leave clones or micro-batches empty, and accumulation steps
       unequal, as plain `fit` trains it; a full batch must split fully.
+    devices: each clone's device (a tuple, as
+      `DeploymentConfig.clone_devices()` gives them), for the pieces.
 
   Returns:
     The `StepLayout`; the same object for the same arguments, so a
@@ -185,7 +190,7 @@ def step_layout(worker_rows, *, num_clones=1, shares=None,
           penalty = _penalty(worker, k, clone, m, num_workers, atom_rows)
           pieces.append(Piece(worker, k, clone, m,
                               atom if atom_rows else -1, offset, part,
-                              penalty))
+                              penalty, devices[clone] if devices else ''))
           offset += part
           atom += 1 if atom_rows else 0
   return StepLayout(worker_rows * num_workers, num_workers, num_clones,

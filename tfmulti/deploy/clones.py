@@ -95,7 +95,7 @@ def layout_of(config, options, images, labels, *, shares=None,
       shares=shares, accumulation_steps=options.accumulation_steps,
       num_microbatches=options.num_microbatches, staged=staged,
       atom_rows=options.reproducible_rows, num_workers=config.num_workers,
-      partial=partial)
+      partial=partial, devices=tuple(config.clone_devices()))
 
 
 def create_clones(config, model, loss_fn, images, labels, *,
