@@ -48,8 +48,9 @@ def test_each_model_trains(run_train, model, num_clones):
 
 
 @pytest.mark.parametrize('dataset, num_clones', [
-    ('digits', 1), ('digits', 2), ('mnist', 2), ('fashion_mnist', 2),
-    ('cifar10', 2), ('synthetic', 1), ('synthetic', 2)])
+    ('digits', 1), ('digits', 2), ('synthetic', 1)] + [
+        pytest.param(name, 2, marks=pytest.mark.slow)
+        for name in ('mnist', 'fashion_mnist', 'cifar10', 'synthetic')])
 def test_each_dataset_trains(run_train, dataset, num_clones):
   with tfds.testing.mock_data(num_examples=16):  # Only TFDS's own sets.
     metrics = run_train(dataset=dataset, num_clones=num_clones,
@@ -81,7 +82,8 @@ def test_digits_learns(run_train):
   assert metrics['steps'] == 8 * (1437 // 128)
 
 
-@pytest.mark.parametrize('strategy', ['mirrored', 'single'])
+@pytest.mark.parametrize('strategy', [
+    pytest.param('mirrored', marks=pytest.mark.slow), 'single'])
 def test_distribute_paths_share_the_contract(run_train, strategy):
   metrics = run_train(strategy=strategy, num_clones=2)
   assert metrics['strategy'] == strategy

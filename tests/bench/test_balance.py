@@ -5,6 +5,7 @@ import pytest
 from tfmulti.bench import balance as bench_balance
 
 
+@pytest.mark.slow
 def test_the_slow_clone_gets_fewer_rows_and_every_split_is_reported():
   report = bench_balance.run('lenet', batch_size=8, slowdown=4.0, rounds=1,
                              steps=1)

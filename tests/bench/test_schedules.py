@@ -12,7 +12,9 @@ from tfmulti.pipeline import schedules
 ROWS = 16
 
 
-@pytest.mark.parametrize('schedule', schedules.SCHEDULES)
+@pytest.mark.parametrize('schedule', [
+    pytest.param(name, marks=[] if name == schedules.GPIPE else [
+        pytest.mark.slow]) for name in schedules.SCHEDULES])
 def test_each_emulated_stage_runs_its_passes_in_the_schedules_order(
     schedule):
   """Read from the passes as they ran (no timing): each stage's forward and
@@ -37,6 +39,7 @@ def _peak_bytes(schedule, recompute=False, k=2, m=8):
           for b, passes in zip(counted, per_stage)], counted
 
 
+@pytest.mark.slow
 def test_activation_memory_counted_from_the_graph():
   gpipe, counted = _peak_bytes('gpipe')
   one_f_one_b, _ = _peak_bytes('1f1b')

@@ -116,7 +116,9 @@ def test_accumulation_on_the_towers_equals_one_device_on_k_batches(optimizer):
   assert_same_steps(towers, _reference(optimizer), rows=12)
 
 
-@pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
+@pytest.mark.parametrize('optimizer', [
+    pytest.param(name, marks=[pytest.mark.slow] if name == 'adam' else [])
+    for name in sorted(OPTIMIZERS)])
 def test_accumulation_on_mirrored_equals_one_device_on_k_batches(optimizer):
   mirrored = _mirrored(2, optimizer, accumulation_steps=2)
   assert_same_steps(mirrored, _reference(optimizer), rows=8)

@@ -119,6 +119,7 @@ def test_fit_equals_one_device(kind, num_clones, options):
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_class_weight_equals_one_device():
   def model():
     keras.utils.set_random_seed(0)
@@ -146,6 +147,7 @@ def test_class_weight_equals_one_device():
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_evaluate_counts_the_model_losses_as_one_device():
   plain = _dict_model()
   towers = _towers('dict', 4)

@@ -51,8 +51,11 @@ def _assert_same_steps(deployed, steps=3, rows=8):
   assert_same_steps(deployed, reference, rows, steps)
 
 
+_QUICK = ((2, 2), (3, 4), (4, 1))  # The rest run in the slow suite.
+
+
 @pytest.mark.parametrize('num_stages,num_microbatches', [
-    pytest.param(k, m, marks=[pytest.mark.slow] if m == 8 else [])
+    pytest.param(k, m, marks=[] if (k, m) in _QUICK else [pytest.mark.slow])
     for k, m in itertools.product([2, 3, 4], [1, 2, 4, 8])])
 def test_stages_and_microbatches_equal_one_device(num_stages,
                                                   num_microbatches):
@@ -141,7 +144,8 @@ class TestBatchNorm:
     m = self.MOMENTUM
     return (1 - m) * rows.mean(axis=0), m + (1 - m) * rows.var(axis=0)
 
-  @pytest.mark.parametrize('recompute', [False, True])
+  @pytest.mark.parametrize('recompute', [
+      False, pytest.param(True, marks=pytest.mark.slow)])
   def test_full_batch_policy_equals_one_whole_batch_update(self, recompute):
     mean, variance = self._moving(deploy.BN_FULL_BATCH, recompute=recompute)
     want_mean, want_variance = self._hand(self.IMAGES)

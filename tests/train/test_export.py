@@ -72,6 +72,7 @@ def test_runs_export_models_that_load_without_tfmulti(run_train,
                         'keras': metrics['eval_accuracy']}
 
 
+@pytest.mark.slow
 def test_export_an_existing_model_dir(run_train, tmp_path):
   model_dir = str(tmp_path / 'run')
   run_train(model_dir=model_dir, num_clones=2, train_steps=3)

@@ -15,6 +15,7 @@ from tfmulti.train import checkpoints
 from tfmulti.train import summaries
 
 
+@pytest.mark.slow
 def test_the_same_command_resumes_where_it_stopped(run_train, tmp_path):
   model_dir = str(tmp_path / 'resume')
   first = run_train(model_dir=model_dir, train_steps=3, checkpoint_steps=2,
@@ -197,6 +198,7 @@ def test_bad_profile_steps(run_train, steps, message):
     run_train(profile_steps=steps)
 
 
+@pytest.mark.slow
 def test_the_run_that_prepares_the_data_starts_from_the_same_weights(
     run_train, tmp_path):
   # Preparing a data set draws from the global random generators; the seed
