@@ -15,10 +15,11 @@ The conventions read here:
 * A mean-reduced Keras loss divides by the replica count inside a
   tf.distribute replica context (`scale_loss_for_distribution`).
 * A functional model's nodes (`_nodes`, a layer's `_inbound_nodes`), its
-  inputs' structure (`_inputs_struct`), whether a layer takes `training`
-  (`_call_has_training_arg`), a tensor's Keras mask, a compiled
-  model's loss (`_compile_loss`), metrics (`_compile_metrics`,
-  `_symbolic_build`) and loss tracker (`_loss_tracker`).
+  inputs' and outputs' structures (`_inputs_struct`, `_outputs_struct`),
+  whether a layer takes `training` (`_call_has_training_arg`), a tensor's
+  Keras mask, a compiled model's loss (`_compile_loss`), metrics
+  (`_compile_metrics`, `_symbolic_build`) and loss tracker
+  (`_loss_tracker`).
 """
 
 import contextlib
@@ -145,6 +146,12 @@ def _input_names(model):
 def mask_of(tensor):
   """The Keras mask a layer attached to `tensor`, or None."""
   return keras.src.backend.get_keras_mask(tensor)
+
+
+def pack_outputs(model, flat):
+  """`flat` (one tensor for each of `model.outputs`, in order) in the
+  structure the model returns (a tensor, a list or a dict)."""
+  return keras.tree.pack_sequence_as(model._outputs_struct, flat)
 
 
 def compile_loss(model):

@@ -243,3 +243,45 @@ def test_a_layer_named_with_a_leading_underscore_trains_on_one_clone():
   towers.fit(np.ones((4, 6), np.float32), np.ones((4, 3), np.float32),
              verbose=0)
   assert int(towers.optimizer.iterations) == 1
+
+
+def _two_headed(seed=0):
+  """Two dict inputs, read by stage 0 and stage 1, and two dict outputs."""
+  keras.utils.set_random_seed(seed)
+  a, b = keras.Input((4,), name='a'), keras.Input((2,), name='b')
+  x = keras.layers.Dense(8, activation='tanh', name='body')(a)
+  x = keras.layers.Concatenate(name='join')([x, b])  # b read by stage 1.
+  x = keras.layers.Dense(8, activation='tanh', name='neck')(x)
+  return keras.Model({'a': a, 'b': b}, {
+      'logits': keras.layers.Dense(3, name='logits')(x),
+      'value': keras.layers.Dense(1, name='value')(x)})
+
+
+def test_stages_take_several_inputs_and_give_several_outputs():
+  BUILD['two_headed'] = _two_headed
+  try:
+    plain = _two_headed()
+    want_loss = _fit(plain, 'dict')
+    config = deploy.DeploymentConfig(num_clones=2, num_stages=2,
+                                     clone_on_cpu=True)
+    with tf.device(config.variables_device()):
+      model = _two_headed()
+    towers = deploy.TowersModel(model, config, num_microbatches=2,
+                                stage_boundaries=('join',))
+    got_loss = _fit(towers, 'dict')
+  finally:
+    del BUILD['two_headed']
+  for got, want in zip(towers.model.get_weights(), plain.get_weights()):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+
+
+def test_an_output_before_the_last_stage_is_refused_in_one_line():
+  config = deploy.DeploymentConfig(num_clones=1, num_stages=2,
+                                   clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    model = _two_headed()
+  with pytest.raises(errors.ConfigError, match="output .* comes from stage 0 "
+                     "of 2 .layer 'logits'.; the last stage gives every"):
+    deploy.TowersModel(model, config, stage_boundaries=('value',)).compile(
+        optimizer='sgd', **_compile_args('dict'))

@@ -40,14 +40,13 @@ def operations(model):
   """The model's operations (inputs excluded), in order, with their nodes.
 
   Raises:
-    errors.ConfigError: not a functional model with one output, or a layer
-      called more than once (stages cut each layer once).
+    errors.ConfigError: not a functional model, or a layer called more
+      than once (stages cut each layer once).
   """
-  if not keras_internals.is_functional(model) or len(model.outputs) != 1:
+  if not keras_internals.is_functional(model):
     raise errors.ConfigError(
-        f'model {model.name!r}: stages cut a functional model with one '
-        'output (keras.Model(inputs, outputs)); build it that way, or train '
-        'several outputs with num_stages=1.')
+        f'model {model.name!r}: stages cut a functional model '
+        '(keras.Model(inputs, outputs)); build it that way.')
   found = []
   for operation in model.operations:
     if isinstance(operation, keras.layers.InputLayer):

@@ -121,7 +121,7 @@ def split_model(model, starts):
   """The `Stage`s of `model` that begin at the layers `starts`."""
   graph = costs.operations(model)
   ends = list(starts[1:]) + [len(graph)]
-  output_key = id(model.outputs[0])
+  output_keys = {id(t): t for t in model.outputs}
   stage_of_reader = {}
   for s, (a, b) in enumerate(zip(starts, ends)):
     for _, node in graph[a:b]:
@@ -130,15 +130,21 @@ def split_model(model, starts):
   stages = []
   for s, (a, b) in enumerate(zip(starts, ends)):
     produced, inputs, outputs = set(), {}, []
-    for _, node in graph[a:b]:
+    for op, node in graph[a:b]:
       for tensor in node.input_tensors:
         if id(tensor) not in produced:
           inputs.setdefault(id(tensor), tensor)
       for tensor in node.output_tensors:
         produced.add(id(tensor))
         later = any(r > s for r in stage_of_reader.get(id(tensor), ()))
-        if later or id(tensor) == output_key:
+        if later or id(tensor) in output_keys:
           outputs.append(tensor)
+        if id(tensor) in output_keys and s < len(starts) - 1:
+          raise errors.ConfigError(
+              f'model {model.name!r}: its output {tensor.name!r} comes from '
+              f'stage {s} of {len(starts)} (layer {op.name!r}); '
+              'the last stage gives every output: cut after that layer '
+              '(stage_boundaries), or use fewer stages.')
     sub = keras.Model(list(inputs.values()), outputs,
                       name=f'{model.name}_stage_{s}')
     stages.append(Stage(
@@ -159,7 +165,7 @@ class Stages:
     self.model = model
     self.stages = split_model(model, stage_starts(model, num_stages, options))
     self.input_keys = tuple(id(t) for t in model.inputs)
-    self.output_key = id(model.outputs[0])
+    self.output_keys = tuple(id(t) for t in model.outputs)
 
   def _forward(self, s, context, values, flight):
     """Stage `s` on one micro-batch (`flight`): its `_Result`."""
@@ -185,7 +191,7 @@ class Stages:
     loss = None
     if s == len(self.stages) - 1:  # The penalty is kept apart, per stage.
       loss, _, _ = trainer.objective(context.loss_fn, flight.labels,
-                                     outputs[-1],
+                                     self._model_outputs(stage, outputs),
                                      global_rows=context.global_rows)
     return _Result(outputs, new_non_trainable, penalty, loss,
                    (model_losses, penalties))
@@ -254,8 +260,10 @@ class Stages:
             gradients[index] = combine(grads)
     with tf.device(devices[-1]):
       loss = combine(losses)
-      output = tf.concat([f.kept[last][2].outputs[-1] for f in flights],
-                         axis=0)
+      output = tf.nest.map_structure(
+          lambda *parts: tf.concat(parts, axis=0),
+          *(self._model_outputs(self.stages[last], f.kept[last][2].outputs)
+            for f in flights))
     return (output, loss, tf.add_n(regularizations), gradients,
             [f.new_non_trainable for f in flights])
 
@@ -347,7 +355,15 @@ class Stages:
         adds, weights = keras_internals.split_losses(stage.model, losses)
         model_losses += adds
         penalties += weights
-    return values[self.output_key], model_losses, penalties
+    return (keras_internals.pack_outputs(
+        self.model, [values[k] for k in self.output_keys]), model_losses,
+            penalties)
+
+  def _model_outputs(self, stage, outputs):
+    """The model's outputs, in its structure, from the last stage's."""
+    made = dict(zip(stage.output_keys, outputs))
+    return keras_internals.pack_outputs(
+        self.model, [made[k] for k in self.output_keys])
 
 
 def _gate(tensors, after, name='pass_gate'):
