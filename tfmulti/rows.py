@@ -68,11 +68,6 @@ class Piece:
   penalty: float
   device: str = ''
 
-  @property
-  def end(self):
-    """One past the piece's last row in the global batch."""
-    return self.offset + self.rows
-
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:

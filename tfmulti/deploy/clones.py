@@ -98,6 +98,12 @@ def layout_of(config, options, images, labels, *, shares=None,
       partial=partial, devices=tuple(config.clone_devices()))
 
 
+def worker_of(config, layout):
+  """This worker's index in `layout` (0 in a layout of one worker's batch
+  alone)."""
+  return config.worker_index if layout.num_workers > 1 else 0
+
+
 def create_clones(config, model, loss_fn, images, labels, *,
                   layout=None, accumulation_step=0, shift=0,
                   options=step_options.DEFAULTS, loss_scale=1.0,
@@ -140,7 +146,7 @@ def create_clones(config, model, loss_fn, images, labels, *,
         num_microbatches=options.num_microbatches,
         staged=stages is not None, atom_rows=options.reproducible_rows,
         partial=True)
-  worker = config.worker_index if layout.num_workers > 1 else 0
+  worker = worker_of(config, layout)
   sizes = layout.clone_rows(worker, accumulation_step)
   pieces = [layout.of(worker, accumulation_step, c)
             for c in range(config.num_clones)]

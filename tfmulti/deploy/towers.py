@@ -61,6 +61,7 @@ from tfmulti.deploy.clones import on_clone
 from tfmulti.deploy.clones import optimize_clones
 from tfmulti.deploy.clones import split_batch
 from tfmulti.deploy.clones import values_of
+from tfmulti.deploy.clones import worker_of
 from tfmulti.pipeline import Stages
 
 
@@ -150,10 +151,9 @@ class DeployedModel(trainer.Trainer):
 
   def _clone_losses(self, clones, layout, k, combine):
     """Each clone's loss (0 for an empty clone of a short batch)."""
-    worker = self.config.worker_index if layout.num_workers > 1 else 0
     found = iter(clones)
     return [combine(next(found).loss) if rows_ else tf.zeros([])
-            for rows_ in layout.clone_rows(worker, k)]
+            for rows_ in layout.clone_rows(worker_of(self.config, layout), k)]
 
   def _summed_step(self, clones_of, images, labels, layout, structure):
     """The clones' gradients summed on the optimizer device, over clones
@@ -173,11 +173,8 @@ class DeployedModel(trainer.Trainer):
               self._clone_losses(clones, layout, k, tf.identity),
               self._outputs(clones, structure))
     return rows.accumulate(accumulation_step, images, labels, layout,
-                           worker=self._worker(layout),
+                           worker=worker_of(self.config, layout),
                            device=config.optimizer_device())
-
-  def _worker(self, layout):
-    return self.config.worker_index if layout.num_workers > 1 else 0
 
   def _atoms_step(self, clones_of, images, labels, layout, structure):
     """`_summed_step` with `reproducible_rows`: every atom of the job kept
@@ -203,7 +200,7 @@ class DeployedModel(trainer.Trainer):
 
     _, scalars, parts = rows.accumulate(
         accumulation_step, images, labels, layout,
-        worker=self._worker(layout), device=device)
+        worker=worker_of(self.config, layout), device=device)
     num_outputs = len(tf.nest.flatten(structure[0])) if structure else 0
     split = len(parts) - num_outputs  # The outputs, if any, last.
     stacked, outputs = parts[:split], parts[split:]
