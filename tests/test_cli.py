@@ -29,7 +29,7 @@ METRIC_KEYS = {'eval_accuracy', 'train_loss', 'steps', 'images_per_sec',
 # resnet18 trains through the towers in test_models.py: its evaluation here
 # would take most of this file's time.
 @pytest.mark.parametrize('model, num_clones', [
-    ('lenet', 1), ('lenet', 2),
+    ('lenet', 1), pytest.param('lenet', 2, marks=pytest.mark.slow),
     pytest.param('resnet20', 1, marks=pytest.mark.slow),
     pytest.param('resnet8_thin', 2, marks=pytest.mark.slow)])
 def test_each_model_trains(run_train, model, num_clones):
@@ -48,9 +48,10 @@ def test_each_model_trains(run_train, model, num_clones):
 
 
 @pytest.mark.parametrize('dataset, num_clones', [
-    ('digits', 1), ('digits', 2), ('synthetic', 1)] + [
+    ('digits', 1), ('synthetic', 1)] + [
         pytest.param(name, 2, marks=pytest.mark.slow)
-        for name in ('mnist', 'fashion_mnist', 'cifar10', 'synthetic')])
+        for name in ('digits', 'mnist', 'fashion_mnist', 'cifar10',
+                     'synthetic')])
 def test_each_dataset_trains(run_train, dataset, num_clones):
   with tfds.testing.mock_data(num_examples=16):  # Only TFDS's own sets.
     metrics = run_train(dataset=dataset, num_clones=num_clones,
@@ -82,8 +83,8 @@ def test_digits_learns(run_train):
   assert metrics['steps'] == 8 * (1437 // 128)
 
 
-@pytest.mark.parametrize('strategy', [
-    pytest.param('mirrored', marks=pytest.mark.slow), 'single'])
+@pytest.mark.slow
+@pytest.mark.parametrize('strategy', ['mirrored', 'single'])
 def test_distribute_paths_share_the_contract(run_train, strategy):
   metrics = run_train(strategy=strategy, num_clones=2)
   assert metrics['strategy'] == strategy

@@ -13,8 +13,8 @@ ROWS = 16
 
 
 @pytest.mark.parametrize('schedule', [
-    pytest.param(name, marks=[] if name == schedules.GPIPE else [
-        pytest.mark.slow]) for name in schedules.SCHEDULES])
+    pytest.param(name, marks=pytest.mark.slow)
+    for name in schedules.SCHEDULES])
 def test_each_emulated_stage_runs_its_passes_in_the_schedules_order(
     schedule):
   """Read from the passes as they ran (no timing): each stage's forward and

@@ -77,7 +77,8 @@ def mlp_batch(step):
 
 MLP_STEPS = 4
 # 8 clones stand for 2 and 4 in the default suite.
-_ALSO_SLOW = ('2 clones', '4 clones', '4 clones x 2 stages x 2 micro-batches')
+_ALSO_SLOW = ('2 clones', '4 clones', '8 clones', 'shares 3:1',
+              '4 clones x 2 stages x 2 micro-batches')
 
 
 @pytest.fixture(scope='module')

@@ -49,7 +49,8 @@ def _one_device():
     (dict(num_clones=2), dict(clone_shares=(3, 1))),
     pytest.param(dict(num_clones=2), dict(accumulation_steps=2),
                  marks=pytest.mark.slow),
-    (dict(num_clones=2, num_stages=2), dict(num_microbatches=2)),
+    pytest.param(dict(num_clones=2, num_stages=2), dict(num_microbatches=2),
+                 marks=pytest.mark.slow),
 ])
 def test_add_loss_terms_count_over_every_row(config_fields, options):
   config = deploy.DeploymentConfig(clone_on_cpu=True, **config_fields)

@@ -379,6 +379,7 @@ def _learnable(rows=64):
   return centers[labels] + rng.normal(size=(rows, 6)).astype(np.float32), labels
 
 
+@pytest.mark.slow
 def test_float16_clones_train_with_dynamic_loss_scaling():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   deployed = make_deployed(

@@ -61,7 +61,7 @@ def _towers_fit(optimizer, batch=BATCH, model_fn=mlp, epochs=2, **kwargs):
 
 @pytest.mark.parametrize('optimizer, layout', [
     pytest.param(optimizer, layout, marks=[pytest.mark.slow] if (
-        'num_stages' in layout or optimizer == 'adam') else [])
+        len(layout) > 1 or optimizer == 'adam') else [])
     for optimizer in sorted(OPTIMIZERS) for layout in (
         dict(num_clones=2),
         dict(num_clones=2, clone_shares=(3, 1)),
@@ -78,8 +78,8 @@ def test_fit_equals_plain_fit_on_one_device(optimizer, layout):
                                err_msg=key)
 
 
-@pytest.mark.parametrize('optimizer', [
-    'momentum', pytest.param('adam', marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
 def test_accumulation_equals_plain_fit_on_twice_the_batch(optimizer):
   want_model, _ = _plain_fit(optimizer, batch=2 * BATCH)
   towers, _ = _towers_fit(optimizer, batch=2 * BATCH, num_clones=2,
@@ -88,6 +88,7 @@ def test_accumulation_equals_plain_fit_on_twice_the_batch(optimizer):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_last_partial_batch_trains_exactly_with_one_more_trace():
   # 36 rows in batches of 8 over 3 clones: 3/3/2 rows, then 2/1/1.
   want_model, _ = _plain_fit('momentum', epochs=1)
@@ -255,6 +256,7 @@ def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path):
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_reduce_lr_on_plateau_changes_the_rate_the_towers_use():
   plateau = dict(monitor='loss', factor=0.5, patience=0, min_delta=1e9)
   model = mlp()
@@ -271,6 +273,7 @@ def test_reduce_lr_on_plateau_changes_the_rate_the_towers_use():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_early_stopping_and_tensorboard_see_the_towers_logs(tmp_path):
   towers, _ = _towers_fit('momentum', num_clones=2, epochs=1)
   stop = keras.callbacks.EarlyStopping(monitor='loss', patience=0,

@@ -257,6 +257,7 @@ def _two_headed(seed=0):
       'value': keras.layers.Dense(1, name='value')(x)})
 
 
+@pytest.mark.slow
 def test_stages_take_several_inputs_and_give_several_outputs():
   BUILD['two_headed'] = _two_headed
   try:

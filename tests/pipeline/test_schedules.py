@@ -101,9 +101,8 @@ def test_gpipe_equals_one_device(k, m):
                                   recompute=recompute), rows=8)
 
 
-@pytest.mark.parametrize('schedule', [
-    schedules.GPIPE, pytest.param(schedules.ONE_F_ONE_B,
-                                  marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('schedule', [schedules.GPIPE, schedules.ONE_F_ONE_B])
 def test_with_clones_shares_and_accumulation_equal_one_device(schedule):
   _assert_same_steps(
       _pipelined(2, 4, num_clones=2, pipeline_schedule=schedule,

@@ -51,7 +51,7 @@ def _assert_same_steps(deployed, steps=3, rows=8):
   assert_same_steps(deployed, reference, rows, steps)
 
 
-_QUICK = ((2, 2), (3, 4), (4, 1))  # The rest run in the slow suite.
+_QUICK = ((2, 2), (3, 4))  # The rest run in the slow suite.
 
 
 @pytest.mark.parametrize('num_stages,num_microbatches', [

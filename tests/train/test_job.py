@@ -97,6 +97,7 @@ def test_a_diverging_run_stops_and_names_a_finite_checkpoint(
   assert not os.path.exists(os.path.join(model_dir, 'metrics.json'))
 
 
+@pytest.mark.slow
 def test_nothing_left_to_train_keeps_the_figures_of_the_run_that_trained(
     run_train, tmp_path):
   model_dir = str(tmp_path / 'done')
@@ -107,6 +108,7 @@ def test_nothing_left_to_train_keeps_the_figures_of_the_run_that_trained(
   assert trained['images_per_sec'] > 0 and trained['train_loss'] > 0
 
 
+@pytest.mark.slow
 def test_nothing_left_to_train_without_a_record_writes_strict_json(
     run_train, tmp_path):
   model_dir = str(tmp_path / 'done')
@@ -173,6 +175,7 @@ def test_synchronized_batch_norm_flag_trains_on_both_paths(run_train,
   assert np.isfinite(metrics['train_loss'])
 
 
+@pytest.mark.slow
 def test_profile_steps_trace_every_clone(run_train, tmp_path):
   model_dir = tmp_path / 'profiled'
   run_train(model_dir=str(model_dir), num_clones=2, train_steps=3,
