@@ -45,8 +45,9 @@ def make_deployed(config, model_fn=mlp, optimizer_fn=None, **kwargs):
   """`model_fn()` deployed over `config`, with SGD + momentum by default."""
   optimizer_fn = optimizer_fn or (
       lambda: keras.optimizers.SGD(0.1, momentum=0.9))
-  with tf.device(config.variables_device()):
-    model = model_fn()
+  with tf.device(config.optimizer_variables_device()):
+    with config.variables_scope():
+      model = model_fn()
     optimizer = optimizer_fn()
   return deploy.deploy(config, model, make_loss(), optimizer, **kwargs)
 

@@ -48,8 +48,9 @@ _CLONE_ON_CPU = flags.DEFINE_bool(
     'here) instead of GPU:i; works on any machine.')
 _VARIABLES_DEVICE = flags.DEFINE_string(
     'variables_device', 'cpu', "Where variables and optimizer slots live, "
-    "and the update runs: 'cpu' (CPU:0, slim's default) or 'gpu:N' (one "
-    'chosen GPU).')
+    "and the update runs: 'cpu' (CPU:0, slim's default), 'gpu:N' (one "
+    "chosen GPU) or 'spread' (each variable on one of the clones' devices, "
+    'balanced by bytes, its update beside it; towers only).')
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 64, 'Examples per clone per step (as in slim); the global '
     'batch is batch_size * num_clones * workers.')
@@ -185,13 +186,21 @@ _MIXED_PRECISION = flags.DEFINE_bool(
 
 
 def _variables_gpu(value):
-  """N of --variables_device=gpu:N, or None for 'cpu'."""
-  if value == 'cpu':
+  """N of --variables_device=gpu:N, or None for 'cpu' and 'spread'."""
+  if value in ('cpu', deploy.SPREAD):
     return None
   if value.startswith('gpu:') and value[4:].isdigit():
     return int(value[4:])
-  raise errors.ConfigError(f"--variables_device={value}: use 'cpu' or "
-                           "'gpu:N', e.g. --variables_device=gpu:0.")
+  raise errors.ConfigError(f"--variables_device={value}: use 'cpu', "
+                           f"'gpu:N' or '{deploy.SPREAD}', e.g. "
+                           '--variables_device=gpu:0.')
+
+
+def _variables_device(value, variables_gpu):
+  """The `DeploymentConfig` value of --variables_device."""
+  if value == deploy.SPREAD:
+    return deploy.SPREAD
+  return None if variables_gpu is None else f'/device:GPU:{variables_gpu}'
 
 
 def _profile_steps(values):
@@ -311,8 +320,8 @@ def configs_from_flags():
       variables_gpu=variables_gpu, num_stages=_NUM_STAGES.value)
   deploy_config = deploy.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=clone_on_cpu,
-      variables_device=None if variables_gpu is None
-      else f'/device:GPU:{variables_gpu}',
+      variables_device=_variables_device(_VARIABLES_DEVICE.value,
+                                         variables_gpu),
       replica_id=cluster_info.index if cluster_info else 0,
       num_replicas=cluster_info.num_workers if cluster_info else 1,
       num_stages=_NUM_STAGES.value)

@@ -176,18 +176,26 @@ def device_of(variable):
   return variable.handle.device
 
 
-def check_placement(variables, device):
-  """Raises `DeviceError` if any of `variables` is not on `device`."""
-  wanted = tf.DeviceSpec.from_string(device)
+def on_device(variable, device):
+  """Whether `variable` lives on `device` (a device string)."""
+  return _matches(tf.DeviceSpec.from_string(device),
+                  tf.DeviceSpec.from_string(device_of(variable)))
+
+
+def check_placement(variables, allowed):
+  """Raises `DeviceError` if any of `variables` is on none of the devices
+  in `allowed` (a list of device strings)."""
   misplaced = [(getattr(v, 'path', v.name), device_of(v)) for v in variables
-               if not _matches(wanted, tf.DeviceSpec.from_string(device_of(v)))]
+               if not any(on_device(v, device) for device in allowed)]
   if misplaced:
     (path, where), more = misplaced[0], len(misplaced) - 1
     others = f' and {more} more' if more else ''
+    where_wanted = (f'the variables device {allowed[0]!r}' if len(allowed) == 1
+                    else f'the devices {allowed}')
     raise errors.DeviceError(
-        f'variable {path!r} (on {where}){others} not on the variables device '
-        f'{device!r}; create the model and the optimizer under '
-        'tf.device(config.variables_device()).')
+        f'variable {path!r} (on {where}){others} not on {where_wanted}; '
+        'create the model in config.variables_scope() and the optimizer '
+        'under tf.device(config.optimizer_device()).')
 
 
 def mirrored_strategy(config, cross_device_ops=None):

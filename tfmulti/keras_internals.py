@@ -20,6 +20,11 @@ The conventions read here:
   Keras mask, a compiled model's loss (`_compile_loss`), metrics
   (`_compile_metrics`, `_symbolic_build`) and loss tracker
   (`_loss_tracker`).
+* An optimizer's `apply` runs its arithmetic under the caller's device
+  scope: Keras applies each update through the default tf.distribute
+  strategy (`extended.update`), which does not colocate it with its
+  variable; only the assignments themselves land beside the variable.
+  `updates_beside_variables` moves the arithmetic there.
 """
 
 import contextlib
@@ -170,3 +175,50 @@ def build_compiled(model, data):
 def loss_tracker(model):
   """The metric `fit` reports as 'loss'."""
   return model._loss_tracker
+
+
+@contextlib.contextmanager
+def updates_beside_variables():
+  """Places every op made inside with its largest input (a variable read
+  with its variable), so an optimizer's per-variable arithmetic (its
+  update step, weight decay, moving averages, clipping's products) runs on
+  that variable's device and its scalar arithmetic (from `iterations`, the
+  learning rate, the loss scale) beside those. Ops without inputs are left
+  to the placer, which puts them with their consumer. A device function:
+  use it while tracing a `tf.function`.
+  """
+  known = {}  # id(tensor) -> its device, or ''.
+  captured = {}  # id(graph) -> {id(inner tensor): the outer one}.
+
+  def device_of(tensor):
+    if tensor.op.device:
+      return tensor.op.device
+    if id(tensor) not in known:
+      known[id(tensor)] = ''  # Guards a cycle while it is worked out.
+      captures = getattr(tensor.graph, 'captures', ())
+      outer = captured.get(id(tensor.graph), {})
+      if len(outer) != len(captures):  # Captures grow while tracing.
+        outer = {id(inner): source for source, inner in captures}
+        captured[id(tensor.graph)] = outer
+      if id(tensor) in outer:  # A capture: its outer tensor's device.
+        source = outer[id(tensor)]
+        known[id(tensor)] = (source.device if hasattr(source, 'numpy')
+                             else device_of(source))
+      else:
+        known[id(tensor)] = place(tensor.op)
+    return known[id(tensor)]
+
+  def size(tensor):
+    count = tensor.shape.num_elements() if tensor.shape.rank is not None else (
+        None)
+    return float('inf') if count is None else count
+
+  def place(op):
+    resources = [t for t in op.inputs if t.dtype == tf.resource]
+    for tensor in resources or sorted(op.inputs, key=size, reverse=True):
+      device = device_of(tensor)
+      if device:
+        return device
+    return ''
+  with tf.compat.v1.device(place):
+    yield

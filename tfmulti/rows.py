@@ -308,7 +308,8 @@ def split(tensors, sizes):
           for column in zip(*parts)] if parts else [tensors] * len(sizes)
 
 
-def accumulate(step, images, labels, layout, *, worker=0, device=None):
+def accumulate(step, images, labels, layout, *, worker=0, device=None,
+               gradient_devices=None):
   """Gradient accumulation: the layout's accumulation steps, summed.
 
   Accumulation step k holds the consecutive rows the layout gives it.
@@ -328,6 +329,8 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None):
     layout: the step's `StepLayout`.
     worker: this worker's index in it.
     device: where the sums live.
+    gradient_devices: where each gradient's sum lives (a list, one device
+      a variable); None for `device`.
 
   Returns:
     (summed gradients, summed scalars, concatenated outputs).
@@ -340,7 +343,7 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None):
     results = [step(x, y, k, 0) for k, (x, y) in enumerate(zip(
         split(images, sizes), split(labels, sizes)))]
     with tf.device(device), tf.name_scope('accumulate'):
-      return _summed(results)
+      return _summed(results, gradient_devices)
   rows = layout.step_rows(worker, 0)
   with tf.device(device), tf.name_scope('accumulate'):
     images, labels = [tf.nest.map_structure(
@@ -351,6 +354,8 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None):
     return tf.nest.map_structure(lambda t: t[k], nest)
   gradients, scalars, outputs = step(part(images, 0), part(labels, 0), 0, 0)
   reached = [g is not None for g in gradients]
+  places = [d for d, r in zip(gradient_devices or [device] * len(reached),
+                              reached) if r]
   arrays = [tf.TensorArray(out.dtype, size=steps, element_shape=out.shape)
             .write(0, out) for out in outputs]
 
@@ -359,7 +364,9 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None):
                                (k - 1) * rows)
     with tf.device(device), tf.name_scope('accumulate'):
       grads = [g for g, r in zip(grads, reached) if r]
-      return (k + 1, [a + g for a, g in zip(sums, grads)],
+      sums = [_on(place, lambda: a + g) for a, g, place in zip(sums, grads,
+                                                              places)]
+      return (k + 1, sums,
               [a + v for a, v in zip(totals, values)],
               [array.write(k, out) for array, out in zip(arrays, outs)])
   _, sums, scalars, arrays = tf.while_loop(
@@ -371,13 +378,24 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None):
           [array.concat() for array in arrays])
 
 
-def _summed(results):
+def _on(device, fn):
+  """`fn()` on `device` (None: the current one)."""
+  if device is None:
+    return fn()
+  with tf.device(device):
+    return fn()
+
+
+def _summed(results, gradient_devices=None):
   """(gradients, scalars, outputs) of several accumulation steps, summed
-  (gradients None where no step reaches a variable) and concatenated."""
+  (gradients None where no step reaches a variable; each on its device in
+  `gradient_devices`) and concatenated."""
   gradients = []
-  for parts in zip(*(grads for grads, _, _ in results)):
+  all_grads = list(zip(*(grads for grads, _, _ in results)))
+  for parts, place in zip(all_grads,
+                          gradient_devices or [None] * len(all_grads)):
     parts = [g for g in parts if g is not None]
-    gradients.append(tf.add_n(parts) if parts else None)
+    gradients.append(_on(place, lambda: tf.add_n(parts)) if parts else None)
   scalars = [tf.add_n(list(values))
              for values in zip(*(values for _, values, _ in results))]
   outputs = [tf.concat(list(outs), axis=0)

@@ -24,6 +24,7 @@ from tfmulti.deploy.clones import clone_step  # noqa: F401
 from tfmulti.deploy.clones import create_clones  # noqa: F401
 from tfmulti.deploy.clones import optimize_clones  # noqa: F401
 from tfmulti.deploy.placement import DeploymentConfig  # noqa: F401
+from tfmulti.deploy.placement import SPREAD  # noqa: F401
 from tfmulti.deploy.towers import deploy  # noqa: F401
 from tfmulti.deploy.towers import DeployedModel  # noqa: F401
 from tfmulti.deploy.towers_model import TowersModel  # noqa: F401

@@ -158,7 +158,7 @@ def create_clones(config, model, loss_fn, images, labels, *,
   image_shards = split_batch(config, images, sizes)
   label_shards = split_batch(config, labels, sizes)
   if lockstep is not None:
-    with tf.device(config.variables_device()):
+    with tf.device(config.optimizer_device()):
       variables = (values_of(model.trainable_variables),
                    values_of(model.non_trainable_variables))
     with keras_internals.synchronized_batch_norms(model):
@@ -197,7 +197,7 @@ def create_clones(config, model, loss_fn, images, labels, *,
   return clones
 
 
-def optimize_clones(clones, variables):
+def optimize_clones(clones, variables, devices=None):
   """Sums the clones' losses and gradients on the current device.
 
   Call it under `tf.device(config.optimizer_device())`.
@@ -205,6 +205,8 @@ def optimize_clones(clones, variables):
   Args:
     clones: the list `create_clones` returned.
     variables: the trainable variables, in the order of the gradients.
+    devices: where each variable's gradients are summed (one device a
+      variable: `config.owner_device`); None for the current device.
 
   Returns:
     (total_loss, grads_and_vars), skipping variables that no clone reached.
@@ -215,6 +217,8 @@ def optimize_clones(clones, variables):
     for k, variable in enumerate(variables):
       grads = [c.gradients[k] for c in clones if c.gradients[k] is not None]
       if grads:
-        grads_and_vars.append((tf.add_n(grads, name='sum_gradients'),
-                               variable))
+        with (tf.device(devices[k]) if devices
+              else contextlib.nullcontext()):
+          grads_and_vars.append((tf.add_n(grads, name='sum_gradients'),
+                                 variable))
   return total_loss, grads_and_vars

@@ -6,6 +6,7 @@ string assertions), and every device string in tfmulti comes from here.
 `tfmulti.deploy` re-exports it: users write `deploy.DeploymentConfig`.
 """
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -14,6 +15,9 @@ import tensorflow as tf
 from tfmulti import errors
 
 _HOST = '/device:CPU:0'
+
+# `variables_device=SPREAD`: each variable on one of the clones' devices.
+SPREAD = 'spread'
 
 
 def _normalise_device(device):
@@ -50,6 +54,10 @@ class DeploymentConfig:
       whole on one device. Clone c's stage s runs on device c * num_stages
       + s (GPU, or logical CPU with `clone_on_cpu`), so a worker uses
       num_clones * num_stages devices.
+    spread_variables: `variables_device='spread'`: each variable lives on
+      one of the clones' devices (`compute_devices`), the least loaded by
+      bytes when it is created (build the model in `variables_scope()`);
+      its slots, gradient sum and update run beside it.
   """
   num_clones: int
   clone_on_cpu: bool
@@ -59,6 +67,7 @@ class DeploymentConfig:
   worker_job_name: str
   ps_job_name: str
   num_stages: int
+  spread_variables: bool
   _variables_device: Optional[str]
 
   def __init__(self, num_clones=1, clone_on_cpu=False, variables_device=None,
@@ -80,17 +89,21 @@ class DeploymentConfig:
           raise errors.ConfigError(
               f'{name}={job!r}: a job name is needed with several workers '
               'or parameter servers.')
+    spread_variables = variables_device == SPREAD
+    if spread_variables:
+      variables_device = None
+    if (variables_device is not None or spread_variables) and num_ps_tasks:
+      raise errors.ConfigError(
+          f'variables_device={variables_device or SPREAD!r} cannot be '
+          f'combined with num_ps_tasks={num_ps_tasks}: parameter servers '
+          'hold the variables; leave variables_device unset.')
     if variables_device is not None:
-      if num_ps_tasks > 0:
-        raise errors.ConfigError(
-            f'variables_device={variables_device!r} cannot be combined with '
-            f'num_ps_tasks={num_ps_tasks}: parameter servers hold the '
-            'variables; leave variables_device unset.')
       variables_device = _normalise_device(variables_device)
     values = dict(num_clones=num_clones, clone_on_cpu=bool(clone_on_cpu),
                   replica_id=replica_id, num_replicas=num_replicas,
                   num_ps_tasks=num_ps_tasks, worker_job_name=worker_job_name,
                   ps_job_name=ps_job_name, num_stages=num_stages,
+                  spread_variables=spread_variables,
                   _variables_device=variables_device)
     for name, value in values.items():
       object.__setattr__(self, name, value)
@@ -157,9 +170,19 @@ class DeploymentConfig:
 
     The variables device when one was chosen (the update reads and writes
     every variable and slot, so it runs beside them); else this worker's
-    CPU:0, as in slim.
+    CPU:0, as in slim. With spread variables, each variable's gradient sum
+    and update run on its owner (`owner_device`); the optimizer's own
+    variables (iterations, learning rate, loss scale) and its scalar
+    arithmetic stay here.
     """
     return self._variables_device or self._worker_prefix() + _HOST
+
+  def owner_device(self, variable_device):
+    """Where the gradient sum and update of a variable living on
+    `variable_device` run: beside it when spread, else `optimizer_device`."""
+    if self.spread_variables:
+      return variable_device
+    return self.optimizer_device()
 
   def inputs_device(self):
     """Where the input pipeline runs and the batch is split."""
@@ -170,12 +193,56 @@ class DeploymentConfig:
     return self._worker_prefix() + _HOST
 
   def variables_device(self):
-    """Where variables and optimizer slots are created.
+    """Where variables and optimizer slots are created; None when spread.
 
     CPU:0 by default, the device given to the constructor, or the parameter
-    servers' CPU. Spreading variables over several ps tasks (slim's
-    round-robin device function) has no eager-mode equivalent.
+    servers' CPU. Spread variables have no one device: build the model in
+    `variables_scope()`, which works in both cases.
     """
+    if self.spread_variables:
+      return None
     if self.num_ps_tasks > 0:
       return f'/job:{self.ps_job_name}{_HOST}'
     return self._variables_device or _HOST
+
+  def optimizer_variables_device(self):
+    """Where the optimizer is built: its own variables (iterations,
+    learning rate, loss scale) are made here, and Keras makes each slot
+    beside its variable. The variables device, or `optimizer_device()`
+    when spread."""
+    return self.variables_device() or self.optimizer_device()
+
+  def variable_devices(self):
+    """The devices a variable may live on: the clones' devices when
+    spread, else the one variables device."""
+    if self.spread_variables:
+      return self.compute_devices()
+    return [self.variables_device()]
+
+  def variables_scope(self):
+    """The context to build the model in: `tf.device(variables_device())`,
+    or, when spread, a variable creator that puts each new variable on the
+    least-loaded of `compute_devices()` by bytes (ties: the lowest index),
+    in creation order. Build the optimizer outside it (under
+    `optimizer_device()`): Keras puts each slot beside its variable, and the
+    creator's `tf.device` would override that."""
+    if not self.spread_variables:
+      return tf.device(self.variables_device())
+    return _spreading(self.compute_devices())
+
+
+@contextlib.contextmanager
+def _spreading(devices):
+  """A `tf.variable_creator_scope` placing each variable on the device of
+  `devices` holding the fewest bytes so far (as TF's
+  ParameterServerStrategy places its round-robin variables)."""
+  held = dict.fromkeys(devices, 0)
+
+  def creator(next_creator, **kwargs):
+    device = min(devices, key=held.__getitem__)  # First of the least loaded.
+    with tf.device(device):
+      variable = next_creator(**kwargs)
+    held[device] += variable.shape.num_elements() * variable.dtype.size
+    return variable
+  with tf.variable_creator_scope(creator):
+    yield

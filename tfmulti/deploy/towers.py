@@ -38,6 +38,7 @@ the towers meet a strategy (clones in lockstep, for synchronized BatchNorm)
 is `towers_in_strategy`.
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -65,6 +66,12 @@ from tfmulti.deploy.clones import worker_of
 from tfmulti.pipeline import Stages
 
 
+def _on(device, fn):
+  """`fn()` on `device`."""
+  with tf.device(device):
+    return fn()
+
+
 class DeployedModel(trainer.Trainer):
   """A model deployed over clones, with its compiled training step.
 
@@ -88,6 +95,11 @@ class DeployedModel(trainer.Trainer):
     self.clone_shares = options.fixed_shares
     self.balancer = balancer
     self._moments = moments_of(model)
+    # Where each variable's gradient sum, update or new value is made.
+    self._owners = [config.owner_device(devices.device_of(v))
+                    for v in model.trainable_variables]
+    self._state_owners = [config.owner_device(devices.device_of(v))
+                          for v in model.non_trainable_variables]
     self._probes = {}  # Clone index -> its timing function.
     self._step = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
@@ -105,7 +117,7 @@ class DeployedModel(trainer.Trainer):
     """
     config, variables = self.config, self.model.trainable_variables
     loss_scale = trainer.loss_scale_of(self.optimizer)
-    with tf.device(config.variables_device()):
+    with tf.device(config.optimizer_device()):
       scale = 1.0 if loss_scale is None else tf.identity(loss_scale)
 
     def clones_of(images, labels, k, shift):
@@ -134,7 +146,9 @@ class DeployedModel(trainer.Trainer):
             tf.zeros_like(regularization))
       # A LossScaleOptimizer divides by the scale, and skips the update
       # (halving the scale) when a gradient is not finite.
-      self.optimizer.apply_gradients(grads_and_vars)
+      with (keras_internals.updates_beside_variables()
+            if config.spread_variables else contextlib.nullcontext()):
+        self.optimizer.apply_gradients(grads_and_vars)
     return trainer.StepOutputs(
         total_loss, regularization, clone_losses, summed,
         tf.nest.pack_sequence_as(structure[0], outputs) if outputs else None)
@@ -164,7 +178,8 @@ class DeployedModel(trainer.Trainer):
     def accumulation_step(images, labels, k, shift):
       clones = clones_of(images, labels, k, shift)
       with tf.device(config.optimizer_device()):
-        total_loss, grads_and_vars = optimize_clones(clones, variables)
+        total_loss, grads_and_vars = optimize_clones(clones, variables,
+                                                     self._owners)
         regularization = tf.add_n([c.regularization_loss for c in clones])
       self._update_state(clones)
       by_variable = {id(v): g for g, v in grads_and_vars}
@@ -174,7 +189,8 @@ class DeployedModel(trainer.Trainer):
               self._outputs(clones, structure))
     return rows.accumulate(accumulation_step, images, labels, layout,
                            worker=worker_of(self.config, layout),
-                           device=config.optimizer_device())
+                           device=config.optimizer_device(),
+                           gradient_devices=self._owners)
 
   def _atoms_step(self, clones_of, images, labels, layout, structure):
     """`_summed_step` with `reproducible_rows`: every atom of the job kept
@@ -186,11 +202,15 @@ class DeployedModel(trainer.Trainer):
     def accumulation_step(images, labels, k, shift):
       clones = clones_of(images, labels, k, shift)
       with tf.device(device), tf.name_scope('stack_atoms'):
-        gradients = [tf.concat(parts, axis=0) if parts[0] is not None
-                     else None for parts in zip(*(c.gradients for c in clones))]
+        gradients = [_on(owner, lambda: tf.concat(parts, axis=0))
+                     if parts[0] is not None else None
+                     for parts, owner in zip(
+                         zip(*(c.gradients for c in clones)), self._owners)]
         reached[:] = [g is not None for g in gradients]
-        states = [tf.stack(values) for values in zip(
-            *(values for c in clones for _, values in c.non_trainable))]
+        states = [_on(owner, lambda: tf.stack(values))
+                  for values, owner in zip(zip(
+                      *(values for c in clones for _, values in
+                        c.non_trainable)), self._state_owners)]
         stacked = [tf.concat([c.loss for c in clones], axis=0)] + [
             g for g in gradients if g is not None] + states
         regularization = tf.add_n([c.regularization_loss for c in clones])
@@ -209,23 +229,30 @@ class DeployedModel(trainer.Trainer):
         stacked = atoms.gather(stacked)
       num_states = len(self.model.non_trainable_variables)
       folded = stacked[:len(stacked) - num_states]
-      total_loss, *sums = atoms.fold(folded)
+      places = [device] + [o for o, r in zip(self._owners, reached) if r]
+      total_loss, *sums = [_on(place, lambda: atoms.fold([t])[0])
+                           for t, place in zip(folded, places)]
       sums = iter(sums)
       gradients = [next(sums) if r else None for r in reached]
-      self._assign_state(atoms.mean_state(stacked[len(folded):]))
+      self._assign_state([
+          _on(owner, lambda: atoms.mean_state([values])[0])
+          for values, owner in zip(stacked[len(folded):],
+                                   self._state_owners)])
     return gradients, [total_loss] + scalars, outputs
 
   def _update_state(self, clones):
     """Assigns the non-trainable variables once, under the BN policy."""
-    with tf.device(self.config.variables_device()), \
-        tf.name_scope('update_state'):
+    with tf.name_scope('update_state'):
       self._assign_state(combine_non_trainable(
-          clones, self.options.batch_norm_policy, self._moments))
+          clones, self.options.batch_norm_policy, self._moments,
+          self._state_owners))
 
   def _assign_state(self, values):
-    """Assigns the non-trainable variables these values."""
-    with tf.device(self.config.variables_device()):
-      for variable, value in zip(self.model.non_trainable_variables, values):
+    """Assigns the non-trainable variables these values, each on its
+    owner."""
+    for variable, value, owner in zip(self.model.non_trainable_variables,
+                                      values, self._state_owners):
+      with tf.device(owner):
         variable.assign(value)
 
   def distribute_dataset(self, dataset):
@@ -383,13 +410,15 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   if config.num_stages > 1 or options.num_microbatches > 1:
     stages = Stages(model, config.num_stages, options)
   devices.check_devices_exist(
-      [config.variables_device(), config.optimizer_device(),
-       config.inputs_device()] + config.compute_devices())
-  if not optimizer.built:
-    with tf.device(config.variables_device()):
+      config.variable_devices() + [config.optimizer_device(),
+                                   config.inputs_device()] +
+      config.compute_devices())
+  if not optimizer.built:  # Keras puts each slot beside its variable.
+    with tf.device(config.optimizer_variables_device()):
       optimizer.build(model.trainable_variables)
-  devices.check_placement(model.variables + optimizer.variables,
-                          config.variables_device())
+  devices.check_placement(model.variables, config.variable_devices())
+  devices.check_placement(optimizer.variables, config.variable_devices() +
+                          [config.optimizer_variables_device()])
   if options.reproducible_rows:  # Atoms alone are not enough: kernels too.
     tf.config.experimental.enable_op_determinism()
   lockstep = None

@@ -9,7 +9,7 @@ validation data and compiled metrics. It follows Keras's guide
 "Customizing what happens in fit()": only the steps are overridden.
 
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  with tf.device(config.variables_device()):
+  with config.variables_scope():
     model = build_my_functional_model()
   towers = deploy.TowersModel(model, config)
   towers.compile(optimizer='adam', loss=..., metrics=['accuracy'])
@@ -24,7 +24,7 @@ How it differs from a plain Keras model:
     would make one cluster on one device); 'auto' leaves it off.
   * The optimizer is made (again, from its config, if it was made
     elsewhere) and built, and every variable's placement checked, in
-    `compile`, under the variables device.
+    `compile`, under `config.optimizer_variables_device()`.
   * Several inputs and outputs (lists or dicts), several losses with
     `loss_weights`, and sample or class weights are Keras's own: each is a
     mean over rows, split with the batch and weighted by each piece's rows,
@@ -59,7 +59,7 @@ class TowersModel(keras.Model):
   """
 
   def __init__(self, model, config, options=None, **fields):
-    """Wraps `model`, built under `config.variables_device()`.
+    """Wraps `model`, built in `config.variables_scope()`.
 
     Args:
       model: a built functional `keras.Model` (any inputs and outputs).
@@ -103,7 +103,7 @@ class TowersModel(keras.Model):
         trainer.check_loss(each)
     if jit_compile is True:
       self.options = dataclasses.replace(self.options, xla=True)
-    with tf.device(self.config.variables_device()):
+    with tf.device(self.config.optimizer_variables_device()):
       super().compile(optimizer=_beside_the_variables(optimizer), loss=loss,
                       metrics=metrics, jit_compile=False, run_eagerly=True,
                       **kwargs)

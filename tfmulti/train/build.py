@@ -4,6 +4,7 @@ The command line, the strategy registry and the benchmark all build through
 these functions, so a comparison between paths changes only the path.
 """
 
+import contextlib
 import keras
 
 from tfmulti import errors
@@ -46,7 +47,10 @@ def model_and_optimizer(config, deploy_config, *, input_shape, num_classes,
                         learning_rate):
   """A callable that builds (model, optimizer) in the current scope.
 
-  Call it under the variables device (towers) or a strategy's scope.
+  Call it under the optimizer's device (towers) or a strategy's scope; its
+  argument, a context to build the model in (the towers'
+  `variables_scope()`, which may spread the variables), leaves the
+  optimizer out of it, so Keras puts each slot beside its variable.
 
   Args:
     config: a `config.TrainConfig` (model, optimizer, precision, BatchNorm).
@@ -57,11 +61,12 @@ def model_and_optimizer(config, deploy_config, *, input_shape, num_classes,
   """
   policy = dtype_policy(config.mixed_precision, deploy_config.clone_on_cpu)
 
-  def build():
-    model = models.get_model(
-        config.model, input_shape=input_shape, num_classes=num_classes,
-        dtype_policy=policy,
-        sync_batch_norm=config.step_options.sync_batch_norm)
+  def build(model_scope=None):
+    with model_scope or contextlib.nullcontext():
+      model = models.get_model(
+          config.model, input_shape=input_shape, num_classes=num_classes,
+          dtype_policy=policy,
+          sync_batch_norm=config.step_options.sync_batch_norm)
     optimizer = make_optimizer(config.optimizer, learning_rate)
     if policy == MIXED_GPU:  # float16 gradients underflow without it.
       optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

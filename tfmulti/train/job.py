@@ -56,11 +56,17 @@ def _log_deployment(config, deploy_config, path):
                                                    options.clone_shares))),
                  step_rows)
   if config.strategy == registry.TOWERS:
-    logging.info('towers: variables and optimizer slots on %s; batch split '
-                 'on %s; gradients summed and applied on %s',
-                 deploy_config.variables_device(),
-                 deploy_config.inputs_device(),
-                 deploy_config.optimizer_device())
+    if deploy_config.spread_variables:
+      logging.info('towers: variables spread over %s by bytes, each with '
+                   'its slots, gradient sum and update; batch split on %s',
+                   deploy_config.variable_devices(),
+                   deploy_config.inputs_device())
+    else:
+      logging.info('towers: variables and optimizer slots on %s; batch '
+                   'split on %s; gradients summed and applied on %s',
+                   deploy_config.variables_device(),
+                   deploy_config.inputs_device(),
+                   deploy_config.optimizer_device())
   else:
     logging.info('%s: %s', config.strategy, path.variables)
 

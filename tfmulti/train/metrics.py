@@ -13,6 +13,7 @@ from absl import logging
 import numpy as np
 
 from tfmulti import errors
+from tfmulti.deploy import placement
 from tfmulti.train import build
 
 METRICS_FILE = 'metrics.json'
@@ -51,7 +52,8 @@ def collect(config, deploy_config, run, outcome, restored, started):
       'num_workers': deploy_config.num_workers,
       'batch_size': config.batch_size,
       'global_batch_size': run.global_batch_size,
-      'variables_device': deploy_config.variables_device(),
+      'variables_device': (deploy_config.variables_device()
+                           or placement.SPREAD),
       'clone_devices': deploy_config.clone_devices(),
       'num_stages': deploy_config.num_stages,
       'num_microbatches': config.step_options.num_microbatches,

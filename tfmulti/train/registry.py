@@ -44,22 +44,23 @@ class Setup:
     config: the `config.TrainConfig` (its `step_options` passed whole).
     deploy_config: the `placement.DeploymentConfig`.
     build_model: builds (model, optimizer) in the current device or
-      strategy scope (`build.model_and_optimizer`).
+      strategy scope, the model in the context it is given, if any
+      (`build.model_and_optimizer`).
     loss_fn: the loss.
     workers: the `MultiWorkerMirroredStrategy` of a multi-worker path
       (made before TensorFlow ran an op), else None.
   """
   config: object
   deploy_config: placement.DeploymentConfig
-  build_model: Callable[[], tuple]
+  build_model: Callable[..., tuple]
   loss_fn: keras.losses.Loss
   workers: Optional[tf.distribute.Strategy] = None
 
 
 def _towers(setup):
   deploy_config = setup.deploy_config
-  with tf.device(deploy_config.variables_device()):
-    model, optimizer = setup.build_model()
+  with tf.device(deploy_config.optimizer_variables_device()):
+    model, optimizer = setup.build_model(deploy_config.variables_scope())
   deployed = towers.deploy(deploy_config, model, setup.loss_fn, optimizer,
                            setup.config.step_options)
   stages = deployed.stages
@@ -101,10 +102,11 @@ def _worker_mirrored(setup):
 
 
 def _check_workers(config, deploy_config):
-  if deploy_config.variables_device() != deploy_config.inputs_device():
+  where = deploy_config.variables_device()
+  if where != deploy_config.inputs_device():
     raise errors.ConfigError(
-        f'variables_device={deploy_config.variables_device()!r}: a '
-        "multi-worker job keeps the variables on each worker's CPU; drop "
+        f'variables_device={where or placement.SPREAD!r}: a multi-worker '
+        "job keeps the variables on each worker's CPU; drop "
         '--variables_device.')
 
 
@@ -218,6 +220,11 @@ def check(config, deploy_config):
         f'strategy={config.strategy!r} runs whole model copies; stages '
         f'(num_stages={deploy_config.num_stages}) run on '
         f'--strategy={TOWERS}.')
+  if config.strategy != TOWERS and deploy_config.spread_variables:
+    raise errors.UnsupportedError(
+        f'variables_device={placement.SPREAD!r} spreads the towers\' '
+        f'variables over their clones; strategy={config.strategy!r} places '
+        f'its own: use --strategy={TOWERS}, or drop --variables_device.')
   if config.strategy in (TOWERS, MULTI_WORKER):
     towers.check_options(deploy_config, options)
   check_layout(config, deploy_config)
