@@ -178,6 +178,11 @@ _REPRODUCIBLE_ROWS = flags.DEFINE_integer(
     'each run alone and summed in one fixed order: the same weights, bit for '
     'bit, whatever the clones, shares, stages, micro-batches, accumulation '
     'steps or workers (towers, multi_worker). 0: off.')
+_GRADIENT_PACKS = flags.DEFINE_string(
+    'gradient_packs', '0', "'auto': each clone sends its gradients for one "
+    "owner device (and reads that device's variables) as one tensor; N: in N "
+    'packs a device; 0: one transfer a variable. The same weights, bit for '
+    'bit (towers).')
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (towers only).")
 _MIXED_PRECISION = flags.DEFINE_bool(
@@ -299,7 +304,8 @@ def _step_options():
       rebalance_every_steps=_REBALANCE_EVERY_STEPS.value,
       accumulation_steps=_ACCUMULATION_STEPS.value,
       summarize_gradients=_SUMMARIZE_GRADIENTS.value,
-      reproducible_rows=_REPRODUCIBLE_ROWS.value)
+      reproducible_rows=_REPRODUCIBLE_ROWS.value,
+      gradient_packs=_GRADIENT_PACKS.value)
 
 
 def configs_from_flags():
@@ -377,7 +383,7 @@ HELP_GROUPS = (
         'stage_boundaries', 'stage_costs', 'recompute', 'pipeline_schedule',
         'clone_shares',
         'rebalance_every_steps', 'accumulation_steps', 'summarize_gradients',
-        'reproducible_rows')),
+        'reproducible_rows', 'gradient_packs')),
     ('Output', (
         'model_dir', 'log_every_steps', 'checkpoint_steps',
         'keep_checkpoints', 'export', 'profile_steps')),

@@ -198,6 +198,82 @@ def check_placement(variables, allowed):
         'under tf.device(config.optimizer_device()).')
 
 
+def canonical(device):
+  """`device` without a local job's '/job:localhost/replica:0/task:0'."""
+  if not device:
+    return ''
+  spec = tf.DeviceSpec.from_string(device)
+  if spec.job in (None, 'localhost'):
+    spec = spec.replace(job=None, replica=None, task=None)
+  return spec.to_string()
+
+
+def same_device(first, second):
+  """Whether two device strings name one device."""
+  return canonical(first) == canonical(second)
+
+
+class GraphPlacement:
+  """Where the ops of a traced graph run, as TensorFlow's placer puts them.
+
+  An op runs on its requested device; an op reading a resource (a
+  variable) on the resource's; a captured tensor comes from its source's;
+  any other op runs with its largest input (the placer's rule is to
+  colocate with inputs where nothing else decides). An op without inputs
+  or a device ('' here) the placer puts beside its consumer.
+  """
+
+  def __init__(self):
+    self._known = {}  # id(tensor) -> its device, or ''.
+    self._captured = {}  # id(graph) -> {id(inner tensor): its source}.
+
+  def of_tensor(self, tensor):
+    """The device `tensor` is made on (canonical), or ''."""
+    if tensor.op.device:
+      return canonical(tensor.op.device)
+    key = id(tensor)
+    if key not in self._known:
+      self._known[key] = ''  # Guards a cycle while it is worked out.
+      source = self._source(tensor)
+      if source is None:
+        self._known[key] = self.of_inputs(tensor.op)
+      elif hasattr(source, 'numpy'):  # An eager tensor: a variable's handle.
+        self._known[key] = canonical(source.device)
+      else:
+        self._known[key] = self.of_tensor(source)
+    return self._known[key]
+
+  def of_op(self, op):
+    """The device `op` runs on (canonical), or ''."""
+    return canonical(op.device) or self.of_inputs(op)
+
+  def of_inputs(self, op):
+    """The device of `op`'s resource input, else of its largest input with
+    a device; '' if none has one."""
+    resources = [t for t in op.inputs if t.dtype == tf.resource]
+    for tensor in resources or sorted(op.inputs, key=_size, reverse=True):
+      device = self.of_tensor(tensor)
+      if device:
+        return device
+    return ''
+
+  def _source(self, tensor):
+    """The outer tensor `tensor` captures, or None."""
+    captures = getattr(tensor.graph, 'captures', ())
+    outer = self._captured.get(id(tensor.graph), {})
+    if len(outer) != len(captures):  # Captures grow while tracing.
+      outer = {id(inner): source for source, inner in captures}
+      self._captured[id(tensor.graph)] = outer
+    return outer.get(id(tensor))
+
+
+def _size(tensor):
+  """Elements in `tensor`: infinite when not known."""
+  count = tensor.shape.num_elements() if tensor.shape.rank is not None else (
+      None)
+  return float('inf') if count is None else count
+
+
 def mirrored_strategy(config, cross_device_ops=None):
   """A `tf.distribute.MirroredStrategy`, one replica on each of `config`'s
   clone devices; `cross_device_ops` overrides its choice of all-reduce."""

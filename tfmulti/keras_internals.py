@@ -32,6 +32,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from tfmulti import devices
+
 # The Keras releases this module was tested on (setup.cfg pins the range).
 TESTED_KERAS = ('3.15',)
 
@@ -178,47 +180,26 @@ def loss_tracker(model):
 
 
 @contextlib.contextmanager
-def updates_beside_variables():
-  """Places every op made inside with its largest input (a variable read
-  with its variable), so an optimizer's per-variable arithmetic (its
+def updates_beside_variables(optimizer):
+  """Places every op `optimizer` makes inside with its largest input (a
+  variable read with its variable), so its per-variable arithmetic (the
   update step, weight decay, moving averages, clipping's products) runs on
   that variable's device and its scalar arithmetic (from `iterations`, the
-  learning rate, the loss scale) beside those. Ops without inputs are left
-  to the placer, which puts them with their consumer. A device function:
-  use it while tracing a `tf.function`.
+  learning rate, the loss scale) beside those; ops without inputs go with
+  their consumer. Outside any strategy, Keras's one-replica "all-reduce"
+  of the gradients is an `IdentityN` of them all, one op on one device that
+  would gather every gradient there and send it back: it is skipped (the
+  sum over one replica is the gradient itself). Use it while tracing a
+  `tf.function`.
   """
-  known = {}  # id(tensor) -> its device, or ''.
-  captured = {}  # id(graph) -> {id(inner tensor): the outer one}.
-
-  def device_of(tensor):
-    if tensor.op.device:
-      return tensor.op.device
-    if id(tensor) not in known:
-      known[id(tensor)] = ''  # Guards a cycle while it is worked out.
-      captures = getattr(tensor.graph, 'captures', ())
-      outer = captured.get(id(tensor.graph), {})
-      if len(outer) != len(captures):  # Captures grow while tracing.
-        outer = {id(inner): source for source, inner in captures}
-        captured[id(tensor.graph)] = outer
-      if id(tensor) in outer:  # A capture: its outer tensor's device.
-        source = outer[id(tensor)]
-        known[id(tensor)] = (source.device if hasattr(source, 'numpy')
-                             else device_of(source))
-      else:
-        known[id(tensor)] = place(tensor.op)
-    return known[id(tensor)]
-
-  def size(tensor):
-    count = tensor.shape.num_elements() if tensor.shape.rank is not None else (
-        None)
-    return float('inf') if count is None else count
-
-  def place(op):
-    resources = [t for t in op.inputs if t.dtype == tf.resource]
-    for tensor in resources or sorted(op.inputs, key=size, reverse=True):
-      device = device_of(tensor)
-      if device:
-        return device
-    return ''
-  with tf.compat.v1.device(place):
-    yield
+  placement = devices.GraphPlacement()
+  applier = getattr(optimizer, 'inner_optimizer', optimizer)  # Loss scale.
+  alone = not tf.distribute.has_strategy()
+  if alone:
+    applier._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
+  try:
+    with tf.compat.v1.device(None), tf.compat.v1.device(placement.of_inputs):
+      yield
+  finally:
+    if alone:
+      del applier._all_reduce_sum_gradients

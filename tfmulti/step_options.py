@@ -69,6 +69,10 @@ class StepOptions:
     reproducible_rows: a > 0 cuts each step's rows into atoms of `a` rows,
       each run alone and summed in one fixed order, so the result does not
       depend on the layout (`deploy.atoms`); 0 is off.
+    gradient_packs: 'auto' packs each clone's gradients bound for one owner
+      device (and its reads of that owner's variables) into one tensor a
+      transfer; a count k > 0 cuts each owner's into k packs; 0 is off
+      (`deploy.packs`).
   """
   batch_norm_policy: str = BN_CLONE_0
   sync_batch_norm: bool = False
@@ -84,6 +88,7 @@ class StepOptions:
   accumulation_steps: int = 1
   summarize_gradients: bool = False
   reproducible_rows: int = 0
+  gradient_packs: Union[int, str] = 0
 
   def __post_init__(self):
     errors.check_choice('batch_norm_policy', self.batch_norm_policy,
@@ -97,16 +102,29 @@ class StepOptions:
     for speed in self.stage_speeds or ():
       errors.check_positive('stage_speeds', speed)
     errors.check_count('reproducible_rows', self.reproducible_rows, 0)
+    self._check_packs()
     self._check_shares()
     self._check_reproducible()
     if self.sync_batch_norm:
-      for name in ('clone_shares', 'accumulation_steps', 'xla'):
+      for name in ('clone_shares', 'accumulation_steps', 'xla',
+                   'gradient_packs'):
         if name in self.in_use():
           raise errors.UnsupportedError(
               f'{name}={getattr(self, name)!r} cannot be combined with '
               'sync_batch_norm=True: synchronized BatchNorm runs equal, whole '
               f'clones at once; drop one of the two.')
     self._check_whole_clones(1)  # Micro-batches alone cut clones too.
+
+  def _check_packs(self):
+    packs = self.gradient_packs
+    if isinstance(packs, str) and packs != AUTO:  # As the flag is written.
+      packs = int(packs) if packs.isdigit() else packs
+      object.__setattr__(self, 'gradient_packs', packs)
+    if packs != AUTO and (isinstance(packs, bool) or not isinstance(
+        packs, int) or packs < 0):
+      raise errors.ConfigError(
+          f'gradient_packs={packs!r}: use {AUTO!r} (one pack a device), a '
+          'count of packs a device (an integer > 0), or 0 for none.')
 
   def _check_shares(self):
     shares = self.clone_shares

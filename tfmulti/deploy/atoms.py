@@ -86,8 +86,9 @@ def run_pieces(clone_fn, pieces, shift, trainable, non_trainable, images,
 def stack(per_atom_gradients):
   """Per variable, its gradients over the atoms stacked (atom first); None
   where every atom's gradient is None."""
-  return [None if parts[0] is None else tf.stack(parts)
-          for parts in zip(*per_atom_gradients)]
+  with tf.name_scope('stack_gradients'):
+    return [None if parts[0] is None else tf.stack(parts)
+            for parts in zip(*per_atom_gradients)]
 
 
 def gather(tensors):

@@ -11,11 +11,13 @@ import contextlib
 
 import tensorflow as tf
 
+from tfmulti import devices
 from tfmulti import keras_internals
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.deploy import atoms
+from tfmulti.deploy import packs as packs_lib
 from tfmulti.deploy import towers_in_strategy
 
 # A clone's share of one step (slim: Clone(outputs, scope, device)).
@@ -107,7 +109,7 @@ def worker_of(config, layout):
 def create_clones(config, model, loss_fn, images, labels, *,
                   layout=None, accumulation_step=0, shift=0,
                   options=step_options.DEFAULTS, loss_scale=1.0,
-                  lockstep=None, stages=None):
+                  lockstep=None, stages=None, packs=()):
   """Runs every clone on its device and its pieces of the batch.
 
   Args:
@@ -135,6 +137,8 @@ def create_clones(config, model, loss_fn, images, labels, *,
       synchronized (see `towers_in_strategy.run_clones_in_lockstep`).
     stages: None, or a `pipeline.Stages`: each clone runs its shard in
       micro-batches through its stages, on `config.stage_devices(clone)`.
+    packs: groups of trainable variables (`packs.groups`) whose values
+      each clone without stages reads as one tensor from their owner.
 
   Returns:
     A list of `Clone`, one per clone with rows (an empty clone of a short
@@ -169,12 +173,14 @@ def create_clones(config, model, loss_fn, images, labels, *,
           loss_scale)
   else:
     results = [None] * config.num_clones
+    reads = _packed_reads(config, model.trainable_variables,
+                          packs if stages is None else ())
     for i in range(config.num_clones):
       if not sizes[i]:
         continue
       with on_clone(config, i):
-        # Each clone reads the variables from the variables device.
-        variables = (values_of(model.trainable_variables),
+        # Each clone reads the variables from their owners.
+        variables = (reads(config.clone_device(i)),
                      values_of(model.non_trainable_variables))
         if stages is not None:
           results[i] = stages.clone_step(
@@ -197,7 +203,25 @@ def create_clones(config, model, loss_fn, images, labels, *,
   return clones
 
 
-def optimize_clones(clones, variables, devices=None):
+def _packed_reads(config, variables, packs):
+  """`reads(device)`: the variables' values read on `device`, those of
+  each pack from another device as one tensor, packed once on its owner."""
+  owners = [config.owner_device(devices.device_of(v)) for v in variables]
+  packed = {group: packs_lib.read_packed(variables, group, owners[group[0]])
+            for group in packs}
+
+  def reads(device):
+    values = {}
+    for group, tensor in packed.items():
+      if not devices.same_device(owners[group[0]], device):
+        values.update(zip(group, packs_lib.unpack(
+            tensor, [variables[k].shape for k in group])))
+    return [values[k] if k in values else tf.convert_to_tensor(v)
+            for k, v in enumerate(variables)]
+  return reads
+
+
+def optimize_clones(clones, variables, owners=None, packs=()):
   """Sums the clones' losses and gradients on the current device.
 
   Call it under `tf.device(config.optimizer_device())`.
@@ -205,19 +229,28 @@ def optimize_clones(clones, variables, devices=None):
   Args:
     clones: the list `create_clones` returned.
     variables: the trainable variables, in the order of the gradients.
-    devices: where each variable's gradients are summed (one device a
+    owners: where each variable's gradients are summed (one device a
       variable: `config.owner_device`); None for the current device.
+    packs: groups of variable indices whose gradients travel and are
+      summed as one tensor each (`packs.groups`; needs `owners`).
 
   Returns:
     (total_loss, grads_and_vars), skipping variables that no clone reached.
   """
   with tf.name_scope('optimize_clones'):
     total_loss = tf.add_n([clone.loss for clone in clones], name='total_loss')
+    summed = {}
+    for group in packs:
+      sums = packs_lib.sum_packed([c.gradients for c in clones], group,
+                                  owners[group[0]])
+      summed.update(zip(group, sums or ()))
     grads_and_vars = []
     for k, variable in enumerate(variables):
       grads = [c.gradients[k] for c in clones if c.gradients[k] is not None]
-      if grads:
-        with (tf.device(devices[k]) if devices
+      if k in summed:
+        grads_and_vars.append((summed[k], variable))
+      elif grads:
+        with (tf.device(owners[k]) if owners
               else contextlib.nullcontext()):
           grads_and_vars.append((tf.add_n(grads, name='sum_gradients'),
                                  variable))

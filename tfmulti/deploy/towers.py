@@ -52,6 +52,7 @@ from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.deploy import atoms
 from tfmulti.deploy import balance
+from tfmulti.deploy import packs
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy.batch_norm import combine_non_trainable
 from tfmulti.deploy.batch_norm import moments_of
@@ -100,6 +101,8 @@ class DeployedModel(trainer.Trainer):
                     for v in model.trainable_variables]
     self._state_owners = [config.owner_device(devices.device_of(v))
                           for v in model.non_trainable_variables]
+    self._packs = packs.groups(model.trainable_variables, self._owners,
+                               options.gradient_packs)
     self._probes = {}  # Clone index -> its timing function.
     self._step = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
@@ -124,7 +127,8 @@ class DeployedModel(trainer.Trainer):
       return create_clones(config, self.model, self.loss_fn, images, labels,
                            layout=layout, accumulation_step=k, shift=shift,
                            options=self.options, loss_scale=scale,
-                           lockstep=self.lockstep, stages=self.stages)
+                           lockstep=self.lockstep, stages=self.stages,
+                           packs=self._packs)
 
     run = self._atoms_step if self.options.reproducible_rows else (
         self._summed_step)
@@ -146,7 +150,7 @@ class DeployedModel(trainer.Trainer):
             tf.zeros_like(regularization))
       # A LossScaleOptimizer divides by the scale, and skips the update
       # (halving the scale) when a gradient is not finite.
-      with (keras_internals.updates_beside_variables()
+      with (keras_internals.updates_beside_variables(self.optimizer)
             if config.spread_variables else contextlib.nullcontext()):
         self.optimizer.apply_gradients(grads_and_vars)
     return trainer.StepOutputs(
@@ -178,8 +182,8 @@ class DeployedModel(trainer.Trainer):
     def accumulation_step(images, labels, k, shift):
       clones = clones_of(images, labels, k, shift)
       with tf.device(config.optimizer_device()):
-        total_loss, grads_and_vars = optimize_clones(clones, variables,
-                                                     self._owners)
+        total_loss, grads_and_vars = optimize_clones(
+            clones, variables, self._owners, self._packs)
         regularization = tf.add_n([c.regularization_loss for c in clones])
       self._update_state(clones)
       by_variable = {id(v): g for g, v in grads_and_vars}
@@ -202,10 +206,7 @@ class DeployedModel(trainer.Trainer):
     def accumulation_step(images, labels, k, shift):
       clones = clones_of(images, labels, k, shift)
       with tf.device(device), tf.name_scope('stack_atoms'):
-        gradients = [_on(owner, lambda: tf.concat(parts, axis=0))
-                     if parts[0] is not None else None
-                     for parts, owner in zip(
-                         zip(*(c.gradients for c in clones)), self._owners)]
+        gradients = self._stacked_gradients(clones)
         reached[:] = [g is not None for g in gradients]
         states = [_on(owner, lambda: tf.stack(values))
                   for values, owner in zip(zip(
@@ -239,6 +240,20 @@ class DeployedModel(trainer.Trainer):
           for values, owner in zip(stacked[len(folded):],
                                    self._state_owners)])
     return gradients, [total_loss] + scalars, outputs
+
+  def _stacked_gradients(self, clones):
+    """Each variable's atoms' gradients, every clone's stacked on its
+    owner (atom first; packed on the way with `gradient_packs`)."""
+    stacked = {}
+    for group in self._packs:
+      parts = packs.sum_packed([c.gradients for c in clones], group,
+                               self._owners[group[0]], leading=1)
+      stacked.update(zip(group, parts or ()))
+    return [stacked[k] if k in stacked
+            else _on(owner, lambda: tf.concat(parts, axis=0))
+            if parts[0] is not None else None
+            for k, (parts, owner) in enumerate(zip(
+                zip(*(c.gradients for c in clones)), self._owners))]
 
   def _update_state(self, clones):
     """Assigns the non-trainable variables once, under the BN policy."""

@@ -1,0 +1,106 @@
+"""What each device holds and moves in one step, read from the traced step.
+
+The towers' cost on real hardware is where the bytes go: with central
+variables, the variables device sends every clone every variable and
+receives every clone's gradients; spread variables share that out.
+`step_traffic` counts it from the step's graph, device by device:
+
+* held: the bytes of the variables and optimizer slots living there;
+* sent and received: the bytes of every tensor one device's op makes and
+  another device's op reads, split by what they are ('variables': a
+  variable's value read for a clone; 'gradients': a gradient on its way to
+  be summed; 'other': input shards, losses, BatchNorm statistics, scalars),
+  with the number of such transfers. TensorFlow sends a tensor once to each
+  device that reads it, so a transfer is one (tensor, reading device) pair.
+
+Where each op runs is `devices.GraphPlacement`'s reading of the graph (the
+placer's rules); ops inside a loop (accumulation steps, the atoms' fold)
+count once, as the loop op.
+"""
+
+import collections
+import dataclasses
+import math
+
+import tensorflow as tf
+
+from tfmulti import devices
+
+KINDS = ('variables', 'gradients', 'other')
+
+
+@dataclasses.dataclass
+class DeviceTraffic:
+  """One device's bytes in one step.
+
+  Attributes:
+    held: bytes of the variables and optimizer slots on it.
+    sent: {kind: bytes it sends to other devices} (`KINDS`).
+    received: {kind: bytes it receives from other devices}.
+    transfers_sent: {kind: tensors it sends, one a reading device}.
+    transfers_received: {kind: tensors it receives}.
+  """
+  held: int = 0
+  sent: dict = dataclasses.field(default_factory=collections.Counter)
+  received: dict = dataclasses.field(default_factory=collections.Counter)
+  transfers_sent: dict = dataclasses.field(
+      default_factory=collections.Counter)
+  transfers_received: dict = dataclasses.field(
+      default_factory=collections.Counter)
+
+
+def held_bytes(variables):
+  """{device: bytes of `variables` living there}."""
+  held = collections.Counter()
+  for variable in variables:
+    held[devices.canonical(devices.device_of(variable))] += (
+        math.prod(variable.shape) * tf.as_dtype(variable.dtype).size)
+  return held
+
+
+def _kind(tensor, reader):
+  """What a transfer carries: a variable's value (read, or packed in
+  'pack_variables'), a gradient (made under
+  the tape's 'gradient_tape' scope, or summed in 'sum_gradients'), or
+  other."""
+  if tensor.op.type == 'ReadVariableOp' or 'pack_variables' in (
+      tensor.op.name):
+    return 'variables'
+  if 'gradient' in tensor.op.name or 'gradient' in reader.name:
+    return 'gradients'
+  return 'other'
+
+
+def transfers(graph):
+  """[(source device, reading device, kind, bytes)] of `graph`: each
+  tensor that crosses devices, once a reading device."""
+  placement = devices.GraphPlacement()
+  found = {}
+  for op in graph.get_operations():
+    reader = placement.of_op(op)
+    for tensor in op.inputs:
+      source = placement.of_tensor(tensor)
+      if not reader or not source or reader == source:
+        continue
+      key = (tensor.name, reader)
+      if key not in found and tensor.shape.is_fully_defined():
+        found[key] = (source, reader, _kind(tensor, op),
+                      tensor.shape.num_elements() * tensor.dtype.size)
+  return list(found.values())
+
+
+def step_traffic(deployed, images, labels):
+  """{device: `DeviceTraffic`} of one step of `deployed` (a
+  `deploy.DeployedModel`) on this batch, every device that holds or moves
+  anything."""
+  graph = deployed.traced_step(images, labels).graph
+  table = collections.defaultdict(DeviceTraffic)
+  for device, held in held_bytes(deployed.model.variables +
+                                 deployed.optimizer.variables).items():
+    table[device].held += held
+  for source, reader, kind, size in transfers(graph):
+    table[source].sent[kind] += size
+    table[source].transfers_sent[kind] += 1
+    table[reader].received[kind] += size
+    table[reader].transfers_received[kind] += 1
+  return dict(sorted(table.items()))
