@@ -127,6 +127,11 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
     (dict(variables_device='gpu:3'),
      '--variables_device=gpu:3: this machine has 0 GPU'),
     (dict(variables_device='tpu:0'), "--variables_device=tpu:0: use 'cpu'"),
+    (dict(variables_device='spread', strategy='mirrored', num_clones=2,
+          clone_on_cpu=True),
+     "variables_device='spread' spreads the towers' variables over their "
+     "clones; strategy='mirrored' places its own"),
+    (dict(gradient_packs='-1'), "gradient_packs='-1': use 'auto'"),
     (dict(strategy='mirrored', xla=True),
      "xla=True is not available with strategy='mirrored'; use "
      '--strategy=towers'),

@@ -179,7 +179,8 @@ def test_spread_is_bit_identical_to_central(num_clones, num_stages, options):
 
 
 @pytest.mark.parametrize('variables_device, gradient_packs', [
-    (SPREAD, 'auto'), pytest.param(SPREAD, 2, marks=pytest.mark.slow),
+    pytest.param(SPREAD, 'auto', marks=pytest.mark.slow),
+    pytest.param(SPREAD, 2, marks=pytest.mark.slow),
     pytest.param(None, 'auto', marks=pytest.mark.slow),
     pytest.param(None, 2, marks=pytest.mark.slow)])
 def test_packs_are_bit_identical(variables_device, gradient_packs):
@@ -260,3 +261,26 @@ def test_a_checkpoint_restores_across_placements(tmp_path):
                       optimizer=central.optimizer).restore(path)
   _assert_bits_equal(central, spread)
   assert {_where(v) for v in central.model.variables} == {'/device:CPU:0'}
+
+
+@pytest.mark.slow
+def test_fit_with_spread_variables_trains_the_central_bits():
+  images, labels = make_batch(24)
+  trained = []
+  for variables_device in (None, SPREAD):
+    config = _config(2, variables_device)
+    with config.variables_scope():
+      model = _bn_mlp()
+    towers = deploy.TowersModel(model, config, reproducible_rows=2,
+                                gradient_packs='auto')
+    towers.compile(optimizer=keras.optimizers.Adam(0.01),
+                   loss=keras.losses.SparseCategoricalCrossentropy(
+                       from_logits=True))
+    towers.fit(images, labels, batch_size=8, epochs=2, shuffle=False,
+               verbose=0)
+    trained.append(towers)
+  central, spread = trained
+  assert len({_where(v) for v in spread.model.variables}) == 2
+  for got, want in zip(weights(spread.model), weights(central.model),
+                       strict=True):
+    np.testing.assert_array_equal(got, want)

@@ -237,3 +237,26 @@ def test_a_resume_with_other_settings_records_each_stretch(run_train,
   metrics = run_train(model_dir=str(tmp_path / 'other'), train_steps=2,
                       num_clones=2)
   assert [s['from_step'] for s in metrics['stretches']] == [0]
+
+
+@pytest.mark.slow
+def test_spread_variables_and_packs_train_the_central_bits(run_train,
+                                                          caplog):
+  """The command line with --variables_device=spread and packs: the same
+  checkpoint, bit for bit, as central variables; an export for one
+  device."""
+  caplog.set_level('INFO', logger='absl')
+  runs = [run_train(num_clones=2, reproducible_rows=2, model='resnet8_thin',
+                    export=export, **flags)
+          for flags, export in ((dict(), False), (dict(
+              variables_device='spread', gradient_packs='auto'), True))]
+  spread = runs[1]
+  assert spread['variables_device'] == 'spread'
+  assert "variables spread over ['/device:CPU:0', '/device:CPU:1']" in (
+      caplog.text)
+  got, want = (checkpoint_tensors(run['checkpoint']) for run in runs)
+  assert got.keys() == want.keys()
+  for key, value in want.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
+  serve = tf.saved_model.load(spread['export']).signatures['serving_default']
+  assert {op.device for op in serve.graph.get_operations()} == {''}

@@ -86,9 +86,9 @@ def _setup(bench, deploy_config, strategy, **fields):
                                    num_classes=NUM_CLASSES,
                                    learning_rate=_LEARNING_RATE)
 
-  def seeded():
+  def seeded(model_scope=None):
     keras.utils.set_random_seed(_SEED)
-    return make()
+    return make(model_scope)
   return registry.Setup(train_config, deploy_config, seeded,
                           build.make_loss())
 
