@@ -13,11 +13,12 @@ TINY = bench.BenchConfig(model='lenet', batch_size=2, num_clones=2,
                          clone_on_cpu=True, rounds=2, steps_per_round=1,
                          untimed_steps=1, reproducible_rows=1)
 CPU_VARIANTS = {'single', 'towers', 'towers_one_device', 'independent',
-                'towers_reproducible', 'mirrored_reduce_to_one_device',
-                'central_storage'}
+                'towers_reproducible', 'towers_spread', 'towers_spread_packs',
+                'mirrored_reduce_to_one_device', 'central_storage'}
 # They run the same computation on the same global batch (the atoms' sum
 # rounds differently: equal to 1e-5 too).
 SAME_COMPUTATION = ('towers', 'towers_one_device', 'towers_reproducible',
+                    'towers_spread', 'towers_spread_packs',
                     'mirrored_reduce_to_one_device', 'central_storage')
 
 
@@ -71,7 +72,8 @@ def test_xla_is_set_explicitly_in_every_variant():
   variants, _ = bench_variants.build_variants(config)
   # The tf.distribute paths, the single reference among them, cannot XLA.
   assert {v.name for v in variants if v.xla} == {
-      'towers', 'towers_one_device', 'towers_reproducible', 'independent'}
+      'towers', 'towers_one_device', 'towers_reproducible', 'towers_spread',
+      'towers_spread_packs', 'independent'}
 
 
 def test_a_retracing_variant_fails_the_benchmark():

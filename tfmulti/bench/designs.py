@@ -1,6 +1,7 @@
 """What each design costs, side by side: `python -m tfmulti.bench`.
 
-The variants (`bench_variants`: single, towers, towers_gpu_vars,
+The variants (`bench_variants`: single, towers, towers_spread,
+towers_spread_packs, towers_gpu_vars,
 towers_one_device, independent, mirrored_<op>, central_storage) train the
 same model on the same global batch, built through the training code. After
 warm-up they are timed in interleaved rounds (the order rotates each round),

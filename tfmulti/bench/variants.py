@@ -192,6 +192,9 @@ def build_variants(bench):
   """(variants, {skipped name: reason}) for the devices present."""
   deploy_config = deploy.DeploymentConfig(num_clones=bench.num_clones,
                                           clone_on_cpu=bench.clone_on_cpu)
+  spread = deploy.DeploymentConfig(num_clones=bench.num_clones,
+                                   clone_on_cpu=bench.clone_on_cpu,
+                                   variables_device=deploy.SPREAD)
   one_device = _OneDevice(num_clones=bench.num_clones,
                           clone_on_cpu=bench.clone_on_cpu)
   builders = [
@@ -203,6 +206,11 @@ def build_variants(bench):
       ('towers_reproducible', lambda: _path(
           'towers_reproducible', bench, deploy_config, registry.TOWERS,
           reproducible_rows=bench.reproducible_rows)),
+      ('towers_spread', lambda: _path(
+          'towers_spread', bench, spread, registry.TOWERS)),
+      ('towers_spread_packs', lambda: _path(
+          'towers_spread_packs', bench, spread, registry.TOWERS,
+          gradient_packs=step_options.AUTO)),
       ('independent', lambda: _independent(bench, deploy_config)),
   ]
   if not bench.clone_on_cpu:
