@@ -181,8 +181,8 @@ _REPRODUCIBLE_ROWS = flags.DEFINE_integer(
 _GRADIENT_PACKS = flags.DEFINE_string(
     'gradient_packs', '0', "'auto': each clone sends its gradients for one "
     "owner device (and reads that device's variables) as one tensor; N: in N "
-    'packs a device; 0: one transfer a variable. The same weights, bit for '
-    'bit (towers).')
+    'packs a device; 0: one transfer a variable. The same weights (bit for '
+    'bit with --reproducible_rows; towers).')
 _XLA = flags.DEFINE_bool('xla', False,
                          "Compile each clone's step with XLA (towers only).")
 _MIXED_PRECISION = flags.DEFINE_bool(

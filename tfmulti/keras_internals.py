@@ -203,3 +203,28 @@ def updates_beside_variables(optimizer):
   finally:
     if alone:
       del applier._all_reduce_sum_gradients
+
+
+@contextlib.contextmanager
+def deferred_variables():
+  """Keras variables made inside are deferred: the list this yields holds
+  them, in creation order, on exit; `initialize` makes each one (on the
+  current device). Nothing inside may read or assign a variable."""
+  from keras.src.backend.common import global_state
+  from keras.src.backend.common import stateless_scope
+  key = 'uninitialized_variables'
+  before = list(global_state.get_global_attribute(key) or [])
+  made = []
+  try:
+    with stateless_scope.StatelessScope(initialize_variables=False):
+      yield made
+  finally:
+    known = {id(v) for v in before}
+    made.extend(v for v in global_state.get_global_attribute(key) or []
+                if id(v) not in known)
+    global_state.set_global_attribute(key, before)
+
+
+def initialize(variable):
+  """Makes a deferred Keras variable (see `deferred_variables`) here."""
+  variable._deferred_initialize()

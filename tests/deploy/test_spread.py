@@ -68,16 +68,20 @@ class TestConfig:
 
 class TestPlacement:
 
-  def test_each_variable_goes_to_the_least_loaded_device(self):
+  def test_largest_first_to_the_least_loaded_device(self):
     config = _config(num_clones=4)
     with config.variables_scope():
       model = _bn_mlp()
     held = dict.fromkeys(config.compute_devices(), 0)
-    for variable in model.variables:  # In creation order.
+    order = sorted(model.variables, key=lambda v: -int(np.prod(v.shape)))
+    for variable in order:  # Stable: ties keep the creation order.
       expected = min(held, key=held.__getitem__)
       assert _where(variable) == expected, variable.path
       held[expected] += int(np.prod(variable.shape)) * 4
     assert len({_where(v) for v in model.variables}) == 4
+    # The values a model built anywhere else has, from the same seed.
+    for got, want in zip(model.variables, _bn_mlp().variables, strict=True):
+      np.testing.assert_array_equal(np.array(got), np.array(want))
 
   def test_slots_sit_beside_their_variable(self):
     deployed = make_deployed(_config(num_clones=3),
@@ -167,7 +171,7 @@ def _assert_bits_equal(got, want):
     pytest.param(4, 1, dict(clone_shares=(3, 1, 1, 1)),
                  marks=pytest.mark.slow),
     pytest.param(2, 1, dict(accumulation_steps=2), marks=pytest.mark.slow),
-    pytest.param(2, 2, dict(num_microbatches=2), marks=pytest.mark.slow),
+    pytest.param(2, 2, dict(num_microbatches=3), marks=pytest.mark.slow),
 ], ids=['2_clones', '4_clones_shares', 'accumulation', '2x2_stages'])
 def test_spread_is_bit_identical_to_central(num_clones, num_stages, options):
   options = dict(reproducible_rows=2, **options)
@@ -183,12 +187,15 @@ def test_spread_is_bit_identical_to_central(num_clones, num_stages, options):
     pytest.param(SPREAD, 2, marks=pytest.mark.slow),
     pytest.param(None, 'auto', marks=pytest.mark.slow),
     pytest.param(None, 2, marks=pytest.mark.slow)])
-def test_packs_are_bit_identical(variables_device, gradient_packs):
+def test_packs_train_as_without(variables_device, gradient_packs):
+  """Equal to rounding: without atoms, Grappler may reorder a sum of
+  several clones (an AddN), packed or not."""
   optimizer_fn = keras.optimizers.Adam
   plain = _trained(_config(4, variables_device), optimizer_fn=optimizer_fn)
   packed = _trained(_config(4, variables_device), optimizer_fn=optimizer_fn,
                     gradient_packs=gradient_packs)
-  _assert_bits_equal(packed, plain)
+  for mine, theirs in zip(_state(packed), _state(plain), strict=True):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow

@@ -9,7 +9,10 @@ tensors and splits the sum back into gradients. The clones' reads of an
 owner's variables are packed the same way: concatenated once on the owner,
 split on each clone. tf_cnn_benchmarks' `--gradient_repacking` did this for
 its all-reduce. Concatenating and splitting move bits without arithmetic,
-and a sum is elementwise, so the weights are the same bits as unpacked.
+and a sum is elementwise: with `reproducible_rows`, whose fold fixes the
+order of every sum, the weights are the same bits as unpacked; without it
+Grappler may reorder an `AddN` of several clones, packed or not, so they
+are equal to rounding.
 
 A pack holds variables of one owner and one dtype, in variable order:
 'auto' makes one pack an owner and dtype; a count k cuts each of those

@@ -8,11 +8,13 @@ string assertions), and every device string in tfmulti comes from here.
 
 import contextlib
 import dataclasses
+import math
 from typing import Optional
 
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import keras_internals
 
 _HOST = '/device:CPU:0'
 
@@ -221,11 +223,12 @@ class DeploymentConfig:
 
   def variables_scope(self):
     """The context to build the model in: `tf.device(variables_device())`,
-    or, when spread, a variable creator that puts each new variable on the
-    least-loaded of `compute_devices()` by bytes (ties: the lowest index),
-    in creation order. Build the optimizer outside it (under
-    `optimizer_device()`): Keras puts each slot beside its variable, and the
-    creator's `tf.device` would override that."""
+    or, when spread, one that makes the model's variables when it closes,
+    the largest first on the least-loaded of `compute_devices()` by bytes
+    (`_spreading`): inside it, build the model only (its variables cannot
+    be read or assigned until it closes: load weights after). Build the
+    optimizer outside it (under `optimizer_variables_device()`): Keras puts
+    each slot beside its variable."""
     if not self.spread_variables:
       return tf.device(self.variables_device())
     return _spreading(self.compute_devices())
@@ -233,16 +236,39 @@ class DeploymentConfig:
 
 @contextlib.contextmanager
 def _spreading(devices):
-  """A `tf.variable_creator_scope` placing each variable on the device of
-  `devices` holding the fewest bytes so far (as TF's
-  ParameterServerStrategy places its round-robin variables)."""
+  """Spreads the variables made inside over `devices` by bytes.
+
+  Keras variables are deferred (`keras_internals.deferred_variables`) and
+  made on exit, when every size is known: the largest first goes to the
+  device holding the fewest bytes so far (ties: the first device), each
+  with the values it would have had. Any other variable (a raw
+  `tf.Variable`) goes, as it is made, to the least-loaded device, by a
+  `tf.variable_creator_scope` (as TF's ParameterServerStrategy places its
+  round-robin variables).
+  """
   held = dict.fromkeys(devices, 0)
 
+  def least_loaded():
+    return min(devices, key=held.__getitem__)
+
   def creator(next_creator, **kwargs):
-    device = min(devices, key=held.__getitem__)  # First of the least loaded.
+    device = least_loaded()
     with tf.device(device):
       variable = next_creator(**kwargs)
-    held[device] += variable.shape.num_elements() * variable.dtype.size
+    held[device] += _bytes(variable)
     return variable
-  with tf.variable_creator_scope(creator):
-    yield
+  with keras_internals.deferred_variables() as deferred:
+    with tf.variable_creator_scope(creator):
+      yield
+  owners = {}
+  for variable in sorted(deferred, key=_bytes, reverse=True):
+    owners[id(variable)] = device = least_loaded()
+    held[device] += _bytes(variable)
+  for variable in deferred:  # In creation order, as Keras would.
+    with tf.device(owners[id(variable)]):
+      keras_internals.initialize(variable)
+
+
+def _bytes(variable):
+  """Bytes of a variable's value."""
+  return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
