@@ -25,10 +25,9 @@ onto CPU:0, which is not the GPU one).
 Spread variables cannot move less: a device that computes a clone and owns
 1/N of the variables receives the (N-1)/N x P of variables it does not own
 and (N-1) x P/N of gradients for those it owns, 2 (N-1)/N x P, and sends
-as much. The targets are 1.15 times that, and 1.15 / N of the bytes held.
-The report also gives the balance a placement that knew every size in
-advance would reach (largest first, to the least loaded device), since
-the creator places each variable as it is made, in creation order.
+as much. The targets are 1.15 times that, and 1.15 / N of the bytes held. The
+report also gives what largest-first placement reaches on the sizes alone
+(spread placement is that rule), as a check.
 """
 
 import argparse

@@ -57,8 +57,8 @@ class DeploymentConfig:
       + s (GPU, or logical CPU with `clone_on_cpu`), so a worker uses
       num_clones * num_stages devices.
     spread_variables: `variables_device='spread'`: each variable lives on
-      one of the clones' devices (`compute_devices`), the least loaded by
-      bytes when it is created (build the model in `variables_scope()`);
+      one of the clones' devices (`compute_devices`), the largest first to
+      the least loaded by bytes (build the model in `variables_scope()`);
       its slots, gradient sum and update run beside it.
   """
   num_clones: int
