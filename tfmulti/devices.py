@@ -208,6 +208,15 @@ def canonical(device):
   return spec.to_string()
 
 
+def on(device, fn, *args, **kwargs):
+  """`fn(*args, **kwargs)` with its ops on `device`; None leaves the
+  current device."""
+  if device is None:
+    return fn(*args, **kwargs)
+  with tf.device(device):
+    return fn(*args, **kwargs)
+
+
 def same_device(first, second):
   """Whether two device strings name one device."""
   return canonical(first) == canonical(second)

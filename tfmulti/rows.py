@@ -20,6 +20,7 @@ from typing import Tuple
 
 import tensorflow as tf
 
+from tfmulti import devices
 from tfmulti import errors
 
 
@@ -364,8 +365,8 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None,
                                (k - 1) * rows)
     with tf.device(device), tf.name_scope('accumulate'):
       grads = [g for g, r in zip(grads, reached) if r]
-      sums = [_on(place, lambda: a + g) for a, g, place in zip(sums, grads,
-                                                              places)]
+      sums = [devices.on(place, tf.add, a, g)
+              for a, g, place in zip(sums, grads, places)]
       return (k + 1, sums,
               [a + v for a, v in zip(totals, values)],
               [array.write(k, out) for array, out in zip(arrays, outs)])
@@ -378,14 +379,6 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None,
           [array.concat() for array in arrays])
 
 
-def _on(device, fn):
-  """`fn()` on `device` (None: the current one)."""
-  if device is None:
-    return fn()
-  with tf.device(device):
-    return fn()
-
-
 def _summed(results, gradient_devices=None):
   """(gradients, scalars, outputs) of several accumulation steps, summed
   (gradients None where no step reaches a variable; each on its device in
@@ -395,7 +388,7 @@ def _summed(results, gradient_devices=None):
   for parts, place in zip(all_grads,
                           gradient_devices or [None] * len(all_grads)):
     parts = [g for g in parts if g is not None]
-    gradients.append(_on(place, lambda: tf.add_n(parts)) if parts else None)
+    gradients.append(devices.on(place, tf.add_n, parts) if parts else None)
   scalars = [tf.add_n(list(values))
              for values in zip(*(values for _, values, _ in results))]
   outputs = [tf.concat(list(outs), axis=0)

@@ -5,10 +5,9 @@ statistics from their own rows (`model.stateless_call` returns them); the
 step assigns them once, under one of these policies.
 """
 
-import contextlib
-
 import tensorflow as tf
 
+from tfmulti import devices
 from tfmulti import keras_internals
 
 # The policies' names live with the step options that choose them.
@@ -28,17 +27,17 @@ def moments_of(model):
           if id(layer.moving_mean) in where]
 
 
-def combine_non_trainable(clones, policy, moments=(), devices=None):
+def combine_non_trainable(clones, policy, moments=(), owners=None):
   """The non-trainable values to keep after a step, under `policy`.
 
   Each clone brings its shard's values, or one set a micro-batch. `clone_0`
   keeps clone 0's first; `mean` the row-weighted mean of them all;
   `full_batch` also adds to each BatchNorm moving variance the spread of
   their batch means, so the update equals one from the whole batch's
-  mean and (biased) variance. `moments` is `moments_of(model)`; `devices`,
+  mean and (biased) variance. `moments` is `moments_of(model)`; `owners`,
   where each value is made (its variable's owner; None: here).
   """
-  places = devices or [None] * len(clones[0].non_trainable[0][1])
+  places = owners or [None] * len(clones[0].non_trainable[0][1])
   parts = [part for clone in clones for part in clone.non_trainable]
   if policy == BN_CLONE_0:
     return list(parts[0][1])
@@ -47,8 +46,8 @@ def combine_non_trainable(clones, policy, moments=(), devices=None):
   combined = []
   for values, place in zip(zip(*(values for _, values in parts)), places):
     if values[0].dtype.is_floating:
-      with _on(place):
-        combined.append(tf.add_n([w * v for w, v in zip(weights, values)]))
+      combined.append(devices.on(
+          place, tf.add_n, [w * v for w, v in zip(weights, values)]))
     else:  # Random-generator state and counters are not averaged.
       combined.append(values[0])
   if policy == BN_FULL_BATCH:
@@ -57,14 +56,15 @@ def combine_non_trainable(clones, policy, moments=(), devices=None):
       # so mean_p - mean = (new_p - new) / (1 - momentum), and the whole
       # batch's variance is the parts' mean variance plus the weighted
       # variance of their means.
-      with _on(places[variance_index]):
-        spread = tf.add_n([
-            w * tf.square(values[mean_index] - combined[mean_index])
-            for w, (_, values) in zip(weights, parts)])
-        combined[variance_index] += spread / (1.0 - momentum)
+      combined[variance_index] = devices.on(
+          places[variance_index], _add_spread, combined[variance_index],
+          [values[mean_index] for _, values in parts],
+          combined[mean_index], weights, momentum)
   return combined
 
 
-def _on(device):
-  """`tf.device(device)`, or no change for None."""
-  return contextlib.nullcontext() if device is None else tf.device(device)
+def _add_spread(variance, means, mean, weights, momentum):
+  """`variance` plus the weighted spread of the parts' `means` about
+  `mean`, in moving-statistic units."""
+  spread = tf.add_n([w * tf.square(m - mean) for w, m in zip(weights, means)])
+  return variance + spread / (1.0 - momentum)

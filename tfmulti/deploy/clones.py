@@ -250,8 +250,7 @@ def optimize_clones(clones, variables, owners=None, packs=()):
       if k in summed:
         grads_and_vars.append((summed[k], variable))
       elif grads:
-        with (tf.device(owners[k]) if owners
-              else contextlib.nullcontext()):
-          grads_and_vars.append((tf.add_n(grads, name='sum_gradients'),
-                                 variable))
+        grads_and_vars.append((devices.on(
+            owners[k] if owners else None, tf.add_n, grads,
+            name='sum_gradients'), variable))
   return total_loss, grads_and_vars

@@ -67,12 +67,6 @@ from tfmulti.deploy.clones import worker_of
 from tfmulti.pipeline import Stages
 
 
-def _on(device, fn):
-  """`fn()` on `device`."""
-  with tf.device(device):
-    return fn()
-
-
 class DeployedModel(trainer.Trainer):
   """A model deployed over clones, with its compiled training step.
 
@@ -208,7 +202,7 @@ class DeployedModel(trainer.Trainer):
       with tf.device(device), tf.name_scope('stack_atoms'):
         gradients = self._stacked_gradients(clones)
         reached[:] = [g is not None for g in gradients]
-        states = [_on(owner, lambda: tf.stack(values))
+        states = [devices.on(owner, tf.stack, values)
                   for values, owner in zip(zip(
                       *(values for c in clones for _, values in
                         c.non_trainable)), self._state_owners)]
@@ -231,12 +225,12 @@ class DeployedModel(trainer.Trainer):
       num_states = len(self.model.non_trainable_variables)
       folded = stacked[:len(stacked) - num_states]
       places = [device] + [o for o, r in zip(self._owners, reached) if r]
-      total_loss, *sums = [_on(place, lambda: atoms.fold([t])[0])
+      total_loss, *sums = [devices.on(place, atoms.fold, [t])[0]
                            for t, place in zip(folded, places)]
       sums = iter(sums)
       gradients = [next(sums) if r else None for r in reached]
       self._assign_state([
-          _on(owner, lambda: atoms.mean_state([values])[0])
+          devices.on(owner, atoms.mean_state, [values])[0]
           for values, owner in zip(stacked[len(folded):],
                                    self._state_owners)])
     return gradients, [total_loss] + scalars, outputs
@@ -250,7 +244,7 @@ class DeployedModel(trainer.Trainer):
                                self._owners[group[0]], leading=1)
       stacked.update(zip(group, parts or ()))
     return [stacked[k] if k in stacked
-            else _on(owner, lambda: tf.concat(parts, axis=0))
+            else devices.on(owner, tf.concat, parts, axis=0)
             if parts[0] is not None else None
             for k, (parts, owner) in enumerate(zip(
                 zip(*(c.gradients for c in clones)), self._owners))]

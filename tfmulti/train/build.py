@@ -5,6 +5,7 @@ these functions, so a comparison between paths changes only the path.
 """
 
 import contextlib
+
 import keras
 
 from tfmulti import errors
