@@ -179,6 +179,7 @@ def test_spread_is_bit_identical_to_central(num_clones, num_stages, options):
                      **options)
   spread = _trained(_config(num_clones, num_stages=num_stages), **options)
   assert len({_where(v) for v in spread.model.variables}) > 1
+  assert int(spread.optimizer.iterations) == 2  # Once a step.
   _assert_bits_equal(spread, central)
 
 

@@ -115,9 +115,9 @@ def _design(config, num_stages, num_microbatches):
                                    input_shape=shape, num_classes=NUM_CLASSES,
                                    learning_rate=0.001)
 
-  def seeded():
+  def seeded(model_scope=None):
     keras.utils.set_random_seed(0)
-    return make()
+    return make(model_scope)
   setup = registry.Setup(train_config, deploy_config, seeded,
                            build.make_loss())
   towers = registry.get(registry.TOWERS).build(setup)
