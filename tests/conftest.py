@@ -31,6 +31,15 @@ tf.config.list_logical_devices()  # Initialises the runtime with them now.
 
 
 @pytest.fixture(autouse=True)
+def _no_launcher_around(monkeypatch):
+  """No test sees the Slurm step or Kubernetes pod that may run the suite:
+  `--cluster=auto` would read them."""
+  for key in list(os.environ):
+    if key.startswith('SLURM_') or key == 'JOB_COMPLETION_INDEX':
+      monkeypatch.delenv(key)
+
+
+@pytest.fixture(autouse=True)
 def _op_determinism_off_after():
   """`reproducible_rows` turns op determinism on for the whole process
   (`deploy.deploy`, the job); the next test starts without it."""

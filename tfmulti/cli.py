@@ -30,6 +30,7 @@ from tfmulti import errors  # noqa: E402
 from tfmulti import models  # noqa: E402
 from tfmulti import step_options  # noqa: E402
 from tfmulti.distribute import cluster  # noqa: E402
+from tfmulti.distribute import resolvers  # noqa: E402
 from tfmulti.train import build  # noqa: E402
 from tfmulti.train import config  # noqa: E402
 from tfmulti.train import job  # noqa: E402
@@ -126,6 +127,19 @@ _NUM_WORKERS = flags.DEFINE_integer(
 _WORKER_INDEX = flags.DEFINE_integer(
     'worker_index', None, "This worker's index in a multi-worker job; read "
     'from TF_CONFIG when unset (given, it must agree).')
+_CLUSTER = flags.DEFINE_enum(
+    'cluster', resolvers.AUTO, resolvers.SOURCES, 'Where a multi-worker '
+    "task finds its place: 'tf_config' (TF_CONFIG), 'slurm' (the Slurm step's "
+    "variables), 'indexed_job' (a Kubernetes Indexed Job: "
+    "JOB_COMPLETION_INDEX, --worker_hosts, --num_workers), 'none', or "
+    "'auto': TF_CONFIG if set, else a Slurm step of several tasks, else "
+    'none.')
+_PORT = flags.DEFINE_integer(
+    'port', 12345, "With --cluster=slurm: the first port of each node's "
+    'tasks (a node of k tasks uses k ports from it).')
+_WORKER_HOSTS = flags.DEFINE_string(
+    'worker_hosts', None, 'With --cluster=indexed_job: every pod\'s address '
+    'as a pattern, e.g. train-{index}.train:2222.')
 _PEER_TIMEOUT_S = flags.DEFINE_float(
     'peer_timeout_s', 120.0, 'Seconds a multi-worker task waits for its '
     'peers, and for each collective, before it fails.')
@@ -251,8 +265,18 @@ def _cluster(path):
           'this process alone and does not use it.', info.num_workers,
           _STRATEGY.value)
     return None
-  info = cluster.from_environment()
+  source = resolvers.source_of(_CLUSTER.value, os.environ)
+  if source == resolvers.NONE:
+    raise errors.ClusterError(
+        f'strategy={_STRATEGY.value} needs a cluster, and --cluster='
+        f'{_CLUSTER.value} found none: set TF_CONFIG, run inside a Slurm '
+        'step, or use --cluster=indexed_job.')
+  info = resolvers.resolve(source, os.environ, port=_PORT.value,
+                           worker_hosts=_WORKER_HOSTS.value,
+                           num_workers=_NUM_WORKERS.value)
   cluster.check_flags(info, _NUM_WORKERS.value, _WORKER_INDEX.value)
+  if source != resolvers.TF_CONFIG:  # The strategy reads TF_CONFIG.
+    os.environ[cluster.TF_CONFIG] = resolvers.tf_config(info)
   return info
 
 
@@ -387,8 +411,9 @@ HELP_GROUPS = (
     ('Output', (
         'model_dir', 'log_every_steps', 'checkpoint_steps',
         'keep_checkpoints', 'export', 'profile_steps')),
-    ('Several workers (TF_CONFIG)', (
-        'num_workers', 'worker_index', 'peer_timeout_s')),
+    ('Several workers (TF_CONFIG, Slurm, Kubernetes)', (
+        'num_workers', 'worker_index', 'cluster', 'port', 'worker_hosts',
+        'peer_timeout_s')),
 )
 _HELP_FLAGS = ('--help', '-h', '-?', '--helpshort')
 _HELP_WIDTH = 78

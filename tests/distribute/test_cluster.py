@@ -17,6 +17,8 @@ from tfmulti import errors
 from tfmulti.distribute import cluster
 
 TIMEOUT_S = 300  # Per worker process; a run here takes 10 to 30 seconds.
+# Besides TF_CONFIG, what places a task.
+_PLACING = ('SLURM_', 'JOB_COMPLETION_INDEX')
 
 
 def _tf_config(ports, index, task_type='worker'):
@@ -121,15 +123,20 @@ def _worker_command(model_dir, digits_dir, *extra):
           '--log_every_steps=1', '--peer_timeout_s=60', *extra]
 
 
-def _run_job(model_dir, digits_dir, temp_root, *flags):
-  """Runs 2 workers on loopback; returns their logs (stderr)."""
+def _run_job(model_dir, digits_dir, temp_root, *flags, places=None):
+  """Runs 2 workers on loopback; returns their logs (stderr). `places`:
+  each worker's environment variables that place it (a TF_CONFIG on free
+  ports by default)."""
   ports = _free_ports(2)
+  places = places or [{'TF_CONFIG': _tf_config(ports, index)}
+                      for index in range(2)]
   workers = []
   for index in range(2):
     temp = temp_root / f'tmp{index}'
     temp.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TF_CONFIG=_tf_config(ports, index),
-               TMPDIR=str(temp))
+    env = {key: value for key, value in os.environ.items()
+           if key != 'TF_CONFIG' and not key.startswith(_PLACING)}
+    env.update(TMPDIR=str(temp), **places[index])
     workers.append(subprocess.Popen(
         _worker_command(model_dir, digits_dir, *flags), cwd=REPO, env=env,
         stderr=subprocess.PIPE, text=True))
@@ -295,3 +302,60 @@ def test_a_worker_whose_port_is_taken_stops_with_one_line(tmp_path,
   assert 'the port is free' in result.stderr
   assert 'Traceback' not in result.stderr
   assert 'cannot reach its peer' not in result.stderr  # No stale watchdog.
+
+
+def _free_run(count, digits=1):
+  """A first port whose next `count - 1` ports (or, with `digits`, the
+  ports made by appending 0..count-1) are free on loopback."""
+  for _ in range(100):
+    (first,) = _free_ports(1)
+    base = first // 10 if digits == 2 else first
+    ports = ([base * 10 + i for i in range(count)] if digits == 2
+             else [first + i for i in range(count)])
+    if all(port < 65536 for port in ports) and _are_free(ports):
+      return base
+  raise AssertionError('no run of free ports')
+
+
+def _are_free(ports):
+  for port in ports:
+    with socket.socket() as probe:
+      try:
+        probe.bind(('localhost', port))
+      except OSError:
+        return False
+  return True
+
+
+@pytest.mark.slow
+def test_a_slurm_step_and_an_indexed_job_train_like_tf_config(
+    tmp_path, digits_dir, run_train):
+  """Two tasks of one fake Slurm step on one node (no GPUs), and two pods
+  of a fake Indexed Job, train the bits of the same job under TF_CONFIG,
+  which trains as one process of 2 clones."""
+  reference = run_train(model_dir=str(tmp_path / 'one'), num_clones=2,
+                        batch_size=4, train_steps=2, optimizer='momentum',
+                        learning_rate=0.05)  # Also prepares digits.
+  flags = ['--strategy=multi_worker', '--num_clones=1', '--train_steps=2']
+  runs = {}
+  port = _free_run(2)
+  slurm = [{'SLURM_PROCID': str(i), 'SLURM_STEP_NUM_TASKS': '2',
+            'SLURM_STEP_NODELIST': 'localhost',
+            'SLURM_STEP_TASKS_PER_NODE': '2'} for i in range(2)]
+  prefix = _free_run(2, digits=2)
+  pods = [{'JOB_COMPLETION_INDEX': str(i)} for i in range(2)]
+  for name, extra, places in (
+      ('tf_config', [], None),
+      ('slurm', [f'--port={port}'], slurm),
+      ('indexed_job', ['--cluster=indexed_job', '--num_workers=2',
+                       f'--worker_hosts=localhost:{prefix}{{index}}'], pods)):
+    model_dir = tmp_path / name
+    _run_job(model_dir, digits_dir, tmp_path / f'temp_{name}', *flags,
+             *extra, places=places)
+    runs[name] = json.loads((model_dir / 'metrics.json').read_text())
+    assert runs[name]['num_workers'] == 2
+  assert_same_checkpoints(runs['tf_config']['checkpoint'],
+                          reference['checkpoint'])
+  for name in ('slurm', 'indexed_job'):
+    assert_same_checkpoints(runs[name]['checkpoint'],
+                            runs['tf_config']['checkpoint'], exact=True)
