@@ -6,6 +6,8 @@ decides, before TensorFlow initialises, whether the clones of a command-line
 run go to GPUs or to logical CPUs.
 """
 
+import math
+
 from absl import logging
 import tensorflow as tf
 
@@ -180,6 +182,11 @@ def on_device(variable, device):
   """Whether `variable` lives on `device` (a device string)."""
   return _matches(tf.DeviceSpec.from_string(device),
                   tf.DeviceSpec.from_string(device_of(variable)))
+
+
+def variable_bytes(variable):
+  """Bytes of a variable's value (a `tf.Variable` or Keras variable)."""
+  return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
 
 
 def check_placement(variables, allowed):

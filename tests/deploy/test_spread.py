@@ -292,3 +292,37 @@ def test_fit_with_spread_variables_trains_the_central_bits():
   for got, want in zip(weights(spread.model), weights(central.model),
                        strict=True):
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('build, rows', [
+    (lambda: mlp(batch_norm=True, dropout=True), 24),
+    (lambda: keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=3), 8),
+], ids=['dropout_batch_norm', 'mobilenet_v2'])
+def test_models_a_user_brings_train_the_central_bits_spread(build, rows):
+  """Dropout (its masks folded by row) and a keras.applications model,
+  through `fit`: spread over 2 clones, the bits of central placement."""
+  rng = np.random.default_rng(0)
+  trained = []
+  for variables_device in (None, SPREAD):
+    keras.utils.set_random_seed(0)
+    config = _config(2, variables_device)
+    with config.variables_scope():
+      model = build()
+    shape = model.inputs[0].shape[1:]
+    images = rng.normal(size=(rows, *shape)).astype(np.float32)
+    labels = rng.integers(0, 3, size=rows).astype(np.int32)
+    rng = np.random.default_rng(0)
+    towers = deploy.TowersModel(model, config, reproducible_rows=2)
+    towers.compile(optimizer=keras.optimizers.SGD(0.01),
+                   loss=keras.losses.SparseCategoricalCrossentropy(
+                       from_logits=not model.name.startswith('mobilenet')))
+    towers.fit(images, labels, batch_size=rows // 2, epochs=1,
+               shuffle=False, verbose=0)
+    trained.append(towers)
+  central, spread = trained
+  assert len({_where(v) for v in spread.model.variables}) == 2
+  for got, want in zip(weights(spread.model), weights(central.model),
+                       strict=True):
+    np.testing.assert_array_equal(got, want)

@@ -94,15 +94,19 @@ def _fit(model, kind, **fit_args):
   return history.history['loss'][-1]
 
 
-def _towers(kind, num_clones, **options):
-  config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True)
-  with tf.device(config.variables_device()):
+def _towers(kind, num_clones, variables_device=None, **options):
+  config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True,
+                                   variables_device=variables_device)
+  with config.variables_scope():
     model = BUILD[kind]()
   return deploy.TowersModel(model, config, **options)
 
 
 @pytest.mark.parametrize('kind, num_clones, options', [
     ('dict', 4, {}),
+    pytest.param('dict', 4, dict(variables_device=deploy.SPREAD,
+                                 gradient_packs='auto'),
+                 marks=pytest.mark.slow),
     pytest.param('dict', 2, dict(clone_shares=(3, 1), accumulation_steps=2),
                  marks=pytest.mark.slow),
     pytest.param('list', 2, {}, marks=pytest.mark.slow),

@@ -31,24 +31,19 @@ from tfmulti.bench import designs as bench
 NUM_CLONES = 2
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
-APPLICATIONS = 'applications:'
 VARIANTS = ('unsynchronized', 'synchronized')
 PHASES = ('trace_s', 'first_run_s', 'second_step_s')
 
 
 def _model(name):
   """A fresh copy of the model `name` (see the module's docstring)."""
-  if name.startswith(APPLICATIONS):
-    return getattr(keras.applications, name[len(APPLICATIONS):])(
-        weights=None, input_shape=IMAGE_SHAPE, classes=NUM_CLASSES)
-  return models.get_model(name, input_shape=IMAGE_SHAPE,
-                          num_classes=NUM_CLASSES)
+  return models.get_any_model(name, input_shape=IMAGE_SHAPE,
+                              num_classes=NUM_CLASSES)
 
 
 def _loss(name):
-  # keras.applications classifiers end in a softmax; tfmulti's in logits.
   return keras.losses.SparseCategoricalCrossentropy(
-      from_logits=not name.startswith(APPLICATIONS))
+      from_logits=models.ends_in_logits(name))
 
 
 def time_first_steps(name, synchronized, rows):
@@ -118,12 +113,7 @@ def main(argv=None):
   try:
     for name in ('rows', 'rounds'):
       errors.check_count(name, getattr(args, name), 1)
-    if not args.model.startswith(APPLICATIONS):
-      models.check(args.model)
-    elif not hasattr(keras.applications, args.model[len(APPLICATIONS):]):
-      raise errors.ConfigError(
-          f'--model={args.model}: keras.applications has no such model; '
-          'e.g. applications:ResNet50.')
+    models.check_any(args.model)
     devices.create_logical_cpus(NUM_CLONES)
   except errors.UserError as e:
     sys.exit(f'tfmulti.bench.sync_batch_norm: error: {e}')

@@ -44,20 +44,11 @@ from tfmulti import models
 from tfmulti.bench import designs as bench
 from tfmulti.deploy import traffic
 
-APPLICATIONS = 'applications:'
 MB = 2**20
 VARIANTS = ('central', 'spread', 'spread_packs')
 # The targets of the design (tf_cnn_benchmarks' balance), at N devices.
 HELD_SLACK = 1.15  # Each device holds at most 1.15 / N of the bytes.
 SENT_SLACK = 1.15  # ... and sends and receives at most 1.15 x 2(N-1)/N P.
-
-
-def _model(name, image_size, num_classes):
-  shape = (image_size, image_size, 3)
-  if name.startswith(APPLICATIONS):
-    return getattr(keras.applications, name[len(APPLICATIONS):])(
-        weights=None, input_shape=shape, classes=num_classes)
-  return models.get_model(name, input_shape=shape, num_classes=num_classes)
 
 
 def _deployed(variant, args):
@@ -70,10 +61,12 @@ def _deployed(variant, args):
   keras.utils.set_random_seed(0)
   with tf.device(config.optimizer_variables_device()):
     with config.variables_scope():
-      model = _model(args.model, args.image_size, args.num_classes)
+      model = models.get_any_model(
+          args.model, input_shape=(args.image_size, args.image_size, 3),
+          num_classes=args.num_classes)
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
   loss = keras.losses.SparseCategoricalCrossentropy(
-      from_logits=not args.model.startswith(APPLICATIONS))
+      from_logits=models.ends_in_logits(args.model))
   return deploy.deploy(
       config, model, loss, optimizer,
       gradient_packs='auto' if variant == 'spread_packs' else 0)
@@ -105,7 +98,8 @@ def measure(variant, args):
   deployed = _deployed(variant, args)
   n = args.num_clones
   variables = deployed.model.trainable_variables
-  parameter_bytes = sum(int(np.prod(v.shape)) * 4 for v in variables)
+  sizes = [devices.variable_bytes(v) for v in variables]
+  parameter_bytes = sum(sizes)
   rng = np.random.default_rng(0)
   rows = args.rows_per_clone * n
   images = rng.normal(size=(rows, args.image_size, args.image_size,
@@ -115,10 +109,9 @@ def measure(variant, args):
                            parameter_bytes)
   clones = deployed.config.compute_devices()
   held = sum(row['held_mb'] for row in per_device.values())
-  largest = max(int(np.prod(v.shape)) * 4 for v in variables)
   return {
       'parameter_mb': parameter_bytes / MB,
-      'largest_variable_of_p': largest / parameter_bytes,
+      'largest_variable_of_p': max(sizes) / parameter_bytes,
       'devices': per_device,
       'max_held_of_total': max(r['held_mb'] for r in per_device.values())
                            / held,
@@ -127,8 +120,8 @@ def measure(variant, args):
                                for r in per_device.values()),
       'max_gradient_transfers_per_clone': max(
           per_device[c]['gradient_transfers_sent'] for c in clones),
-      'largest_first_max_held_of_p': _largest_first(
-          [int(np.prod(v.shape)) * 4 for v in variables], n) / parameter_bytes,
+      'largest_first_max_held_of_p': _largest_first(sizes, n) /
+                                     parameter_bytes,
       'targets': {'held_of_total': HELD_SLACK / n,
                   'moved_of_p': SENT_SLACK * 2 * (n - 1) / n,
                   'gradient_transfers_per_clone': n - 1},
@@ -218,12 +211,7 @@ def main(argv=None):
     for name in ('num_clones', 'image_size', 'num_classes',
                  'rows_per_clone'):
       errors.check_count(name, getattr(args, name), 1)
-    if not args.model.startswith(APPLICATIONS):
-      models.check(args.model)
-    elif not hasattr(keras.applications, args.model[len(APPLICATIONS):]):
-      raise errors.ConfigError(
-          f'--model={args.model}: keras.applications has no such model; '
-          'e.g. applications:VGG16.')
+    models.check_any(args.model)
     devices.create_logical_cpus(args.num_clones + 1)  # And the host.
   except errors.UserError as e:
     sys.exit(f'tfmulti.bench.traffic: error: {e}')

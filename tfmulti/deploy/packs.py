@@ -24,6 +24,7 @@ import math
 
 import tensorflow as tf
 
+from tfmulti import devices
 from tfmulti import step_options
 
 
@@ -47,13 +48,9 @@ def groups(variables, owners, packs):
   count = 1 if packs == step_options.AUTO else packs
   found = []
   for indices in by_owner.values():
-    found.extend(_cut(indices, [_bytes(variables[i]) for i in indices],
-                      count))
+    sizes = [devices.variable_bytes(variables[i]) for i in indices]
+    found.extend(_cut(indices, sizes, count))
   return tuple(found)
-
-
-def _bytes(variable):
-  return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
 
 
 def _cut(indices, sizes, count):

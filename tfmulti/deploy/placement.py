@@ -8,11 +8,11 @@ string assertions), and every device string in tfmulti comes from here.
 
 import contextlib
 import dataclasses
-import math
 from typing import Optional
 
 import tensorflow as tf
 
+from tfmulti import devices
 from tfmulti import errors
 from tfmulti import keras_internals
 
@@ -235,8 +235,8 @@ class DeploymentConfig:
 
 
 @contextlib.contextmanager
-def _spreading(devices):
-  """Spreads the variables made inside over `devices` by bytes.
+def _spreading(candidates):
+  """Spreads the variables made inside over `candidates` by bytes.
 
   Keras variables are deferred (`keras_internals.deferred_variables`) and
   made on exit, when every size is known: the largest first goes to the
@@ -246,29 +246,24 @@ def _spreading(devices):
   `tf.variable_creator_scope` (as TF's ParameterServerStrategy places its
   round-robin variables).
   """
-  held = dict.fromkeys(devices, 0)
+  held = dict.fromkeys(candidates, 0)
 
   def least_loaded():
-    return min(devices, key=held.__getitem__)
+    return min(candidates, key=held.__getitem__)
 
   def creator(next_creator, **kwargs):
     device = least_loaded()
     with tf.device(device):
       variable = next_creator(**kwargs)
-    held[device] += _bytes(variable)
+    held[device] += devices.variable_bytes(variable)
     return variable
   with keras_internals.deferred_variables() as deferred:
     with tf.variable_creator_scope(creator):
       yield
   owners = {}
-  for variable in sorted(deferred, key=_bytes, reverse=True):
+  for variable in sorted(deferred, key=devices.variable_bytes, reverse=True):
     owners[id(variable)] = device = least_loaded()
-    held[device] += _bytes(variable)
+    held[device] += devices.variable_bytes(variable)
   for variable in deferred:  # In creation order, as Keras would.
     with tf.device(owners[id(variable)]):
       keras_internals.initialize(variable)
-
-
-def _bytes(variable):
-  """Bytes of a variable's value."""
-  return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size

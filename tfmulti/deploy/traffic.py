@@ -20,9 +20,6 @@ count once, as the loop op.
 
 import collections
 import dataclasses
-import math
-
-import tensorflow as tf
 
 from tfmulti import devices
 
@@ -54,7 +51,7 @@ def held_bytes(variables):
   held = collections.Counter()
   for variable in variables:
     held[devices.canonical(devices.device_of(variable))] += (
-        math.prod(variable.shape) * tf.as_dtype(variable.dtype).size)
+        devices.variable_bytes(variable))
   return held
 
 

@@ -23,6 +23,9 @@ _FACTORIES = {
     'resnet8_thin': resnet8_thin,
 }
 _WITH_BATCH_NORM = ('resnet18', 'resnet20', 'resnet50', 'resnet8_thin')
+# A benchmark's `--model=applications:NAME`: keras.applications.NAME, as a
+# user brings it (weights=None; it ends in a softmax, not logits).
+APPLICATIONS = 'applications:'
 
 
 def names():
@@ -83,3 +86,28 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
                                       name='logits_float32')(model.output)
     model = keras.Model(model.input, outputs, name=model.name)
   return model
+
+
+def check_any(name):
+  """Raises `ConfigError` unless `name` is registered or
+  `applications:NAME` names a `keras.applications` model."""
+  if not name.startswith(APPLICATIONS):
+    check(name)
+  elif not hasattr(keras.applications, name[len(APPLICATIONS):]):
+    raise errors.ConfigError(
+        f'--model={name}: keras.applications has no such model; e.g. '
+        'applications:ResNet50.')
+
+
+def get_any_model(name, *, input_shape, num_classes):
+  """A fresh registered model, or `keras.applications.NAME(weights=None)`
+  for `applications:NAME`."""
+  if name.startswith(APPLICATIONS):
+    return getattr(keras.applications, name[len(APPLICATIONS):])(
+        weights=None, input_shape=input_shape, classes=num_classes)
+  return get_model(name, input_shape=input_shape, num_classes=num_classes)
+
+
+def ends_in_logits(name):
+  """Whether model `name` (see `get_any_model`) ends in logits."""
+  return not name.startswith(APPLICATIONS)
