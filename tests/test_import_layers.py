@@ -19,7 +19,7 @@ PACKAGE = os.path.join(REPO, 'tfmulti')
 # The floor of each folder (and of the command line); a module may import
 # its own folder and any lower floor.
 FLOORS = {'': 0, 'models': 1, 'pipeline': 1, 'deploy': 2, 'distribute': 2,
-          'train': 3, 'cli': 4, 'bench': 4}
+          'train': 3, 'cli': 4, 'launch': 4, 'bench': 4}
 
 
 def _part(module):

@@ -1,0 +1,192 @@
+"""Tests for the one-machine launcher (`python -m tfmulti.launch`).
+
+The workers here are small Python scripts, so each test takes a second: the
+launcher starts any script, and what it owes them (a place each, their
+logs, signals once, no orphans) does not depend on TensorFlow. The
+launcher's run of train.py and of a `fit` script is in
+tests/distribute/test_cluster.py (slow).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import REPO
+from tfmulti import errors
+from tfmulti import launch
+
+# A worker: says its place, writes its PID, counts the signals it gets; it
+# exits 3 if it is the worker named by --fail, else after a signal (143, as
+# train.py after saving) or after the seconds given.
+_WORKER = """
+import json, os, pathlib, signal, sys, time
+place = json.loads(os.environ['TF_CONFIG'])
+index = place['task']['index']
+out = pathlib.Path(sys.argv[1])
+print('place', json.dumps(place))
+print('to stderr', file=sys.stderr)
+(out / f'pid{index}').write_text(str(os.getpid()))
+got = []
+def count(signum, frame):
+  got.append(signum)
+  (out / f'signals{index}').write_text(str(len(got)))
+signal.signal(signal.SIGTERM, count)
+signal.signal(signal.SIGINT, count)
+(out / f'ready{index}').write_text('')
+if sys.argv[2:4] == ['--fail', str(index)]:
+  sys.exit(3)
+deadline = time.monotonic() + float(sys.argv[-1])
+while time.monotonic() < deadline:
+  if got:
+    time.sleep(0.5)  # "Saving": a second signal would be counted.
+    sys.exit(128 + got[0])
+  time.sleep(0.05)
+"""
+
+
+@pytest.fixture
+def worker_script(tmp_path):
+  path = tmp_path / 'worker.py'
+  path.write_text(_WORKER)
+  return path
+
+
+def _launch(*args, **kwargs):
+  return subprocess.Popen(
+      [sys.executable, '-m', 'tfmulti.launch', *args], cwd=REPO,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _gone(pid):
+  """Whether process `pid` has ended (a zombie left to init counts)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] == 'Z'
+  except FileNotFoundError:
+    return True
+
+
+def _wait_for(paths, timeout_s=60):
+  deadline = time.monotonic() + timeout_s
+  while not all(p.exists() for p in paths):
+    assert time.monotonic() < deadline, f'never written: {paths}'
+    time.sleep(0.05)
+
+
+def test_each_worker_gets_its_place_and_its_lines_a_prefix(tmp_path,
+                                                          worker_script):
+  launcher = _launch('--num_workers=3', '--', str(worker_script),
+                     str(tmp_path), '0')
+  out, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 0, err
+  places = {}
+  for line in out.splitlines():
+    prefix, _, text = line.partition('] ')
+    assert prefix.startswith('[worker ')
+    places[int(prefix[len('[worker '):])] = json.loads(text.split(' ', 1)[1])
+  assert sorted(places) == [0, 1, 2]
+  addresses = places[0]['cluster']['worker']
+  assert len(set(addresses)) == 3
+  assert all(a.startswith('localhost:') for a in addresses)
+  for index, place in places.items():
+    assert place == {'cluster': {'worker': addresses},
+                     'task': {'type': 'worker', 'index': index}}
+  for index in range(3):
+    assert f'[worker {index}] to stderr' in err.splitlines()
+
+
+def test_a_port_places_the_workers_on_it_and_the_next(tmp_path, worker_script):
+  launcher = _launch('--num_workers=2', '--port=23456', str(worker_script),
+                     str(tmp_path), '0')
+  out, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 0, err
+  assert ('"worker": ["localhost:23456", "localhost:23457"]' in out)
+
+
+def test_a_failed_worker_stops_the_others_and_sets_the_status(
+    tmp_path, worker_script):
+  start = time.monotonic()
+  launcher = _launch('--num_workers=3', '--grace_s=5', '--',
+                     str(worker_script), str(tmp_path), '--fail', '1', '300')
+  _, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 3
+  assert 'worker 1 exited with status 3; stopping the others' in err
+  assert time.monotonic() - start < 30
+  for index in (0, 2):  # Asked to stop once, and gone.
+    assert (tmp_path / f'signals{index}').read_text() == '1'
+    assert _gone(int((tmp_path / f'pid{index}').read_text()))
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_reaches_every_worker_once(tmp_path, worker_script, signum):
+  launcher = _launch('--num_workers=2', '--', str(worker_script),
+                     str(tmp_path), '300')
+  _wait_for([tmp_path / f'ready{i}' for i in range(2)])
+  launcher.send_signal(signum)
+  _, err = launcher.communicate(timeout=60)
+  # Each worker stops by itself after one signal, as train.py after its
+  # checkpoint, and the launcher reports their status.
+  assert launcher.returncode == 128 + signum, err
+  assert 'stopping the others' not in err
+  for index in range(2):
+    assert (tmp_path / f'signals{index}').read_text() == '1'
+    assert _gone(int((tmp_path / f'pid{index}').read_text()))
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path, worker_script):
+  launcher = _launch('--num_workers=2', '--', str(worker_script),
+                     str(tmp_path), '300')
+  _wait_for([tmp_path / f'ready{i}' for i in range(2)])
+  launcher.kill()
+  launcher.communicate(timeout=60)
+  pids = [int((tmp_path / f'pid{i}').read_text()) for i in range(2)]
+  deadline = time.monotonic() + 30
+  while not all(_gone(pid) for pid in pids):
+    assert time.monotonic() < deadline, 'a worker outlived its launcher'
+    time.sleep(0.1)
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--num_workers=0', '--', '{script}'], 'num_workers=0: must be'),
+    (['--num_workers=2', '--', 'missing.py'], "script 'missing.py' does not "
+     'exist'),
+    (['--num_workers=2'], 'no script to run; give it after --'),
+    (['--num_workers=2', '--port=65535', '{script}'], '--port=65535 leaves '
+     'no room for 2 workers'),
+    (['--num_workers=2', '--grace_s=-1', '{script}'], '--grace_s=-1.0 is '
+     'negative'),
+    (['--num_workers=2', '--bogus=1', '--', '{script}'], 'unrecognized '
+     'arguments: --bogus=1; see python -m tfmulti.launch --help'),
+    (['--', '{script}'], 'the following arguments are required: '
+     '--num_workers'),
+])
+def test_bad_input_is_one_line_and_starts_nothing(tmp_path, worker_script,
+                                                  args, message):
+  if '{script}' in args:  # The worker would write to tmp_path.
+    args = [*args, str(tmp_path), '0']
+  launcher = _launch(*(a.format(script=worker_script) for a in args))
+  out, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 1
+  assert err.startswith(f'python -m tfmulti.launch: error: {message}')
+  assert len(err.strip().splitlines()) == 1 and not out
+  assert sorted(os.listdir(tmp_path)) == ['worker.py']
+
+
+def test_config_from_args_takes_the_script_with_or_without_dashes(
+    worker_script):
+  script = str(worker_script)
+  with_dashes = launch.config_from_args(['--num_workers=2', '--', script,
+                                         '--x=1'])
+  assert with_dashes.command == (script, '--x=1')
+  assert launch.config_from_args(['--num_workers=2', script]).command == (
+      script,)
+  # Not a file: a module, for instance (-m NAME).
+  module = launch.config_from_args(['--num_workers=1', '--', '-m', 'x'])
+  assert module.command == ('-m', 'x')
+  with pytest.raises(errors.ConfigError, match='give it after --'):
+    launch.config_from_args(['--num_workers=2', '--'])

@@ -1,0 +1,259 @@
+"""Several workers on one machine: the way to try multi-worker on a laptop.
+
+  python -m tfmulti.launch --num_workers=2 -- train.py --strategy=multi_worker
+  python -m tfmulti.launch --num_workers=2 -- my_fit_script.py --epochs=3
+
+starts `--num_workers` Python processes of the script, each with the
+`TF_CONFIG` that places it (worker i of `localhost:PORT`, ..., on free
+loopback ports unless `--port` gives the first), as `torchrun --standalone`
+does for PyTorch. It prefixes each line a worker writes with `[worker i]`,
+on the stream it was written to; it forwards SIGINT (Ctrl-C) and SIGTERM to
+every worker, once per signal (each worker saves and stops: a second one
+stops it at once); and when a worker fails it stops the others (SIGTERM,
+then SIGKILL after `--grace_s`) and exits with the failed worker's code.
+Workers die with the launcher even when it is killed (Linux), and each
+worker's own watchdog ends with its worker, so nothing is left behind.
+
+The launcher imports no TensorFlow: it only starts, watches and stops.
+"""
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import flags
+from absl import logging
+
+from tfmulti import errors
+
+PROGRAM = 'python -m tfmulti.launch'
+_FORWARDED = (signal.SIGINT, signal.SIGTERM)
+_POLL_S = 0.1
+_PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+  """What to start.
+
+  Attributes:
+    num_workers: processes to start, worker 0 (the chief) first.
+    port: the first worker's port, the others' following it; 0 picks free
+      loopback ports.
+    grace_s: seconds a worker has to stop after SIGTERM once another has
+      failed, before SIGKILL.
+    command: the script and its arguments, run with this Python.
+  """
+  num_workers: int
+  port: int
+  grace_s: float
+  command: tuple
+
+  def __post_init__(self):
+    errors.check_count('num_workers', self.num_workers, 1)
+    if self.port and not 1024 <= self.port <= 65536 - self.num_workers:
+      raise errors.ConfigError(
+          f'--port={self.port} leaves no room for {self.num_workers} '
+          'workers; give a port from 1024 to '
+          f'{65536 - self.num_workers}, or 0 for free ports.')
+    if self.grace_s < 0:
+      raise errors.ConfigError(f'--grace_s={self.grace_s} is negative; give '
+                               'the seconds a worker has to stop, e.g. 30.')
+    if not self.command:
+      raise errors.ConfigError(
+          f'no script to run; give it after --, e.g. {PROGRAM} '
+          '--num_workers=2 -- train.py --strategy=multi_worker')
+    script = self.command[0]
+    if script.endswith('.py') and not os.path.isfile(script):
+      raise errors.ConfigError(
+          f'script {script!r} does not exist (from {os.getcwd()}); give its '
+          'path after --.')
+
+
+class _Parser(argparse.ArgumentParser):
+
+  def error(self, message):
+    """One line, without argparse's usage block."""
+    raise errors.ConfigError(f'{message}; see {PROGRAM} --help.')
+
+
+def config_from_args(argv):
+  """The `LaunchConfig` of the command line `argv` (without the program).
+
+  Raises:
+    errors.ConfigError: a bad value, or no script.
+  """
+  parser = _Parser(prog=PROGRAM, description=__doc__.split('\n\n')[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--num_workers', type=int, required=True,
+                      help='Worker processes to start on this machine.')
+  parser.add_argument('--port', type=int, default=0,
+                      help='Worker 0\'s port; worker i uses PORT+i. '
+                      '0 (default): free loopback ports.')
+  parser.add_argument('--grace_s', type=float, default=30.0,
+                      help='Once a worker fails, seconds the others have to '
+                      'stop after SIGTERM before SIGKILL (default 30).')
+  parser.add_argument('command', nargs=argparse.REMAINDER,
+                      help='-- SCRIPT ARGS...: run on every worker.')
+  args = parser.parse_args(argv)
+  command = args.command[1:] if args.command[:1] == ['--'] else args.command
+  return LaunchConfig(args.num_workers, args.port, args.grace_s,
+                      tuple(command))
+
+
+def free_ports(count):
+  """`count` loopback ports that were free a moment ago."""
+  sockets = [socket.socket() for _ in range(count)]
+  try:
+    for s in sockets:
+      s.bind(('localhost', 0))
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()
+
+
+def tf_config(ports, index):
+  """The `TF_CONFIG` of worker `index` among loopback `ports`."""
+  return json.dumps({'cluster': {'worker': [f'localhost:{p}' for p in ports]},
+                     'task': {'type': 'worker', 'index': index}})
+
+
+def _die_with_parent():
+  """In the child, before exec: SIGKILL when the launcher dies (Linux)."""
+  if sys.platform.startswith('linux'):
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG,
+                                            int(signal.SIGKILL))
+
+
+def _stream(pipe, prefix, out, lock):
+  """Copies `pipe` to `out` line by line, each line after `prefix`."""
+  for line in iter(pipe.readline, b''):
+    with lock:
+      out.write(prefix + line)
+      out.flush()
+  pipe.close()
+
+
+def _exit_code(returncode):
+  """A child's status as a shell reports it (128 + N for signal N)."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
+class Workers:
+  """The started worker processes, their log streams and their fate."""
+
+  def __init__(self, launch_config, ports):
+    """Starts every worker. Call before any other thread exists: the
+    child's pre-exec step is only safe in a one-thread parent."""
+    self.config = launch_config
+    self.signalled = False  # A signal was passed on: they stop themselves.
+    self.processes = []
+    for index in range(launch_config.num_workers):
+      env = dict(os.environ, TF_CONFIG=tf_config(ports, index),
+                 PYTHONUNBUFFERED='1')
+      self.processes.append(subprocess.Popen(
+          [sys.executable, *launch_config.command], env=env,
+          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          start_new_session=True,  # Ctrl-C reaches them once, forwarded.
+          preexec_fn=_die_with_parent))
+    lock = threading.Lock()
+    self._streams = [
+        threading.Thread(target=_stream, daemon=True, args=(
+            pipe, f'[worker {index}] '.encode(), out, lock))
+        for index, p in enumerate(self.processes)
+        for pipe, out in ((p.stdout, sys.stdout.buffer),
+                          (p.stderr, sys.stderr.buffer))]
+    for thread in self._streams:
+      thread.start()
+
+  def signal_running(self, signum):
+    """Sends `signum` to every worker still running."""
+    for process in self.processes:
+      if process.poll() is None:
+        process.send_signal(signum)
+
+  def first_failure(self):
+    """(index, exit code) of a worker that ended badly, else None."""
+    for index, process in enumerate(self.processes):
+      if process.poll() not in (None, 0):
+        return index, _exit_code(process.returncode)
+    return None
+
+  def running(self):
+    return any(p.poll() is None for p in self.processes)
+
+  def stop(self):
+    """SIGTERM to the running workers, SIGKILL after the grace period."""
+    self.signal_running(signal.SIGTERM)
+    deadline = time.monotonic() + self.config.grace_s
+    while self.running() and time.monotonic() < deadline:
+      time.sleep(_POLL_S)
+    self.signal_running(signal.SIGKILL)
+    self.wait()
+
+  def wait(self):
+    for process in self.processes:
+      process.wait()
+    for thread in self._streams:
+      thread.join()
+
+
+def supervise(workers):
+  """Waits for every worker; returns the launcher's exit code.
+
+  A worker that fails stops the others. SIGINT and SIGTERM received here
+  are forwarded to the workers, which stop by themselves (each saves); a
+  worker that exits after one is not a failure.
+  """
+  def forward(signum, frame):
+    del frame  # Unused.
+    logging.warning('%s: passed to every worker', signal.Signals(signum).name)
+    workers.signalled = True
+    workers.signal_running(signum)
+  previous = {s: signal.signal(s, forward) for s in _FORWARDED}
+  try:
+    while workers.running():
+      failure = None if workers.signalled else workers.first_failure()
+      if failure:
+        index, code = failure
+        logging.error('worker %d exited with status %d; stopping the others',
+                      index, code)
+        workers.stop()
+        return code
+      time.sleep(_POLL_S)
+    workers.wait()
+    failure = workers.first_failure()
+    return failure[1] if failure else 0
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+
+
+def main(argv=None):
+  """Runs the launcher on `argv` (default: the command line); exits."""
+  argv = sys.argv[1:] if argv is None else argv
+  flags.FLAGS.mark_as_parsed()  # absl's logging, without absl's flags.
+  logging.use_absl_handler()
+  logging.set_verbosity(logging.INFO)
+  try:
+    launch_config = config_from_args(argv)
+  except errors.UserError as e:
+    sys.exit(f'{PROGRAM}: error: {e}')
+  ports = ([launch_config.port + i for i in range(launch_config.num_workers)]
+           if launch_config.port else free_ports(launch_config.num_workers))
+  logging.info('%d workers on %s', launch_config.num_workers,
+               ', '.join(f'localhost:{p}' for p in ports))
+  sys.exit(supervise(Workers(launch_config, ports)))
+
+
+if __name__ == '__main__':
+  main()
