@@ -359,3 +359,125 @@ def test_a_slurm_step_and_an_indexed_job_train_like_tf_config(
   for name in ('slurm', 'indexed_job'):
     assert_same_checkpoints(runs[name]['checkpoint'],
                             runs['tf_config']['checkpoint'], exact=True)
+
+
+_STEPS = 30
+# A job whose every update is bit for bit one process's: 2 workers x 1 clone
+# x 8 rows, in atoms of 4 rows, one checkpoint at the end unless stopped.
+_EXACT_JOB = ('--strategy=multi_worker', '--num_clones=1', '--batch_size=8',
+              '--reproducible_rows=4', f'--train_steps={_STEPS}',
+              f'--checkpoint_steps={_STEPS}')
+
+
+@pytest.fixture(scope='module')
+def one_process(tmp_path_factory, digits_dir):
+  """metrics.json of the exact job's global batch trained by one process
+  with one clone (a process of its own: the bits hold for one thread
+  count)."""
+  model_dir = tmp_path_factory.mktemp('one_process')
+  subprocess.run(_worker_command(
+      model_dir, digits_dir, '--batch_size=16', '--reproducible_rows=4',
+      f'--train_steps={_STEPS}'), cwd=REPO, check=True, timeout=TIMEOUT_S,
+                 capture_output=True)
+  return json.loads((model_dir / 'metrics.json').read_text())
+
+
+def _launch(model_dir, digits_dir, *flags, stderr=subprocess.PIPE):
+  return subprocess.Popen(
+      [sys.executable, '-m', 'tfmulti.launch', '--num_workers=2', '--',
+       *_worker_command(model_dir, digits_dir, *flags)[1:]],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def _wait_for_line(path, text, process):
+  """Waits until the log file `path` holds `text` (or `process` ends)."""
+  deadline = time.monotonic() + TIMEOUT_S
+  while text not in path.read_text():
+    assert process.poll() is None, path.read_text()[-3000:]
+    assert time.monotonic() < deadline, f'no {text!r} in {path}'
+    time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_the_launcher_runs_the_command_line_on_two_workers(
+    tmp_path, digits_dir, one_process):
+  launcher = _launch(tmp_path / 'job', digits_dir, *_EXACT_JOB)
+  _, log = launcher.communicate(timeout=TIMEOUT_S)
+  assert launcher.returncode == 0, log[-3000:]
+  # Each worker's lines carry its prefix: both trained the same weights.
+  digests = {re.search(rf'\[worker {i}\] .*final weights sha256 (\w+)',
+                       log).group(1) for i in range(2)}
+  assert len(digests) == 1
+  metrics = json.loads((tmp_path / 'job' / 'metrics.json').read_text())
+  assert metrics['num_workers'] == 2 and metrics['global_batch_size'] == 16
+  assert_same_checkpoints(metrics['checkpoint'], one_process['checkpoint'],
+                          exact=True)
+
+
+def _saved_step(log, label):
+  found = re.search(rf'{label} at step (\d+): saved ', log)
+  assert found, log[-3000:]
+  return int(found.group(1))
+
+
+def _resume_and_compare(model_dir, digits_dir, tmp_path, saved, one_process):
+  """Relaunches the stopped job; it ends with one process's bits."""
+  _run_job(model_dir, digits_dir, tmp_path / 'resume', *_EXACT_JOB)
+  metrics = json.loads((model_dir / 'metrics.json').read_text())
+  assert (metrics['resumed_from_step'], metrics['steps']) == (saved, _STEPS)
+  assert_same_checkpoints(metrics['checkpoint'], one_process['checkpoint'],
+                          exact=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('signalled', [0, 1])
+def test_a_signal_to_one_worker_saves_every_worker_at_one_step(
+    tmp_path, digits_dir, one_process, signalled):
+  """SIGTERM to the chief or to the other: both save the same step, exit
+  as by SIGTERM, and the relaunched job ends as if never stopped."""
+  ports = _free_ports(2)
+  model_dir = tmp_path / 'job'
+  logs = [tmp_path / f'worker{i}.log' for i in range(2)]
+  workers = []
+  for index in range(2):
+    with open(logs[index], 'w') as log:
+      workers.append(subprocess.Popen(
+          _worker_command(model_dir, digits_dir, *_EXACT_JOB), cwd=REPO,
+          env=dict(os.environ, TF_CONFIG=_tf_config(ports, index)),
+          stderr=log))
+  _wait_for_line(logs[signalled], f'step 5/{_STEPS}', workers[signalled])
+  workers[signalled].send_signal(signal.SIGTERM)
+  for worker in workers:
+    worker.wait(timeout=TIMEOUT_S)
+  texts = [log.read_text() for log in logs]
+  assert [w.returncode for w in workers] == [128 + signal.SIGTERM] * 2, (
+      texts[0][-2000:], texts[1][-2000:])
+  label = f'SIGTERM to worker {signalled}'
+  saved = {_saved_step(text, label) for text in texts}
+  assert len(saved) == 1 and 5 < min(saved) < _STEPS
+  saved, = saved
+  assert (model_dir / f'ckpt-{saved}.index').exists()
+  _resume_and_compare(model_dir, digits_dir, tmp_path, saved, one_process)
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_launcher_saves_every_worker_at_one_step(
+    tmp_path, digits_dir, one_process):
+  """SIGINT reaches both workers at once: the first to publish its step
+  wins, both save it, and the relaunched job ends as if never stopped."""
+  model_dir = tmp_path / 'job'
+  log = tmp_path / 'launcher.log'
+  with open(log, 'w') as stderr:
+    launcher = _launch(model_dir, digits_dir, *_EXACT_JOB, stderr=stderr)
+  _wait_for_line(log, f'step 5/{_STEPS}', launcher)
+  launcher.send_signal(signal.SIGINT)
+  launcher.communicate(timeout=TIMEOUT_S)
+  text = log.read_text()
+  assert launcher.returncode == 128 + signal.SIGINT, text[-3000:]
+  found = re.findall(r'\[worker (\d)\] .*SIGINT to worker \d at step (\d+): '
+                     'saved ', text)
+  assert sorted(index for index, _ in found) == ['0', '1'], text[-3000:]
+  saved = {int(step) for _, step in found}
+  assert len(saved) == 1 and 5 < min(saved) < _STEPS
+  _resume_and_compare(model_dir, digits_dir, tmp_path, min(saved),
+                      one_process)

@@ -20,6 +20,7 @@ from tfmulti import data
 from tfmulti import errors
 from tfmulti import rows
 from tfmulti.distribute import cluster
+from tfmulti.distribute import preemption
 from tfmulti.train import build
 from tfmulti.train import checkpoints
 from tfmulti.train import export
@@ -194,7 +195,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
       with cluster.lost_peers_as_errors(cluster_info):
         result = _train_into(config, deploy_config, started, _run(
             config, deploy_config, trainer, dataset, schedule, total_steps,
-            out_dir), settings=settings if chief else None)
+            out_dir, cluster_info), settings=settings if chief else None)
     finally:
       cluster.remove_output_dir(out_dir, config.model_dir)
     logging.info('final weights sha256 %s (every worker of a job logs the '
@@ -229,9 +230,10 @@ def _record(config, trainer, result):
 
 
 def _run(config, deploy_config, trainer, dataset, schedule, total_steps,
-         out_dir):
+         out_dir, cluster_info):
   """The loop's `Run`: it saves into `out_dir` and restores from the
-  model_dir (the chief's, in a multi-worker job)."""
+  model_dir (the chief's, in a multi-worker job, whose workers stop after
+  the same step)."""
   device = deploy_config.summaries_device()
   return loop.Run(
       trainer=trainer, dataset=dataset, loss_fn=build.make_loss(),
@@ -243,7 +245,9 @@ def _run(config, deploy_config, trainer, dataset, schedule, total_steps,
       global_batch_size=global_batch_size(config, deploy_config),
       total_steps=total_steps, log_every_steps=config.log_every_steps,
       checkpoint_steps=config.checkpoint_steps,
-      profile_steps=config.profile_steps, profile_dir=out_dir)
+      profile_steps=config.profile_steps, profile_dir=out_dir,
+      agreed_stop=cluster_info and preemption.AgreedStop(
+          cluster_info, timeout_s=config.peer_timeout_s))
 
 
 def _train_into(config, deploy_config, started, run, *, settings):

@@ -21,6 +21,7 @@ import tensorflow as tf
 from tfmulti import data
 from tfmulti import errors
 from tfmulti import trainer as trainer_lib
+from tfmulti.distribute import preemption
 from tfmulti.train import checkpoints
 from tfmulti.train import profiling
 from tfmulti.train import summaries as summaries_lib
@@ -34,8 +35,9 @@ Outcome = collections.namedtuple('Outcome',
 class TrainingInterrupted(Exception):
   """A signal stopped training after a checkpoint.
 
-  Attributes: `signal_name`, `step`, `checkpoint` (its path), `exit_code`
-  (the shell's code for death by that signal).
+  Attributes: `signal_name` (in a multi-worker job, with the worker it
+  reached), `step`, `checkpoint` (its path), `exit_code` (the shell's code
+  for death by that signal).
   """
 
   def __init__(self, signal_name, step, checkpoint, exit_code):
@@ -154,6 +156,9 @@ class Run:
     checkpoint_steps: steps between checkpoints.
     profile_steps: (first, last) global steps to profile, or None.
     profile_dir: where the profile goes (the run's output directory).
+    agreed_stop: a multi-worker job's `preemption.AgreedStop`: a signal to
+      any worker stops every worker after the same step. None: a signal
+      stops this process after the current step.
   """
   trainer: trainer_lib.Trainer
   dataset: data.Data
@@ -167,6 +172,7 @@ class Run:
   checkpoint_steps: int
   profile_steps: Optional[tuple] = None
   profile_dir: Optional[str] = None
+  agreed_stop: Optional[preemption.AgreedStop] = None
 
 
 def _read_losses(run, last_step, pending):
@@ -182,6 +188,14 @@ def _read_losses(run, last_step, pending):
           'holds the last good state; lower --learning_rate or add '
           '--warmup_steps, then run again.')
   return losses
+
+
+def _stop_after(run, signals, step):
+  """The `preemption.Stop` that ends the run after `step`, or None."""
+  received = signals.received  # Read once: a signal may land at any line.
+  if run.agreed_stop is not None:
+    return run.agreed_stop.stop_after(step, received, run.total_steps)
+  return preemption.Stop(received, signals.exit_code) if received else None
 
 
 def _train_epoch(run, position, signals, progress, profiler):
@@ -200,7 +214,7 @@ def _train_epoch(run, position, signals, progress, profiler):
     profiler.after(step, outputs)
     examples += run.global_batch_size
     pending.append(outputs.total)
-    stop = signals.received  # Read once: a signal may land at any line.
+    stop = _stop_after(run, signals, step)
     log = step % run.log_every_steps == 0 or step == run.total_steps
     save = step % run.checkpoint_steps == 0 or stop
     if not (log or save or progress.steps_run == 0):
@@ -218,8 +232,8 @@ def _train_epoch(run, position, signals, progress, profiler):
       run.checkpointer.save(checkpoints.Position(step, epoch, examples))
       progress.checkpoint_seconds += time.perf_counter() - saving
     if stop:
-      raise TrainingInterrupted(stop, step, run.checkpointer.latest,
-                                signals.exit_code)
+      raise TrainingInterrupted(stop.label, step, run.checkpointer.latest,
+                                stop.exit_code)
   if pending:
     progress.record(step, _read_losses(run, step, pending), epoch)
   steps_per_epoch = run.dataset.train_examples // run.global_batch_size
@@ -240,7 +254,8 @@ def _evaluate(run, step, progress):
 def train(run, position):
   """Trains from `position` to `run.total_steps`, evaluating every epoch.
 
-  SIGTERM or SIGINT stops it after the current step with a checkpoint.
+  SIGTERM or SIGINT stops it after the current step with a checkpoint (in
+  a multi-worker job, every worker after the same step: `run.agreed_stop`).
 
   Returns:
     An `Outcome`.
@@ -254,7 +269,8 @@ def train(run, position):
                       run.log_every_steps)
   profiler = profiling.StepProfiler(run.profile_steps, run.profile_dir)
   evaluation = None
-  with checkpoints.StopSignals() as signals:
+  with checkpoints.StopSignals() as signals, (
+      run.agreed_stop or contextlib.nullcontext()):
     try:
       while position.step < run.total_steps:
         position = _train_epoch(run, position, signals, progress, profiler)
