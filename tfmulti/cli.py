@@ -271,12 +271,10 @@ def _cluster(path):
         f'strategy={_STRATEGY.value} needs a cluster, and --cluster='
         f'{_CLUSTER.value} found none: set TF_CONFIG, run inside a Slurm '
         'step, or use --cluster=indexed_job.')
-  info = resolvers.resolve(source, os.environ, port=_PORT.value,
-                           worker_hosts=_WORKER_HOSTS.value,
-                           num_workers=_NUM_WORKERS.value)
+  info = resolvers.resolve_into(source, os.environ, port=_PORT.value,
+                                worker_hosts=_WORKER_HOSTS.value,
+                                num_workers=_NUM_WORKERS.value)
   cluster.check_flags(info, _NUM_WORKERS.value, _WORKER_INDEX.value)
-  if source != resolvers.TF_CONFIG:  # The strategy reads TF_CONFIG.
-    os.environ[cluster.TF_CONFIG] = resolvers.tf_config(info)
   return info
 
 

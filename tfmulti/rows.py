@@ -280,6 +280,27 @@ def batch_rows(images, labels):
   return counts.pop()
 
 
+def worker_part(tensors, *, worker, num_workers):
+  """Worker `worker`'s rows of a global batch (a nest of tensors, rows
+  known): the worker-th of `num_workers` equal, consecutive parts, as
+  `worker_shards` cuts a dataset's.
+
+  Raises:
+    errors.ConfigError: a batch whose rows do not split evenly.
+  """
+  rows = {t.shape[0] for t in tf.nest.flatten(tensors) if t is not None}
+  total = rows.pop()
+  if total % num_workers:
+    raise errors.ConfigError(
+        f'a batch of {total} rows does not split over {num_workers} '
+        f'workers; give every batch (the last one too) a multiple of '
+        f'{num_workers} rows.')
+  part = total // num_workers
+  return tf.nest.map_structure(
+      lambda t: t if t is None else t[worker * part:(worker + 1) * part],
+      tensors)
+
+
 def worker_shards(dataset, *, worker, num_workers, shards_per_worker):
   """Worker `worker`'s rows of each global batch, one dataset element a
   shard.

@@ -14,12 +14,16 @@ alone provides, and keep everything else their own:
   replica; Keras's `apply_gradients` all-reduces the workers' summed
   gradients once before the update, which every worker applies to its copy.
 
+Keras's `fit` across workers (`TowersModel(..., strategy=)`) runs the
+second in its own step: `step_on_workers`, and `check_workers` first.
+
 Neither imports `deploy.towers`: the towers hand in what they need.
 """
 
 import tensorflow as tf
 
 from tfmulti import devices
+from tfmulti import errors
 from tfmulti import rows
 from tfmulti import trainer
 
@@ -62,6 +66,50 @@ def run_clones_in_lockstep(lockstep, clone_fn, variables, shards, loss_scale):
     columns.append(local if len(local) == num_clones else local * num_clones)
   return [tf.nest.pack_sequence_as(per_replica, list(values))
           for values in zip(*columns)]
+
+
+def check_workers(strategy, config, model):
+  """Refuses a strategy that does not match `config`'s workers, or a model
+  whose variables were made outside its scope (they would not meet the
+  other workers' in the all-reduce)."""
+  num_workers = 1 if strategy is None else strategy.num_replicas_in_sync
+  if num_workers != config.num_workers:
+    raise errors.ConfigError(
+        f'the DeploymentConfig has num_replicas={config.num_workers} '
+        f'workers and the strategy {num_workers}; make the config with '
+        'DeploymentConfig(..., replica_id=workers.index, '
+        'num_replicas=workers.num_workers) from the same workers.start().')
+  if strategy is None:
+    return
+  outside = [v.path for v in model.variables
+             if not strategy.extended.variable_created_in_scope(v.value)]
+  if outside:
+    raise errors.ConfigError(
+        f'{len(outside)} of model {model.name!r}\'s variables ({outside[0]}, '
+        '...) were made outside the workers\' strategy; build the model in '
+        '`with workers.scope(), config.variables_scope():`.')
+
+
+def step_on_workers(strategy, towers, images, targets, layout):
+  """One towers step of every worker's rows, in the strategy's replica.
+
+  Returns:
+    (the job's total loss, the job's outputs): the loss all-reduced, the
+    outputs of every worker's rows gathered in worker order, as one process
+    would have them, so Keras's metrics read the whole global batch on
+    every worker.
+  """
+  def replica_fn(images, targets):
+    result = towers.step_graph(images, targets, layout, with_outputs=True)
+    context = tf.distribute.get_replica_context()
+    return result.total, tf.nest.map_structure(
+        lambda t: context.all_gather(t, axis=0), result.outputs)
+  def local(value):  # This worker's one replica's.
+    return strategy.experimental_local_results(value)[0]
+  with strategy.scope():  # Keras's fit runs outside it.
+    total, outputs = strategy.run(replica_fn, args=(images, targets))
+    return (strategy.reduce(tf.distribute.ReduceOp.SUM, total, None),
+            tf.nest.map_structure(local, outputs))
 
 
 class WorkerTowers(trainer.Trainer):

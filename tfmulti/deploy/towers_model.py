@@ -32,9 +32,23 @@ How it differs from a plain Keras model:
   * `save` (and ModelCheckpoint) writes the wrapped model with the
     optimizer's state, which plain Keras loads without tfmulti; `export`
     exports it; `predict` before `compile` runs it on one device.
+
+Across workers (`strategy=`, from `tfmulti.distribute.workers.start()`,
+the same script on every worker): every worker reads the same global
+batches (the same data, the same seed) and trains on its rows of each
+(`rows.worker_part`); the workers' gradients meet in the strategy's
+all-reduce, one update. The metrics `fit` logs are computed on every
+worker from the whole batch's outputs (gathered), so they equal one
+process's and every worker's; validation runs whole on every worker. Only
+the chief (worker 0) shows the progress bar and keeps the callbacks that
+write files (ModelCheckpoint, TensorBoard, CSVLogger, BackupAndRestore):
+the others drop them, so nothing is written twice. An input of unknown
+length needs `steps_per_epoch` (every worker must take as many steps).
 """
 
+import contextlib
 import dataclasses
+import inspect
 
 import keras
 import tensorflow as tf
@@ -45,6 +59,7 @@ from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.deploy import towers as towers_lib
+from tfmulti.deploy import towers_in_strategy
 
 
 class TowersModel(keras.Model):
@@ -58,13 +73,16 @@ class TowersModel(keras.Model):
     towers: the `DeployedModel` that `compile` builds.
   """
 
-  def __init__(self, model, config, options=None, **fields):
+  def __init__(self, model, config, options=None, *, strategy=None,
+               **fields):
     """Wraps `model`, built in `config.variables_scope()`.
 
     Args:
       model: a built functional `keras.Model` (any inputs and outputs).
       config: a `DeploymentConfig`.
       options: a `StepOptions`; None for the defaults.
+      strategy: across workers, the `workers.start()` strategy (the model
+        built in its scope); None in one process.
       **fields: `StepOptions` fields that replace those of `options`.
 
     Raises:
@@ -74,6 +92,7 @@ class TowersModel(keras.Model):
     _check_no_strategy()
     towers_lib.check_model(model)
     _check_no_mask(model)
+    towers_in_strategy.check_workers(strategy, config, model)
     options = dataclasses.replace(options or step_options.StepOptions(),
                                   **fields)
     towers_lib.check_options(config, options)
@@ -81,6 +100,7 @@ class TowersModel(keras.Model):
     self.model = model
     self.config = config
     self.options = options
+    self.strategy = strategy
     self.towers = None
     self._compile_args = {}
     self.built = True  # Its weights are the built model's.
@@ -104,13 +124,15 @@ class TowersModel(keras.Model):
     if jit_compile is True:
       self.options = dataclasses.replace(self.options, xla=True)
     with tf.device(self.config.optimizer_variables_device()):
-      super().compile(optimizer=_beside_the_variables(optimizer), loss=loss,
-                      metrics=metrics, jit_compile=False, run_eagerly=True,
-                      **kwargs)
+      with self._workers_scope():  # Its variables, the workers' too.
+        optimizer = _beside_the_variables(optimizer)
+      super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
+                      jit_compile=False, run_eagerly=True, **kwargs)
     self._compile_args = dict(loss=loss, metrics=metrics, **kwargs)
-    self.towers = towers_lib.deploy(self.config, self.model,
-                                    _CompiledLoss(self), self.optimizer,
-                                    self.options)
+    with self._workers_scope():
+      self.towers = towers_lib.deploy(self.config, self.model,
+                                      _CompiledLoss(self), self.optimizer,
+                                      self.options)
     self._full_rows = 0  # The most rows a batch had: fewer is a last one.
 
   def train_step(self, data):
@@ -123,24 +145,33 @@ class TowersModel(keras.Model):
     targets = _targets(labels, sample_weight)
     rows_ = rows.batch_rows(images, targets)
     self._full_rows = max(self._full_rows, rows_)
+    mine = (images, targets)  # This worker's rows of the global batch.
+    if self.strategy is not None:
+      mine = rows.worker_part(mine, worker=self.config.worker_index,
+                              num_workers=self.config.num_workers)
     towers = self.towers
     if towers.balancer is not None:
-      towers.clone_shares = towers.balancer.shares(towers, images, targets)
-    layout = towers.layout_for(images, targets,
-                               partial=rows_ < self._full_rows)
-    return self._train_function(images, targets, layout)
+      towers.clone_shares = towers.balancer.shares(towers, *mine)
+    layout = towers.layout_for(*mine, partial=rows_ < self._full_rows)
+    return self._train_function(*mine, layout, targets)
 
   @tf.function
-  def _train_function(self, images, targets, layout):
+  def _train_function(self, images, targets, layout, all_targets):
     """The towers' step and the metrics, one compiled call a step (eager,
     the metrics cost more than a small model's step). `layout` is a frozen
-    record of Python ints: one trace per layout, as the towers' own step."""
-    result = self.towers.step_graph(images, targets, layout,
-                                    with_outputs=True)
-    labels, sample_weight = (*targets, None)[:2]
+    record of Python ints: one trace per layout, as the towers' own step.
+    `all_targets`: the whole global batch's, for the metrics."""
+    if self.strategy is None:
+      result = self.towers.step_graph(images, targets, layout,
+                                      with_outputs=True)
+      total, outputs = result.total, result.outputs
+    else:
+      total, outputs = towers_in_strategy.step_on_workers(
+          self.strategy, self.towers, images, targets, layout)
+    labels, sample_weight = (*all_targets, None)[:2]
     keras_internals.loss_tracker(self).update_state(
-        result.total, sample_weight=layout.worker_rows())
-    return self.compute_metrics(images, labels, result.outputs,
+        total, sample_weight=layout.global_rows)
+    return self.compute_metrics(images, labels, outputs,
                                 sample_weight=sample_weight)
 
   def test_step(self, data):
@@ -179,6 +210,49 @@ class TowersModel(keras.Model):
   def export(self, filepath, *args, **kwargs):
     """Exports the wrapped model (a SavedModel for serving)."""
     return self.model.export(filepath, *args, **kwargs)
+
+  def fit(self, *args, **kwargs):
+    """Keras's `fit`; across workers, every worker takes as many steps and
+    only the chief shows progress and writes files (see the module)."""
+    if self.strategy is None:
+      return super().fit(*args, **kwargs)
+    arguments = _FIT.bind(self, *args, **kwargs).arguments
+    del arguments['self']
+    arguments.update(arguments.pop('kwargs', {}))
+    _check_known_length(arguments.get('x'),
+                        arguments.get('steps_per_epoch'))
+    if self.config.worker_index:
+      arguments['verbose'] = 0
+      arguments['callbacks'] = [
+          c for c in arguments.get('callbacks') or ()
+          if not isinstance(c, _CHIEF_WRITES)]
+    return super().fit(**arguments)
+
+  def _workers_scope(self):
+    return (self.strategy.scope() if self.strategy is not None
+            else contextlib.nullcontext())
+
+
+_FIT = inspect.signature(keras.Model.fit)
+# Callbacks that write files: the chief's alone across workers.
+_CHIEF_WRITES = (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard,
+                 keras.callbacks.CSVLogger, keras.callbacks.BackupAndRestore)
+
+
+def _check_known_length(x, steps_per_epoch):
+  """Refuses an input whose length is unknown, without `steps_per_epoch`:
+  a worker whose epoch ended first would leave the others in a collective."""
+  if steps_per_epoch is not None:
+    return
+  if isinstance(x, tf.data.Dataset):
+    known = int(x.cardinality()) >= 0
+  else:
+    known = x is None or hasattr(x, 'shape') or isinstance(
+        x, (list, tuple, dict))
+  if not known:
+    raise errors.ConfigError(
+        f'fit across workers on {type(x).__name__} input of unknown length: '
+        'every worker must take as many steps; pass steps_per_epoch.')
 
 
 class _CompiledLoss:

@@ -4,6 +4,9 @@
                      OneDeviceStrategy and MultiWorkerMirroredStrategy
                      behind the trainer contract
   cluster            TF_CONFIG, the multi-worker strategy, lost peers
+  resolvers          the cluster from TF_CONFIG, Slurm or an Indexed Job
+  preemption         every worker stops after the same step
+  workers            a user's own `fit` script on every worker (`start`)
 """
 
 from tfmulti.distribute.distributed_model import CENTRAL_STORAGE  # noqa: F401

@@ -19,9 +19,9 @@
 * `auto`: `tf_config` when `TF_CONFIG` is set, `slurm` inside a Slurm step
   of more than one task, else `none` (one process).
 
-The multi-worker strategy reads `TF_CONFIG`; for the other sources the
-command line writes the one `tf_config(cluster)` gives into this process's
-environment before the strategy is made.
+The multi-worker strategy reads `TF_CONFIG`; for the other sources
+`resolve_into` writes the one `tf_config(cluster)` gives into this
+process's environment before the strategy is made.
 """
 
 import itertools
@@ -66,6 +66,15 @@ def resolve(kind, environ, *, port=None, worker_hosts=None,
   if kind == INDEXED_JOB:
     return indexed_job(environ, worker_hosts, num_workers)
   return None
+
+
+def resolve_into(kind, environ, **flags):
+  """`resolve`, then the `TF_CONFIG` the strategy reads written into
+  `environ` when the cluster came from another source."""
+  found = resolve(kind, environ, **flags)
+  if found is not None and source_of(kind, environ) != TF_CONFIG:
+    environ[cluster_lib.TF_CONFIG] = tf_config(found)
+  return found
 
 
 def tf_config(cluster):

@@ -1,0 +1,170 @@
+"""Tests for Keras's `fit` across workers: `TowersModel(..., strategy=)`.
+
+The runs of examples/fit_across_workers.py (2 workers from the launcher,
+one process, plain Keras `fit`) are slow; the refusals, the row split and
+`workers.start` alone run in the default suite, with a `MirroredStrategy`
+over 2 logical CPUs standing in for the workers' strategy where only its
+replica count and scope matter (a MultiWorkerMirroredStrategy must exist
+before TensorFlow runs an op, so never in a test process).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import mlp
+from tests.helpers import REPO
+from tfmulti import deploy
+from tfmulti import errors
+from tfmulti import rows
+from tfmulti.distribute import resolvers
+from tfmulti.distribute import workers as workers_lib
+
+_EXAMPLE = os.path.join('examples', 'fit_across_workers.py')
+_TIMEOUT_S = 600
+
+
+def test_a_worker_takes_its_consecutive_rows_of_the_global_batch():
+  batch = (tf.reshape(tf.range(12), [6, 2]), (tf.range(6), None))
+  part = rows.worker_part(batch, worker=1, num_workers=3)
+  np.testing.assert_array_equal(part[0], [[4, 5], [6, 7]])
+  np.testing.assert_array_equal(part[1][0], [2, 3])
+  assert part[1][1] is None
+  with pytest.raises(errors.ConfigError, match='a batch of 6 rows does not '
+                     'split over 4 workers; give every batch'):
+    rows.worker_part(batch, worker=0, num_workers=4)
+
+
+def test_alone_start_gives_worker_0_of_1_and_no_strategy(monkeypatch):
+  monkeypatch.delenv('TF_CONFIG', raising=False)
+  workers = workers_lib.start()
+  assert (workers.index, workers.num_workers, workers.is_chief) == (0, 1,
+                                                                    True)
+  assert workers.strategy is None
+  with workers.scope():
+    assert not tf.distribute.has_strategy()
+
+
+def test_start_names_a_malformed_environment(monkeypatch):
+  monkeypatch.setenv('TF_CONFIG', '{"cluster": {}}')
+  with pytest.raises(errors.ClusterError, match='is not a cluster'):
+    workers_lib.start()
+
+
+def test_a_slurm_step_is_written_as_the_tf_config_the_strategy_reads():
+  environ = {'SLURM_PROCID': '1', 'SLURM_STEP_NUM_TASKS': '2',
+             'SLURM_STEP_NODELIST': 'n[9-10]',
+             'SLURM_STEP_TASKS_PER_NODE': '1(x2)'}
+  found = resolvers.resolve_into('auto', environ, port=2222)
+  assert json.loads(environ['TF_CONFIG']) == {
+      'cluster': {'worker': ['n9:2222', 'n10:2222']},
+      'task': {'type': 'worker', 'index': 1}}
+  assert found.index == 1
+
+
+def _stand_in(config):
+  """A 2-replica MirroredStrategy: the workers' strategy's count and scope."""
+  return tf.distribute.MirroredStrategy(config.clone_devices())
+
+
+def test_the_workers_must_match_the_config_and_hold_the_model():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  strategy = _stand_in(config)
+  workers = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=0,
+                                    num_replicas=2)
+  with strategy.scope():
+    inside = mlp()
+  with pytest.raises(errors.ConfigError, match='the DeploymentConfig has '
+                     'num_replicas=1 workers and the strategy 2'):
+    deploy.TowersModel(inside, config, strategy=strategy)
+  with pytest.raises(errors.ConfigError, match=r"variables \(.*\) were made "
+                     "outside the workers' strategy; build the model in"):
+    deploy.TowersModel(mlp(), workers, strategy=strategy)
+
+
+def test_fit_across_workers_refuses_an_input_of_unknown_length():
+  config = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=0,
+                                   num_replicas=2)
+  strategy = _stand_in(deploy.DeploymentConfig(num_clones=2,
+                                               clone_on_cpu=True))
+  with strategy.scope():
+    model = mlp()
+  towers = deploy.TowersModel(model, config, strategy=strategy)
+  towers.compile(optimizer='sgd', loss='mse')
+  before = [w.copy() for w in model.get_weights()]
+  endless = tf.data.Dataset.from_tensors(
+      (tf.zeros([4, 8]), tf.zeros([4, 4]))).repeat()
+  with pytest.raises(errors.ConfigError, match='fit across workers on '
+                     '_RepeatDataset input of unknown length: every worker '
+                     'must take as many steps; pass steps_per_epoch'):
+    towers.fit(endless, epochs=1, verbose=0)
+  for got, want in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(got, want)
+
+
+def _run(model_dir, *flags, workers=0):
+  """Runs the example (on `workers` workers from the launcher, else alone);
+  returns its log and each worker's logged history."""
+  command = [_EXAMPLE, f'--model_dir={model_dir}', *flags]
+  if workers:
+    command = ['-m', 'tfmulti.launch', f'--num_workers={workers}', '--',
+               *command]
+  result = subprocess.run([sys.executable, *command], cwd=REPO,
+                          capture_output=True, text=True, timeout=_TIMEOUT_S)
+  log = result.stdout + result.stderr
+  assert result.returncode == 0, log[-3000:]
+  histories = [json.loads(h) for h in re.findall(r'history (\{.*\})', log)]
+  assert len(histories) == max(workers, 1)
+  return log, histories
+
+
+def _weights(model_dir):
+  """The arrays of final.weights.h5, in the file's order."""
+  found = []
+  with h5py.File(os.path.join(model_dir, 'final.weights.h5')) as f:
+    f.visititems(lambda name, item: found.append(item[()]) if isinstance(
+        item, h5py.Dataset) else None)
+  return found
+
+
+@pytest.mark.slow
+def test_fit_across_two_workers_trains_as_plain_fit_on_one_device(tmp_path):
+  """2 workers (the launcher) equal one process of 2 clones and plain
+  Keras `fit` on one device, to 1e-5, metrics included, over an epoch of
+  20 steps (momentum then grows the rounding of another summation order:
+  6e-5 after 60); only worker 0 prints the epochs and writes."""
+  _, (plain,) = _run(tmp_path / 'plain', '--plain', '--epochs=1')
+  _, (one,) = _run(tmp_path / 'one', '--num_clones=2', '--epochs=1')
+  log, histories = _run(tmp_path / 'workers', '--epochs=1', workers=2)
+  assert histories[0] == histories[1]  # The same figures on every worker.
+  for history in (one, histories[0]):
+    assert history.keys() == plain.keys()
+    for name, values in plain.items():
+      np.testing.assert_allclose(history[name], values, rtol=1e-5,
+                                 err_msg=name)
+  assert plain['val_accuracy'][-1] > 0.5  # It learns: chance is 0.1.
+  for got, want in zip(_weights(tmp_path / 'workers'),
+                       _weights(tmp_path / 'plain')):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert '[worker 0] 20/20 - ' in log and '[worker 1] 20/20' not in log
+  assert len((tmp_path / 'workers' / 'history.csv').read_text()
+             .splitlines()) == 2  # A header and the epoch: one writer.
+
+
+@pytest.mark.slow
+def test_fit_across_workers_with_atoms_trains_one_process_bits(tmp_path):
+  _, (one,) = _run(tmp_path / 'one', '--num_clones=2',
+                   '--reproducible_rows=8')
+  _, histories = _run(tmp_path / 'workers', '--reproducible_rows=8',
+                      workers=2)
+  assert histories == [one, one]
+  for got, want in zip(_weights(tmp_path / 'workers'),
+                       _weights(tmp_path / 'one')):
+    np.testing.assert_array_equal(got, want)
