@@ -10,6 +10,7 @@ import tensorflow_datasets as tfds
 
 from tfmulti import data
 from tfmulti import errors
+from tfmulti import rows
 
 
 def _labels(dataset):
@@ -115,3 +116,28 @@ def test_a_dataset_that_cannot_be_prepared_says_so(tmp_path, monkeypatch):
                      'left on device\\); free some space or pass another '
                      '--data_dir'):
     data.load('digits', global_batch_size=8, data_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize('num_workers, shards_per_worker', [(2, 1), (4, 2)])
+def test_workers_read_every_row_of_an_epoch_once_between_them(
+    digits_dir, num_workers, shards_per_worker):
+  """The exact mode of multi-worker input: every worker reads the same
+  pipeline and takes its block of each global batch, so in an epoch the
+  workers train, between them, exactly the rows one process trains (its
+  whole batches), none twice; each worker's block is consecutive."""
+  loaded = data.load('digits', global_batch_size=64, data_dir=digits_dir,
+                     seed=3)
+
+  def rows_of(dataset):
+    return [image.numpy().tobytes() for images, _ in dataset
+            for image in images]
+  one_process = rows_of(loaded.train_epoch(1))
+  assert len(one_process) == loaded.train_examples // 64 * 64
+  per_worker = [rows_of(rows.worker_shards(
+      loaded.train_epoch(1), worker=w, num_workers=num_workers,
+      shards_per_worker=shards_per_worker)) for w in range(num_workers)]
+  block = 64 // num_workers
+  rebuilt = [row for step in range(len(one_process) // 64)
+             for w in range(num_workers)
+             for row in per_worker[w][step * block:(step + 1) * block]]
+  assert rebuilt == one_process
