@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from tfmulti import errors
+from tfmulti import stops
 from tfmulti.distribute import cluster
 from tfmulti.distribute import preemption
 
@@ -51,33 +52,33 @@ def _workers(count, present=None):
 def _run(workers, signals, last_step=10):
   """Steps the workers in turn; `signals`: {(worker, step): name}, the
   signal a worker holds from that step on. Returns {worker: (step, Stop)}."""
-  stops, held = {}, {}
+  ended, held = {}, {}
   for step in range(1, last_step + 1):
     for index, worker in enumerate(workers):
-      if index in stops:
+      if index in ended:
         continue
       held[index] = signals.get((index, step), held.get(index))
       stop = worker.stop_after(step, held[index], last_step)
       if stop:
-        stops[index] = (step, stop)
-  return stops
+        ended[index] = (step, stop)
+  return ended
 
 
 @pytest.mark.parametrize('signalled', [0, 1])
 def test_one_signalled_worker_stops_every_worker_one_step_later(signalled):
   with _workers(2) as workers:
-    stops = _run(workers, {(signalled, 3): 'SIGTERM'})
-  expected = (4, preemption.Stop(f'SIGTERM to worker {signalled}', 143))
-  assert stops == {0: expected, 1: expected}
+    ended = _run(workers, {(signalled, 3): 'SIGTERM'})
+  expected = (4, stops.Stop(f'SIGTERM to worker {signalled}', 143))
+  assert ended == {0: expected, 1: expected}
 
 
 def test_workers_signalled_at_once_keep_the_first_step_published():
   with _workers(3) as workers:
-    stops = _run(workers, {(1, 5): 'SIGINT', (2, 5): 'SIGTERM',
+    ended = _run(workers, {(1, 5): 'SIGINT', (2, 5): 'SIGTERM',
                            (0, 6): 'SIGTERM'})
-  assert {s for s in stops.values()} == {
-      (6, preemption.Stop('SIGINT to worker 1', 130))}
-  assert len(stops) == 3
+  assert {s for s in ended.values()} == {
+      (6, stops.Stop('SIGINT to worker 1', 130))}
+  assert len(ended) == 3
 
 
 def test_a_signal_one_step_before_the_end_lets_the_run_end():

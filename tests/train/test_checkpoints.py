@@ -3,9 +3,6 @@
 import errno
 import os
 import shutil
-import signal
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -16,7 +13,6 @@ from tests.helpers import checkpoint_tensors
 from tests.helpers import make_batch
 from tests.helpers import make_deployed
 from tests.helpers import mlp
-from tests.helpers import REPO
 from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import errors
@@ -94,33 +90,6 @@ def test_another_model_is_refused_with_the_fix(tmp_path):
   with pytest.raises(errors.CheckpointMismatchError,
                      match='ckpt-1 does not fit.*new --model_dir'):
     _checkpointer(tmp_path, other).restore_latest()
-
-
-class TestStopSignals:
-
-  @pytest.mark.parametrize('signum, name, code', [
-      (signal.SIGTERM, 'SIGTERM', 143), (signal.SIGINT, 'SIGINT', 130)])
-  def test_first_signal_asks_to_stop(self, signum, name, code):
-    before = signal.getsignal(signum)
-    with checkpoints.StopSignals() as signals:
-      os.kill(os.getpid(), signum)
-      assert signals.received == name
-      assert signals.exit_code == code
-    assert signal.getsignal(signum) is before
-
-  @pytest.mark.slow
-  @pytest.mark.parametrize('second', [signal.SIGINT, signal.SIGTERM])
-  def test_second_signal_stops_at_once_by_that_signal(self, second):
-    script = ('import os, signal, time\n'
-              'from tfmulti.train import checkpoints\n'
-              'with checkpoints.StopSignals():\n'
-              '  os.kill(os.getpid(), signal.SIGINT)\n'
-              f'  os.kill(os.getpid(), {int(second)})\n'
-              '  time.sleep(30)\n')
-    result = subprocess.run([sys.executable, '-c', script], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == -second  # The shell shows 128 + signal.
-    assert 'Traceback' not in result.stderr
 
 
 @pytest.mark.slow

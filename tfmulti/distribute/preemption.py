@@ -23,8 +23,6 @@ The key-value store is TensorFlow's (`tensorflow.python.eager.context`),
 read here alone (`_CoordinationStore`).
 """
 
-import collections
-import signal
 import threading
 
 from absl import logging
@@ -32,13 +30,10 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from tfmulti import errors
+from tfmulti import stops
 
 _KEY = 'tfmulti/stop_after_step'
 _POLL_MS = 500
-
-# How a run stops: `label` for its message, `exit_code` the shell's code for
-# death by the signal received (128 + its number), on every worker.
-Stop = collections.namedtuple('Stop', ['label', 'exit_code'])
 
 
 class _CoordinationStore:
@@ -96,13 +91,14 @@ class AgreedStop:
       if value is None:
         continue
       step, name, index = value.split()
-      self._agreed = (int(step), Stop(f'{name} to worker {index}',
-                                      128 + signal.Signals[name].value))
+      self._agreed = (int(step), stops.Stop(f'{name} to worker {index}',
+                                            stops.exit_code(name)))
       self._store.set_new(f'{_KEY}/ack/{self._cluster.index}', '1')
       return
 
   def stop_after(self, step, received, last_step):
-    """The `Stop` to save and stop with after global step `step`, or None.
+    """The `stops.Stop` to save and stop with after global step `step`, or
+    None.
 
     Args:
       step: the step this worker has just finished.

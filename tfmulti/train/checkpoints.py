@@ -1,4 +1,4 @@
-"""Checkpoints that resume a run where it stopped, and clean stops on signals.
+"""Checkpoints that resume a run where it stopped.
 
 A checkpoint `<model_dir>/ckpt-<step>` holds the model, the optimizer (its
 slots and iteration count), the global step and the input position (the
@@ -27,8 +27,6 @@ import glob
 import os
 import re
 import shutil
-import signal
-import threading
 
 from absl import logging
 import numpy as np
@@ -236,47 +234,3 @@ class Checkpointer:
     self._saved_step = position.step
     logging.info('saved %s', path)
     return path
-
-
-class StopSignals:
-  """While entered, SIGTERM and SIGINT ask the training loop to stop.
-
-  The first signal sets `received` (its name); the loop finishes the current
-  step, saves a checkpoint and stops. A second signal stops the process at
-  once, by that signal, for a user who presses Ctrl-C twice. Outside the main
-  thread Python cannot install handlers, and signals keep their defaults.
-  """
-
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __init__(self):
-    self.received = None
-    self._previous = {}
-
-  def _handle(self, signum, frame):
-    del frame  # Unused.
-    if self.received:
-      # Stop at once, as the signal's default would: no traceback, and the
-      # exit status says which signal (130 for Ctrl-C, 143 for SIGTERM).
-      signal.signal(signum, signal.SIG_DFL)
-      os.kill(os.getpid(), signum)
-      return
-    self.received = signal.Signals(signum).name
-    logging.warning('%s received: stopping after this step with a checkpoint '
-                    '(send it again to stop at once)', self.received)
-
-  @property
-  def exit_code(self):
-    """The shell's code for death by the signal received (128 + number)."""
-    return 128 + signal.Signals[self.received].value
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for signum in self.SIGNALS:
-        self._previous[signum] = signal.signal(signum, self._handle)
-    return self
-
-  def __exit__(self, *exc_info):
-    for signum, handler in self._previous.items():
-      signal.signal(signum, handler)
-    self._previous = {}

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tfmulti import data
 from tfmulti import errors
+from tfmulti import stops
 from tfmulti import trainer as trainer_lib
 from tfmulti.distribute import preemption
 from tfmulti.train import checkpoints
@@ -191,11 +192,10 @@ def _read_losses(run, last_step, pending):
 
 
 def _stop_after(run, signals, step):
-  """The `preemption.Stop` that ends the run after `step`, or None."""
-  received = signals.received  # Read once: a signal may land at any line.
+  """The `stops.Stop` that ends the run after `step`, or None."""
   if run.agreed_stop is not None:
-    return run.agreed_stop.stop_after(step, received, run.total_steps)
-  return preemption.Stop(received, signals.exit_code) if received else None
+    return run.agreed_stop.stop_after(step, signals.received, run.total_steps)
+  return signals.stop()
 
 
 def _train_epoch(run, position, signals, progress, profiler):
@@ -269,7 +269,7 @@ def train(run, position):
                       run.log_every_steps)
   profiler = profiling.StepProfiler(run.profile_steps, run.profile_dir)
   evaluation = None
-  with checkpoints.StopSignals() as signals, (
+  with stops.StopSignals() as signals, (
       run.agreed_stop or contextlib.nullcontext()):
     try:
       while position.step < run.total_steps:
