@@ -11,7 +11,9 @@ global batches of 64 rows (the same data and seed everywhere), taking its
 rows of each. The three commands train the same weights: the workers and
 the one process to 1e-5 of plain Keras `fit` on one device, and bit for bit
 each other with `--reproducible_rows`. Only worker 0 prints the epochs and
-writes to `--model_dir` (history.csv, final.weights.h5).
+writes to `--model_dir` (history.csv, final.weights.h5). With
+`--backup_dir`, Ctrl-C to the launcher (or SIGTERM to any worker) saves
+the step and the same command resumes it, ending as if never stopped.
 """
 
 import json
@@ -37,6 +39,10 @@ _REPRODUCIBLE_ROWS = flags.DEFINE_integer(
     'reproducible_rows', 0, 'Rows an atom: the same bits on every layout.')
 _PLAIN = flags.DEFINE_bool('plain', False, 'Train with plain Keras fit on '
                            'one device instead: the reference.')
+_BACKUP_DIR = flags.DEFINE_string(
+    'backup_dir', None, 'Make the run preemptible: SIGTERM or Ctrl-C saves '
+    'the step there (keras.callbacks.BackupAndRestore) and the same command '
+    'resumes it.')
 _GLOBAL_BATCH_SIZE = 64  # Rows a step, of the whole job.
 _TRAIN_ROWS = 1280  # 20 whole batches: each splits over 1, 2 or 4 workers.
 
@@ -58,8 +64,9 @@ def make_model():
   return keras.Model(inputs, keras.layers.Dense(10)(x), name='digits_cnn')
 
 
-def fit(model_dir, epochs):
-  """Fits on this process's place in the job; returns (model, history)."""
+def fit(model_dir, epochs, callbacks=()):
+  """Fits on this process's place in the job; returns (model, history).
+  `callbacks`: more Keras callbacks."""
   workers = workers_lib.start()  # Before TensorFlow runs an op.
   config = deploy.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=True,
@@ -68,8 +75,12 @@ def fit(model_dir, epochs):
   with workers.scope(), config.variables_scope():
     model = make_model()
   trained = model if _PLAIN.value else deploy.TowersModel(
-      model, config, strategy=workers.strategy,
+      model, config, workers=workers,
       reproducible_rows=_REPRODUCIBLE_ROWS.value)
+  callbacks = [keras.callbacks.CSVLogger(
+      os.path.join(model_dir, 'history.csv')), *callbacks]
+  if _BACKUP_DIR.value:
+    callbacks.append(keras.callbacks.BackupAndRestore(_BACKUP_DIR.value))
   trained.compile(
       optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -79,9 +90,7 @@ def fit(model_dir, epochs):
   history = trained.fit(
       *train, batch_size=_GLOBAL_BATCH_SIZE, epochs=epochs,
       validation_data=validation, validation_batch_size=len(validation[1]),
-      verbose=2,
-      callbacks=[keras.callbacks.CSVLogger(
-          os.path.join(model_dir, 'history.csv'))])
+      verbose=2, callbacks=callbacks)
   if workers.is_chief:
     model.save_weights(os.path.join(model_dir, 'final.weights.h5'))
   return model, history

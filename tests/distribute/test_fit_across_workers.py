@@ -1,4 +1,4 @@
-"""Tests for Keras's `fit` across workers: `TowersModel(..., strategy=)`.
+"""Tests for Keras's `fit` across workers: `TowersModel(..., workers=)`.
 
 The runs of examples/fit_across_workers.py (2 workers from the launcher,
 one process, plain Keras `fit`) are slow; the refusals, the row split and
@@ -11,6 +11,7 @@ before TensorFlow runs an op, so never in a test process).
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ from tests.helpers import REPO
 from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import rows
+from tfmulti.deploy import fit_backup
 from tfmulti.distribute import resolvers
 from tfmulti.distribute import workers as workers_lib
 
@@ -70,33 +72,35 @@ def test_a_slurm_step_is_written_as_the_tf_config_the_strategy_reads():
 
 
 def _stand_in(config):
-  """A 2-replica MirroredStrategy: the workers' strategy's count and scope."""
-  return tf.distribute.MirroredStrategy(config.clone_devices())
+  """Workers whose strategy is a 2-replica MirroredStrategy: the workers'
+  strategy's count and scope."""
+  return workers_lib.Workers(
+      None, tf.distribute.MirroredStrategy(config.clone_devices()))
 
 
 def test_the_workers_must_match_the_config_and_hold_the_model():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  strategy = _stand_in(config)
-  workers = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=0,
-                                    num_replicas=2)
-  with strategy.scope():
+  workers = _stand_in(config)
+  two = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=0,
+                                num_replicas=2)
+  with workers.scope():
     inside = mlp()
   with pytest.raises(errors.ConfigError, match='the DeploymentConfig has '
                      'num_replicas=1 workers and the strategy 2'):
-    deploy.TowersModel(inside, config, strategy=strategy)
+    deploy.TowersModel(inside, config, workers=workers)
   with pytest.raises(errors.ConfigError, match=r"variables \(.*\) were made "
                      "outside the workers' strategy; build the model in"):
-    deploy.TowersModel(mlp(), workers, strategy=strategy)
+    deploy.TowersModel(mlp(), two, workers=workers)
 
 
 def test_fit_across_workers_refuses_an_input_of_unknown_length():
   config = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=0,
                                    num_replicas=2)
-  strategy = _stand_in(deploy.DeploymentConfig(num_clones=2,
-                                               clone_on_cpu=True))
-  with strategy.scope():
+  workers = _stand_in(deploy.DeploymentConfig(num_clones=2,
+                                              clone_on_cpu=True))
+  with workers.scope():
     model = mlp()
-  towers = deploy.TowersModel(model, config, strategy=strategy)
+  towers = deploy.TowersModel(model, config, workers=workers)
   towers.compile(optimizer='sgd', loss='mse')
   before = [w.copy() for w in model.get_weights()]
   endless = tf.data.Dataset.from_tensors(
@@ -167,4 +171,114 @@ def test_fit_across_workers_with_atoms_trains_one_process_bits(tmp_path):
   assert histories == [one, one]
   for got, want in zip(_weights(tmp_path / 'workers'),
                        _weights(tmp_path / 'one')):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_each_epoch_of_arrays_is_rebuilt_alone_in_its_order():
+  arrays = (np.arange(10, dtype=np.float32), np.arange(10) * 10)
+  whole = [tuple(t.numpy().tolist() for t in batch)
+           for batch in fit_backup.epochs_of_arrays(
+               arrays, batch_size=4, shuffle=True, seed=7, first_epoch=0,
+               epochs=3)]
+  assert len(whole) == 9  # 3 epochs of batches of 4, 4 and 2 rows.
+  epochs = [sorted(sum((list(b[0]) for b in whole[3 * e:3 * e + 3]), []))
+            for e in range(3)]
+  assert epochs == [list(range(10))] * 3  # Every row once an epoch.
+  assert whole[0:3] != whole[3:6]  # Each epoch its own order.
+  later = [tuple(t.numpy().tolist() for t in batch)
+           for batch in fit_backup.epochs_of_arrays(
+               arrays, batch_size=4, shuffle=True, seed=7, first_epoch=1,
+               epochs=3)]
+  assert later == whole[3:]  # A restart rebuilds epoch 1 on.
+  for x, y in whole:
+    assert [10 * v for v in x] == list(y)  # Rows stay whole.
+
+
+# examples/fit_across_workers.py with a SIGTERM to one worker at a step, as
+# a cluster manager would send it then.
+_SIGNALLING = '''
+import json, os, signal, sys
+sys.path.insert(0, 'examples')
+from absl import app, flags
+import keras
+import fit_across_workers as example
+from tfmulti import devices
+
+_AT = flags.DEFINE_integer('signal_at_step', 0, 'Global step to signal at.')
+_ON = flags.DEFINE_integer('signal_worker', 0, 'The worker signalled.')
+
+
+class Signal(keras.callbacks.Callback):
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self.epoch = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    place = json.loads(os.environ.get('TF_CONFIG', '{"task": {"index": 0}}'))
+    if (self.epoch * 20 + batch + 1 == _AT.value
+        and place['task']['index'] == _ON.value):
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv):
+  devices.create_logical_cpus(example._NUM_CLONES.value)
+  _, history = example.fit(example._MODEL_DIR.value, example._EPOCHS.value,
+                           callbacks=[Signal()])
+  print('history', json.dumps(history.history), flush=True)
+
+
+app.run(main)
+'''
+_ATOMS = ('--reproducible_rows=8',)
+
+
+def _signalling(tmp_path, name, *flags, workers=0, status=0):
+  """Runs the signalling script; returns its log."""
+  script = tmp_path / 'signalling.py'
+  script.write_text(_SIGNALLING)
+  command = [str(script), f'--model_dir={tmp_path / name}',
+             f'--backup_dir={tmp_path / (name + "_backup")}', *_ATOMS, *flags]
+  if workers:
+    command = ['-m', 'tfmulti.launch', f'--num_workers={workers}', '--',
+               *command]
+  result = subprocess.run([sys.executable, *command], cwd=REPO,
+                          capture_output=True, text=True, timeout=_TIMEOUT_S)
+  log = result.stdout + result.stderr
+  assert result.returncode == status, log[-3000:]
+  return log
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  """The weights of an uninterrupted preemptible fit, in one process with
+  2 clones (the run every stopped one must end as)."""
+  tmp_path = tmp_path_factory.mktemp('uninterrupted')
+  _signalling(tmp_path, 'run', '--num_clones=2')
+  assert not (tmp_path / 'run_backup').exists()  # Removed at the end.
+  return _weights(tmp_path / 'run')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('workers, signalled', [(0, 0), (2, 0), (2, 1)])
+def test_a_preempted_fit_resumes_as_if_never_stopped(
+    tmp_path, uninterrupted, workers, signalled):
+  """SIGTERM mid-epoch (step 27 of 3 x 20) to the one process, the chief
+  or the other worker: the job saves one step and exits 143; the same
+  command resumes it there and ends with the uninterrupted run's bits."""
+  clones = () if workers else ('--num_clones=2',)
+  log = _signalling(tmp_path, 'run', *clones, '--signal_at_step=27',
+                    f'--signal_worker={signalled}', workers=workers,
+                    status=128 + signal.SIGTERM)
+  saved = 28 if workers else 27  # Workers agree on the step after.
+  label = 'SIGTERM' if not workers else f'SIGTERM to worker {signalled}'
+  assert log.count(f'{label} at step {saved}: the job saved it') == max(
+      workers, 1)
+  position = json.loads((tmp_path / 'run_backup' / 'position.json')
+                        .read_text())
+  assert position == {'epoch': 1, 'steps': saved - 20,
+                      'checkpoint': f'backup-{saved}'}
+  log = _signalling(tmp_path, 'run', *clones, workers=workers)
+  assert log.count(f'epoch 2, {saved - 20} steps done in it') == max(
+      workers, 1)
+  for got, want in zip(_weights(tmp_path / 'run'), uninterrupted):
     np.testing.assert_array_equal(got, want)

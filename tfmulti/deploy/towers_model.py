@@ -33,7 +33,7 @@ How it differs from a plain Keras model:
     optimizer's state, which plain Keras loads without tfmulti; `export`
     exports it; `predict` before `compile` runs it on one device.
 
-Across workers (`strategy=`, from `tfmulti.distribute.workers.start()`,
+Across workers (`workers=`, from `tfmulti.distribute.workers.start()`,
 the same script on every worker): every worker reads the same global
 batches (the same data, the same seed) and trains on its rows of each
 (`rows.worker_part`); the workers' gradients meet in the strategy's
@@ -41,15 +41,21 @@ all-reduce, one update. The metrics `fit` logs are computed on every
 worker from the whole batch's outputs (gathered), so they equal one
 process's and every worker's; validation runs whole on every worker. Only
 the chief (worker 0) shows the progress bar and keeps the callbacks that
-write files (ModelCheckpoint, TensorBoard, CSVLogger, BackupAndRestore):
-the others drop them, so nothing is written twice. An input of unknown
-length needs `steps_per_epoch` (every worker must take as many steps).
+write files (ModelCheckpoint, TensorBoard, CSVLogger): the others drop
+them, so nothing is written twice. An input of unknown length needs
+`steps_per_epoch` (every worker must take as many steps).
+
+A `keras.callbacks.BackupAndRestore` among `fit`'s callbacks makes the run
+preemptible, exactly: a signal saves the step, the next run resumes at it
+(`fit_backup`), in one process or across workers.
 """
 
 import contextlib
 import dataclasses
 import inspect
+import sys
 
+from absl import logging
 import keras
 import tensorflow as tf
 
@@ -58,6 +64,7 @@ from tfmulti import keras_internals
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
+from tfmulti.deploy import fit_backup
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.deploy import towers_in_strategy
 
@@ -73,16 +80,18 @@ class TowersModel(keras.Model):
     towers: the `DeployedModel` that `compile` builds.
   """
 
-  def __init__(self, model, config, options=None, *, strategy=None,
-               **fields):
+  def __init__(self, model, config, options=None, *, workers=None,
+               shuffle_seed=0, **fields):
     """Wraps `model`, built in `config.variables_scope()`.
 
     Args:
       model: a built functional `keras.Model` (any inputs and outputs).
       config: a `DeploymentConfig`.
       options: a `StepOptions`; None for the defaults.
-      strategy: across workers, the `workers.start()` strategy (the model
+      workers: across workers, what `workers.start()` gave (the model
         built in its scope); None in one process.
+      shuffle_seed: with BackupAndRestore, the seed of each epoch's order
+        of array inputs (the same on every worker and every restart).
       **fields: `StepOptions` fields that replace those of `options`.
 
     Raises:
@@ -92,6 +101,7 @@ class TowersModel(keras.Model):
     _check_no_strategy()
     towers_lib.check_model(model)
     _check_no_mask(model)
+    strategy = workers.strategy if workers is not None else None
     towers_in_strategy.check_workers(strategy, config, model)
     options = dataclasses.replace(options or step_options.StepOptions(),
                                   **fields)
@@ -100,7 +110,12 @@ class TowersModel(keras.Model):
     self.model = model
     self.config = config
     self.options = options
+    self.workers = workers
     self.strategy = strategy
+    self.shuffle_seed = shuffle_seed
+    self._backup = None  # A `fit_backup.Backup` while a fit runs with one.
+    self._to_pass = 0  # Steps of a resumed epoch to pass over.
+    self._passed = False  # Whether the last step was passed over.
     self.towers = None
     self._compile_args = {}
     self.built = True  # Its weights are the built model's.
@@ -142,6 +157,12 @@ class TowersModel(keras.Model):
     # built in its first trace, they would make tf.function trace it twice
     # (what Keras's own fit does under a strategy).
     keras_internals.build_compiled(self, (images, labels, sample_weight))
+    if self._backup is not None:
+      self._to_pass += self._backup.steps_to_pass()
+    self._passed = self._to_pass > 0
+    if self._passed:  # Trained before the restart: read, not trained.
+      self._to_pass -= 1
+      return self.get_metrics_result()
     targets = _targets(labels, sample_weight)
     rows_ = rows.batch_rows(images, targets)
     self._full_rows = max(self._full_rows, rows_)
@@ -212,21 +233,76 @@ class TowersModel(keras.Model):
     return self.model.export(filepath, *args, **kwargs)
 
   def fit(self, *args, **kwargs):
-    """Keras's `fit`; across workers, every worker takes as many steps and
-    only the chief shows progress and writes files (see the module)."""
-    if self.strategy is None:
-      return super().fit(*args, **kwargs)
+    """Keras's `fit`. Across workers, every worker takes as many steps and
+    only the chief shows progress and writes files; with a
+    BackupAndRestore, a signal saves the step and exits, and the next run
+    resumes there (see the module)."""
     arguments = _FIT.bind(self, *args, **kwargs).arguments
     del arguments['self']
     arguments.update(arguments.pop('kwargs', {}))
-    _check_known_length(arguments.get('x'),
-                        arguments.get('steps_per_epoch'))
+    if self.strategy is not None:
+      _check_known_length(arguments.get('x'),
+                          arguments.get('steps_per_epoch'))
+    callbacks = list(arguments.get('callbacks') or ())
+    originals = [c for c in callbacks
+                 if isinstance(c, keras.callbacks.BackupAndRestore)]
+    if originals:
+      self._backup = fit_backup.Backup(
+          originals[0], **self._fed_for_backup(arguments, originals[0]),
+          is_chief=self.config.worker_index == 0,
+          agreed_stop=self.workers and self.workers.agreed_stop())
+      callbacks = [self._backup if c is originals[0] else c
+                   for c in callbacks]
     if self.config.worker_index:
       arguments['verbose'] = 0
-      arguments['callbacks'] = [
-          c for c in arguments.get('callbacks') or ()
-          if not isinstance(c, _CHIEF_WRITES)]
-    return super().fit(**arguments)
+      callbacks = [c for c in callbacks if not isinstance(c, _CHIEF_WRITES)]
+    arguments['callbacks'] = callbacks
+    try:
+      return super().fit(**arguments)
+    except fit_backup.Preempted as e:
+      logging.warning('%s: the job saved it in %s; run the same script '
+                      'again to resume.', e, self._backup.directory)
+      sys.exit(e.stop.exit_code)
+    finally:
+      if self._backup is not None:
+        self._backup.close()
+      self._backup, self._to_pass = None, 0
+
+  def passing_steps(self):
+    """Whether the last step was one a resumed run passed over."""
+    return self._passed
+
+  def _fed_for_backup(self, arguments, original):
+    """Rewrites `fit`'s arguments so a backup can resume mid-epoch: array
+    inputs fed by `fit_backup.epochs_of_arrays`, the first epoch the
+    backup's; returns the `Backup`'s step count and epochs."""
+    position = fit_backup.read_position(original.backup_dir)
+    epochs = arguments.get('epochs', 1)
+    first = position[0] if position else arguments.get('initial_epoch', 0)
+    arguments['initial_epoch'] = first
+    x = arguments.get('x')
+    if isinstance(x, tf.data.Dataset):
+      steps = arguments.get('steps_per_epoch') or int(x.cardinality())
+      return dict(steps_per_epoch=steps, epochs=epochs)
+    arrays = tuple(a for a in (x, arguments.pop('y', None),
+                               arguments.pop('sample_weight', None))
+                   if a is not None)
+    split = arguments.pop('validation_split', 0.0)
+    if split:  # As Keras splits: the last rows, before any shuffle.
+      at = int(tf.nest.flatten(arrays)[0].shape[0] * (1.0 - split))
+      arguments['validation_data'] = tf.nest.map_structure(
+          lambda a: a[at:], arrays)
+      arrays = tf.nest.map_structure(lambda a: a[:at], arrays)
+    batch_size = arguments.pop('batch_size', None) or 32
+    rows_ = tf.nest.flatten(arrays)[0].shape[0]
+    steps = fit_backup.steps_per_epoch(rows_, batch_size)
+    arguments.update(
+        x=fit_backup.epochs_of_arrays(
+            arrays, batch_size=batch_size,
+            shuffle=arguments.pop('shuffle', True), seed=self.shuffle_seed,
+            first_epoch=first, epochs=epochs),
+        steps_per_epoch=steps)
+    return dict(steps_per_epoch=steps, epochs=epochs)
 
   def _workers_scope(self):
     return (self.strategy.scope() if self.strategy is not None
@@ -234,9 +310,10 @@ class TowersModel(keras.Model):
 
 
 _FIT = inspect.signature(keras.Model.fit)
-# Callbacks that write files: the chief's alone across workers.
+# Callbacks that write files: the chief's alone across workers (the
+# backup's writes are its own: every worker reads it).
 _CHIEF_WRITES = (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard,
-                 keras.callbacks.CSVLogger, keras.callbacks.BackupAndRestore)
+                 keras.callbacks.CSVLogger)
 
 
 def _check_known_length(x, steps_per_epoch):

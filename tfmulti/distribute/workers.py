@@ -9,7 +9,7 @@
                                    num_replicas=workers.num_workers)
   with workers.scope(), config.variables_scope():
     model = make_model()
-  towers = deploy.TowersModel(model, config, strategy=workers.strategy)
+  towers = deploy.TowersModel(model, config, workers=workers)
   towers.compile(...)
   towers.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, ...)
 
@@ -27,6 +27,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfmulti.distribute import cluster as cluster_lib
+from tfmulti.distribute import preemption
 from tfmulti.distribute import resolvers
 
 
@@ -38,9 +39,11 @@ class Workers:
     cluster: the `cluster.Cluster`; None in one process.
     strategy: the `MultiWorkerMirroredStrategy` (one replica a worker: the
       towers place the clones); None in one process.
+    timeout_s: how long a worker waits for its peers.
   """
   cluster: Optional[cluster_lib.Cluster]
   strategy: Optional[tf.distribute.Strategy]
+  timeout_s: float = 120.0
 
   @property
   def index(self):
@@ -58,6 +61,12 @@ class Workers:
     """Where the model is built: the strategy's scope (a no-op alone)."""
     return (self.strategy.scope() if self.strategy is not None
             else contextlib.nullcontext())
+
+  def agreed_stop(self):
+    """A fresh `preemption.AgreedStop` over the workers; None alone."""
+    if self.cluster is None:
+      return None
+    return preemption.AgreedStop(self.cluster, timeout_s=self.timeout_s)
 
 
 def start(source=resolvers.AUTO, *, port=None, worker_hosts=None,
@@ -82,6 +91,6 @@ def start(source=resolvers.AUTO, *, port=None, worker_hosts=None,
                                  worker_hosts=worker_hosts,
                                  num_workers=num_workers)
   if found is None:
-    return Workers(None, None)
+    return Workers(None, None, timeout_s)
   return Workers(found, cluster_lib.make_strategy(
-      found, one_replica_per_worker=True, timeout_s=timeout_s))
+      found, one_replica_per_worker=True, timeout_s=timeout_s), timeout_s)

@@ -1,0 +1,180 @@
+"""Preemption inside Keras's `fit`: BackupAndRestore, made exact.
+
+Keras's `BackupAndRestore` resumes whole epochs: a job stopped mid-epoch
+trains that epoch's first steps again, and array inputs are shuffled anew
+by the restarted process, so the resumed run is not the one that stopped.
+With a `BackupAndRestore` among its callbacks, `TowersModel.fit` uses this
+module's `Backup` instead, in the same `backup_dir`:
+
+* Array inputs are fed by tfmulti: epoch e's rows in the order
+  `stateless_shuffle(seed=(shuffle_seed, e))` (in order with
+  `shuffle=False`), one dataset over the epochs that Keras reads across
+  them, so any epoch's batches are rebuilt after a restart, alike on every
+  worker. A `tf.data` input must give the same batches each time it is
+  iterated (no reshuffling), or the resumed epoch differs.
+* SIGTERM or Ctrl-C (to any worker: they agree on the step,
+  `distribute.preemption`) saves, after that step, the weights, the
+  optimizer's state and the metrics' state, with the epoch and the steps
+  done in it, and the process exits with the signal's status. The chief
+  alone writes; every worker reads. `save_freq` ('epoch' or N steps) saves
+  on the way too; `delete_checkpoint` removes the backup when `fit` ends.
+* The next run restores them and passes over the steps already done
+  (their batches read, nothing trained), so it ends with the weights of an
+  uninterrupted run: bit for bit with `reproducible_rows`.
+"""
+
+import json
+import math
+import os
+import shutil
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+from tfmulti import stops
+
+_POSITION = 'position.json'
+_PREFIX = 'backup'
+
+
+def read_position(directory):
+  """(epoch, steps done in it, checkpoint prefix) of the backup, or None."""
+  path = os.path.join(directory, _POSITION)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    position = json.load(f)
+  return (position['epoch'], position['steps'],
+          os.path.join(directory, position['checkpoint']))
+
+
+def epochs_of_arrays(arrays, *, batch_size, shuffle, seed, first_epoch,
+                     epochs):
+  """Batches of `arrays` (a nest, rows first) for epochs [first_epoch,
+  epochs): epoch e's rows shuffled by the seed (seed, e), its last batch
+  short when the rows do not fill it, as Keras's own."""
+  rows = tf.nest.flatten(arrays)[0].shape[0]
+  tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
+
+  def epoch(e):
+    order = tf.range(rows, dtype=tf.int64)
+    if shuffle:
+      order = tf.random.experimental.stateless_shuffle(
+          order, seed=tf.stack([tf.constant(seed, tf.int64), e]))
+    return tf.data.Dataset.from_tensor_slices(order).batch(batch_size).map(
+        lambda index: tf.nest.map_structure(
+            lambda t: tf.gather(t, index), tensors))
+  return tf.data.Dataset.range(first_epoch, epochs).flat_map(epoch)
+
+
+def steps_per_epoch(rows, batch_size):
+  return math.ceil(rows / batch_size)
+
+
+class Preempted(Exception):
+  """A signal stopped `fit` after a backup of global step `step`; `stop`
+  says which signal."""
+
+  def __init__(self, stop, step):
+    super().__init__(f'{stop.label} at step {step}')
+    self.stop = stop
+    self.step = step
+
+
+class Backup(keras.callbacks.Callback):
+  """Saves and restores a `TowersModel`'s whole state at a step (above)."""
+
+  def __init__(self, original, *, steps_per_epoch, epochs, is_chief,
+               agreed_stop):
+    """`original`: the user's `BackupAndRestore` (its directory and
+    frequency). `agreed_stop`: the workers' `AgreedStop`, None alone."""
+    super().__init__()
+    self.directory = original.backup_dir
+    self.save_freq = original.save_freq
+    self.delete_checkpoint = original.delete_checkpoint
+    self.steps_per_epoch = steps_per_epoch
+    self.last_step = steps_per_epoch * epochs
+    self.is_chief = is_chief
+    self.agreed_stop = agreed_stop
+    self.position = read_position(self.directory)
+    self.signals = stops.StopSignals()
+    self._epoch = 0
+    self._pending = None  # The position to restore at the first step.
+
+  def steps_to_pass(self):
+    """Restores the backup (once, at the first step, when the compiled
+    metrics exist) and returns how many of the epoch's steps it holds."""
+    if self._pending is None:
+      return 0
+    _, steps, prefix = self._pending
+    self._pending = None
+    _state(self.model).read(prefix).assert_consumed()
+    logging.info('restored %s: epoch %d, %d steps done in it', prefix,
+                 self._epoch + 1, steps)
+    return steps
+
+  def on_train_begin(self, logs=None):
+    self._pending = self.position
+    self.signals.__enter__()
+    if self.agreed_stop is not None:
+      self.agreed_stop.__enter__()
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epoch = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    step = self._epoch * self.steps_per_epoch + batch + 1
+    if self.model.passing_steps():
+      return
+    stop = (self.agreed_stop.stop_after(step, self.signals.received,
+                                        self.last_step)
+            if self.agreed_stop is not None else self.signals.stop())
+    if stop or (isinstance(self.save_freq, int)
+                and step % self.save_freq == 0):
+      self._save(self._epoch, batch + 1)
+    if stop:
+      raise Preempted(stop, step)
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self.save_freq == 'epoch':
+      self._save(epoch + 1, 0)
+
+  def on_train_end(self, logs=None):
+    self.close()
+    if self.delete_checkpoint and self.is_chief:
+      shutil.rmtree(self.directory, ignore_errors=True)
+
+  def close(self):
+    """Restores the signal handlers and ends the workers' agreement."""
+    if self.agreed_stop is not None:
+      self.agreed_stop.__exit__(None, None, None)
+    self.signals.__exit__(None, None, None)
+
+  def _save(self, epoch, steps):
+    """The chief writes the state, then the position naming it, then
+    removes the older state: a kill at any moment leaves one whole."""
+    if not self.is_chief:
+      return
+    os.makedirs(self.directory, exist_ok=True)
+    name = f'{_PREFIX}-{epoch * self.steps_per_epoch + steps}'
+    _state(self.model).write(os.path.join(self.directory, name))
+    path = os.path.join(self.directory, _POSITION)
+    with open(path + '.tmp', 'w') as f:
+      json.dump({'epoch': epoch, 'steps': steps, 'checkpoint': name}, f)
+    os.replace(path + '.tmp', path)
+    for old in os.listdir(self.directory):
+      if old.startswith(_PREFIX + '-') and not old.startswith(name + '.'):
+        os.remove(os.path.join(self.directory, old))
+
+
+def _state(model):
+  """A `tf.train.Checkpoint` of everything a step changes: the weights, the
+  optimizer's variables and the metrics' (the epoch's running figures)."""
+  def values(variables):
+    return [v.value if isinstance(v, keras.Variable) else v
+            for v in variables]
+  return tf.train.Checkpoint(
+      weights=values(model.variables),
+      optimizer=values(model.optimizer.variables),
+      metrics=values(model.metrics_variables))
