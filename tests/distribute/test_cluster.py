@@ -481,3 +481,50 @@ def test_ctrl_c_to_the_launcher_saves_every_worker_at_one_step(
   assert len(saved) == 1 and 5 < min(saved) < _STEPS
   _resume_and_compare(model_dir, digits_dir, tmp_path, min(saved),
                       one_process)
+
+
+def _descendants(pid):
+  """The PIDs of every process under `pid` (Linux /proc)."""
+  found, frontier = [], [pid]
+  while frontier:
+    parent = frontier.pop()
+    for task in os.listdir(f'/proc/{parent}/task'):
+      try:
+        with open(f'/proc/{parent}/task/{task}/children') as f:
+          children = [int(c) for c in f.read().split()]
+      except FileNotFoundError:
+        continue
+      found += children
+      frontier += children
+  return found
+
+
+def _alive(pid):
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except FileNotFoundError:
+    return False
+
+
+@pytest.mark.slow
+def test_a_worker_lost_under_the_launcher_ends_the_job_and_every_process(
+    tmp_path, digits_dir, run_train):
+  run_train(train_steps=1)  # Prepares digits in digits_dir once.
+  log = tmp_path / 'launcher.log'
+  with open(log, 'w') as stderr:
+    launcher = _launch(tmp_path / 'job', digits_dir, '--strategy=multi_worker',
+                       '--train_steps=500', '--peer_timeout_s=10',
+                       stderr=stderr)
+  _wait_for_line(log, 'step 5/500', launcher)
+  started = _descendants(launcher.pid)
+  workers = [p for p in started if 'train.py' in open(
+      f'/proc/{p}/cmdline').read()]
+  assert len(workers) == 2
+  os.kill(max(workers), signal.SIGKILL)  # One machine lost mid-run.
+  launcher.communicate(timeout=TIMEOUT_S)
+  text = log.read_text()
+  assert launcher.returncode != 0, text[-3000:]
+  assert re.search(r'worker \d exited with status \d+; stopping the others',
+                   text)
+  assert not [p for p in started if _alive(p)]
