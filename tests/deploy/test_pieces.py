@@ -16,6 +16,7 @@ from tests.helpers import mlp
 from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import distribute
+from tfmulti import step_options
 
 
 class _Penalized(keras.layers.Layer):
@@ -169,3 +170,24 @@ def test_sync_batch_norm_equals_one_device_in_float64():
     np.testing.assert_allclose(*losses, rtol=1e-10)
   for got, want in zip(*(weights(run.model) for run in runs)):
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize('options', [{}, dict(accumulation_steps=2)])
+def test_mirrored_replicas_draw_their_own_masks(options):
+  """tf.distribute replicas fold their generators too: two replicas fed
+  identical rows do not repeat a mask, and the generator advances once."""
+  strategy = distribute.make_strategy(
+      'mirrored', deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
+  with strategy.scope():
+    model = dropout_mlp()
+    optimizer = keras.optimizers.SGD(0.1)
+  mirrored = distribute.DistributedModel(
+      strategy, model, make_loss(), optimizer,
+      step_options.StepOptions(**options))
+  images, labels = make_batch(8)
+  doubled = np.concatenate([images, images]), np.concatenate([labels, labels])
+  replica_losses = mirrored.train_step_outputs(*doubled).clones
+  assert not np.allclose(replica_losses[0], replica_losses[1])
+  state = next(v for v in model.non_trainable_variables
+               if 'seed_generator' in v.path)
+  assert int(state[1]) == options.get('accumulation_steps', 1)

@@ -93,7 +93,7 @@ def test_the_workers_must_match_the_config_and_hold_the_model():
     deploy.TowersModel(mlp(), two, workers=workers)
 
 
-def test_fit_across_workers_refuses_an_input_of_unknown_length():
+def test_fit_across_workers_refuses_input_the_workers_cannot_share():
   config = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=0,
                                    num_replicas=2)
   workers = _stand_in(deploy.DeploymentConfig(num_clones=2,
@@ -109,6 +109,14 @@ def test_fit_across_workers_refuses_an_input_of_unknown_length():
                      '_RepeatDataset input of unknown length: every worker '
                      'must take as many steps; pass steps_per_epoch'):
     towers.fit(endless, epochs=1, verbose=0)
+  x, y = np.zeros([10, 8], np.float32), np.zeros([10, 4], np.float32)
+  with pytest.raises(errors.ConfigError, match='fit across 2 workers with '
+                     'batch_size=4 on 9 rows makes a batch of 1 rows, which '
+                     'does not split over the workers'):
+    towers.fit(x[:9], y[:9], batch_size=4, verbose=0)
+  with pytest.raises(errors.ConfigError, match='batch_size=3 on 10 rows '
+                     'makes a batch of 3 rows'):
+    towers.fit(x, y, batch_size=3, verbose=0)
   for got, want in zip(model.get_weights(), before):
     np.testing.assert_array_equal(got, want)
 

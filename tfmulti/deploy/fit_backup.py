@@ -68,8 +68,36 @@ def epochs_of_arrays(arrays, *, batch_size, shuffle, seed, first_epoch,
   return tf.data.Dataset.range(first_epoch, epochs).flat_map(epoch)
 
 
-def steps_per_epoch(rows, batch_size):
-  return math.ceil(rows / batch_size)
+def fed(arguments, backup_dir, *, seed):
+  """Rewrites `fit`'s arguments (a dict) so that a backup can resume
+  mid-epoch: the first epoch the backup's, array inputs fed by
+  `epochs_of_arrays` (split first as Keras splits `validation_split`: the
+  last rows). Returns the `Backup`'s `steps_per_epoch` and `epochs`."""
+  position = read_position(backup_dir)
+  epochs = arguments.get('epochs', 1)
+  first = position[0] if position else arguments.get('initial_epoch', 0)
+  arguments['initial_epoch'] = first
+  x = arguments.get('x')
+  if isinstance(x, tf.data.Dataset):
+    steps = arguments.get('steps_per_epoch') or int(x.cardinality())
+    return dict(steps_per_epoch=steps, epochs=epochs)
+  arrays = tuple(a for a in (x, arguments.pop('y', None),
+                             arguments.pop('sample_weight', None))
+                 if a is not None)
+  split = arguments.pop('validation_split', 0.0)
+  if split:
+    at = int(tf.nest.flatten(arrays)[0].shape[0] * (1.0 - split))
+    arguments['validation_data'] = tf.nest.map_structure(lambda a: a[at:],
+                                                         arrays)
+    arrays = tf.nest.map_structure(lambda a: a[:at], arrays)
+  batch_size = arguments.pop('batch_size', None) or 32
+  steps = math.ceil(tf.nest.flatten(arrays)[0].shape[0] / batch_size)
+  arguments.update(
+      x=epochs_of_arrays(arrays, batch_size=batch_size,
+                         shuffle=arguments.pop('shuffle', True), seed=seed,
+                         first_epoch=first, epochs=epochs),
+      steps_per_epoch=steps)
+  return dict(steps_per_epoch=steps, epochs=epochs)
 
 
 class Preempted(Exception):
@@ -101,6 +129,7 @@ class Backup(keras.callbacks.Callback):
     self.signals = stops.StopSignals()
     self._epoch = 0
     self._pending = None  # The position to restore at the first step.
+    self._open = False  # Between on_train_begin and close.
 
   def steps_to_pass(self):
     """Restores the backup (once, at the first step, when the compiled
@@ -116,6 +145,7 @@ class Backup(keras.callbacks.Callback):
 
   def on_train_begin(self, logs=None):
     self._pending = self.position
+    self._open = True
     self.signals.__enter__()
     if self.agreed_stop is not None:
       self.agreed_stop.__enter__()
@@ -146,7 +176,11 @@ class Backup(keras.callbacks.Callback):
       shutil.rmtree(self.directory, ignore_errors=True)
 
   def close(self):
-    """Restores the signal handlers and ends the workers' agreement."""
+    """Restores the signal handlers and ends the workers' agreement (once,
+    and only if training began)."""
+    if not self._open:
+      return
+    self._open = False
     if self.agreed_stop is not None:
       self.agreed_stop.__exit__(None, None, None)
     self.signals.__exit__(None, None, None)

@@ -241,14 +241,14 @@ class TowersModel(keras.Model):
     del arguments['self']
     arguments.update(arguments.pop('kwargs', {}))
     if self.strategy is not None:
-      _check_known_length(arguments.get('x'),
-                          arguments.get('steps_per_epoch'))
+      _check_input(arguments, self.config.num_workers)
     callbacks = list(arguments.get('callbacks') or ())
     originals = [c for c in callbacks
                  if isinstance(c, keras.callbacks.BackupAndRestore)]
     if originals:
       self._backup = fit_backup.Backup(
-          originals[0], **self._fed_for_backup(arguments, originals[0]),
+          originals[0], **fit_backup.fed(arguments, originals[0].backup_dir,
+                                         seed=self.shuffle_seed),
           is_chief=self.config.worker_index == 0,
           agreed_stop=self.workers and self.workers.agreed_stop())
       callbacks = [self._backup if c is originals[0] else c
@@ -272,38 +272,6 @@ class TowersModel(keras.Model):
     """Whether the last step was one a resumed run passed over."""
     return self._passed
 
-  def _fed_for_backup(self, arguments, original):
-    """Rewrites `fit`'s arguments so a backup can resume mid-epoch: array
-    inputs fed by `fit_backup.epochs_of_arrays`, the first epoch the
-    backup's; returns the `Backup`'s step count and epochs."""
-    position = fit_backup.read_position(original.backup_dir)
-    epochs = arguments.get('epochs', 1)
-    first = position[0] if position else arguments.get('initial_epoch', 0)
-    arguments['initial_epoch'] = first
-    x = arguments.get('x')
-    if isinstance(x, tf.data.Dataset):
-      steps = arguments.get('steps_per_epoch') or int(x.cardinality())
-      return dict(steps_per_epoch=steps, epochs=epochs)
-    arrays = tuple(a for a in (x, arguments.pop('y', None),
-                               arguments.pop('sample_weight', None))
-                   if a is not None)
-    split = arguments.pop('validation_split', 0.0)
-    if split:  # As Keras splits: the last rows, before any shuffle.
-      at = int(tf.nest.flatten(arrays)[0].shape[0] * (1.0 - split))
-      arguments['validation_data'] = tf.nest.map_structure(
-          lambda a: a[at:], arrays)
-      arrays = tf.nest.map_structure(lambda a: a[:at], arrays)
-    batch_size = arguments.pop('batch_size', None) or 32
-    rows_ = tf.nest.flatten(arrays)[0].shape[0]
-    steps = fit_backup.steps_per_epoch(rows_, batch_size)
-    arguments.update(
-        x=fit_backup.epochs_of_arrays(
-            arrays, batch_size=batch_size,
-            shuffle=arguments.pop('shuffle', True), seed=self.shuffle_seed,
-            first_epoch=first, epochs=epochs),
-        steps_per_epoch=steps)
-    return dict(steps_per_epoch=steps, epochs=epochs)
-
   def _workers_scope(self):
     return (self.strategy.scope() if self.strategy is not None
             else contextlib.nullcontext())
@@ -316,20 +284,33 @@ _CHIEF_WRITES = (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard,
                  keras.callbacks.CSVLogger)
 
 
-def _check_known_length(x, steps_per_epoch):
-  """Refuses an input whose length is unknown, without `steps_per_epoch`:
-  a worker whose epoch ended first would leave the others in a collective."""
-  if steps_per_epoch is not None:
-    return
+def _check_input(arguments, num_workers):
+  """Refuses, before training, an input the workers cannot share: one of
+  unknown length without `steps_per_epoch` (a worker whose epoch ended
+  first would leave the others in a collective), or arrays whose batches
+  (the last one too) do not split evenly over the workers."""
+  x, steps_per_epoch = arguments.get('x'), arguments.get('steps_per_epoch')
   if isinstance(x, tf.data.Dataset):
     known = int(x.cardinality()) >= 0
   else:
     known = x is None or hasattr(x, 'shape') or isinstance(
         x, (list, tuple, dict))
-  if not known:
+  if not known and steps_per_epoch is None:
     raise errors.ConfigError(
         f'fit across workers on {type(x).__name__} input of unknown length: '
         'every worker must take as many steps; pass steps_per_epoch.')
+  if x is None or not known or isinstance(x, tf.data.Dataset):
+    return
+  rows_ = int(tf.nest.flatten(x)[0].shape[0]
+              * (1.0 - arguments.get('validation_split', 0.0)))
+  batch_size = arguments.get('batch_size') or 32
+  for batch in (min(batch_size, rows_), rows_ % batch_size):  # Full, last.
+    if batch % num_workers:
+      raise errors.ConfigError(
+          f'fit across {num_workers} workers with batch_size={batch_size} on '
+          f'{rows_} rows makes a batch of {batch} rows, which does not split '
+          f'over the workers; give batch_size and the rows multiples of '
+          f'{num_workers}.')
 
 
 class _CompiledLoss:

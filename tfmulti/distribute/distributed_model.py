@@ -108,24 +108,42 @@ class DistributedModel(trainer.Trainer):
     """tf.distribute replicas in sync, over every worker."""
     return self.strategy.num_replicas_in_sync
 
-  def _accumulation_step(self, images, labels, first, global_rows):
+  def _accumulation_step(self, images, labels, first, global_rows, offset):
     """One accumulation step of a replica: (gradients, [loss,
     regularization], no outputs). The weight penalties count on the
     `first` one only (the weights do not change between them); the model's
-    `add_loss` terms on every one, weighted by its rows."""
+    `add_loss` terms on every one, weighted by its rows. Random layers
+    draw from their generators folded with `offset` (a number no other
+    replica or accumulation step of the step has), so no two repeat a
+    mask; the generators are left advanced from their unfolded state."""
     model = self.model
+    trainable = [tf.convert_to_tensor(v.value)
+                 for v in model.trainable_variables]
+    non_trainable = [tf.convert_to_tensor(v.value)
+                     for v in model.non_trainable_variables]
+    seeds = keras_internals.seed_indices(model)
+    folded = keras_internals.fold_seeds(non_trainable, seeds, offset)
     with tf.GradientTape() as tape:
-      outputs = model(images, training=True)
-      model_losses, penalties = keras_internals.split_losses(model,
-                                                             model.losses)
+      tape.watch(trainable)
+      outputs, new_values, losses = model.stateless_call(
+          trainable, folded, images, training=True, return_losses=True)
+      model_losses, penalties = keras_internals.split_losses(model, losses)
       # Every replica adds its share; summed, the penalty counts once.
       loss, regularization, scaled_loss = trainer.objective(
           self.loss_fn, labels, outputs, global_rows=global_rows,
           model_losses=model_losses, penalties=penalties,
           penalty_weight=1.0 / self.num_replicas if first else 0,
           loss_scale=trainer.loss_scale_of(self.optimizer))
-    return (tape.gradient(scaled_loss, model.trainable_variables),
-            [loss, regularization], [])
+    gradients = tape.gradient(scaled_loss, trainable)
+    new_values = keras_internals.unfold_seeds(new_values, folded,
+                                              non_trainable, seeds)
+    # As the layers' own calls would: what the step changed (BatchNorm's
+    # statistics, the generators), assigned in the replica's context.
+    for variable, value, passed in zip(model.non_trainable_variables,
+                                       new_values, folded):
+      if value is not passed:
+        variable.assign(value)
+    return gradients, [loss, regularization], []
 
   def _replica_step(self, images, labels, global_rows):
     model = self.model
@@ -135,9 +153,16 @@ class DistributedModel(trainer.Trainer):
     layout = rows.step_layout(
         rows.batch_rows(images, labels),
         accumulation_steps=self.options.accumulation_steps)
+    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+    first_rows = [layout.of(0, k)[0].offset
+                  for k in range(layout.accumulation_steps)]
     gradients, (loss, regularization), _ = rows.accumulate(
-        lambda x, y, k, shift: self._accumulation_step(x, y, k == 0,
-                                                       global_rows),
+        lambda x, y, k, shift: self._accumulation_step(
+            x, y, k == 0, global_rows,
+            # This replica's rows come after every row of the replicas
+            # before it would, at most global_rows each.
+            tf.cast(replica, tf.int64) * tf.cast(global_rows, tf.int64)
+            + first_rows[k] + tf.cast(shift, tf.int64)),
         images, labels, layout)
     # Keras all-reduces (sums) the replicas' gradients inside
     # apply_gradients, once a step; a LossScaleOptimizer also unscales them.
