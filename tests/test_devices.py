@@ -76,3 +76,48 @@ class TestPlaceClones:
     num_clones = kwargs.pop('num_clones')
     with pytest.raises(errors.DeviceError, match=message):
       devices.place_clones(num_clones, clone_on_cpu=False, **kwargs)
+
+
+def _upstream(tensor):
+  """Every op `tensor` reads from in its graph (by data, as TF's walk at a
+  custom gradient goes)."""
+  seen, frontier = set(), [tensor.op]
+  while frontier:
+    op = frontier.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      frontier += [t.op for t in op.inputs]
+  return seen
+
+
+@pytest.mark.parametrize('collective', [False, True])
+def test_a_collective_strategys_all_reduce_reads_only_its_replica(collective):
+  """What keeps synchronized BatchNorm's trace linear: under the lockstep
+  strategy a replica's all-reduced value depends on its own input alone
+  (a reduction onto one device reads every replica's), so the gradient
+  walk TF makes at each all-reduce stays local. Two such strategies live
+  in one process (their collective keys differ)."""
+  from tfmulti import deploy
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  make = devices.collective_strategy if collective else (
+      devices.mirrored_strategy)
+  for strategy in (make(config), make(config)):
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(float(ctx.replica_id_in_sync_group + 1)))
+    inputs = []
+
+    def replica_fn(value, inputs=inputs):
+      x = tf.identity(value, name='replica_input')
+      inputs.append(x.op.name)
+      return tf.distribute.get_replica_context().all_reduce(
+          tf.distribute.ReduceOp.SUM, x)
+
+    @tf.function
+    def step(values, strategy=strategy):
+      return strategy.run(replica_fn, args=(values,))
+    outputs = step.get_concrete_function(values).structured_outputs
+    first = strategy.experimental_local_results(outputs)[0]
+    reached = [name for name in inputs if name in _upstream(first)]
+    assert len(reached) == (1 if collective else 2)
+    assert [float(v) for v in strategy.experimental_local_results(
+        step(values))] == [3.0, 3.0]

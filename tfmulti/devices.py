@@ -6,6 +6,7 @@ decides, before TensorFlow initialises, whether the clones of a command-line
 run go to GPUs or to logical CPUs.
 """
 
+import itertools
 import math
 
 from absl import logging
@@ -302,3 +303,26 @@ def mirrored_strategy(config, cross_device_ops=None):
   # None: TF's choice (NCCL all-reduce on GPUs).
   return tf.distribute.MirroredStrategy(devices=config.clone_devices(),
                                         cross_device_ops=cross_device_ops)
+
+
+def collective_strategy(config):
+  """A `MirroredStrategy` over `config`'s clone devices whose all-reduces
+  are collective ops (TF's own choice: NCCL on GPUs, a ring on CPUs), with
+  collective keys no other strategy of this process uses.
+
+  A collective op reads only its own replica's input, so tracing through it
+  stays local: `ReplicaContext.all_reduce` wraps each all-reduce in a custom
+  gradient that walks every op upstream of its outputs, and a reduction
+  onto one device makes those outputs depend on every replica's whole graph
+  so far (a walk per all-reduce: tracing quadratic in depth). Each
+  strategy's keys start from their own base (TF's `_collective_key_base`,
+  read when the strategy is made), as two strategies with the same keys
+  clash.
+  """
+  keyed = type('MirroredStrategy', (tf.distribute.MirroredStrategy,),
+               {'_collective_key_base': _KEYS_A_STRATEGY * next(_STRATEGIES)})
+  return keyed(devices=config.clone_devices())
+
+
+_STRATEGIES = itertools.count(1)
+_KEYS_A_STRATEGY = 100_000  # Group keys a strategy may use (a few a run).

@@ -29,8 +29,11 @@ from tfmulti import trainer
 
 
 def lockstep_strategy(config):
-  """The `MirroredStrategy` whose replicas run `config`'s clones at once."""
-  return devices.mirrored_strategy(config)
+  """The `MirroredStrategy` whose replicas run `config`'s clones at once:
+  its all-reduces (synchronized BatchNorm's statistics, three a layer and
+  two in its gradient) are collective ops, which keep the trace linear in
+  the model's depth (`devices.collective_strategy`)."""
+  return devices.collective_strategy(config)
 
 
 def run_clones_in_lockstep(lockstep, clone_fn, variables, shards, loss_scale):
