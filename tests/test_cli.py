@@ -321,7 +321,7 @@ def test_a_global_batch_larger_than_the_data_stops_with_one_line(run_train):
 
 
 @pytest.mark.parametrize('name, value', [
-    ('model', 'vgg'), ('dataset', 'imagenet'), ('strategy', 'ring'),
+    ('dataset', 'imagenet'), ('strategy', 'ring'),
     ('optimizer', 'lamb'),
 ])
 def test_bad_choices_are_refused_by_the_flags(name, value):

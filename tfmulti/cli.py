@@ -9,6 +9,7 @@ the fix (`errors.UserError`), before any training state exists.
 """
 
 import os
+import re
 import sys
 import textwrap
 
@@ -55,8 +56,12 @@ _VARIABLES_DEVICE = flags.DEFINE_string(
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 64, 'Examples per clone per step (as in slim); the global '
     'batch is batch_size * num_clones * workers.')
-_MODEL = flags.DEFINE_enum('model', 'lenet', models.names(),
-                           'Model from the registry.')
+_MODEL = flags.DEFINE_string(
+    'model', 'lenet', f'One of the registry\'s ({", ".join(models.names())})'
+    ', keras.applications.NAME (weights=None, ending in logits) or '
+    'MODULE:FUNCTION: your function(input_shape, num_classes) returning a '
+    'functional keras.Model that ends in logits (MODULE dotted on '
+    'PYTHONPATH, or a .py path).')
 _DATASET = flags.DEFINE_enum(
     'dataset', 'digits', data.DATASETS, "Dataset; 'digits' needs no network, "
     "'synthetic' is one random batch repeated, for throughput.")
@@ -282,7 +287,8 @@ def default_model_dir(options):
   """runs/<model>-<dataset>-<strategy>-<N>clones[-<stages>...]: no time
   stamp, so the same command resumes; every setting that changes what a
   step computes is in the name, so another command never resumes it."""
-  parts = [_MODEL.value, _DATASET.value, _STRATEGY.value,
+  model = re.sub(r'[^A-Za-z0-9_.]+', '_', _MODEL.value)  # A path: one part.
+  parts = [model, _DATASET.value, _STRATEGY.value,
            f'{_NUM_CLONES.value}clones']
   if _NUM_STAGES.value != 1:
     parts.append(f'{_NUM_STAGES.value}stages')

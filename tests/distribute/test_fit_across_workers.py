@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import h5py
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -290,3 +291,27 @@ def test_a_preempted_fit_resumes_as_if_never_stopped(
       workers, 1)
   for got, want in zip(_weights(tmp_path / 'run'), uninterrupted):
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize('x, message', [
+    (tf.data.Dataset.from_tensors((tf.zeros([4, 8]), tf.zeros([4, 4])))
+     .repeat(), 'on a tf.data input of unknown length: the backup counts '
+     'steps in an epoch; pass steps_per_epoch'),
+    (keras.utils.PyDataset, 'cannot rebuild a step of a'),
+])
+def test_a_backup_refuses_an_input_it_cannot_rebuild(tmp_path, x, message):
+  if x is keras.utils.PyDataset:
+    class Batches(keras.utils.PyDataset):
+      def __len__(self):
+        return 1
+
+      def __getitem__(self, index):
+        return np.zeros([4, 8], np.float32), np.zeros([4, 4], np.float32)
+    x = Batches()
+  towers = deploy.TowersModel(
+      mlp(), deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
+  towers.compile(optimizer='sgd', loss='mse')
+  backup = keras.callbacks.BackupAndRestore(str(tmp_path / 'backup'))
+  with pytest.raises(errors.ConfigError, match=message):
+    towers.fit(x, epochs=1, verbose=0, callbacks=[backup])
+  assert not (tmp_path / 'backup').exists()

@@ -32,6 +32,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfmulti import errors
 from tfmulti import stops
 
 _POSITION = 'position.json'
@@ -80,7 +81,16 @@ def fed(arguments, backup_dir, *, seed):
   x = arguments.get('x')
   if isinstance(x, tf.data.Dataset):
     steps = arguments.get('steps_per_epoch') or int(x.cardinality())
+    if steps < 1:
+      raise errors.ConfigError(
+          'BackupAndRestore on a tf.data input of unknown length: the '
+          'backup counts steps in an epoch; pass steps_per_epoch.')
     return dict(steps_per_epoch=steps, epochs=epochs)
+  if not all(hasattr(a, 'shape') for a in tf.nest.flatten(x)):
+    raise errors.ConfigError(
+        f'BackupAndRestore cannot rebuild a step of a {type(x).__name__} '
+        'input; pass arrays or a tf.data.Dataset that gives the same '
+        'batches each time it is read.')
   arrays = tuple(a for a in (x, arguments.pop('y', None),
                              arguments.pop('sample_weight', None))
                  if a is not None)

@@ -3,12 +3,15 @@
 Every factory takes `(input_shape, num_classes)` (and, with BatchNorm,
 `sync_batch_norm`) and returns a built functional `keras.Model`;
 call it under `tf.device(variables_device)` so its variables are created
-there.
+there. Besides the registry's names, `get_model` builds
+`keras.applications.NAME` and a user's `MODULE:FUNCTION` (`external`).
 """
 
 import keras
 
 from tfmulti import errors
+from tfmulti import keras_internals
+from tfmulti.models import external
 from tfmulti.models.lenet import lenet
 from tfmulti.models.resnet import resnet8_thin
 from tfmulti.models.resnet import resnet18
@@ -40,8 +43,15 @@ def has_batch_norm(name):
 
 def check(name, *, sync_batch_norm=False):
   """Raises `ConfigError` for an unknown name, or synchronized BatchNorm
-  asked of a model without BatchNorm."""
-  errors.check_choice('model', name, names())
+  asked of a registered model without BatchNorm (an external model's
+  BatchNorm is counted when it is built)."""
+  if external.is_external(name):
+    external.check(name)
+    return
+  if name not in _FACTORIES:
+    raise errors.ConfigError(
+        f'model={name!r} is not one of {names()}, keras.applications.NAME '
+        'or MODULE:FUNCTION (a function of yours returning a keras.Model).')
   if sync_batch_norm and not has_batch_norm(name):
     raise errors.ConfigError(
         f'model={name!r} has no BatchNorm to synchronize; drop '
@@ -54,7 +64,8 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
   """Builds the registered model `name`.
 
   Args:
-    name: a registered name (see `names()`).
+    name: a registered name (see `names()`), `keras.applications.NAME` or
+      `MODULE:FUNCTION` (`external`).
     input_shape: (height, width, channels) of one image.
     num_classes: number of output logits.
     dtype_policy: a Keras dtype policy name for every layer, e.g.
@@ -67,20 +78,31 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
     A functional `keras.Model`.
 
   Raises:
-    errors.ConfigError: `name` is not registered, or synchronized BatchNorm
-      is asked of a model without BatchNorm.
+    errors.ConfigError: `name` is not found, synchronized BatchNorm is
+      asked of a model without BatchNorm, or an external model does not fit
+      the data (`external.build`).
   """
   check(name, sync_batch_norm=sync_batch_norm)
   options = {}
-  if sync_batch_norm:
+  if sync_batch_norm and not external.is_external(name):
     options['sync_batch_norm'] = True
   previous = keras.config.dtype_policy()
   try:
     if dtype_policy:
       keras.config.set_dtype_policy(dtype_policy)
-    model = _FACTORIES[name](tuple(input_shape), num_classes, **options)
+    if external.is_external(name):
+      model = external.build(name, input_shape, num_classes)
+    else:
+      model = _FACTORIES[name](tuple(input_shape), num_classes, **options)
   finally:
     keras.config.set_dtype_policy(previous)
+  if sync_batch_norm and not keras_internals.batch_norms(model):
+    raise errors.ConfigError(
+        f'model={name!r} has no BatchNorm to synchronize; drop '
+        '--sync_batch_norm.')
+  if sync_batch_norm:  # An external model's, as the registry builds its own.
+    for layer in keras_internals.batch_norms(model):
+      layer.synchronized = True
   if model.compute_dtype != 'float32':
     outputs = keras.layers.Activation('linear', dtype='float32',
                                       name='logits_float32')(model.output)

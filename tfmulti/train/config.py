@@ -26,7 +26,8 @@ class TrainConfig:
   """What to train, on what, for how long, and where to write.
 
   Attributes:
-    model: a name in `models.names()`.
+    model: a name in `models.names()`, `keras.applications.NAME` or
+      `MODULE:FUNCTION` (`models.external`).
     dataset: a name in `data.DATASETS`.
     model_dir: output directory: checkpoints, event files, metrics.json.
       A directory holding checkpoints resumes from the latest.

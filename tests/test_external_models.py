@@ -1,0 +1,118 @@
+"""Tests for the models a user names (`models.external`): keras.applications
+and a function of the user's, through the registry and the command line."""
+
+import os
+
+from absl.testing import flagsaver
+import keras
+import pytest
+
+from tests.helpers import assert_same_checkpoints
+from tfmulti import errors
+from tfmulti import models
+
+# A user's module: model functions good and bad.
+_USER_MODULE = '''
+import keras
+
+
+def small_cnn(input_shape, num_classes):
+  inputs = keras.Input(input_shape)
+  x = keras.layers.Conv2D(4, 3, activation='relu', name='conv')(inputs)
+  x = keras.layers.Flatten()(x)
+  x = keras.layers.Dense(16, activation='relu', name='hidden')(x)
+  return keras.Model(inputs, keras.layers.Dense(num_classes, name='logits')(x))
+
+
+def with_softmax(input_shape, num_classes):
+  inputs = keras.Input(input_shape)
+  x = keras.layers.Flatten()(inputs)
+  return keras.Model(inputs, keras.layers.Dense(num_classes,
+                                                activation='softmax')(x))
+
+
+def three_outputs(input_shape, num_classes):
+  inputs = keras.Input(input_shape)
+  return keras.Model(inputs, keras.layers.Dense(3)(
+      keras.layers.Flatten()(inputs)))
+
+
+def nothing(input_shape, num_classes):
+  return None
+
+
+def broken(input_shape, num_classes):
+  raise RuntimeError('a bug in my model')
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path):
+  path = tmp_path / 'my_models.py'
+  path.write_text(_USER_MODULE)
+  return str(path)
+
+
+def test_a_users_function_builds_the_model(user_module):
+  model = models.get_model(f'{user_module}:small_cnn', input_shape=(8, 8, 1),
+                           num_classes=10)
+  assert model.count_params() == 40 + (6 * 6 * 4 * 16 + 16) + 17 * 10
+
+
+def test_keras_applications_end_in_logits():
+  model = models.get_model('keras.applications.MobileNetV2',
+                           input_shape=(32, 32, 3), num_classes=10)
+  assert model.outputs[0].shape[-1] == 10
+  assert model.layers[-1].activation is not keras.activations.softmax
+
+
+@pytest.mark.parametrize('name, message', [
+    ('keras.applications.MobileNetV2', r'--model=keras.applications.'
+     r'MobileNetV2 cannot take images of shape \(8, 8, 1\)'),
+    ('keras.applications.VGG99', 'keras.applications has no such model'),
+    ('{module}:with_softmax', 'ends in a softmax; return logits'),
+    ('{module}:three_outputs', r'outputs \[\(None, 3\)\]; the data has 10 '
+     'classes'),
+    ('{module}:nothing', 'returned NoneType, not a functional keras.Model'),
+    ('{module}:missing', "has no function 'missing'"),
+    ('no_such.py:f', "there is no file 'no_such.py'"),
+    ('no_such_module:f', "no module 'no_such_module' on PYTHONPATH"),
+    ('vgg', "model='vgg' is not one of"),
+    (':f', 'is not a registered model, keras.applications.NAME or '
+     'MODULE:FUNCTION'),
+])
+def test_a_model_that_cannot_train_is_one_line(user_module, name, message):
+  with pytest.raises(errors.ConfigError, match=message) as e:
+    models.get_model(name.format(module=user_module), input_shape=(8, 8, 1),
+                     num_classes=10)
+  assert '\n' not in str(e.value) and len(str(e.value)) < 300
+
+
+def test_an_error_inside_the_users_function_keeps_its_type(user_module):
+  with pytest.raises(RuntimeError, match='a bug in my model'):
+    models.get_model(f'{user_module}:broken', input_shape=(8, 8, 1),
+                     num_classes=10)
+
+
+def test_the_default_model_dir_of_a_users_function_is_one_folder():
+  from tfmulti import cli
+  with flagsaver.flagsaver(model='path/to/my_models.py:small_cnn'):
+    name = cli.default_model_dir(cli._step_options())
+  assert name == 'runs/path_to_my_models.py_small_cnn-digits-towers-1clones'
+
+
+@pytest.mark.parametrize('layout', [
+    dict(num_clones=2), dict(num_clones=2, clone_shares=['3', '1']),
+    dict(num_clones=2, num_stages=2, num_microbatches=2)])
+def test_a_users_model_trains_from_the_command_line_as_on_one_device(
+    run_train, tmp_path, user_module, layout):
+  name = f'{user_module}:small_cnn'
+  common = dict(model=name, train_steps=3, optimizer='momentum',
+                learning_rate=0.05)
+  one = run_train(model_dir=str(tmp_path / 'one'), batch_size=8, **common)
+  got = run_train(model_dir=str(tmp_path / 'got'), batch_size=4, **layout,
+                  **common)
+  assert got['global_batch_size'] == one['global_batch_size'] == 8
+  assert_same_checkpoints(got['checkpoint'], one['checkpoint'])
+  with open(os.path.join(tmp_path, 'got', 'job.json')) as f:
+    assert name in f.read()

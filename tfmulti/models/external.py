@@ -1,0 +1,119 @@
+"""Models a user names on the command line, besides the registry's.
+
+* `keras.applications.NAME`: built with `weights=None` (the machines may
+  be offline), the data's input shape and class count, and
+  `classifier_activation=None`, so it ends in logits as the registry's
+  models do. A size below the model's minimum (MobileNetV2 takes 32x32 at
+  least) is refused in one line.
+* `MODULE:FUNCTION`: the user's function, called as
+  `FUNCTION(input_shape, num_classes)`, returning a functional
+  `keras.Model` that ends in logits. `MODULE` is a dotted module on
+  `PYTHONPATH` or a path to a `.py` file. An exception raised inside the
+  user's function keeps its traceback: it is their code.
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+
+import keras
+
+from tfmulti import errors
+
+KERAS_APPLICATIONS = 'keras.applications.'
+
+
+def is_external(name):
+  """Whether `name` names a model outside the registry."""
+  return name.startswith(KERAS_APPLICATIONS) or ':' in name
+
+
+def check(name):
+  """Raises `ConfigError` unless `name` names a model that can be found."""
+  if name.startswith(KERAS_APPLICATIONS):
+    if not hasattr(keras.applications, name[len(KERAS_APPLICATIONS):]):
+      raise errors.ConfigError(
+          f'--model={name}: keras.applications has no such model; e.g. '
+          'keras.applications.MobileNetV2.')
+    return
+  _function(name)
+
+
+def build(name, input_shape, num_classes):
+  """The model `name` names (see the module), checked.
+
+  Raises:
+    errors.ConfigError: it cannot take this input, is not a functional
+      `keras.Model`, has another output size, or ends in a softmax.
+  """
+  if name.startswith(KERAS_APPLICATIONS):
+    application = getattr(keras.applications, name[len(KERAS_APPLICATIONS):])
+    try:
+      model = application(weights=None, input_shape=tuple(input_shape),
+                          classes=num_classes, classifier_activation=None)
+    except ValueError as e:
+      raise errors.ConfigError(
+          f'--model={name} cannot take images of shape {tuple(input_shape)}'
+          f' ({errors.first_line(e)}); train it on a data set of larger '
+          'images.') from e
+  else:
+    model = _function(name)(tuple(input_shape), num_classes)
+  _check_model(name, model, num_classes)
+  return model
+
+
+def _check_model(name, model, num_classes):
+  if not isinstance(model, keras.Model) or not hasattr(model, 'outputs'):
+    raise errors.ConfigError(
+        f'--model={name} returned {type(model).__name__}, not a functional '
+        'keras.Model; return keras.Model(inputs, logits).')
+  size = model.outputs[0].shape[-1] if len(model.outputs) == 1 else None
+  if size != num_classes:
+    raise errors.ConfigError(
+        f'--model={name} outputs {[tuple(o.shape) for o in model.outputs]}; '
+        f'the data has {num_classes} classes: return one output of '
+        f'{num_classes} logits a row.')
+  if getattr(model.layers[-1], 'activation', None) is (
+      keras.activations.softmax):
+    raise errors.ConfigError(
+        f'--model={name} ends in a softmax; return logits (drop the '
+        'activation of its last layer): the loss takes logits.')
+
+
+def _function(name):
+  """The function `MODULE:FUNCTION` names, its module imported."""
+  module_name, _, function_name = name.rpartition(':')
+  if not module_name or not function_name:
+    raise errors.ConfigError(
+        f'--model={name} is not a registered model, keras.applications.NAME '
+        'or MODULE:FUNCTION (e.g. my_models:make_model, or '
+        'path/to/models.py:make_model).')
+  module = _module(name, module_name)
+  function = getattr(module, function_name, None)
+  if not callable(function):
+    raise errors.ConfigError(
+        f'--model={name}: {module_name} has no function {function_name!r}; '
+        'define FUNCTION(input_shape, num_classes) there.')
+  return function
+
+
+def _module(name, module_name):
+  """The module `module_name` (dotted, or a .py file's path)."""
+  if module_name.endswith('.py'):
+    if not os.path.isfile(module_name):
+      raise errors.ConfigError(
+          f'--model={name}: there is no file {module_name!r} (from '
+          f'{os.getcwd()}); give its path.')
+    key = f'tfmulti_user_model_{abs(hash(os.path.abspath(module_name)))}'
+    if key not in sys.modules:
+      spec = importlib.util.spec_from_file_location(key, module_name)
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)  # Its errors are the user's.
+      sys.modules[key] = module
+    return sys.modules[key]
+  if importlib.util.find_spec(module_name.split('.')[0]) is None:
+    raise errors.ConfigError(
+        f'--model={name}: no module {module_name!r} on PYTHONPATH; add its '
+        'folder to PYTHONPATH or give the .py file\'s path.')
+  return importlib.import_module(module_name)
