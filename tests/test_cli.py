@@ -180,6 +180,10 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
      'and num_stages=1 makes none: set num_stages=2'),
     (dict(recompute=True), 'recompute=True says how to cut a clone'),
     (dict(stage_costs='measured'), "stage_costs='measured' says how to cut"),
+    (dict(image_size=['32']), '--image_size=32: give HEIGHT,WIDTH in pixels'),
+    (dict(image_size=['0', '8']), 'image_size=0: must be an integer >= 1'),
+    (dict(model='keras.applications.MobileNetV2', image_size=['16', '16']),
+     r'cannot take images of shape \(16, 16, 1\)'),
 ])
 def test_bad_flags_stop_with_one_line(tmp_path, values, message):
   values = dict(dict(model_dir=str(tmp_path / 'run')), **values)
@@ -338,7 +342,7 @@ CHATTER = ('absl::InitializeLog', 'cudart_stub', 'cuInit')
 
 @pytest.mark.parametrize('argv, message', [
     (['--num_clones=3'], 'train.py: error: --num_clones=3 needs 3 GPUs'),
-    (['--model=vgg', '--verbosity=1'], '--model'),
+    (['--model=vgg', '--verbosity=1'], "train.py: error: model='vgg' is not one"),
 ])
 @pytest.mark.slow
 def test_bad_flags_exit_without_traceback(argv, message, tmp_path):

@@ -141,3 +141,16 @@ def test_workers_read_every_row_of_an_epoch_once_between_them(
              for w in range(num_workers)
              for row in per_worker[w][step * block:(step + 1) * block]]
   assert rebuilt == one_process
+
+
+def test_an_image_size_resizes_every_image(digits_dir):
+  loaded = data.load('digits', global_batch_size=8, data_dir=digits_dir,
+                     image_size=(16, 12))
+  assert loaded.input_shape == (16, 12, 1)
+  images, _ = next(iter(loaded.train_epoch(0)))
+  test_images, _ = next(iter(loaded.test))
+  assert images.shape == (8, 16, 12, 1) and test_images.shape[1:] == (
+      16, 12, 1)
+  assert 0.0 <= float(np.min(images)) and float(np.max(images)) <= 1.0
+  synthetic = data.load('synthetic', global_batch_size=8, image_size=(8, 8))
+  assert synthetic.input_shape == (8, 8, 3)

@@ -1,6 +1,7 @@
 """Tests for the models a user names (`models.external`): keras.applications
 and a function of the user's, through the registry and the command line."""
 
+import json
 import os
 
 from absl.testing import flagsaver
@@ -116,3 +117,15 @@ def test_a_users_model_trains_from_the_command_line_as_on_one_device(
   assert_same_checkpoints(got['checkpoint'], one['checkpoint'])
   with open(os.path.join(tmp_path, 'got', 'job.json')) as f:
     assert name in f.read()
+
+
+@pytest.mark.slow
+def test_keras_applications_train_from_the_command_line(run_train, tmp_path):
+  """MobileNetV2 on the offline digits, resized to its smallest input."""
+  metrics = run_train(model='keras.applications.MobileNetV2',
+                      image_size=['32', '32'], num_clones=2, train_steps=2)
+  assert metrics['steps'] == 2 and metrics['train_loss'] > 0
+  job = json.loads(open(os.path.join(os.path.dirname(
+      metrics['checkpoint']), 'job.json')).read())
+  assert job['job']['input_shape'] == [32, 32, 1]
+  assert job['job']['model'] == 'keras.applications.MobileNetV2'

@@ -62,6 +62,9 @@ _MODEL = flags.DEFINE_string(
     'MODULE:FUNCTION: your function(input_shape, num_classes) returning a '
     'functional keras.Model that ends in logits (MODULE dotted on '
     'PYTHONPATH, or a .py path).')
+_IMAGE_SIZE = flags.DEFINE_list(
+    'image_size', None, 'HEIGHT,WIDTH: resize every image to it (bilinear); '
+    'unset keeps the data\'s own size.')
 _DATASET = flags.DEFINE_enum(
     'dataset', 'digits', data.DATASETS, "Dataset; 'digits' needs no network, "
     "'synthetic' is one random batch repeated, for throughput.")
@@ -227,6 +230,19 @@ def _variables_device(value, variables_gpu):
   return None if variables_gpu is None else f'/device:GPU:{variables_gpu}'
 
 
+def _image_size(values):
+  """(height, width) of --image_size, or None."""
+  if values is None:
+    return None
+  try:
+    height, width = (int(v) for v in values)
+  except ValueError:
+    raise errors.ConfigError(
+        f'--image_size={",".join(values)}: give HEIGHT,WIDTH in pixels, '
+        'e.g. --image_size=32,32.') from None
+  return height, width
+
+
 def _profile_steps(values):
   """(first, last) of --profile_steps, or None."""
   if values is None:
@@ -292,6 +308,8 @@ def default_model_dir(options):
            f'{_NUM_CLONES.value}clones']
   if _NUM_STAGES.value != 1:
     parts.append(f'{_NUM_STAGES.value}stages')
+  if _IMAGE_SIZE.value:
+    parts.append('x'.join(_IMAGE_SIZE.value))
   return os.path.join('runs', '-'.join(parts + options.run_name_parts()))
 
 
@@ -315,6 +333,7 @@ def _train_config():
       strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value,
       export=_EXPORT.value,
       profile_steps=_profile_steps(_PROFILE_STEPS.value),
+      image_size=_image_size(_IMAGE_SIZE.value),
       step_options=options)
 
 
@@ -402,7 +421,8 @@ HELP_GROUPS = (
         'num_clones', 'clone_on_cpu', 'variables_device', 'num_stages',
         'strategy')),
     ('What trains, on what', (
-        'model', 'dataset', 'data_dir', 'batch_size', 'mixed_precision')),
+        'model', 'dataset', 'data_dir', 'image_size', 'batch_size',
+        'mixed_precision')),
     ('Optimisation', (
         'optimizer', 'learning_rate', 'lr_scaling', 'lr_schedule',
         'warmup_steps', 'epochs', 'train_steps', 'seed', 'deterministic')),

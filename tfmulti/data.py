@@ -111,11 +111,19 @@ def _num_examples(dataset):
   return count
 
 
-def _from_tfds(name, global_batch_size, data_dir, seed):
+def _resized(image_size):
+  """A map that resizes each image to `image_size` (bilinear)."""
+  return lambda image, label: (tf.image.resize(image, image_size), label)
+
+
+def _from_tfds(name, global_batch_size, data_dir, seed, image_size):
   splits = {}
   for split in ('train', 'test'):
     dataset, info = _tfds_split(name, split, data_dir, seed)
-    splits[split] = dataset.map(_normalise, tf.data.AUTOTUNE).cache()
+    dataset = dataset.map(_normalise, tf.data.AUTOTUNE)
+    if image_size is not None:
+      dataset = dataset.map(_resized(image_size), tf.data.AUTOTUNE)
+    splits[split] = dataset.cache()
   train_examples = _num_examples(splits['train'])
 
   def train_epoch(epoch, skip_batches=0):
@@ -135,11 +143,13 @@ def _from_tfds(name, global_batch_size, data_dir, seed):
       test_examples=_num_examples(splits['test']))
 
 
-def _synthetic(global_batch_size, seed):
+def _synthetic(global_batch_size, seed, image_size):
   """One random batch, made once on the current device and repeated."""
+  shape = (*(image_size or SYNTHETIC_SHAPE[:2]), SYNTHETIC_SHAPE[2])
+
   def batch(stream):
     images = tf.random.stateless_uniform(
-        (global_batch_size, *SYNTHETIC_SHAPE), seed=[seed, stream])
+        (global_batch_size, *shape), seed=[seed, stream])
     labels = tf.random.stateless_uniform(
         (global_batch_size,), seed=[seed, stream + 1], maxval=SYNTHETIC_CLASSES,
         dtype=tf.int32)
@@ -150,12 +160,12 @@ def _synthetic(global_batch_size, seed):
   return Data(train_epoch=lambda epoch, skip_batches=0: train.repeat(
                   max(0, train_batches - skip_batches)),
               test=batch(2).repeat(test_batches),
-              input_shape=SYNTHETIC_SHAPE, num_classes=SYNTHETIC_CLASSES,
+              input_shape=shape, num_classes=SYNTHETIC_CLASSES,
               train_examples=train_batches * global_batch_size,
               test_examples=test_batches * global_batch_size)
 
 
-def load(name, *, global_batch_size, data_dir=None, seed=0):
+def load(name, *, global_batch_size, data_dir=None, seed=0, image_size=None):
   """The train and test pipelines of dataset `name`.
 
   Args:
@@ -163,6 +173,8 @@ def load(name, *, global_batch_size, data_dir=None, seed=0):
     global_batch_size: rows per training batch, `batch_size * num_clones`.
     data_dir: TFDS data directory; None for TFDS's default.
     seed: shuffling seed.
+    image_size: (height, width) every image is resized to (bilinear, after
+      scaling to [0, 1]); None keeps the data's own.
 
   Returns:
     A `Data`.
@@ -174,9 +186,9 @@ def load(name, *, global_batch_size, data_dir=None, seed=0):
   """
   errors.check_choice('dataset', name, DATASETS)
   if name == 'synthetic':
-    data = _synthetic(global_batch_size, seed)
+    data = _synthetic(global_batch_size, seed, image_size)
   else:
-    data = _from_tfds(name, global_batch_size, data_dir, seed)
+    data = _from_tfds(name, global_batch_size, data_dir, seed, image_size)
   if data.train_examples < global_batch_size:
     raise errors.ConfigError(
         f'the global batch of {global_batch_size} is larger than the '

@@ -29,6 +29,8 @@ class TrainConfig:
     model: a name in `models.names()`, `keras.applications.NAME` or
       `MODULE:FUNCTION` (`models.external`).
     dataset: a name in `data.DATASETS`.
+    image_size: (height, width) every image is resized to; None keeps the
+      data's own (the model's input follows it).
     model_dir: output directory: checkpoints, event files, metrics.json.
       A directory holding checkpoints resumes from the latest.
     data_dir: TFDS data directory; None for TFDS's default.
@@ -63,6 +65,7 @@ class TrainConfig:
   """
   model: str = 'lenet'
   dataset: str = 'digits'
+  image_size: Optional[Tuple[int, int]] = None
   model_dir: str = 'runs/default'
   data_dir: Optional[str] = None
   batch_size: int = 64
@@ -99,6 +102,8 @@ class TrainConfig:
       errors.check_count(name, getattr(self, name), 1)
     if self.train_steps is not None:
       errors.check_count('train_steps', self.train_steps, 1)
+    for side in self.image_size or ():
+      errors.check_count('image_size', side, 1)
     errors.check_count('warmup_steps', self.warmup_steps, 0)
     errors.check_count('seed', self.seed, 0)
     if self.seed >= _SEED_LIMIT:

@@ -122,7 +122,8 @@ def _load(config, deploy_config):
     return data.load(config.dataset,
                      global_batch_size=global_batch_size(config,
                                                          deploy_config),
-                     data_dir=config.data_dir, seed=config.seed)
+                     data_dir=config.data_dir, seed=config.seed,
+                     image_size=config.image_size)
 
 
 def train_and_evaluate(config, deploy_config, *, data_override=None,
