@@ -342,7 +342,8 @@ CHATTER = ('absl::InitializeLog', 'cudart_stub', 'cuInit')
 
 @pytest.mark.parametrize('argv, message', [
     (['--num_clones=3'], 'train.py: error: --num_clones=3 needs 3 GPUs'),
-    (['--model=vgg', '--verbosity=1'], "train.py: error: model='vgg' is not one"),
+    (['--model=vgg', '--verbosity=1'],
+     "train.py: error: model='vgg' is not one"),
 ])
 @pytest.mark.slow
 def test_bad_flags_exit_without_traceback(argv, message, tmp_path):
