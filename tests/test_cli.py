@@ -325,7 +325,7 @@ def test_a_global_batch_larger_than_the_data_stops_with_one_line(run_train):
 
 
 @pytest.mark.parametrize('name, value', [
-    ('dataset', 'imagenet'), ('strategy', 'ring'),
+    ('strategy', 'ring'),
     ('optimizer', 'lamb'),
 ])
 def test_bad_choices_are_refused_by_the_flags(name, value):

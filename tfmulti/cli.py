@@ -65,9 +65,15 @@ _MODEL = flags.DEFINE_string(
 _IMAGE_SIZE = flags.DEFINE_list(
     'image_size', None, 'HEIGHT,WIDTH: resize every image to it (bilinear); '
     'unset keeps the data\'s own size.')
-_DATASET = flags.DEFINE_enum(
-    'dataset', 'digits', data.DATASETS, "Dataset; 'digits' needs no network, "
-    "'synthetic' is one random batch repeated, for throughput.")
+_DATASET = flags.DEFINE_string(
+    'dataset', 'digits', f'One of {", ".join(data.DATASETS)} (\'digits\' '
+    "needs no network, 'synthetic' is one random batch repeated, for "
+    'throughput), or folder:PATH: a folder of class subfolders of PNG or '
+    'JPEG images (PATH/train and PATH/test if both exist).')
+_VALIDATION_FRACTION = flags.DEFINE_float(
+    'validation_fraction', 0.2, 'With --dataset=folder:PATH and no train '
+    'and test subfolders: the share of each class held out for evaluation '
+    '(drawn with --seed).')
 _DATA_DIR = flags.DEFINE_string(
     'data_dir', None, 'TFDS data directory holding prepared datasets '
     '(default: ~/tensorflow_datasets).')
@@ -303,8 +309,9 @@ def default_model_dir(options):
   """runs/<model>-<dataset>-<strategy>-<N>clones[-<stages>...]: no time
   stamp, so the same command resumes; every setting that changes what a
   step computes is in the name, so another command never resumes it."""
-  model = re.sub(r'[^A-Za-z0-9_.]+', '_', _MODEL.value)  # A path: one part.
-  parts = [model, _DATASET.value, _STRATEGY.value,
+  model, dataset = (re.sub(r'[^A-Za-z0-9_.]+', '_', value)  # One folder.
+                    for value in (_MODEL.value, _DATASET.value))
+  parts = [model, dataset, _STRATEGY.value,
            f'{_NUM_CLONES.value}clones']
   if _NUM_STAGES.value != 1:
     parts.append(f'{_NUM_STAGES.value}stages')
@@ -317,6 +324,7 @@ def _train_config():
   options = _step_options()
   return config.TrainConfig(
       model=_MODEL.value, dataset=_DATASET.value,
+      validation_fraction=_VALIDATION_FRACTION.value,
       model_dir=(os.path.expanduser(_MODEL_DIR.value) if _MODEL_DIR.value
                  is not None else default_model_dir(options)),
       data_dir=_DATA_DIR.value and os.path.expanduser(_DATA_DIR.value),
@@ -421,8 +429,8 @@ HELP_GROUPS = (
         'num_clones', 'clone_on_cpu', 'variables_device', 'num_stages',
         'strategy')),
     ('What trains, on what', (
-        'model', 'dataset', 'data_dir', 'image_size', 'batch_size',
-        'mixed_precision')),
+        'model', 'dataset', 'data_dir', 'validation_fraction', 'image_size',
+        'batch_size', 'mixed_precision')),
     ('Optimisation', (
         'optimizer', 'learning_rate', 'lr_scaling', 'lr_schedule',
         'warmup_steps', 'epochs', 'train_steps', 'seed', 'deterministic')),

@@ -11,7 +11,8 @@ batches it already trained on (`Data.train_epoch`).
 reached, else a `DatasetUnavailableError` within seconds (TFDS itself would
 retry for minutes). `digits` prepares offline from scikit-learn (see
 `tfmulti.digits`); `synthetic` is one random batch made once and repeated,
-for throughput without an input pipeline.
+for throughput without an input pipeline; `folder:PATH` reads a folder of
+class subfolders of images (`tfmulti.image_folder`).
 """
 
 import dataclasses
@@ -24,6 +25,7 @@ import tensorflow_datasets as tfds
 
 from tfmulti import digits  # noqa: F401  (registers the TFDS builder)
 from tfmulti import errors
+from tfmulti import image_folder
 
 DOWNLOADABLE = ('mnist', 'fashion_mnist', 'cifar10')
 DATASETS = ('digits',) + DOWNLOADABLE + ('synthetic',)
@@ -119,7 +121,19 @@ def _resized(image_size):
 def _from_tfds(name, global_batch_size, data_dir, seed, image_size):
   splits = {}
   for split in ('train', 'test'):
-    dataset, info = _tfds_split(name, split, data_dir, seed)
+    splits[split], info = _tfds_split(name, split, data_dir, seed)
+  return _batched(splits['train'], splits['test'],
+                  info.features['label'].num_classes,
+                  global_batch_size=global_batch_size, seed=seed,
+                  image_size=image_size)
+
+
+def _batched(train, test, num_classes, *, global_batch_size, seed,
+             image_size):
+  """`Data` of (uint8 image, label) splits: scaled to [0, 1], resized to
+  `image_size` if given, cached, epoch e shuffled with the seed (seed, e)."""
+  splits = {}
+  for split, dataset in (('train', train), ('test', test)):
     dataset = dataset.map(_normalise, tf.data.AUTOTUNE)
     if image_size is not None:
       dataset = dataset.map(_resized(image_size), tf.data.AUTOTUNE)
@@ -138,7 +152,7 @@ def _from_tfds(name, global_batch_size, data_dir, seed, image_size):
       train_epoch=train_epoch,
       test=splits['test'].batch(global_batch_size).prefetch(tf.data.AUTOTUNE),
       input_shape=tuple(splits['train'].element_spec[0].shape),
-      num_classes=info.features['label'].num_classes,
+      num_classes=num_classes,
       train_examples=train_examples,
       test_examples=_num_examples(splits['test']))
 
@@ -165,16 +179,26 @@ def _synthetic(global_batch_size, seed, image_size):
               test_examples=test_batches * global_batch_size)
 
 
-def load(name, *, global_batch_size, data_dir=None, seed=0, image_size=None):
+def check_name(name):
+  """Raises `ConfigError` unless `name` is one of `DATASETS` or
+  `folder:PATH`."""
+  if not name.startswith(image_folder.PREFIX):
+    errors.check_choice('dataset', name, DATASETS)
+
+
+def load(name, *, global_batch_size, data_dir=None, seed=0, image_size=None,
+         validation_fraction=0.2):
   """The train and test pipelines of dataset `name`.
 
   Args:
-    name: one of `DATASETS`.
+    name: one of `DATASETS`, or `folder:PATH` (`image_folder`).
     global_batch_size: rows per training batch, `batch_size * num_clones`.
     data_dir: TFDS data directory; None for TFDS's default.
     seed: shuffling seed.
     image_size: (height, width) every image is resized to (bilinear, after
       scaling to [0, 1]); None keeps the data's own.
+    validation_fraction: for `folder:PATH` without train and test
+      folders, the share of each class held out for evaluation.
 
   Returns:
     A `Data`.
@@ -184,9 +208,16 @@ def load(name, *, global_batch_size, data_dir=None, seed=0, image_size=None):
       split.
     errors.DatasetUnavailableError: not prepared and not downloadable here.
   """
-  errors.check_choice('dataset', name, DATASETS)
+  check_name(name)
   if name == 'synthetic':
     data = _synthetic(global_batch_size, seed, image_size)
+  elif name.startswith(image_folder.PREFIX):
+    train, test, num_classes = image_folder.read(
+        name[len(image_folder.PREFIX):], image_size=image_size,
+        validation_fraction=validation_fraction, seed=seed)
+    data = _batched(train, test, num_classes,
+                    global_batch_size=global_batch_size, seed=seed,
+                    image_size=image_size)
   else:
     data = _from_tfds(name, global_batch_size, data_dir, seed, image_size)
   if data.train_examples < global_batch_size:

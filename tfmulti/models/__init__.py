@@ -93,7 +93,13 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
     if external.is_external(name):
       model = external.build(name, input_shape, num_classes)
     else:
-      model = _FACTORIES[name](tuple(input_shape), num_classes, **options)
+      try:
+        model = _FACTORIES[name](tuple(input_shape), num_classes, **options)
+      except ValueError as e:  # A layer's output of size zero, say.
+        raise errors.ConfigError(
+            f'model={name!r} cannot take images of shape '
+            f'{tuple(input_shape)} ({errors.first_line(e)}); pass '
+            '--image_size=HEIGHT,WIDTH, e.g. 28,28 for lenet.') from e
   finally:
     keras.config.set_dtype_policy(previous)
   if sync_batch_norm and not keras_internals.batch_norms(model):

@@ -28,7 +28,10 @@ class TrainConfig:
   Attributes:
     model: a name in `models.names()`, `keras.applications.NAME` or
       `MODULE:FUNCTION` (`models.external`).
-    dataset: a name in `data.DATASETS`.
+    dataset: a name in `data.DATASETS`, or `folder:PATH` (a folder of
+      class subfolders of images).
+    validation_fraction: for a folder without train and test subfolders,
+      the share of each class held out for evaluation.
     image_size: (height, width) every image is resized to; None keeps the
       data's own (the model's input follows it).
     model_dir: output directory: checkpoints, event files, metrics.json.
@@ -66,6 +69,7 @@ class TrainConfig:
   model: str = 'lenet'
   dataset: str = 'digits'
   image_size: Optional[Tuple[int, int]] = None
+  validation_fraction: float = 0.2
   model_dir: str = 'runs/default'
   data_dir: Optional[str] = None
   batch_size: int = 64
@@ -89,7 +93,8 @@ class TrainConfig:
   step_options: step_options_lib.StepOptions = step_options_lib.DEFAULTS
 
   def __post_init__(self):
-    choices = [('dataset', data.DATASETS), ('strategy', registry.NAMES),
+    data.check_name(self.dataset)
+    choices = [('strategy', registry.NAMES),
                ('optimizer', build.OPTIMIZERS),
                ('lr_scaling', learning_rates.LR_SCALINGS),
                ('lr_schedule', learning_rates.LR_SCHEDULES)]
@@ -104,6 +109,10 @@ class TrainConfig:
       errors.check_count('train_steps', self.train_steps, 1)
     for side in self.image_size or ():
       errors.check_count('image_size', side, 1)
+    if not 0 < self.validation_fraction < 1:
+      raise errors.ConfigError(
+          f'validation_fraction={self.validation_fraction}: give a share in '
+          '(0, 1), e.g. 0.2.')
     errors.check_count('warmup_steps', self.warmup_steps, 0)
     errors.check_count('seed', self.seed, 0)
     if self.seed >= _SEED_LIMIT:

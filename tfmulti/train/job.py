@@ -123,7 +123,8 @@ def _load(config, deploy_config):
                      global_batch_size=global_batch_size(config,
                                                          deploy_config),
                      data_dir=config.data_dir, seed=config.seed,
-                     image_size=config.image_size)
+                     image_size=config.image_size,
+                     validation_fraction=config.validation_fraction)
 
 
 def train_and_evaluate(config, deploy_config, *, data_override=None,
