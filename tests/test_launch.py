@@ -21,8 +21,8 @@ from tfmulti import errors
 from tfmulti import launch
 
 # A worker: says its place, writes its PID, counts the signals it gets; it
-# exits 3 if it is the worker named by --fail, else after a signal (143, as
-# train.py after saving) or after the seconds given.
+# exits 3 if it is the worker named by --fail (once all are ready), else
+# after a signal (143, as train.py after saving) or after the seconds given.
 _WORKER = """
 import json, os, pathlib, signal, sys, time
 place = json.loads(os.environ['TF_CONFIG'])
@@ -39,6 +39,11 @@ signal.signal(signal.SIGTERM, count)
 signal.signal(signal.SIGINT, count)
 (out / f'ready{index}').write_text('')
 if sys.argv[2:4] == ['--fail', str(index)]:
+  # Once every worker can count its signals: a worker still starting would
+  # die of the SIGTERM, as it should, without counting it.
+  while not all((out / f'ready{i}').exists()
+                for i in range(len(place['cluster']['worker']))):
+    time.sleep(0.05)
   sys.exit(3)
 deadline = time.monotonic() + float(sys.argv[-1])
 while time.monotonic() < deadline:
