@@ -103,8 +103,10 @@ def test_the_default_model_dir_of_a_users_function_is_one_folder():
 
 
 @pytest.mark.parametrize('layout', [
-    dict(num_clones=2), dict(num_clones=2, clone_shares=['3', '1']),
-    dict(num_clones=2, num_stages=2, num_microbatches=2)])
+    pytest.param(dict(num_clones=2), marks=pytest.mark.slow),
+    dict(num_clones=2, clone_shares=['3', '1']),
+    pytest.param(dict(num_clones=2, num_stages=2, num_microbatches=2),
+                 marks=pytest.mark.slow)])
 def test_a_users_model_trains_from_the_command_line_as_on_one_device(
     run_train, tmp_path, user_module, layout):
   name = f'{user_module}:small_cnn'
