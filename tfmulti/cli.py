@@ -68,12 +68,31 @@ _IMAGE_SIZE = flags.DEFINE_list(
 _DATASET = flags.DEFINE_string(
     'dataset', 'digits', f'One of {", ".join(data.DATASETS)} (\'digits\' '
     "needs no network, 'synthetic' is one random batch repeated, for "
-    'throughput), or folder:PATH: a folder of class subfolders of PNG or '
-    'JPEG images (PATH/train and PATH/test if both exist).')
+    'throughput); tfds:NAME[/CONFIG][:VERSION], any TFDS image '
+    'classification dataset (from --data_dir, else downloaded); '
+    'folder:PATH, a folder of class subfolders of PNG or JPEG images '
+    '(PATH/train and PATH/test if both exist); or tfrecord:GLOB, '
+    'TFRecords of image/encoded and image/class/label.')
 _VALIDATION_FRACTION = flags.DEFINE_float(
-    'validation_fraction', 0.2, 'With --dataset=folder:PATH and no train '
-    'and test subfolders: the share of each class held out for evaluation '
-    '(drawn with --seed).')
+    'validation_fraction', 0.2, 'The share held out for evaluation (drawn '
+    'with --seed) from a source without an evaluation split of its own: a '
+    'folder without train and test subfolders, a TFDS dataset without '
+    'test or validation, TFRecords without --validation_glob.')
+_VALIDATION_GLOB = flags.DEFINE_string(
+    'validation_glob', None, 'With --dataset=tfrecord:GLOB: the TFRecord '
+    'files to evaluate on, e.g. /data/imagenet/validation-*.')
+_LABEL_OFFSET = flags.DEFINE_integer(
+    'label_offset', 0, 'With --dataset=tfrecord:GLOB: subtracted from '
+    "every label (TF's ImageNet converter writes 1..1000: give 1).")
+_NUM_CLASSES = flags.DEFINE_integer(
+    'num_classes', None, 'With --dataset=tfrecord:GLOB: the class count; '
+    'unset, the largest label plus one.')
+_AUGMENT = flags.DEFINE_list(
+    'augment', [], f'Training-row augmentations, off by default: any of '
+    f'{",".join(data.AUGMENTATIONS)} (a left-right mirror half the time; '
+    'a pad by an eighth of each side and a random crop back), each row\'s '
+    'draw seeded by (--seed, epoch, row), so every layout sees the same '
+    'rows.')
 _DATA_DIR = flags.DEFINE_string(
     'data_dir', None, 'TFDS data directory holding prepared datasets '
     '(default: ~/tensorflow_datasets).')
@@ -317,6 +336,8 @@ def default_model_dir(options):
     parts.append(f'{_NUM_STAGES.value}stages')
   if _IMAGE_SIZE.value:
     parts.append('x'.join(_IMAGE_SIZE.value))
+  if _AUGMENT.value:
+    parts.append('+'.join(_AUGMENT.value))
   return os.path.join('runs', '-'.join(parts + options.run_name_parts()))
 
 
@@ -324,7 +345,7 @@ def _train_config():
   options = _step_options()
   return config.TrainConfig(
       model=_MODEL.value, dataset=_DATASET.value,
-      validation_fraction=_VALIDATION_FRACTION.value,
+      input_options=_input_options(),
       model_dir=(os.path.expanduser(_MODEL_DIR.value) if _MODEL_DIR.value
                  is not None else default_model_dir(options)),
       data_dir=_DATA_DIR.value and os.path.expanduser(_DATA_DIR.value),
@@ -341,8 +362,17 @@ def _train_config():
       strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value,
       export=_EXPORT.value,
       profile_steps=_profile_steps(_PROFILE_STEPS.value),
-      image_size=_image_size(_IMAGE_SIZE.value),
       step_options=options)
+
+
+def _input_options():
+  """The one `data.InputOptions` record of this run, from its flags."""
+  return data.InputOptions(
+      image_size=_image_size(_IMAGE_SIZE.value),
+      validation_fraction=_VALIDATION_FRACTION.value,
+      validation_glob=_VALIDATION_GLOB.value,
+      label_offset=_LABEL_OFFSET.value, num_classes=_NUM_CLASSES.value,
+      augment=tuple(_AUGMENT.value))
 
 
 def _step_options():
@@ -429,8 +459,9 @@ HELP_GROUPS = (
         'num_clones', 'clone_on_cpu', 'variables_device', 'num_stages',
         'strategy')),
     ('What trains, on what', (
-        'model', 'dataset', 'data_dir', 'validation_fraction', 'image_size',
-        'batch_size', 'mixed_precision')),
+        'model', 'dataset', 'data_dir', 'image_size', 'augment',
+        'validation_fraction', 'validation_glob', 'label_offset',
+        'num_classes', 'batch_size', 'mixed_precision')),
     ('Optimisation', (
         'optimizer', 'learning_rate', 'lr_scaling', 'lr_schedule',
         'warmup_steps', 'epochs', 'train_steps', 'seed', 'deterministic')),

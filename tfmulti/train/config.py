@@ -28,12 +28,11 @@ class TrainConfig:
   Attributes:
     model: a name in `models.names()`, `keras.applications.NAME` or
       `MODULE:FUNCTION` (`models.external`).
-    dataset: a name in `data.DATASETS`, or `folder:PATH` (a folder of
-      class subfolders of images).
-    validation_fraction: for a folder without train and test subfolders,
-      the share of each class held out for evaluation.
-    image_size: (height, width) every image is resized to; None keeps the
-      data's own (the model's input follows it).
+    dataset: a name in `data.DATASETS`, or one starting with one of
+      `data.PREFIXES` (`tfds:`, `folder:`, `tfrecord:`).
+    input_options: how the dataset is read (`data.InputOptions`: image
+      size, augmentation, held-out share, labels), passed whole to
+      `data.load`; the model's input follows the images it gives.
     model_dir: output directory: checkpoints, event files, metrics.json.
       A directory holding checkpoints resumes from the latest.
     data_dir: TFDS data directory; None for TFDS's default.
@@ -68,8 +67,7 @@ class TrainConfig:
   """
   model: str = 'lenet'
   dataset: str = 'digits'
-  image_size: Optional[Tuple[int, int]] = None
-  validation_fraction: float = 0.2
+  input_options: data.InputOptions = data.DEFAULTS
   model_dir: str = 'runs/default'
   data_dir: Optional[str] = None
   batch_size: int = 64
@@ -107,12 +105,6 @@ class TrainConfig:
       errors.check_count(name, getattr(self, name), 1)
     if self.train_steps is not None:
       errors.check_count('train_steps', self.train_steps, 1)
-    for side in self.image_size or ():
-      errors.check_count('image_size', side, 1)
-    if not 0 < self.validation_fraction < 1:
-      raise errors.ConfigError(
-          f'validation_fraction={self.validation_fraction}: give a share in '
-          '(0, 1), e.g. 0.2.')
     errors.check_count('warmup_steps', self.warmup_steps, 0)
     errors.check_count('seed', self.seed, 0)
     if self.seed >= _SEED_LIMIT:

@@ -100,8 +100,12 @@ def _job(config, deploy_config, dataset):
           'global_batch_size': global_batch_size(config, deploy_config),
           'dtype_policy': build.dtype_policy(config.mixed_precision,
                                              deploy_config.clone_on_cpu),
+          'input_options': run_dir.as_json(
+              dataclasses.asdict(config.input_options)),
           'input_shape': list(dataset.input_shape),
-          'num_classes': dataset.num_classes}
+          'num_classes': dataset.num_classes,
+          'train_examples': dataset.train_examples,
+          'test_examples': dataset.test_examples}
 
 
 def _settings(config, deploy_config, total_steps):
@@ -123,8 +127,24 @@ def _load(config, deploy_config):
                      global_batch_size=global_batch_size(config,
                                                          deploy_config),
                      data_dir=config.data_dir, seed=config.seed,
-                     image_size=config.image_size,
-                     validation_fraction=config.validation_fraction)
+                     options=config.input_options,
+                     known=_known_counts(config))
+
+
+def _known_counts(config):
+  """What a resumed job recorded of its data (rows, classes, image shape),
+  so TFRecords are not read whole again; None for a new job."""
+  job = (run_dir.recorded_job(config.model_dir)
+         if checkpoints.numbered_checkpoints(config.model_dir) else None)
+  if not job or job.get('dataset') != config.dataset or (
+      job.get('input_options') != run_dir.as_json(
+          dataclasses.asdict(config.input_options))):
+    return None
+  try:
+    return (job['num_classes'], tuple(job['input_shape']),
+            job['train_examples'], job['test_examples'])
+  except KeyError:
+    return None
 
 
 def train_and_evaluate(config, deploy_config, *, data_override=None,

@@ -95,6 +95,7 @@ def check_job(directory, job, settings, *, resuming):
       how), or the record is unreadable.
   """
   path = os.path.join(directory, JOB_FILE)
+  job = as_json(job)
   if resuming and os.path.exists(path):
     try:
       with open(path) as f:
@@ -111,7 +112,7 @@ def check_job(directory, job, settings, *, resuming):
           f'--model_dir={directory} holds another job ({"; ".join(differs)})'
           '; resume with the flags that started it, or pass a new '
           '--model_dir.')
-    settings = _as_json(settings)
+    settings = as_json(settings)
     changed = [f'{name} {saved_settings.get(name)!r} -> {value!r}'
                for name, value in settings.items()
                if saved_settings.get(name) != value]
@@ -125,6 +126,16 @@ def check_job(directory, job, settings, *, resuming):
   _write(path, {'job': job, 'settings': settings, 'stretches': stretches})
 
 
+def recorded_job(directory):
+  """The job `directory`'s job.json records, or None when it has none or
+  it cannot be read (`check_job` says so, later)."""
+  try:
+    with open(os.path.join(directory, JOB_FILE)) as f:
+      return json.load(f)['job']
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
 def record_stretch(directory, from_step, settings):
   """Records in job.json that steps from `from_step` on are trained with
   `settings` (a stretch begins only where the settings change); returns
@@ -136,7 +147,7 @@ def record_stretch(directory, from_step, settings):
   path = os.path.join(directory, JOB_FILE)
   with open(path) as f:
     saved = json.load(f)
-  settings = _as_json(settings)
+  settings = as_json(settings)
   stretches = [stretch for stretch in saved.get('stretches', [])
                if stretch['from_step'] < from_step]
   if not stretches or stretches[-1]['settings'] != settings:
@@ -146,7 +157,7 @@ def record_stretch(directory, from_step, settings):
   return stretches
 
 
-def _as_json(value):
+def as_json(value):
   """`value` as it reads back from JSON (tuples become lists)."""
   return json.loads(json.dumps(value))
 

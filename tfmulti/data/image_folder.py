@@ -19,6 +19,7 @@ import struct
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti.data import pipeline
 
 PREFIX = 'folder:'
 _EXTENSIONS = ('.png', '.jpg', '.jpeg')
@@ -27,7 +28,7 @@ _JPEG = b'\xff\xd8'
 
 
 def read(path, *, image_size, validation_fraction, seed):
-  """(train, test, num_classes): datasets of (uint8 image, label) files.
+  """`pipeline.Splits` of the folder's (uint8 image, label) files.
 
   Raises:
     errors.DatasetUnavailableError: no such folder.
@@ -51,7 +52,8 @@ def read(path, *, image_size, validation_fraction, seed):
     train, test = _held_out(files, validation_fraction, seed)
   shape = _check_images(path, train + test, image_size)
   known = shape if image_size is None else (None, None, shape[-1])
-  return _decoded(train, known), _decoded(test, known), len(classes)
+  return pipeline.Splits(_decoded(train, known), _decoded(test, known),
+                         len(classes), len(train), len(test))
 
 
 def _files(folder):
@@ -76,10 +78,6 @@ def _files(folder):
 
 def _held_out(files, fraction, seed):
   """(train, test): `fraction` of each class's files, drawn with `seed`."""
-  if not 0 < fraction < 1:
-    raise errors.ConfigError(
-        f'validation_fraction={fraction}: give a share in (0, 1) to hold '
-        'out, or PATH/train and PATH/test folders.')
   train, test = [], []
   for label in sorted({label for _, label in files}):
     mine = [f for f in files if f[1] == label]

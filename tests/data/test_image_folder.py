@@ -1,4 +1,4 @@
-"""Tests for `--dataset=folder:PATH` (tfmulti.image_folder): a folder of
+"""Tests for `--dataset=folder:PATH` (tfmulti.data.image_folder): a folder of
 class subfolders of PNGs, written here from the offline digits."""
 
 import os
@@ -33,7 +33,8 @@ def _write_digits(folder, per_class=None, size=None):
 def test_a_folder_trains_its_classes_and_holds_out_a_share(tmp_path):
   written = _write_digits(tmp_path / 'digits', per_class=20)
   loaded = data.load(f'folder:{tmp_path / "digits"}', global_batch_size=16,
-                     seed=1, validation_fraction=0.25)
+                     seed=1,
+                     options=data.InputOptions(validation_fraction=0.25))
   assert (loaded.num_classes, loaded.input_shape) == (10, (8, 8, 1))
   assert (loaded.train_examples, loaded.test_examples) == (150, 50)
   train = np.concatenate([x for x, _ in loaded.train_epoch(0)])
@@ -59,7 +60,7 @@ def test_mixed_sizes_need_an_image_size(tmp_path):
                      'sizes.*pass --image_size=HEIGHT,WIDTH'):
     data.load(f'folder:{tmp_path / "d"}', global_batch_size=4)
   loaded = data.load(f'folder:{tmp_path / "d"}', global_batch_size=4,
-                     image_size=(12, 12))
+                     options=data.InputOptions(image_size=(12, 12)))
   assert loaded.input_shape == (12, 12, 1)
 
 

@@ -1,4 +1,4 @@
-"""Tests for tfmulti.data: digits offline, mocked TFDS sets, clear errors."""
+"""Tests for tfmulti.data: digits offline, TFDS copies, clear errors."""
 
 import errno
 import os
@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from tests.data import tfds_store
 from tfmulti import data
+from tfmulti import digits
 from tfmulti import errors
 from tfmulti import rows
 
@@ -58,11 +60,16 @@ def test_an_epoch_resumes_after_the_batches_trained_on(digits_dir):
 @pytest.mark.parametrize('name, shape', [
     ('mnist', (28, 28, 1)), ('fashion_mnist', (28, 28, 1)),
     ('cifar10', (32, 32, 3))])
-def test_downloadable_datasets_through_tfds(name, shape):
-  with tfds.testing.mock_data(num_examples=24):
-    loaded = data.load(name, global_batch_size=8)
+def test_downloadable_datasets_through_tfds(tmp_path, name, shape):
+  """TFDS's own builders read a copy prepared in data_dir (written here
+  with their features, 24 and 8 rows)."""
+  builder = tfds.builder(name)
+  tfds_store.store(name, tmp_path, features=builder.info.features,
+                   version=builder.version, rows={'train': 24, 'test': 8})
+  loaded = data.load(name, global_batch_size=8, data_dir=str(tmp_path))
   images, labels = next(iter(loaded.train_epoch(0)))
   assert loaded.input_shape == shape and loaded.num_classes == 10
+  assert (loaded.train_examples, loaded.test_examples) == (24, 8)
   assert images.shape == (8, *shape) and images.dtype == np.float32
   assert float(np.max(images)) <= 1.0
   assert labels.dtype == np.int32
@@ -104,13 +111,9 @@ def test_batch_larger_than_the_data(digits_dir):
 
 
 def test_a_dataset_that_cannot_be_prepared_says_so(tmp_path, monkeypatch):
-  real_load = tfds.load
-
-  def disk_full(name, *, download, **kwargs):
-    if download:
-      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    return real_load(name, download=download, **kwargs)
-  monkeypatch.setattr(tfds, 'load', disk_full)
+  def disk_full(self, *args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(digits.Digits, 'download_and_prepare', disk_full)
   with pytest.raises(errors.DatasetUnavailableError,
                      match=r"'digits' cannot be prepared in .* \(No space "
                      'left on device\\); free some space or pass another '
@@ -145,12 +148,13 @@ def test_workers_read_every_row_of_an_epoch_once_between_them(
 
 def test_an_image_size_resizes_every_image(digits_dir):
   loaded = data.load('digits', global_batch_size=8, data_dir=digits_dir,
-                     image_size=(16, 12))
+                     options=data.InputOptions(image_size=(16, 12)))
   assert loaded.input_shape == (16, 12, 1)
   images, _ = next(iter(loaded.train_epoch(0)))
   test_images, _ = next(iter(loaded.test))
   assert images.shape == (8, 16, 12, 1) and test_images.shape[1:] == (
       16, 12, 1)
   assert 0.0 <= float(np.min(images)) and float(np.max(images)) <= 1.0
-  synthetic = data.load('synthetic', global_batch_size=8, image_size=(8, 8))
+  synthetic = data.load('synthetic', global_batch_size=8,
+                        options=data.InputOptions(image_size=(8, 8)))
   assert synthetic.input_shape == (8, 8, 3)

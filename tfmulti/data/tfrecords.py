@@ -1,0 +1,191 @@
+"""TFRecords of image classification (`--dataset=tfrecord:GLOB`).
+
+Each record is a `tf.train.Example` holding `image/encoded` (JPEG or PNG
+bytes) and `image/class/label` (int64): the layout TF's own ImageNet and
+Model Garden converters write. `--validation_glob` names the evaluation
+files; without it a seeded `validation_fraction` of the records is held
+out. `--label_offset` is subtracted from every label (TF's ImageNet
+converter writes 1..1000).
+
+Rows, classes and image sizes are not in the files' headers: the first run
+reads every record once (its label and its image's header, not its pixels),
+checks them all (the keys, PNG or JPEG bytes, labels in range, one size
+unless `--image_size` is given) and logs what it read; the job records the
+counts in `job.json`, and a resumed run takes them from there (`known`).
+"""
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from tfmulti import errors
+from tfmulti.data import pipeline
+
+PREFIX = 'tfrecord:'
+IMAGE_KEY = 'image/encoded'
+LABEL_KEY = 'image/class/label'
+_FEATURES = {IMAGE_KEY: tf.io.FixedLenFeature([], tf.string),
+             LABEL_KEY: tf.io.FixedLenFeature([], tf.int64)}
+_PNG = b'\x89PNG\r\n\x1a\n'
+_JPEG = b'\xff\xd8'
+_SCAN_BATCH = 4096  # Records summarised a read.
+# PNG colour type (byte 25) -> channels: grey, -, RGB, palette, grey+alpha,
+# -, RGBA.
+_PNG_CHANNELS = (1, 0, 3, 3, 2, 0, 4)
+
+
+def _files(pattern, flag):
+  """The sorted files matching `pattern`, or one line naming `flag`."""
+  files = sorted(tf.io.gfile.glob(pattern))
+  if not files:
+    raise errors.DatasetUnavailableError(
+        f'{flag}{pattern}: no file matches; give a glob of TFRecord files, '
+        'e.g. /data/imagenet/train-*.')
+  for file in files:  # The first record of each file holds both keys.
+    for raw in tf.data.TFRecordDataset(file).take(1):
+      keys = set(tf.train.Example.FromString(raw.numpy()).features.feature)
+      if not {IMAGE_KEY, LABEL_KEY} <= keys:
+        raise errors.ConfigError(
+            f'{file} holds records with keys {sorted(keys)}; tfrecord: reads '
+            f'{IMAGE_KEY!r} (PNG or JPEG bytes) and {LABEL_KEY!r} (int64), '
+            "the layout of TF's image-classification converters.")
+  return files
+
+
+def _records(files):
+  return tf.data.TFRecordDataset(files, num_parallel_reads=tf.data.AUTOTUNE)
+
+
+def _parsed(raw):
+  example = tf.io.parse_single_example(raw, _FEATURES)
+  return example[IMAGE_KEY], example[LABEL_KEY]
+
+
+def _header(image):
+  """(height, width, channels) from an encoded image's header; zeros when
+  the bytes are neither PNG nor JPEG."""
+  def png():
+    size = tf.io.decode_raw(tf.strings.substr(image, 16, 8), tf.int32,
+                            little_endian=False)
+    colour = tf.io.decode_raw(tf.strings.substr(image, 25, 1), tf.uint8)
+    channels = tf.gather(_PNG_CHANNELS, tf.minimum(tf.cast(colour[0],
+                                                           tf.int32), 6))
+    return tf.stack([size[1], size[0], channels])
+  return tf.case(
+      [(tf.strings.substr(image, 0, 2) == _JPEG,
+        lambda: tf.image.extract_jpeg_shape(image)),
+       (tf.strings.substr(image, 0, 8) == _PNG, png)],
+      default=lambda: tf.zeros([3], tf.int32))
+
+
+def _held_out(seed, fraction):
+  """Whether record `position` is held out: a draw seeded by it."""
+  def held(position):
+    draw = tf.random.stateless_uniform([], seed=tf.stack(
+        [tf.constant(seed, tf.int64), position]))
+    return draw < fraction
+  return held
+
+
+def _scan(records, label_offset):
+  """(labels, (height, width, channels) of each record) of `records`."""
+  summaries = records.map(lambda raw: (lambda image, label: (
+      label - label_offset, _header(image)))(*_parsed(raw)),
+                          tf.data.AUTOTUNE).batch(_SCAN_BATCH)
+  labels, shapes = [], []
+  try:
+    for label, shape in summaries:
+      labels.append(label.numpy())
+      shapes.append(shape.numpy())
+  except tf.errors.InvalidArgumentError as e:
+    raise errors.ConfigError(
+        f'a record cannot be read as {IMAGE_KEY!r} bytes and an int64 '
+        f'{LABEL_KEY!r}: {errors.first_line(e)}; convert every record to '
+        'that layout.') from None
+  if not labels:
+    return np.zeros([0], np.int64), np.zeros([0, 3], np.int32)
+  return np.concatenate(labels), np.concatenate(shapes)
+
+
+def _check(where, labels, shapes, options):
+  """Raises `ConfigError` for bad bytes, labels out of range or mixed sizes;
+  returns (num_classes, channels, (height, width) of one image)."""
+  if not len(labels):
+    raise errors.ConfigError(f'{where}: no records; give files with images.')
+  bad = int(np.sum(shapes[:, 2] == 0))
+  if bad:
+    raise errors.ConfigError(
+        f'{where}: {bad} of {len(labels)} records hold {IMAGE_KEY!r} bytes '
+        'that are neither PNG nor JPEG; re-encode them.')
+  if labels.min() < 0:
+    raise errors.ConfigError(
+        f'{where}: a label of {labels.min() + options.label_offset} is '
+        f'below --label_offset={options.label_offset}; lower the offset '
+        '(TF\'s ImageNet converter writes 1..1000: give 1).')
+  num_classes = options.num_classes or int(labels.max()) + 1
+  if labels.max() >= num_classes:
+    raise errors.ConfigError(
+        f'{where}: a label of {labels.max()} (after --label_offset) is at '
+        f'or past --num_classes={num_classes}; raise --num_classes or set '
+        '--label_offset.')
+  channels = set(shapes[:, 2].tolist())
+  sizes = {tuple(s) for s in shapes[:, :2].tolist()}
+  if len(channels) > 1:
+    raise errors.ConfigError(
+        f'{where}: images of {sorted(channels)} channels; give images of one '
+        'kind.')
+  if options.image_size is None and len(sizes) > 1:
+    raise errors.ConfigError(
+        f'{where}: images of several sizes ({sorted(sizes)[:3]}, ...); pass '
+        '--image_size=HEIGHT,WIDTH to resize them all.')
+  return num_classes, channels.pop(), sizes.pop()
+
+
+def read(pattern, *, options, seed, known=None):
+  """`pipeline.Splits` of the TFRecords `pattern` (see the module's
+  docstring); `known` is the counts a previous run of this job recorded
+  (`counts_of`), or None to read them."""
+  train_files = _files(pattern, f'--dataset={PREFIX}')
+  test_files = (_files(options.validation_glob, '--validation_glob=')
+                if options.validation_glob else None)
+  train = _records(train_files)
+  if test_files:
+    test = _records(test_files)
+  else:  # A seeded share of the records, fixed by their positions.
+    held = _held_out(seed, options.validation_fraction)
+    test = train.enumerate().filter(lambda i, _: held(i)).map(
+        lambda _, raw: raw)
+    train = train.enumerate().filter(lambda i, _: ~held(i)).map(
+        lambda _, raw: raw)
+  if known is None:
+    known = _counted(pattern, train, test, options)
+  num_classes, shape, train_rows, test_rows = known
+  # Resized later when an image size is given; else all of `shape`.
+  decoded_shape = (None, None, shape[2]) if options.image_size else shape
+
+  def decode(raw):
+    image, label = _parsed(raw)
+    image = tf.io.decode_image(image, channels=shape[2],
+                               expand_animations=False)
+    image.set_shape(decoded_shape)
+    return image, label - options.label_offset
+  return pipeline.Splits(train.map(decode, tf.data.AUTOTUNE),
+                         test.map(decode, tf.data.AUTOTUNE), num_classes,
+                         train_rows, test_rows)
+
+
+def _counted(pattern, train, test, options):
+  """(num_classes, image shape, train rows, test rows), read from every
+  record and checked."""
+  logging.info('Reading every record of %s once (labels and image headers) '
+               'to count its rows and classes and check them.', pattern)
+  found = [_scan(records, options.label_offset) for records in (train, test)]
+  labels = np.concatenate([found[0][0], found[1][0]])
+  shapes = np.concatenate([found[0][1], found[1][1]])
+  classes, channels, size = _check(f'--dataset={PREFIX}{pattern}', labels,
+                                   shapes, options)
+  if not len(found[1][0]):
+    raise errors.ConfigError(
+        f'--dataset={PREFIX}{pattern}: no records held out for evaluation; '
+        'raise --validation_fraction or give --validation_glob.')
+  return classes, (*size, channels), len(found[0][0]), len(found[1][0])
