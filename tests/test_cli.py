@@ -15,9 +15,11 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from tests.data import tfds_store
 from tests.helpers import checkpoint_tensors
 from tests.helpers import REPO
 from tfmulti import cli
+from tfmulti import data
 from tfmulti import models
 
 SUBPROCESS_TIMEOUT_S = 240  # A train.py run here takes 5 to 20 seconds.
@@ -52,10 +54,17 @@ def test_each_model_trains(run_train, model, num_clones):
         pytest.param(name, 2, marks=pytest.mark.slow)
         for name in ('digits', 'mnist', 'fashion_mnist', 'cifar10',
                      'synthetic')])
-def test_each_dataset_trains(run_train, dataset, num_clones):
-  with tfds.testing.mock_data(num_examples=16):  # Only TFDS's own sets.
-    metrics = run_train(dataset=dataset, num_clones=num_clones,
-                        batch_size=32 if dataset == 'synthetic' else 4)
+def test_each_dataset_trains(run_train, tmp_path, dataset, num_clones):
+  values = {}
+  if dataset in data.DOWNLOADABLE:  # A copy of TFDS's own, written here.
+    builder = tfds.builder(dataset)
+    tfds_store.store(dataset, tmp_path / 'tfds',
+                     features=builder.info.features, version=builder.version,
+                     rows={'train': 16, 'test': 8})
+    values['data_dir'] = str(tmp_path / 'tfds')
+  metrics = run_train(dataset=dataset, num_clones=num_clones,
+                      batch_size=32 if dataset == 'synthetic' else 4,
+                      **values)
   assert metrics['dataset'] == dataset
   assert metrics['steps'] == 2
   assert METRIC_KEYS <= set(metrics)
@@ -184,6 +193,15 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
     (dict(image_size=['0', '8']), 'image_size=0: must be an integer >= 1'),
     (dict(model='keras.applications.MobileNetV2', image_size=['16', '16']),
      r'cannot take images of shape \(16, 16, 1\)'),
+    (dict(augment=['flip', 'rotate']),
+     r"augment='rotate': choose one of \('flip', 'crop'\)"),
+    (dict(label_offset=-1), 'label_offset=-1: must be an integer >= 0'),
+    (dict(num_classes=1), 'num_classes=1: must be an integer >= 2'),
+    (dict(dataset='tfrecord:'), '--dataset=tfrecord: names nothing after '
+     'the colon; name what to read, e.g. '
+     '--dataset=tfrecord:/data/imagenet/train-\\*'),
+    (dict(dataset='tfrecord:/nonexistent/train-*'),
+     r'--dataset=tfrecord:/nonexistent/train-\*: no file matches'),
 ])
 def test_bad_flags_stop_with_one_line(tmp_path, values, message):
   values = dict(dict(model_dir=str(tmp_path / 'run')), **values)

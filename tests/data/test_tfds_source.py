@@ -1,6 +1,7 @@
 """Tests for `--dataset=tfds:NAME`: any TFDS image classification dataset
 prepared in data_dir (written here), its splits and clear refusals."""
 
+import json
 import socket
 
 import numpy as np
@@ -70,3 +71,16 @@ def test_an_empty_name_is_refused_before_any_read():
                      'nothing after the colon; name what to read, e.g. '
                      '--dataset=tfds:tf_flowers'):
     data.check_name('tfds:')
+
+
+@pytest.mark.slow
+def test_the_command_line_trains_a_dataset_prepared_in_data_dir(
+    run_train, tmp_path):
+  tfds_store.store('tiny_shapes', tmp_path / 'tfds', features=_SHAPES,
+                   rows={'train': 48, 'test': 12})
+  model_dir = tmp_path / 'run'
+  run_train(dataset='tfds:tiny_shapes', data_dir=str(tmp_path / 'tfds'),
+            image_size=['28', '28'], num_clones=2, model_dir=str(model_dir))
+  job = json.loads((model_dir / 'job.json').read_text())['job']
+  assert (job['num_classes'], job['input_shape']) == (3, [28, 28, 3])
+  assert (job['train_examples'], job['test_examples']) == (48, 12)

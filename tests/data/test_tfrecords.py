@@ -1,0 +1,143 @@
+"""Tests for `--dataset=tfrecord:GLOB`: TFRecords in the layout of TF's
+image-classification converters, written here from the offline digits."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from sklearn import datasets
+import tensorflow as tf
+
+from tfmulti import data
+from tfmulti import errors
+from tfmulti.data import tfrecords
+
+
+def _example(image_bytes, label, keys=(tfrecords.IMAGE_KEY,
+                                      tfrecords.LABEL_KEY)):
+  feature = {
+      keys[0]: tf.train.Feature(bytes_list=tf.train.BytesList(
+          value=[image_bytes])),
+      keys[1]: tf.train.Feature(int64_list=tf.train.Int64List(
+          value=[label]))}
+  return tf.train.Example(features=tf.train.Features(
+      feature=feature)).SerializeToString()
+
+
+def _write(folder, name, rows, *, files=2, label_offset=0, start=0,
+           encode=tf.io.encode_png, **example_kwargs):
+  """`rows` digits (from `start`) as PNG records over `files` files
+  `name-0000i`; returns their (pixels, labels)."""
+  digits = datasets.load_digits()
+  pixels = np.round(digits.images[start:start + rows] * 255 / 16).astype(
+      np.uint8)[..., None]
+  labels = digits.target[start:start + rows]
+  os.makedirs(folder, exist_ok=True)
+  for f in range(files):
+    with tf.io.TFRecordWriter(str(folder / f'{name}-{f:05d}')) as writer:
+      for image, label in list(zip(pixels, labels))[f::files]:
+        writer.write(_example(encode(image).numpy(),
+                              int(label) + label_offset, **example_kwargs))
+  return pixels, labels
+
+
+def test_records_train_with_a_validation_glob_and_a_label_offset(tmp_path):
+  _, labels = _write(tmp_path, 'train', 120, label_offset=1)
+  _write(tmp_path, 'validation', 40, files=1, label_offset=1, start=120)
+  loaded = data.load(
+      f'tfrecord:{tmp_path}/train-*', global_batch_size=16,
+      options=data.InputOptions(validation_glob=f'{tmp_path}/validation-*',
+                                label_offset=1))
+  assert (loaded.num_classes, loaded.input_shape) == (10, (8, 8, 1))
+  assert (loaded.train_examples, loaded.test_examples) == (120, 40)
+  train_labels = np.concatenate([y for _, y in loaded.train_epoch(0)])
+  assert len(train_labels) == 112  # 7 whole batches of 16.
+  assert set(train_labels) <= set(labels) and min(train_labels) == 0
+  images = np.concatenate([x for x, _ in loaded.test])
+  assert images.shape == (40, 8, 8, 1) and images.max() == 1.0
+
+
+def test_without_a_validation_glob_a_seeded_share_is_held_out(tmp_path):
+  pixels, _ = _write(tmp_path, 'train', 200)
+
+  def split(seed):
+    loaded = data.load(f'tfrecord:{tmp_path}/train-*', global_batch_size=8,
+                       seed=seed,
+                       options=data.InputOptions(validation_fraction=0.25))
+    test = np.concatenate([x for x, _ in loaded.test])
+    train = np.concatenate([x for x, _ in loaded.train_epoch(0)])
+    return loaded, {r.tobytes() for r in (test * 255).round().astype(
+        np.uint8)}, {r.tobytes() for r in (train * 255).round().astype(
+            np.uint8)}
+  loaded, test, train = split(0)
+  assert loaded.train_examples + loaded.test_examples == 200
+  assert 30 <= loaded.test_examples <= 70  # About a quarter.
+  assert not test & train  # No row in both.
+  assert split(0)[1] == test and split(1)[1] != test
+
+
+@pytest.mark.parametrize('damage, message', [
+    ('no_files', 'no file matches; give a glob of TFRecord files'),
+    ('keys', r"holds records with keys \['image/bytes', 'label'\]; "
+     "tfrecord: reads 'image/encoded'"),
+    ('bytes', 'records hold .image/encoded. bytes that are neither PNG nor '
+     'JPEG'),
+    ('label', r'a label of 9 \(after --label_offset\) is at or past '
+     '--num_classes=5'),
+    ('offset', 'a label of 0 is below --label_offset=1'),
+    ('sizes', r'images of several sizes .*pass --image_size=HEIGHT,WIDTH'),
+])
+def test_bad_records_are_one_line(tmp_path, damage, message):
+  options = {'no_files': {}, 'keys': {}, 'bytes': {},
+             'label': dict(num_classes=5), 'offset': dict(label_offset=1),
+             'sizes': {}}[damage]
+  if damage == 'keys':
+    _write(tmp_path, 'train', 20, keys=('image/bytes', 'label'))
+  elif damage == 'bytes':
+    _write(tmp_path, 'train', 20, encode=lambda image: tf.constant(b'raw'))
+  elif damage == 'sizes':
+    _write(tmp_path, 'train', 20, files=1)
+    _write(tmp_path, 'train', 20, files=1, start=20, encode=lambda image: (
+        tf.io.encode_png(tf.image.resize(image, (9, 9), 'nearest'))))
+    os.rename(tmp_path / 'train-00000', tmp_path / 'train-00001')
+    _write(tmp_path, 'train', 20, files=1)
+  elif damage != 'no_files':
+    _write(tmp_path, 'train', 20)
+  with pytest.raises(errors.UserError, match=message) as refused:
+    data.load(f'tfrecord:{tmp_path}/train-*', global_batch_size=4,
+              options=data.InputOptions(**options))
+  assert '\n' not in str(refused.value)
+
+
+def test_counts_a_run_recorded_are_not_read_again(tmp_path, monkeypatch):
+  _write(tmp_path, 'train', 60)
+
+  def scan(*args):
+    raise AssertionError('the records were read whole again')
+  monkeypatch.setattr(tfrecords, '_scan', scan)
+  loaded = data.load(f'tfrecord:{tmp_path}/train-*', global_batch_size=8,
+                     known=(10, (8, 8, 1), 47, 13))
+  assert (loaded.num_classes, loaded.train_examples) == (10, 47)
+  assert loaded.input_shape == (8, 8, 1)
+
+
+@pytest.mark.slow
+def test_the_command_line_trains_records_and_resumes_on_their_counts(
+    run_train, tmp_path, monkeypatch):
+  _write(tmp_path / 'records', 'train', 400)
+  dataset = f'tfrecord:{tmp_path / "records"}/train-*'
+  model_dir = str(tmp_path / 'run')
+  run_train(dataset=dataset, image_size=['28', '28'], num_clones=2,
+            model_dir=model_dir, train_steps=2)
+  with open(os.path.join(model_dir, 'job.json')) as f:
+    job = json.load(f)['job']
+  assert job['num_classes'] == 10 and job['input_shape'] == [28, 28, 1]
+  assert job['train_examples'] + job['test_examples'] == 400
+
+  def scan(*args):
+    raise AssertionError('the resumed run read the records whole again')
+  monkeypatch.setattr(tfrecords, '_scan', scan)
+  metrics = run_train(dataset=dataset, image_size=['28', '28'],
+                      num_clones=2, model_dir=model_dir, train_steps=4)
+  assert (metrics['resumed_from_step'], metrics['steps']) == (2, 4)
