@@ -196,6 +196,8 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
     (dict(augment=['flip', 'rotate']),
      r"augment='rotate': choose one of \('flip', 'crop'\)"),
     (dict(label_offset=-1), 'label_offset=-1: must be an integer >= 0'),
+    (dict(weights='/nonexistent.weights.h5'),
+     '--weights=/nonexistent.weights.h5: no such file'),
     (dict(num_classes=1), 'num_classes=1: must be an integer >= 2'),
     (dict(dataset='tfrecord:'), '--dataset=tfrecord: names nothing after '
      'the colon; name what to read, e.g. '

@@ -131,3 +131,42 @@ def test_keras_applications_train_from_the_command_line(run_train, tmp_path):
       metrics['checkpoint']), 'job.json')).read())
   assert job['job']['input_shape'] == [32, 32, 1]
   assert job['job']['model'] == 'keras.applications.MobileNetV2'
+
+
+def test_a_weights_file_of_the_same_model_is_its_start(user_module,
+                                                       tmp_path):
+  name = f'{user_module}:small_cnn'
+  saved = models.get_model(name, input_shape=(8, 8, 1), num_classes=3)
+  path = str(tmp_path / 'small.weights.h5')
+  saved.save_weights(path)
+  loaded = models.get_model(name, input_shape=(8, 8, 1), num_classes=3,
+                            weights=path)
+  fresh = models.get_model(name, input_shape=(8, 8, 1), num_classes=3)
+  for mine, theirs in zip(loaded.weights, saved.weights):
+    assert (mine.numpy() == theirs.numpy()).all()
+  assert any((w.numpy() != v.numpy()).any()
+             for w, v in zip(loaded.weights, fresh.weights))
+  with pytest.raises(errors.ConfigError, match=r'--weights=.*small.weights.h5 '
+                     'does not fit --model=lenet .*give a file saved from '
+                     'this model') as refused:
+    models.get_model('lenet', input_shape=(28, 28, 1), num_classes=10,
+                     weights=path)
+  assert '\n' not in str(refused.value)
+
+
+def test_an_applications_backbone_file_starts_it_under_new_logits(tmp_path):
+  backbone = keras.applications.MobileNetV2(
+      weights=None, include_top=False, input_shape=(32, 32, 3),
+      pooling='avg')
+  for variable in backbone.weights:  # Values no fresh build draws.
+    variable.assign(keras.ops.full(variable.shape, 0.25))
+  path = str(tmp_path / 'mobilenet_v2_notop.weights.h5')
+  backbone.save_weights(path)
+  model = models.get_model('keras.applications.MobileNetV2',
+                           input_shape=(32, 32, 3), num_classes=5,
+                           weights=path)
+  assert model.output.shape == (None, 5)
+  assert model.layers[-1].name == 'logits'  # Logits: no activation.
+  assert model.layers[-1].activation is keras.activations.linear
+  assert len(model.weights) == len(backbone.weights) + 2
+  assert all((w.numpy() == 0.25).all() for w in model.weights[:-2])

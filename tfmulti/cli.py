@@ -62,6 +62,11 @@ _MODEL = flags.DEFINE_string(
     'MODULE:FUNCTION: your function(input_shape, num_classes) returning a '
     'functional keras.Model that ends in logits (MODULE dotted on '
     'PYTHONPATH, or a .py path).')
+_WEIGHTS = flags.DEFINE_string(
+    'weights', None, 'A local weights file the model starts from: one '
+    'saved from the same model (model.save_weights), or for '
+    'keras.applications.NAME its backbone\'s (Keras\'s *_notop.h5), under '
+    'a new layer of logits. A resume starts from its checkpoint.')
 _IMAGE_SIZE = flags.DEFINE_list(
     'image_size', None, 'HEIGHT,WIDTH: resize every image to it (bilinear); '
     'unset keeps the data\'s own size.')
@@ -345,6 +350,7 @@ def _train_config():
   options = _step_options()
   return config.TrainConfig(
       model=_MODEL.value, dataset=_DATASET.value,
+      weights=_WEIGHTS.value and os.path.expanduser(_WEIGHTS.value),
       input_options=_input_options(),
       model_dir=(os.path.expanduser(_MODEL_DIR.value) if _MODEL_DIR.value
                  is not None else default_model_dir(options)),
@@ -459,7 +465,7 @@ HELP_GROUPS = (
         'num_clones', 'clone_on_cpu', 'variables_device', 'num_stages',
         'strategy')),
     ('What trains, on what', (
-        'model', 'dataset', 'data_dir', 'image_size', 'augment',
+        'model', 'weights', 'dataset', 'data_dir', 'image_size', 'augment',
         'validation_fraction', 'validation_glob', 'label_offset',
         'num_classes', 'batch_size', 'mixed_precision')),
     ('Optimisation', (

@@ -60,7 +60,7 @@ def check(name, *, sync_batch_norm=False):
 
 
 def get_model(name, *, input_shape, num_classes, dtype_policy=None,
-              sync_batch_norm=False):
+              sync_batch_norm=False, weights=None):
   """Builds the registered model `name`.
 
   Args:
@@ -73,6 +73,9 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
       float32 output layer, so the softmax and loss run in float32.
     sync_batch_norm: BatchNorm all-reduces its batch statistics over
       the tf.distribute replicas (Keras's `synchronized=True`).
+    weights: a local weights file the model starts from: the whole model's
+      (`model.save_weights`), or a `keras.applications` backbone's
+      (`external`); None for fresh weights.
 
   Returns:
     A functional `keras.Model`.
@@ -91,7 +94,7 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
     if dtype_policy:
       keras.config.set_dtype_policy(dtype_policy)
     if external.is_external(name):
-      model = external.build(name, input_shape, num_classes)
+      model = external.build(name, input_shape, num_classes, weights)
     else:
       try:
         model = _FACTORIES[name](tuple(input_shape), num_classes, **options)
@@ -102,6 +105,8 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
             '--image_size=HEIGHT,WIDTH, e.g. 28,28 for lenet.') from e
   finally:
     keras.config.set_dtype_policy(previous)
+  if weights is not None and not name.startswith(external.KERAS_APPLICATIONS):
+    external.load_weights(name, model, weights)
   if sync_batch_norm and not keras_internals.batch_norms(model):
     raise errors.ConfigError(
         f'model={name!r} has no BatchNorm to synchronize; drop '

@@ -3,7 +3,10 @@
 * `keras.applications.NAME`: built with `weights=None` (the machines may
   be offline), the data's input shape and class count, and
   `classifier_activation=None`, so it ends in logits as the registry's
-  models do. A size below the model's minimum (MobileNetV2 takes 32x32 at
+  models do. Given a local weights file (`--weights`, such as Keras's own
+  `*_notop.h5`), the model is its backbone (`include_top=False`,
+  `pooling='avg'`) holding the file's weights and a new dense layer of
+  logits. A size below the model's minimum (MobileNetV2 takes 32x32 at
   least) is refused in one line.
 * `MODULE:FUNCTION`: the user's function, called as
   `FUNCTION(input_shape, num_classes)`, returning a functional
@@ -40,27 +43,53 @@ def check(name):
   _function(name)
 
 
-def build(name, input_shape, num_classes):
-  """The model `name` names (see the module), checked.
+def build(name, input_shape, num_classes, weights=None):
+  """The model `name` names (see the module), checked; `weights`, a local
+  file of a `keras.applications` backbone's weights, or None.
 
   Raises:
     errors.ConfigError: it cannot take this input, is not a functional
       `keras.Model`, has another output size, or ends in a softmax.
   """
   if name.startswith(KERAS_APPLICATIONS):
-    application = getattr(keras.applications, name[len(KERAS_APPLICATIONS):])
-    try:
-      model = application(weights=None, input_shape=tuple(input_shape),
-                          classes=num_classes, classifier_activation=None)
-    except ValueError as e:
-      raise errors.ConfigError(
-          f'--model={name} cannot take images of shape {tuple(input_shape)}'
-          f' ({errors.first_line(e)}); train it on a data set of larger '
-          'images.') from e
+    model = _application(name, tuple(input_shape), num_classes, weights)
   else:
     model = _function(name)(tuple(input_shape), num_classes)
   _check_model(name, model, num_classes)
   return model
+
+
+def _application(name, input_shape, num_classes, weights):
+  """`keras.applications.NAME` ending in `num_classes` logits; with
+  `weights`, its backbone holding them and a new dense layer of logits."""
+  application = getattr(keras.applications, name[len(KERAS_APPLICATIONS):])
+  try:
+    if weights is None:
+      return application(weights=None, input_shape=input_shape,
+                         classes=num_classes, classifier_activation=None)
+    backbone = application(weights=None, include_top=False,
+                           input_shape=input_shape, pooling='avg')
+  except ValueError as e:
+    raise errors.ConfigError(
+        f'--model={name} cannot take images of shape {input_shape}'
+        f' ({errors.first_line(e)}); train it on a data set of larger '
+        'images.') from e
+  load_weights(name, backbone, weights)
+  logits = keras.layers.Dense(num_classes, name='logits')(backbone.output)
+  return keras.Model(backbone.input, logits, name=backbone.name)
+
+
+def load_weights(name, model, path):
+  """`model` (of `--model=name`) given the weights of file `path`, or one
+  line saying they do not fit."""
+  try:
+    model.load_weights(path)
+  except (ValueError, OSError, KeyError) as e:
+    raise errors.ConfigError(
+        f'--weights={path} does not fit --model={name} '
+        f'({errors.first_line(e)[:160]}); give a file saved from this model '
+        '(model.save_weights), or for keras.applications.NAME its backbone\'s '
+        "(Keras's NAME ..._notop.h5).") from e
 
 
 def _check_model(name, model, num_classes):

@@ -8,6 +8,7 @@ in `StepOptions`, a strategy's in `registry`.
 """
 
 import dataclasses
+import os
 from typing import Optional, Tuple
 
 from tfmulti import data
@@ -28,6 +29,10 @@ class TrainConfig:
   Attributes:
     model: a name in `models.names()`, `keras.applications.NAME` or
       `MODULE:FUNCTION` (`models.external`).
+    weights: a local weights file the model starts from (`model.save_weights`
+      of the same model, or a `keras.applications` backbone's, such as
+      Keras's `*_notop.h5`); None for fresh weights. A resume starts from
+      its checkpoint instead.
     dataset: a name in `data.DATASETS`, or one starting with one of
       `data.PREFIXES` (`tfds:`, `folder:`, `tfrecord:`).
     input_options: how the dataset is read (`data.InputOptions`: image
@@ -66,6 +71,7 @@ class TrainConfig:
       num_clones * num_workers * K, and steps count updates.
   """
   model: str = 'lenet'
+  weights: Optional[str] = None
   dataset: str = 'digits'
   input_options: data.InputOptions = data.DEFAULTS
   model_dir: str = 'runs/default'
@@ -100,6 +106,10 @@ class TrainConfig:
       errors.check_choice(name, getattr(self, name), allowed)
     models.check(self.model,
                  sync_batch_norm=self.step_options.sync_batch_norm)
+    if self.weights is not None and not os.path.isfile(self.weights):
+      raise errors.ConfigError(
+          f'--weights={self.weights}: no such file; give a local weights '
+          'file (.weights.h5 or .h5).')
     for name in ('batch_size', 'epochs', 'log_every_steps',
                  'checkpoint_steps', 'keep_checkpoints'):
       errors.check_count(name, getattr(self, name), 1)
