@@ -235,8 +235,11 @@ _GRADIENT_PACKS = flags.DEFINE_string(
     "owner device (and reads that device's variables) as one tensor; N: in N "
     'packs a device; 0: one transfer a variable. The same weights (bit for '
     'bit with --reproducible_rows; towers).')
-_XLA = flags.DEFINE_bool('xla', False,
-                         "Compile each clone's step with XLA (towers only).")
+_XLA = flags.DEFINE_string(
+    'xla', step_options.AUTO, "Compile each clone's forward and backward "
+    "pass with XLA (towers only): 'true', 'false', or 'auto': on where every "
+    'clone is a GPU running whole, off with stages or micro-batches, '
+    '--reproducible_rows, --sync_batch_norm or --deterministic (logged).')
 _MIXED_PRECISION = flags.DEFINE_bool(
     'mixed_precision', False, 'Compute in float16 on GPUs (with dynamic loss '
     'scaling) or bfloat16 on CPUs; variables stay float32.')
@@ -271,6 +274,17 @@ def _image_size(values):
         f'--image_size={",".join(values)}: give HEIGHT,WIDTH in pixels, '
         'e.g. --image_size=32,32.') from None
   return height, width
+
+
+def _xla(value):
+  """--xla as the step option: True, False or 'auto'."""
+  if isinstance(value, bool) or value == step_options.AUTO:
+    return value
+  words = {'true': True, '1': True, 'false': False, '0': False}
+  if str(value).lower() not in words:
+    raise errors.ConfigError(
+        f"--xla={value}: use 'true', 'false' or 'auto'.")
+  return words[str(value).lower()]
 
 
 def _profile_steps(values):
@@ -385,7 +399,7 @@ def _step_options():
   """The one `StepOptions` record of this run, from its flags."""
   return step_options.StepOptions(
       batch_norm_policy=_BATCH_NORM_POLICY.value,
-      sync_batch_norm=_SYNC_BATCH_NORM.value, xla=_XLA.value,
+      sync_batch_norm=_SYNC_BATCH_NORM.value, xla=_xla(_XLA.value),
       num_microbatches=_NUM_MICROBATCHES.value,
       stage_boundaries=(tuple(_STAGE_BOUNDARIES.value)
                         if _STAGE_BOUNDARIES.value else None),

@@ -25,12 +25,16 @@ The conventions read here:
   strategy (`extended.update`), which does not colocate it with its
   variable; only the assignments themselves land beside the variable.
   `updates_beside_variables` moves the arithmetic there.
+* Whether TensorFlow's op determinism is on: TF's private
+  `config.is_op_determinism_enabled`, which Keras's own
+  `jit_compile='auto'` reads too.
 """
 
 import contextlib
 
 import keras
 import tensorflow as tf
+from tensorflow.python.framework import config as tf_config
 
 from tfmulti import devices
 
@@ -228,3 +232,9 @@ def deferred_variables():
 def initialize(variable):
   """Makes a deferred Keras variable (see `deferred_variables`) here."""
   variable._deferred_initialize()
+
+
+def op_determinism_enabled():
+  """Whether `tf.config.experimental.enable_op_determinism()` is in force
+  (TF has no public reader; Keras reads the same private one)."""
+  return tf_config.is_op_determinism_enabled()

@@ -30,7 +30,9 @@ STAGE_COSTS = (ESTIMATED, MEASURED)
 GPIPE = 'gpipe'
 ONE_F_ONE_B = '1f1b'
 PIPELINE_SCHEDULES = (ONE_F_ONE_B, GPIPE)
-AUTO = 'auto'  # clone_shares=auto: measured and balanced (`deploy.balance`).
+# clone_shares=auto: measured and balanced (`deploy.balance`); xla=auto:
+# on where `deploy.xla_rule` says.
+AUTO = 'auto'
 # The options that say how a clone is cut into stages (num_stages > 1).
 _OF_THE_CUT = ('stage_boundaries', 'stage_costs', 'stage_speeds', 'recompute',
                'pipeline_schedule')
@@ -46,7 +48,9 @@ class StepOptions:
     sync_batch_norm: BatchNorm over the global batch's statistics,
       all-reduced between clones (the towers run them in lockstep) or
       replicas.
-    xla: compile each clone's forward and backward pass with XLA.
+    xla: compile each clone's forward and backward pass with XLA: True,
+      False, or 'auto' (the default): on where the rule of
+      `deploy.xla_rule` finds it faster and keeping every guarantee.
     num_microbatches: micro-batches each clone's shard is cut into,
       flowing through its stages (`DeploymentConfig.num_stages`).
     stage_boundaries: the first layer of each stage but the first; None
@@ -76,7 +80,7 @@ class StepOptions:
   """
   batch_norm_policy: str = BN_CLONE_0
   sync_batch_norm: bool = False
-  xla: bool = False
+  xla: Union[bool, str] = AUTO
   num_microbatches: int = 1
   stage_boundaries: Optional[Tuple[str, ...]] = None
   stage_costs: str = ESTIMATED
@@ -102,6 +106,9 @@ class StepOptions:
     for speed in self.stage_speeds or ():
       errors.check_positive('stage_speeds', speed)
     errors.check_count('reproducible_rows', self.reproducible_rows, 0)
+    if not (self.xla is True or self.xla is False or self.xla == AUTO):
+      raise errors.ConfigError(
+          f'xla={self.xla!r}: use True, False or {AUTO!r}.')
     self._check_packs()
     self._check_shares()
     self._check_reproducible()
@@ -174,7 +181,7 @@ class StepOptions:
     if num_stages == 1 and self.num_microbatches == 1:
       return
     for name in ('xla', 'sync_batch_norm'):
-      if getattr(self, name):
+      if getattr(self, name) is True:
         raise errors.UnsupportedError(
             f'{name}=True runs whole clones; it cannot run a clone cut into '
             f'stages or micro-batches (num_stages={num_stages}, '
@@ -220,6 +227,8 @@ class StepOptions:
     for field in dataclasses.fields(self):
       if getattr(self, field.name) != field.default:
         names.append(field.name)
+    if self.xla is not True and 'xla' in names:
+      names.remove('xla')  # Off asks nothing of a strategy.
     if self.auto_shares:
       names[names.index('clone_shares')] = f'clone_shares={AUTO}'
     elif 'rebalance_every_steps' in names:
@@ -238,4 +247,4 @@ def _number(text):
   return text
 
 
-DEFAULTS = StepOptions()  # The plain step: one stage, equal shards, no XLA.
+DEFAULTS = StepOptions()  # The plain step: one stage, equal shards.

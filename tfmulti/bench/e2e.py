@@ -3,16 +3,18 @@
   python -m tfmulti.bench.e2e --model=lenet --epochs=40 --rounds=3
 
 Runs, in one process and in interleaved rounds (the order rotates each
-round), the same work five ways: tfmulti's main job (`train_and_evaluate`:
+round), the same work several ways: tfmulti's main job (`train_and_evaluate`:
 input pipeline, evaluation every epoch, summaries, checkpoints; the export
 at the end is off, as the `model.fit` script has none) with 2 clones on
-logical CPUs and with 1 clone, and the plain Keras equivalent (`compile` +
-`fit` with `validation_data`, the same model, data pipeline, global batch,
-optimizer and epochs) on one device, under `MirroredStrategy` on the two
-logical CPUs, and as `deploy.TowersModel` (the towers behind `fit`) on
-them. Each job is timed whole (wall and process CPU seconds) and by
-phase: start-up to the first step, the first step (tracing), training after
-it, evaluation.
+logical CPUs and with 1 clone, each with `--xla`'s default (`auto`) and
+with XLA on; and the plain Keras equivalent (`compile` + `fit` with
+`validation_data`, the same model, data pipeline, global batch, optimizer
+and epochs) on one device with its defaults (`jit_compile='auto'`) and
+with `jit_compile=True`, under `MirroredStrategy` on the two logical CPUs,
+and as `deploy.TowersModel` (the towers behind `fit`) on them. Each job is
+timed whole (wall and process CPU seconds) and by phase: start-up to the
+first step, the first step (tracing), training after it, evaluation.
+`--variants` picks some.
 """
 
 import argparse
@@ -32,13 +34,16 @@ from tfmulti import data
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti import step_options
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
 from tfmulti.train import job
 
 NUM_LOGICAL_CPUS = 2
-FIT_VARIANTS = ('fit_one_device', 'fit_mirrored', 'towers_fit_2clones')
-TFMULTI_VARIANTS = ('tfmulti_2clones', 'tfmulti_1clone')
+FIT_VARIANTS = ('fit_one_device', 'fit_one_device_jit', 'fit_mirrored',
+                'towers_fit_2clones')
+TFMULTI_VARIANTS = ('tfmulti_2clones', 'tfmulti_1clone',
+                    'tfmulti_2clones_xla', 'tfmulti_1clone_xla')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +83,8 @@ def _timed(job):
   return result, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _tfmulti(e2e, num_clones):
-  """The main job; returns its phases."""
+def _tfmulti(e2e, num_clones, xla=step_options.AUTO):
+  """The main job, with `xla` its step option; returns its phases."""
   model_dir = tempfile.mkdtemp(prefix='tfmulti-e2e-')
   try:
     metrics = job.train_and_evaluate(
@@ -87,7 +92,8 @@ def _tfmulti(e2e, num_clones):
             model=e2e.model, model_dir=model_dir, data_dir=e2e.data_dir,
             batch_size=e2e.global_batch_size // num_clones,
             epochs=e2e.epochs, optimizer=e2e.optimizer,
-            learning_rate=e2e.learning_rate, export=False),
+            learning_rate=e2e.learning_rate, export=False,
+            step_options=step_options.StepOptions(xla=xla)),
         deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True))
   finally:
     shutil.rmtree(model_dir, ignore_errors=True)
@@ -128,10 +134,10 @@ class _Phases(keras.callbacks.Callback):
         time.perf_counter() - self._after_first - self.times['evaluation'])
 
 
-def _fit(e2e, kind):
+def _fit(e2e, kind, jit_compile='auto'):
   """The plain Keras script: build, compile, fit with validation; `kind`
   'one_device', 'mirrored' (MirroredStrategy) or 'towers' (TowersModel on
-  the two logical CPUs)."""
+  the two logical CPUs); `jit_compile` as `compile` takes it."""
   started = time.perf_counter()
   keras.utils.set_random_seed(0)
   loaded = data.load('digits', global_batch_size=e2e.global_batch_size,
@@ -152,7 +158,7 @@ def _fit(e2e, kind):
     if kind == 'towers':
       model = deploy.TowersModel(model, towers)
     model.compile(optimizer=optimizer, loss=build.make_loss(),
-                  metrics=['accuracy'])
+                  metrics=['accuracy'], jit_compile=jit_compile)
   phases = _Phases(started)
   history = model.fit(loaded.train_epoch(0), epochs=e2e.epochs,
                       validation_data=loaded.test, callbacks=[phases],
@@ -167,7 +173,10 @@ def run(e2e, variants=TFMULTI_VARIANTS + FIT_VARIANTS):
   """{variant: [per-round dicts with wall, cpu and the phases]}."""
   jobs = {'tfmulti_2clones': lambda: _tfmulti(e2e, 2),
           'tfmulti_1clone': lambda: _tfmulti(e2e, 1),
+          'tfmulti_2clones_xla': lambda: _tfmulti(e2e, 2, xla=True),
+          'tfmulti_1clone_xla': lambda: _tfmulti(e2e, 1, xla=True),
           'fit_one_device': lambda: _fit(e2e, 'one_device'),
+          'fit_one_device_jit': lambda: _fit(e2e, 'one_device', True),
           'fit_mirrored': lambda: _fit(e2e, 'mirrored'),
           'towers_fit_2clones': lambda: _fit(e2e, 'towers')}
   names = [name for name in jobs if name in variants]
@@ -216,7 +225,16 @@ def main(argv=None):
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--data_dir')
   parser.add_argument('--output', help='write the rounds and medians here')
+  parser.add_argument('--variants', default=','.join(
+      TFMULTI_VARIANTS + FIT_VARIANTS), help='comma-separated; '
+      'fit_one_device (the reference) always runs')
   args = parser.parse_args(argv)
+  variants = set(args.variants.split(',')) | {'fit_one_device'}
+  unknown = variants - set(TFMULTI_VARIANTS + FIT_VARIANTS)
+  if unknown:
+    sys.exit(f'tfmulti.bench.e2e: error: --variants={args.variants}: no '
+             f'variant {sorted(unknown)}; choose from '
+             f'{",".join(TFMULTI_VARIANTS + FIT_VARIANTS)}.')
   try:
     e2e = E2EConfig(model=args.model,
                     global_batch_size=args.global_batch_size,
@@ -227,7 +245,7 @@ def main(argv=None):
     devices.create_logical_cpus(NUM_LOGICAL_CPUS)
   except errors.UserError as e:
     sys.exit(f'tfmulti.bench.e2e: error: {e}')
-  rounds = run(e2e)
+  rounds = run(e2e, variants)
   medians = summarize(rounds)
   print(format_table(medians))
   if args.output:

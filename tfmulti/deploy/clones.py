@@ -157,7 +157,7 @@ def create_clones(config, model, loss_fn, images, labels, *,
 
   def clone_fn(*args):
     return clone_step(model, loss_fn, layout.global_rows, *args)
-  if options.xla:
+  if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
     clone_fn = tf.function(clone_fn, jit_compile=True)
   image_shards = split_batch(config, images, sizes)
   label_shards = split_batch(config, labels, sizes)

@@ -54,6 +54,7 @@ from tfmulti.deploy import atoms
 from tfmulti.deploy import balance
 from tfmulti.deploy import packs
 from tfmulti.deploy import towers_in_strategy
+from tfmulti.deploy import xla_rule
 from tfmulti.deploy.batch_norm import combine_non_trainable
 from tfmulti.deploy.batch_norm import moments_of
 from tfmulti.deploy.clones import clone_step
@@ -413,6 +414,7 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   options = dataclasses.replace(options or step_options.StepOptions(),
                                 **fields)
   check_options(config, options)
+  options = xla_rule.resolve(config, options)
   check_model(model)
   trainer.check_loss(loss_fn)
   stages = None

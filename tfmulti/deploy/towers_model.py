@@ -20,8 +20,9 @@ How it differs from a plain Keras model:
     splits each batch by its real rows: `fit`'s last partial batch is split
     as evenly as it goes (each clone's loss weighted by its rows), with one
     more trace for its shape. XLA is the towers' own, per clone:
-    `jit_compile=True` is `xla=True` (compiling the whole multi-device step
-    would make one cluster on one device); 'auto' leaves it off.
+    `jit_compile` is the step option `xla` (compiling the whole
+    multi-device step would make one cluster on one device): 'auto', the
+    default, compiles each clone where `xla_rule` says (GPUs).
   * The optimizer is made (again, from its config, if it was made
     elsewhere) and built, and every variable's placement checked, in
     `compile`, under `config.optimizer_variables_device()`.
@@ -127,8 +128,9 @@ class TowersModel(keras.Model):
               jit_compile='auto', **kwargs):
     """Keras's `compile`, then the towers: the optimizer built and every
     variable checked on the variables device. Several losses,
-    `loss_weights` and weighted metrics are Keras's own; `jit_compile=True`
-    compiles each clone with XLA (`xla=True`)."""
+    `loss_weights` and weighted metrics are Keras's own; `jit_compile` is
+    the step option `xla`: True compiles each clone with XLA, 'auto' (the
+    default) follows `xla_rule`."""
     if kwargs.pop('run_eagerly', None) is False:
       raise errors.ConfigError(
           'run_eagerly=False: TowersModel runs Keras\'s step eagerly around '
@@ -136,8 +138,8 @@ class TowersModel(keras.Model):
     for each in tf.nest.flatten(loss):
       if isinstance(each, keras.losses.Loss):
         trainer.check_loss(each)
-    if jit_compile is True:
-      self.options = dataclasses.replace(self.options, xla=True)
+    if jit_compile in (True, False):  # 'auto' leaves the rule to decide.
+      self.options = dataclasses.replace(self.options, xla=jit_compile)
     with tf.device(self.config.optimizer_variables_device()):
       with self._workers_scope():  # Its variables, the workers' too.
         optimizer = _beside_the_variables(optimizer)
