@@ -196,6 +196,9 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
     (dict(augment=['flip', 'rotate']),
      r"augment='rotate': choose one of \('flip', 'crop'\)"),
     (dict(label_offset=-1), 'label_offset=-1: must be an integer >= 0'),
+    (dict(shard_files=True), '--shard_files shares files out over the '
+     "workers of --strategy=multi_worker; strategy='towers' reads every "
+     'row'),
     (dict(weights='/nonexistent.weights.h5'),
      '--weights=/nonexistent.weights.h5: no such file'),
     (dict(num_classes=1), 'num_classes=1: must be an integer >= 2'),

@@ -100,3 +100,19 @@ def test_the_command_line_learns_a_folder_of_images(run_train, tmp_path):
   metrics = run_train(dataset=folder, image_size=['28', '28'], num_clones=2,
                       batch_size=32, train_steps=300, log_every_steps=100)
   assert metrics['eval_accuracy'] >= 0.9
+
+
+def test_shard_files_gives_each_worker_every_other_file(tmp_path):
+  _write_digits(tmp_path / 'd', per_class=12)
+  options = data.InputOptions(shard_files=True, validation_fraction=0.25)
+  workers = [data.load(f'folder:{tmp_path / "d"}', global_batch_size=8,
+                       options=options, worker=(w, 2)) for w in range(2)]
+  rows = [{x.numpy().tobytes() for batch, _ in loaded.train_epoch(0)
+           for x in batch} for loaded in workers]
+  assert not rows[0] & rows[1]
+  # 90 training images: 45 a worker, 11 steps of 4 rows each.
+  assert all(loaded.per_worker and loaded.train_examples == 11 * 8
+             for loaded in workers)
+  with pytest.raises(errors.ConfigError, match='--shard_files shares out '
+                     'files: --dataset=digits has none to share'):
+    data.load('digits', global_batch_size=8, options=options, worker=(0, 2))

@@ -25,7 +25,7 @@ def _example(image_bytes, label, keys=(tfrecords.IMAGE_KEY,
       feature=feature)).SerializeToString()
 
 
-def _write(folder, name, rows, *, files=2, label_offset=0, start=0,
+def write_records(folder, name, rows, *, files=2, label_offset=0, start=0,
            encode=tf.io.encode_png, **example_kwargs):
   """`rows` digits (from `start`) as PNG records over `files` files
   `name-0000i`; returns their (pixels, labels)."""
@@ -43,8 +43,9 @@ def _write(folder, name, rows, *, files=2, label_offset=0, start=0,
 
 
 def test_records_train_with_a_validation_glob_and_a_label_offset(tmp_path):
-  _, labels = _write(tmp_path, 'train', 120, label_offset=1)
-  _write(tmp_path, 'validation', 40, files=1, label_offset=1, start=120)
+  _, labels = write_records(tmp_path, 'train', 120, label_offset=1)
+  write_records(tmp_path, 'validation', 40, files=1, label_offset=1,
+                start=120)
   loaded = data.load(
       f'tfrecord:{tmp_path}/train-*', global_batch_size=16,
       options=data.InputOptions(validation_glob=f'{tmp_path}/validation-*',
@@ -59,7 +60,7 @@ def test_records_train_with_a_validation_glob_and_a_label_offset(tmp_path):
 
 
 def test_without_a_validation_glob_a_seeded_share_is_held_out(tmp_path):
-  pixels, _ = _write(tmp_path, 'train', 200)
+  pixels, _ = write_records(tmp_path, 'train', 200)
 
   def split(seed):
     loaded = data.load(f'tfrecord:{tmp_path}/train-*', global_batch_size=8,
@@ -93,17 +94,19 @@ def test_bad_records_are_one_line(tmp_path, damage, message):
              'label': dict(num_classes=5), 'offset': dict(label_offset=1),
              'sizes': {}}[damage]
   if damage == 'keys':
-    _write(tmp_path, 'train', 20, keys=('image/bytes', 'label'))
+    write_records(tmp_path, 'train', 20, keys=('image/bytes', 'label'))
   elif damage == 'bytes':
-    _write(tmp_path, 'train', 20, encode=lambda image: tf.constant(b'raw'))
+    write_records(tmp_path, 'train', 20,
+                  encode=lambda image: tf.constant(b'raw'))
   elif damage == 'sizes':
-    _write(tmp_path, 'train', 20, files=1)
-    _write(tmp_path, 'train', 20, files=1, start=20, encode=lambda image: (
-        tf.io.encode_png(tf.image.resize(image, (9, 9), 'nearest'))))
+    write_records(tmp_path, 'train', 20, files=1)
+    write_records(tmp_path, 'train', 20, files=1, start=20,
+                  encode=lambda image: tf.io.encode_png(
+                      tf.image.resize(image, (9, 9), 'nearest')))
     os.rename(tmp_path / 'train-00000', tmp_path / 'train-00001')
-    _write(tmp_path, 'train', 20, files=1)
+    write_records(tmp_path, 'train', 20, files=1)
   elif damage != 'no_files':
-    _write(tmp_path, 'train', 20)
+    write_records(tmp_path, 'train', 20)
   with pytest.raises(errors.UserError, match=message) as refused:
     data.load(f'tfrecord:{tmp_path}/train-*', global_batch_size=4,
               options=data.InputOptions(**options))
@@ -111,7 +114,7 @@ def test_bad_records_are_one_line(tmp_path, damage, message):
 
 
 def test_counts_a_run_recorded_are_not_read_again(tmp_path, monkeypatch):
-  _write(tmp_path, 'train', 60)
+  write_records(tmp_path, 'train', 60)
 
   def scan(*args):
     raise AssertionError('the records were read whole again')
@@ -125,7 +128,7 @@ def test_counts_a_run_recorded_are_not_read_again(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_command_line_trains_records_and_resumes_on_their_counts(
     run_train, tmp_path, monkeypatch):
-  _write(tmp_path / 'records', 'train', 400)
+  write_records(tmp_path / 'records', 'train', 400)
   dataset = f'tfrecord:{tmp_path / "records"}/train-*'
   model_dir = str(tmp_path / 'run')
   run_train(dataset=dataset, image_size=['28', '28'], num_clones=2,
@@ -141,3 +144,46 @@ def test_the_command_line_trains_records_and_resumes_on_their_counts(
   metrics = run_train(dataset=dataset, image_size=['28', '28'],
                       num_clones=2, model_dir=model_dir, train_steps=4)
   assert (metrics['resumed_from_step'], metrics['steps']) == (2, 4)
+
+
+def _rows(dataset):
+  return [x.numpy().tobytes() for batch, _ in dataset for x in batch]
+
+
+def test_shard_files_gives_each_worker_its_files_and_equal_steps(tmp_path):
+  write_records(tmp_path, 'train', 150, files=3)  # 50 rows a file.
+  write_records(tmp_path, 'validation', 20, files=1, start=150)
+  options = data.InputOptions(validation_glob=f'{tmp_path}/validation-*',
+                              shard_files=True)
+  workers = [data.load(f'tfrecord:{tmp_path}/train-*', global_batch_size=16,
+                       options=options, worker=(w, 2)) for w in range(2)]
+  # Worker 0 reads files 0 and 2 (100 rows), worker 1 file 1 (50): both
+  # train the 6 steps of 8 rows that 50 rows make.
+  for loaded in workers:
+    assert loaded.per_worker and loaded.train_examples == 6 * 16
+    batches = list(loaded.train_epoch(0))
+    assert len(batches) == 6 and {b[0].shape[0] for b in batches} == {8}
+    assert len(list(loaded.train_epoch(0, skip_batches=4))) == 2
+  mine = [set(_rows(loaded.train_epoch(e))) for loaded in workers
+          for e in range(3)]
+  assert not (mine[0] | mine[1] | mine[2]) & (mine[3] | mine[4] | mine[5])
+  # Evaluation reads every validation file on every worker.
+  assert [loaded.test_examples for loaded in workers] == [20, 20]
+
+
+@pytest.mark.parametrize('setup, options, message', [
+    ('no_validation', {}, '--shard_files with --dataset=tfrecord:.* needs '
+     '--validation_glob'),
+    ('one_file', {'validation': True}, r'matches 1 file\(s\) for 2 workers'),
+])
+def test_records_that_cannot_be_shared_out_are_one_line(tmp_path, setup,
+                                                        options, message):
+  write_records(tmp_path, 'train', 40,
+                files=2 if setup == 'no_validation' else 1)
+  write_records(tmp_path, 'validation', 10, files=1, start=40)
+  glob = f'{tmp_path}/validation-*' if options else None
+  with pytest.raises(errors.ConfigError, match=message):
+    data.load(f'tfrecord:{tmp_path}/train-*', global_batch_size=8,
+              options=data.InputOptions(validation_glob=glob,
+                                        shard_files=True),
+              worker=(0, 2))

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.data import test_tfrecords
 from tests.helpers import assert_same_checkpoints
 from tests.helpers import REPO
 from tfmulti import errors
@@ -528,3 +529,23 @@ def test_a_worker_lost_under_the_launcher_ends_the_job_and_every_process(
   assert re.search(r'worker \d exited with status \d+; stopping the others',
                    text)
   assert not [p for p in started if _alive(p)]
+
+
+@pytest.mark.slow
+def test_two_workers_train_their_own_files_the_same_steps(tmp_path,
+                                                          digits_dir):
+  """--shard_files: worker 0 reads 100 rows, worker 1 50; both train the
+  50 rows' steps, so neither waits in a collective at the epoch's end."""
+  records = tmp_path / 'records'
+  test_tfrecords.write_records(records, 'train', 150, files=3)
+  test_tfrecords.write_records(records, 'validation', 20, files=1,
+                               start=150)
+  model_dir = tmp_path / 'job'
+  _run_job(model_dir, digits_dir, tmp_path, '--strategy=multi_worker',
+           '--num_clones=1', f'--dataset=tfrecord:{records}/train-*',
+           f'--validation_glob={records}/validation-*', '--shard_files',
+           '--image_size=28,28', '--epochs=1')
+  metrics = json.loads((model_dir / 'metrics.json').read_text())
+  assert metrics['steps'] == 50 // 4  # 4 rows a worker a step.
+  job = json.loads((model_dir / 'job.json').read_text())['job']
+  assert job['input_options']['shard_files'] is True

@@ -21,6 +21,8 @@ How they are read (sizes, augmentation, held-out shares, labels) is one
 `InputOptions`.
 """
 
+import dataclasses
+
 import tensorflow as tf
 
 from tfmulti import digits  # noqa: F401  (registers the TFDS builder)
@@ -82,15 +84,20 @@ def check_name(name):
         f'--dataset={name}{examples[name]}.')
 
 
-def _splits(name, *, data_dir, seed, options, known):
+SHARDABLE = (image_folder.PREFIX, tfrecords.PREFIX)
+
+
+def _splits(name, *, data_dir, seed, options, known, shard):
   """The source's `pipeline.Splits`."""
   if name.startswith(image_folder.PREFIX):
     return image_folder.read(
         name[len(image_folder.PREFIX):], image_size=options.image_size,
-        validation_fraction=options.validation_fraction, seed=seed)
+        validation_fraction=options.validation_fraction, seed=seed,
+        shard=shard)
   if name.startswith(tfrecords.PREFIX):
     return tfrecords.read(name[len(tfrecords.PREFIX):], options=options,
-                          seed=seed, known=known)
+                          seed=seed, known=None if shard else known,
+                          shard=shard)
   tfds_name = name[len(tfds_source.PREFIX):] if name.startswith(
       tfds_source.PREFIX) else name
   return tfds_source.read(tfds_name, data_dir=data_dir, seed=seed,
@@ -98,41 +105,70 @@ def _splits(name, *, data_dir, seed, options, known):
 
 
 def load(name, *, global_batch_size, data_dir=None, seed=0,
-         options=DEFAULTS, known=None):
+         options=DEFAULTS, known=None, worker=None):
   """The train and test pipelines of dataset `name`.
 
   Args:
     name: one of `DATASETS`, or a name starting with one of `PREFIXES`.
-    global_batch_size: rows per training batch, `batch_size * num_clones`.
+    global_batch_size: rows per training step of the whole job.
     data_dir: TFDS data directory; None for TFDS's default.
     seed: shuffling, held-out and augmentation seed.
     options: the `InputOptions`.
     known: for `tfrecord:`, (num_classes, image shape, train rows, test
       rows) a previous run of the job recorded; None reads them.
+    worker: (this worker's index, workers) of a multi-worker job; with
+      `options.shard_files`, the worker reads its share of the files and
+      its batches hold its rows of each step (`Data.per_worker`).
 
   Returns:
     A `Data`.
 
   Raises:
-    errors.ConfigError: unknown `name`, bad data, or a batch larger than the
-      train split.
+    errors.ConfigError: unknown `name`, bad data, a batch larger than the
+      train split, or files that cannot be shared out.
     errors.DatasetUnavailableError: not prepared and not downloadable here.
   """
   check_name(name)
+  shard = worker if options.shard_files else None
+  if shard and not name.startswith(SHARDABLE):
+    raise errors.ConfigError(
+        f'--shard_files shares out files: --dataset={name} has none to '
+        'share; use it with folder:PATH or tfrecord:GLOB, or drop it.')
   if name == 'synthetic':
     data = _synthetic(global_batch_size, seed, options.image_size)
   else:
     splits = _splits(name, data_dir=data_dir, seed=seed, options=options,
-                     known=known)
-    data = pipeline.batched(splits, global_batch_size=global_batch_size,
-                            seed=seed, options=options)
+                     known=known, shard=shard)
+    batch = global_batch_size // shard[1] if shard else global_batch_size
+    data = pipeline.batched(splits, global_batch_size=batch, seed=seed,
+                            options=options)
     if data.input_shape[0] is None:
       raise errors.ConfigError(
           f'--dataset={name} holds images of several sizes; pass '
           '--image_size=HEIGHT,WIDTH to resize them all.')
+    if shard:
+      data = _equal_steps(name, data, splits.worker_rows, batch)
   if data.train_examples < global_batch_size:
     raise errors.ConfigError(
         f'the global batch of {global_batch_size} is larger than the '
         f'{data.train_examples} training examples of {name!r}; lower '
         'batch_size or num_clones.')
   return data
+
+
+def _equal_steps(name, data, worker_rows, batch):
+  """`data` of one worker's files, cut to the steps of the worker with the
+  fewest rows, so no worker waits in a collective at an epoch's end."""
+  steps = min(worker_rows) // batch
+  if not steps:
+    raise errors.ConfigError(
+        f'--shard_files: a worker\'s files of {name} hold '
+        f'{min(worker_rows)} rows, fewer than its {batch} rows a step; '
+        'lower batch_size, or drop --shard_files.')
+  whole = data.train_epoch
+
+  def train_epoch(epoch, skip_batches=0):
+    return whole(epoch, skip_batches).take(max(0, steps - skip_batches))
+  return dataclasses.replace(data, train_epoch=train_epoch,
+                             train_examples=steps * batch * len(worker_rows),
+                             per_worker=True)

@@ -27,8 +27,10 @@ _PNG = b'\x89PNG\r\n\x1a\n'
 _JPEG = b'\xff\xd8'
 
 
-def read(path, *, image_size, validation_fraction, seed):
-  """`pipeline.Splits` of the folder's (uint8 image, label) files.
+def read(path, *, image_size, validation_fraction, seed, shard=None):
+  """`pipeline.Splits` of the folder's (uint8 image, label) files; with
+  `shard`, (worker, workers), this worker's training files are every
+  workers-th from the worker-th (`shard_files`).
 
   Raises:
     errors.DatasetUnavailableError: no such folder.
@@ -52,8 +54,13 @@ def read(path, *, image_size, validation_fraction, seed):
     train, test = _held_out(files, validation_fraction, seed)
   shape = _check_images(path, train + test, image_size)
   known = shape if image_size is None else (None, None, shape[-1])
+  worker_rows = None
+  if shard:
+    worker, workers = shard
+    worker_rows = tuple(len(train[w::workers]) for w in range(workers))
+    train = train[worker::workers]
   return pipeline.Splits(_decoded(train, known), _decoded(test, known),
-                         len(classes), len(train), len(test))
+                         len(classes), len(train), len(test), worker_rows)
 
 
 def _files(folder):

@@ -2,8 +2,9 @@
 
 The command line turns its input flags (`--image_size`, `--augment`,
 `--validation_fraction`, `--validation_glob`, `--label_offset`,
-`--num_classes`) into one `InputOptions` at once; `data.load` takes it
-whole. Every rule that needs no data is checked here, on construction.
+`--num_classes`, `--shard_files`) into one `InputOptions` at once;
+`data.load` takes it whole. Every rule that needs no data is checked here,
+on construction.
 """
 
 import dataclasses
@@ -39,6 +40,12 @@ class InputOptions:
       by an eighth of each side and crops back at a random offset. Each
       row's draw is seeded by (seed, epoch, position in the epoch), so
       every layout and a resumed run see the same augmented rows.
+    shard_files: in a multi-worker job, each worker reads its own share of
+      the training files (file i to worker i mod N), for I/O, instead of
+      every worker reading them all and taking its rows of each global
+      batch. It trades exactness: each worker shuffles its own files' rows,
+      so the run no longer equals one process. Every worker trains the
+      same steps an epoch: those of the worker with the fewest rows.
   """
   image_size: Optional[Tuple[int, int]] = None
   validation_fraction: float = 0.2
@@ -46,6 +53,7 @@ class InputOptions:
   label_offset: int = 0
   num_classes: Optional[int] = None
   augment: Tuple[str, ...] = ()
+  shard_files: bool = False
 
   def __post_init__(self):
     for side in self.image_size or ():

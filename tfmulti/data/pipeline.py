@@ -12,7 +12,7 @@ the threads that run the step, as tf_cnn_benchmarks did for its towers.
 
 import dataclasses
 import os
-from typing import Callable
+from typing import Callable, Optional, Tuple
 
 from absl import logging
 import numpy as np
@@ -36,12 +36,15 @@ class Splits:
     num_classes: number of labels.
     train_examples: rows in `train`.
     test_examples: rows in `test`.
+    worker_rows: with `shard_files`, the training rows of every worker's
+      share of the files (`train` is this worker's); else None.
   """
   train: tf.data.Dataset
   test: tf.data.Dataset
   num_classes: int
   train_examples: int
   test_examples: int
+  worker_rows: Optional[Tuple[int, ...]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +58,11 @@ class Data:
     test: batches in order; the last one may be short.
     input_shape: (height, width, channels) of one image.
     num_classes: number of labels.
-    train_examples: examples in the train split.
+    train_examples: examples in the train split (with `per_worker`, the
+      rows the job trains an epoch, over every worker).
     test_examples: examples in the test split.
+    per_worker: each training batch holds this worker's rows only
+      (`shard_files`), not the global batch.
   """
   train_epoch: Callable[..., tf.data.Dataset]
   test: tf.data.Dataset
@@ -64,6 +70,7 @@ class Data:
   num_classes: int
   train_examples: int
   test_examples: int
+  per_worker: bool = False
 
 
 def epoch_seed(seed, epoch):

@@ -141,13 +141,16 @@ def _check(where, labels, shapes, options):
   return num_classes, channels.pop(), sizes.pop()
 
 
-def read(pattern, *, options, seed, known=None):
+def read(pattern, *, options, seed, known=None, shard=None):
   """`pipeline.Splits` of the TFRecords `pattern` (see the module's
-  docstring); `known` is the counts a previous run of this job recorded
-  (`counts_of`), or None to read them."""
+  docstring); `known` is the counts a previous run of this job recorded,
+  or None to read them; `shard`, (worker, workers) with `shard_files`:
+  this worker reads files worker, worker + workers, ..."""
   train_files = _files(pattern, f'--dataset={PREFIX}')
   test_files = (_files(options.validation_glob, '--validation_glob=')
                 if options.validation_glob else None)
+  if shard:
+    return _sharded(pattern, train_files, test_files, options, shard)
   train = _records(train_files)
   if test_files:
     test = _records(test_files)
@@ -158,7 +161,14 @@ def read(pattern, *, options, seed, known=None):
     train = train.enumerate().filter(lambda i, _: ~held(i)).map(
         lambda _, raw: raw)
   if known is None:
-    known = _counted(pattern, train, test, options)
+    classes, shape, (train_rows,), test_rows = _counted(
+        pattern, [train], test, options)
+    known = classes, shape, train_rows, test_rows
+  return _decoded(train, test, known, options)
+
+
+def _decoded(train, test, known, options, worker_rows=None):
+  """`pipeline.Splits` of the record streams, decoded."""
   num_classes, shape, train_rows, test_rows = known
   # Resized later when an image size is given; else all of `shape`.
   decoded_shape = (None, None, shape[2]) if options.image_size else shape
@@ -171,21 +181,48 @@ def read(pattern, *, options, seed, known=None):
     return image, label - options.label_offset
   return pipeline.Splits(train.map(decode, tf.data.AUTOTUNE),
                          test.map(decode, tf.data.AUTOTUNE), num_classes,
-                         train_rows, test_rows)
+                         train_rows, test_rows, worker_rows)
 
 
-def _counted(pattern, train, test, options):
-  """(num_classes, image shape, train rows, test rows), read from every
-  record and checked."""
+def _sharded(pattern, train_files, test_files, options, shard):
+  """This worker's share of the training files (`shard_files`): every file
+  is counted (each worker must know the others' rows to train as many
+  steps), this worker's read."""
+  worker, workers = shard
+  if not test_files:
+    raise errors.ConfigError(
+        f'--shard_files with --dataset={PREFIX}{pattern} needs '
+        '--validation_glob: a held-out share of records would differ from '
+        'worker to worker.')
+  if len(train_files) < workers:
+    raise errors.ConfigError(
+        f'--dataset={PREFIX}{pattern} matches {len(train_files)} file(s) '
+        f'for {workers} workers; --shard_files needs a file a worker at '
+        'least: drop it, or split the records into more files.')
+  classes, shape, per_file, test_rows = _counted(
+      pattern, [_records([f]) for f in train_files], _records(test_files),
+      options)
+  worker_rows = tuple(sum(per_file[w::workers]) for w in range(workers))
+  return _decoded(_records(train_files[worker::workers]),
+                  _records(test_files),
+                  (classes, shape, worker_rows[worker], test_rows), options,
+                  worker_rows)
+
+
+def _counted(pattern, train_parts, test, options):
+  """(num_classes, image shape, [rows of each train part], test rows),
+  read from every record and checked."""
   logging.info('Reading every record of %s once (labels and image headers) '
                'to count its rows and classes and check them.', pattern)
-  found = [_scan(records, options.label_offset) for records in (train, test)]
-  labels = np.concatenate([found[0][0], found[1][0]])
-  shapes = np.concatenate([found[0][1], found[1][1]])
+  found = [_scan(records, options.label_offset)
+           for records in [*train_parts, test]]
+  labels = np.concatenate([labels for labels, _ in found])
+  shapes = np.concatenate([shapes for _, shapes in found])
   classes, channels, size = _check(f'--dataset={PREFIX}{pattern}', labels,
                                    shapes, options)
-  if not len(found[1][0]):
+  if not len(found[-1][0]):
     raise errors.ConfigError(
         f'--dataset={PREFIX}{pattern}: no records held out for evaluation; '
         'raise --validation_fraction or give --validation_glob.')
-  return classes, (*size, channels), len(found[0][0]), len(found[1][0])
+  return (classes, (*size, channels), [len(labels) for labels, _ in
+                                       found[:-1]], len(found[-1][0]))

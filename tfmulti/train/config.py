@@ -106,6 +106,12 @@ class TrainConfig:
       errors.check_choice(name, getattr(self, name), allowed)
     models.check(self.model,
                  sync_batch_norm=self.step_options.sync_batch_norm)
+    if self.input_options.shard_files and self.strategy != (
+        registry.MULTI_WORKER):
+      raise errors.ConfigError(
+          f'--shard_files shares files out over the workers of '
+          f'--strategy={registry.MULTI_WORKER}; strategy={self.strategy!r} '
+          'reads every row in each process: drop it.')
     if self.weights is not None and not os.path.isfile(self.weights):
       raise errors.ConfigError(
           f'--weights={self.weights}: no such file; give a local weights '

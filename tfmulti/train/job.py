@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfmulti import data
 from tfmulti import errors
 from tfmulti import rows
+from tfmulti.deploy import xla_rule
 from tfmulti.distribute import cluster
 from tfmulti.distribute import preemption
 from tfmulti.train import build
@@ -128,7 +129,9 @@ def _load(config, deploy_config):
                                                          deploy_config),
                      data_dir=config.data_dir, seed=config.seed,
                      options=config.input_options,
-                     known=_known_counts(config))
+                     known=_known_counts(config),
+                     worker=(deploy_config.worker_index,
+                             deploy_config.num_workers))
 
 
 def _known_counts(config):
@@ -191,6 +194,9 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     total_steps = config.train_steps or (
         config.epochs * (dataset.train_examples // batch))
     _check_profile_steps(config.profile_steps, total_steps)
+    if 'xla' in path.honours:  # The towers': the rule knows the run's length.
+      config = dataclasses.replace(config, step_options=xla_rule.resolve(
+          deploy_config, config.step_options, total_steps))
     schedule = build.make_schedule(
         config, deploy_config.num_clones * deploy_config.num_workers,
         total_steps)

@@ -204,8 +204,10 @@ def _train_epoch(run, position, signals, progress, profiler):
   batches = run.dataset.train_epoch(
       epoch, skip_batches=examples // run.global_batch_size).take(
           run.total_steps - step)
+  if not run.dataset.per_worker:  # Else it holds this worker's rows only.
+    batches = run.trainer.distribute_dataset(batches)
   pending = []  # Total losses of the steps not yet read back.
-  for images, labels in run.trainer.distribute_dataset(batches):
+  for images, labels in batches:
     if progress.first_step_started is None:
       progress.first_step_started = time.perf_counter()
     profiler.before(step + 1)
