@@ -5,7 +5,8 @@ against synthetic data already on the device, side by side.
 
 Writes a folder of real JPEGs first (`--images` of `--source_size`
 pixels a side: the offline digits upscaled to photographs' sizes, in
-`--classes` class folders; `--folder` keeps it for the command line), then
+`--classes` class folders; `--folder` keeps it, and `--write_only` stops
+there, for the command line), then
 runs, in one process and in rounds whose order alternates, the same job
 (`train.job.train_and_evaluate`: `--steps` global steps of
 `--batch_size` rows a clone on `--num_clones` clones) two ways: reading the
@@ -166,7 +167,12 @@ def main(argv=None):
   parser.add_argument('--folder', help='where to write the JPEGs (default: '
                       'a temporary folder, removed after)')
   parser.add_argument('--output', help='write the rounds and medians here')
+  parser.add_argument('--write_only', action='store_true',
+                      help='write the folder (--folder) and stop')
   args = parser.parse_args(argv)
+  if args.write_only and not args.folder:
+    sys.exit('tfmulti.bench.input: error: --write_only writes --folder: '
+             'name one.')
   try:
     bench = InputBenchConfig(**{f.name: getattr(args, f.name)
                                 for f in dataclasses.fields(InputBenchConfig)})
@@ -181,6 +187,8 @@ def main(argv=None):
   try:
     write_folder(folder, images=bench.images, classes=bench.classes,
                  size=bench.source_size)
+    if args.write_only:
+      return
     rounds, decoding = run(bench, folder, deploy.DeploymentConfig(
         num_clones=bench.num_clones, clone_on_cpu=clone_on_cpu))
   finally:
