@@ -41,11 +41,14 @@ def _no_launcher_around(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _op_determinism_off_after():
-  """`reproducible_rows` turns op determinism on for the whole process
-  (`deploy.deploy`, the job); the next test starts without it."""
+  """`reproducible_rows` turns op determinism on and Grappler's remapper
+  off for the whole process (`devices.same_kernels_everywhere`); the next
+  test starts without either."""
   yield
+  import tensorflow as tf
   from tensorflow.python.framework import config as tf_config
   tf_config.disable_op_determinism()
+  tf.config.optimizer.set_experimental_options({'remapping': True})
 
 
 def pytest_configure(config):

@@ -206,6 +206,20 @@ def check_placement(variables, allowed):
         'under tf.device(config.optimizer_device()).')
 
 
+def same_kernels_everywhere():
+  """What `reproducible_rows` needs of the runtime beside its atoms, for
+  the whole process: op determinism (a kernel gives the same bits on every
+  run), and Grappler's remapper off. The remapper fuses ops where the
+  graph lets it (oneDNN's fused matmul and its gradient, among others);
+  a layout that cuts the graph elsewhere (stages' gates, cross-device
+  copies) fuses otherwise, and a fused kernel rounds otherwise: with it on,
+  4 clones x 2 stages x 2 micro-batches differed from one clone by 1 ulp
+  in the first kernel on an AMD EPYC with oneDNN (BENCHMARKS.md's
+  machine)."""
+  tf.config.experimental.enable_op_determinism()
+  tf.config.optimizer.set_experimental_options({'remapping': False})
+
+
 def canonical(device):
   """`device` without a local job's '/job:localhost/replica:0/task:0'."""
   if not device:

@@ -431,7 +431,7 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   devices.check_placement(optimizer.variables, config.variable_devices() +
                           [config.optimizer_variables_device()])
   if options.reproducible_rows:  # Atoms alone are not enough: kernels too.
-    tf.config.experimental.enable_op_determinism()
+    devices.same_kernels_everywhere()
   lockstep = None
   if options.sync_batch_norm:
     lockstep = towers_in_strategy.lockstep_strategy(config)

@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti import data
+from tfmulti import devices
 from tfmulti import errors
 from tfmulti import rows
 from tfmulti.deploy import xla_rule
@@ -183,7 +184,9 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
   with run_dir.claimed(config.model_dir, lock=chief):
     workers = _start_workers(config, deploy_config, path, cluster_info)
     _log_deployment(config, deploy_config, path)
-    if config.deterministic or config.step_options.reproducible_rows:
+    if config.step_options.reproducible_rows:
+      devices.same_kernels_everywhere()
+    elif config.deterministic:
       tf.config.experimental.enable_op_determinism()
     dataset = data_override or _load(config, deploy_config)
     # Seeded after the data: preparing a data set the first time draws from
