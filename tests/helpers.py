@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 
 import keras
 import numpy as np
@@ -11,6 +12,7 @@ from tfmulti import deploy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L2 = 0.01  # Weight decay of the equivalence model, so regularization counts.
+INDEXED_JOB_MANIFEST = os.path.join(REPO, 'docs', 'indexed_job.yaml')
 
 
 def mlp(seed=0, batch_norm=False, dropout=False, synchronized=False,
@@ -110,3 +112,33 @@ def assert_same_steps(run, reference, rows, steps=2):
       np.testing.assert_allclose(mine, theirs, atol=1e-5, err_msg=path)
   for got, want in zip(weights(run.model), weights(reference.model)):
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def manifest_command(path=INDEXED_JOB_MANIFEST):
+  """The items of the `command:` list in a Kubernetes manifest, read line
+  by line (PyYAML is not a dependency): plain or quoted scalars, one a
+  line, as docs/indexed_job.yaml writes them."""
+  with open(path) as f:
+    lines = f.read().splitlines()
+  start = next(i for i, line in enumerate(lines)
+               if re.fullmatch(r'\s*command:\s*', line))
+  command = []
+  for line in lines[start + 1:]:
+    item = re.fullmatch(r'\s*- (.+?)\s*(?:#.*)?', line)
+    if not item:
+      break
+    command.append(re.sub(r'^([\'"])(.*)\1$', r'\2', item[1]))
+  return command
+
+
+def indexed_job_flags(worker_hosts):
+  """The flags of docs/indexed_job.yaml's command, which the indexed-job
+  test runs: its pods' `--worker_hosts` replaced by `worker_hosts`, its
+  `--model_dir` left to the test."""
+  flags = []
+  for flag in manifest_command()[1:]:
+    if flag.startswith('--worker_hosts='):
+      flags.append(f'--worker_hosts={worker_hosts}')
+    elif not flag.startswith('--model_dir='):
+      flags.append(flag)
+  return flags

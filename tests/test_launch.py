@@ -21,8 +21,10 @@ from tfmulti import errors
 from tfmulti import launch
 
 # A worker: says its place, writes its PID, counts the signals it gets; it
-# exits 3 if it is the worker named by --fail (once all are ready), else
-# after a signal (143, as train.py after saving) or after the seconds given.
+# exits 3 if it is the worker named by --fail (once all are ready) or by
+# --fail_on_signal (on a signal), else after a signal to it or to any
+# worker (128 + N, as train.py after the save the workers agree on) or
+# after the seconds given.
 _WORKER = """
 import json, os, pathlib, signal, sys, time
 place = json.loads(os.environ['TF_CONFIG'])
@@ -38,7 +40,8 @@ def count(signum, frame):
 signal.signal(signal.SIGTERM, count)
 signal.signal(signal.SIGINT, count)
 (out / f'ready{index}').write_text('')
-if sys.argv[2:4] == ['--fail', str(index)]:
+mode = sys.argv[2:4]
+if mode == ['--fail', str(index)]:
   # Once every worker can count its signals: a worker still starting would
   # die of the SIGTERM, as it should, without counting it.
   while not all((out / f'ready{i}').exists()
@@ -47,9 +50,15 @@ if sys.argv[2:4] == ['--fail', str(index)]:
   sys.exit(3)
 deadline = time.monotonic() + float(sys.argv[-1])
 while time.monotonic() < deadline:
+  if got and mode == ['--fail_on_signal', str(index)]:
+    sys.exit(3)  # Its save failed.
   if got:
-    time.sleep(0.5)  # "Saving": a second signal would be counted.
-    sys.exit(128 + got[0])
+    (out / 'agreed').write_text('')  # Every worker stops at the same step.
+  if got or (out / 'agreed').exists():
+    # "Saving", longer for a worker stopped by the agreement: a second
+    # signal would be counted.
+    time.sleep(0.5 if got else 1.5)
+    sys.exit(128 + (got[0] if got else signal.SIGTERM))
   time.sleep(0.05)
 """
 
@@ -141,6 +150,52 @@ def test_a_signal_reaches_every_worker_once(tmp_path, worker_script, signum):
   for index in range(2):
     assert (tmp_path / f'signals{index}').read_text() == '1'
     assert _gone(int((tmp_path / f'pid{index}').read_text()))
+
+
+def test_a_signal_to_one_worker_stops_the_job_without_a_failure(
+    tmp_path, worker_script):
+  """SIGTERM to a worker, not the launcher (a preemption): every worker
+  saves the step they agree on and exits 143, and the launcher signals
+  none of them, which would cut a save short."""
+  launcher = _launch('--num_workers=2', '--', str(worker_script),
+                     str(tmp_path), '300')
+  _wait_for([tmp_path / f'ready{i}' for i in range(2)])
+  os.kill(int((tmp_path / 'pid0').read_text()), signal.SIGTERM)
+  _, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 128 + signal.SIGTERM, err
+  assert 'stopping the others' not in err
+  assert (tmp_path / 'signals0').read_text() == '1'
+  assert not (tmp_path / 'signals1').exists()  # It stopped by itself.
+  for index in range(2):
+    assert _gone(int((tmp_path / f'pid{index}').read_text()))
+
+
+def test_a_failure_after_a_forwarded_signal_still_stops_the_others(
+    tmp_path, worker_script):
+  launcher = _launch('--num_workers=2', '--grace_s=5', '--',
+                     str(worker_script), str(tmp_path), '--fail_on_signal',
+                     '1', '300')
+  _wait_for([tmp_path / f'ready{i}' for i in range(2)])
+  launcher.send_signal(signal.SIGTERM)
+  _, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 3, err
+  assert 'worker 1 exited with status 3; stopping the others' in err
+  # The forwarded signal, then the launcher's own.
+  assert (tmp_path / 'signals0').read_text() == '2'
+  assert _gone(int((tmp_path / 'pid0').read_text()))
+
+
+@pytest.mark.parametrize('returncode, forwarded, stop', [
+    (128 + signal.SIGTERM, False, True),  # It saved on its own signal.
+    (128 + signal.SIGINT, True, True),
+    (-signal.SIGTERM, True, True),  # Killed by the forwarded signal.
+    (-signal.SIGTERM, False, False),  # Killed, unsaved, by another's.
+    (-signal.SIGKILL, True, False),
+    (1, True, False),
+    (3, False, False),
+])
+def test_a_signal_stop_is_not_a_failure(returncode, forwarded, stop):
+  assert launch.is_stop(returncode, forwarded) is stop
 
 
 def test_workers_die_with_a_killed_launcher(tmp_path, worker_script):

@@ -179,8 +179,8 @@ _CLUSTER = flags.DEFINE_enum(
     "'auto': TF_CONFIG if set, else a Slurm step of several tasks, else "
     'none.')
 _PORT = flags.DEFINE_integer(
-    'port', 12345, "With --cluster=slurm: the first port of each node's "
-    'tasks (a node of k tasks uses k ports from it).')
+    'port', resolvers.DEFAULT_PORT, 'With --cluster=slurm: the first port '
+    "of each node's tasks (a node of k tasks uses k ports from it).")
 _WORKER_HOSTS = flags.DEFINE_string(
     'worker_hosts', None, 'With --cluster=indexed_job: every pod\'s address '
     'as a pattern, e.g. train-{index}.train:2222.')

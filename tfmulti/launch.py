@@ -10,7 +10,10 @@ does for PyTorch. It prefixes each line a worker writes with `[worker i]`,
 on the stream it was written to; it forwards SIGINT (Ctrl-C) and SIGTERM to
 every worker, once per signal (each worker saves and stops: a second one
 stops it at once); and when a worker fails it stops the others (SIGTERM,
-then SIGKILL after `--grace_s`) and exits with the failed worker's code.
+then SIGKILL after `--grace_s`) and exits with the failed worker's code. A
+worker that saved and stopped on a signal (status 130 or 143, after one
+the launcher forwarded or one that reached any worker of the job, which
+all agree to stop) has not failed: the others stop by themselves.
 Workers die with the launcher even when it is killed (Linux), and each
 worker's own watchdog ends with its worker, so nothing is left behind.
 
@@ -36,6 +39,9 @@ from tfmulti import errors
 
 PROGRAM = 'python -m tfmulti.launch'
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
+# The statuses of a worker that saved and stopped on a signal (train.py's,
+# a `fit` script's): 128 + N, as a shell reports death by signal N.
+_STOP_CODES = tuple(128 + s for s in _FORWARDED)
 _POLL_S = 0.1
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
 
@@ -148,6 +154,23 @@ def _exit_code(returncode):
   return 128 - returncode if returncode < 0 else returncode
 
 
+def is_stop(returncode, forwarded):
+  """Whether a worker that ended with `returncode` (Popen's) stopped as
+  asked rather than failed, so its peers are left to stop by themselves.
+
+  A worker that saved on a signal exits 130 or 143 itself: the launcher
+  forwarded the signal, or the job agreed to stop on one that reached
+  another worker (a preemption), and every worker saves that step and
+  exits so; a SIGTERM from the launcher then would cut a peer's save
+  short. Once the launcher has `forwarded` a signal, a worker that died of
+  it (one still starting) has stopped too. Any other non-zero status is a
+  failure.
+  """
+  if returncode in _STOP_CODES:
+    return True
+  return forwarded and -returncode in _FORWARDED
+
+
 class Workers:
   """The started worker processes, their log streams and their fate."""
 
@@ -182,10 +205,20 @@ class Workers:
         process.send_signal(signum)
 
   def first_failure(self):
-    """(index, exit code) of a worker that ended badly, else None."""
+    """(index, exit code) of a worker that failed (`is_stop` says which
+    do not), else None."""
     for index, process in enumerate(self.processes):
-      if process.poll() not in (None, 0):
+      if process.poll() not in (None, 0) and not is_stop(process.returncode,
+                                                          self.signalled):
         return index, _exit_code(process.returncode)
+    return None
+
+  def first_stop(self):
+    """The exit code of the first worker that ended non-zero, else None:
+    where `first_failure` finds none, one that stopped on a signal."""
+    for process in self.processes:
+      if process.poll() not in (None, 0):
+        return _exit_code(process.returncode)
     return None
 
   def running(self):
@@ -208,11 +241,13 @@ class Workers:
 
 
 def supervise(workers):
-  """Waits for every worker; returns the launcher's exit code.
+  """Waits for every worker; returns the launcher's exit code: the failed
+  worker's, else that of the first to stop on a signal, else 0.
 
   A worker that fails stops the others. SIGINT and SIGTERM received here
   are forwarded to the workers, which stop by themselves (each saves); a
-  worker that exits after one is not a failure.
+  worker that stops on a signal, forwarded or its own, is not a failure
+  (`is_stop`).
   """
   def forward(signum, frame):
     del frame  # Unused.
@@ -222,7 +257,7 @@ def supervise(workers):
   previous = {s: signal.signal(s, forward) for s in _FORWARDED}
   try:
     while workers.running():
-      failure = None if workers.signalled else workers.first_failure()
+      failure = workers.first_failure()
       if failure:
         index, code = failure
         logging.error('worker %d exited with status %d; stopping the others',
@@ -232,7 +267,7 @@ def supervise(workers):
       time.sleep(_POLL_S)
     workers.wait()
     failure = workers.first_failure()
-    return failure[1] if failure else 0
+    return failure[1] if failure else workers.first_stop() or 0
   finally:
     for signum, handler in previous.items():
       signal.signal(signum, handler)

@@ -10,9 +10,11 @@ import sys
 import time
 
 import pytest
+import tensorflow as tf
 
 from tests.data import test_tfrecords
 from tests.helpers import assert_same_checkpoints
+from tests.helpers import indexed_job_flags
 from tests.helpers import REPO
 from tfmulti import errors
 from tfmulti.distribute import cluster
@@ -50,6 +52,7 @@ class TestFromEnvironment:
                       'task': {'type': 'worker', 'index': 0}})
     info = cluster.from_environment({'TF_CONFIG': raw})
     assert info.workers == ('a:1', 'b:1', 'c:1') and info.index == 1
+    assert info.num_chiefs == 1  # TF's worker task 0 is workers[1].
 
   @pytest.mark.parametrize('raw, message', [
       (None, 'strategy=multi_worker needs TF_CONFIG'),
@@ -71,6 +74,68 @@ class TestFromEnvironment:
       cluster.check_flags(info, 3, None)
     with pytest.raises(errors.ClusterError, match='--worker_index=0'):
       cluster.check_flags(info, None, 0)
+
+
+# What TensorFlow 2.21 raised on worker 0 of two on loopback when worker 1
+# was killed mid-step (an UnavailableError from a collective).
+_LOST_WORKER_1 = (
+    'Collective ops is aborted by: failed to connect to all addresses; last '
+    'error: UNKNOWN: ipv4:127.0.0.1:35667: Failed to connect to remote '
+    'host: Connection refused\nAdditional GRPC error information from '
+    'remote target /job:worker/replica:0/task:1 while calling '
+    '/tensorflow.WorkerService/RecvBuf:\n[[{{node CollectiveReduceV2}}]]')
+
+
+def _unavailable(text):
+  return tf.errors.UnavailableError(None, None, text)
+
+
+class TestLostPeers:
+  """The one line for a lost peer names it, from TensorFlow's error."""
+
+  def test_tensorflows_error_names_the_peer(self):
+    info = cluster.Cluster(('localhost:35666', 'localhost:35667'), 0, True)
+    assert cluster.lost_peers(info, _LOST_WORKER_1) == [1]
+    assert cluster.lost_peer_message(info, _unavailable(_LOST_WORKER_1)) == (
+        'worker 0 lost a peer mid-step: worker 1 at localhost:35667 '
+        '(UnavailableError); restart every worker with the same command: '
+        'they resume from the latest checkpoint.')
+
+  @pytest.mark.parametrize('text, named', [
+      ('from remote target /job:worker/replica:0/task:1', [2]),
+      ('from remote target /job:chief/replica:0/task:0', [0]),
+      ('cannot reach w1:2222 nor c:2222', [0, 2]),  # The addresses, sorted.
+      ('cannot reach w1:22220', []),  # Another port.
+      ('ipv4:10.0.0.3:2222: Connection refused', []),  # Every peer's port.
+      ('/job:worker/replica:0/task:0 failed', []),  # This worker itself.
+  ])
+  def test_a_peer_is_named_by_its_task_or_its_address(self, text, named):
+    info = cluster.Cluster(('c:2222', 'w0:2222', 'w1:2222'), 1, False,
+                           num_chiefs=1)
+    assert cluster.lost_peers(info, text) == named
+
+  def test_without_a_name_every_peer_is_listed_the_first_few(self):
+    few = cluster.Cluster(('a:1', 'b:1', 'c:1'), 1, False)
+    assert ('worker 1 lost a peer mid-step: one of worker 0 at a:1, worker 2 '
+            'at c:1 (DeadlineExceededError)') in cluster.lost_peer_message(
+                few, tf.errors.DeadlineExceededError(None, None, 'timed out'))
+    many = cluster.Cluster(tuple(f'h{i}:1' for i in range(8)), 0, True)
+    assert ('one of worker 1 at h1:1, worker 2 at h2:1, worker 3 at h3:1, '
+            'worker 4 at h4:1 and 3 more (') in cluster.lost_peer_message(
+                many, _unavailable('Socket closed'))
+
+  def test_a_collective_that_failed_is_one_line_across_workers_only(self):
+    info = cluster.Cluster(('localhost:35666', 'localhost:35667'), 0, True)
+    with pytest.raises(errors.ClusterError) as raised:
+      with cluster.lost_peers_as_errors(info, resume='they start again'):
+        raise _unavailable(_LOST_WORKER_1)
+    message = str(raised.value)
+    assert '\n' not in message and message.endswith(
+        'worker 1 at localhost:35667 (UnavailableError); restart every '
+        'worker with the same command: they start again.')
+    with pytest.raises(tf.errors.UnavailableError):  # One process.
+      with cluster.lost_peers_as_errors(None):
+        raise _unavailable(_LOST_WORKER_1)
 
 
 def _with_watchdog(peer, timeout_s, then):
@@ -274,7 +339,8 @@ def test_a_peer_lost_mid_run_stops_the_others_with_one_line(
   start = time.monotonic()
   log = workers[0].communicate(timeout=TIMEOUT_S)[1]
   assert workers[0].returncode == 1, log[-2000:]
-  assert ('train.py: error: worker 0 lost a peer mid-step' in log
+  assert (f'train.py: error: worker 0 lost a peer mid-step: worker 1 at '
+          f'localhost:{ports[1]} (' in log
           and 'resume from the latest checkpoint' in log)
   assert 'Traceback' not in log
   assert time.monotonic() - start < 60
@@ -345,11 +411,12 @@ def test_a_slurm_step_and_an_indexed_job_train_like_tf_config(
             'SLURM_STEP_TASKS_PER_NODE': '2'} for i in range(2)]
   prefix = _free_run(2, digits=2)
   pods = [{'JOB_COMPLETION_INDEX': str(i)} for i in range(2)]
+  # The pods run docs/indexed_job.yaml's command, on loopback.
+  indexed = indexed_job_flags(f'localhost:{prefix}{{index}}')
   for name, extra, places in (
       ('tf_config', [], None),
       ('slurm', [f'--port={port}'], slurm),
-      ('indexed_job', ['--cluster=indexed_job', '--num_workers=2',
-                       f'--worker_hosts=localhost:{prefix}{{index}}'], pods)):
+      ('indexed_job', indexed, pods)):
     model_dir = tmp_path / name
     _run_job(model_dir, digits_dir, tmp_path / f'temp_{name}', *flags,
              *extra, places=places)

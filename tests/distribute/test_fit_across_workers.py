@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import h5py
 import keras
@@ -25,8 +26,10 @@ from tests.helpers import mlp
 from tests.helpers import REPO
 from tfmulti import deploy
 from tfmulti import errors
+from tfmulti import launch
 from tfmulti import rows
 from tfmulti.deploy import fit_backup
+from tfmulti.distribute import cluster as cluster_lib
 from tfmulti.distribute import resolvers
 from tfmulti.distribute import workers as workers_lib
 
@@ -59,6 +62,23 @@ def test_start_names_a_malformed_environment(monkeypatch):
   monkeypatch.setenv('TF_CONFIG', '{"cluster": {}}')
   with pytest.raises(errors.ClusterError, match='is not a cluster'):
     workers_lib.start()
+
+
+def test_start_in_a_slurm_step_takes_the_command_lines_port(monkeypatch):
+  """A `fit` script in a Slurm step gives no port: the first is the one
+  the command line's `--port` defaults to."""
+  # No MultiWorkerMirroredStrategy in a test process (see the module).
+  monkeypatch.setattr(cluster_lib, 'make_strategy',
+                      lambda found, **kwargs: 'strategy')
+  monkeypatch.setenv('TF_CONFIG', '')  # `start` writes one; undone after.
+  for name, value in {'SLURM_PROCID': '1', 'SLURM_STEP_NUM_TASKS': '2',
+                      'SLURM_STEP_NODELIST': 'n9',
+                      'SLURM_STEP_TASKS_PER_NODE': '2'}.items():
+    monkeypatch.setenv(name, value)
+  workers = workers_lib.start()
+  port = resolvers.DEFAULT_PORT
+  assert workers.cluster.workers == (f'n9:{port}', f'n9:{port + 1}')
+  assert (workers.index, workers.strategy) == (1, 'strategy')
 
 
 def test_a_slurm_step_is_written_as_the_tf_config_the_strategy_reads():
@@ -120,6 +140,66 @@ def test_fit_across_workers_refuses_input_the_workers_cannot_share():
     towers.fit(x, y, batch_size=3, verbose=0)
   for got, want in zip(model.get_weights(), before):
     np.testing.assert_array_equal(got, want)
+
+
+class _LosePeer(keras.callbacks.Callback):
+  """Fails as TensorFlow's collective does when worker 1 is gone."""
+
+  def on_train_begin(self, logs=None):
+    raise tf.errors.UnavailableError(
+        None, None, 'Collective ops is aborted by: failed to connect to all '
+        'addresses\nAdditional GRPC error information from remote target '
+        '/job:worker/replica:0/task:1')
+
+
+def test_fit_across_workers_ends_a_lost_peer_with_one_line():
+  config = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=0,
+                                   num_replicas=2)
+  stand_in = _stand_in(deploy.DeploymentConfig(num_clones=2,
+                                               clone_on_cpu=True))
+  workers = workers_lib.Workers(
+      cluster_lib.Cluster(('localhost:1', 'localhost:2'), 0, True),
+      stand_in.strategy)
+  with workers.scope():
+    model = mlp()
+  towers = deploy.TowersModel(model, config, workers=workers)
+  towers.compile(optimizer='sgd', loss='mse')
+  x, y = np.zeros([8, 6], np.float32), np.zeros([8, 3], np.float32)
+  with pytest.raises(SystemExit) as exited:
+    towers.fit(x, y, batch_size=4, verbose=0, callbacks=[_LosePeer()])
+  assert str(exited.value.code) == (
+      'error: worker 0 lost a peer mid-step: worker 1 at localhost:2 '
+      '(UnavailableError); restart every worker with the same command: with '
+      'a BackupAndRestore, they resume from its last save; without, they '
+      'start again.')
+
+
+@pytest.mark.slow
+def test_fit_across_workers_names_a_peer_lost_mid_run(tmp_path):
+  """Worker 1 killed mid-run: worker 0 ends with one line naming it, not
+  TensorFlow's traceback."""
+  ports = launch.free_ports(2)
+  logs = [tmp_path / f'worker{i}.log' for i in range(2)]
+  workers = []
+  for index in range(2):
+    with open(logs[index], 'w') as log:
+      workers.append(subprocess.Popen(
+          [sys.executable, _EXAMPLE, f'--model_dir={tmp_path}',
+           '--epochs=100'], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+          env=dict(os.environ, TF_CONFIG=launch.tf_config(ports, index))))
+  deadline = time.monotonic() + _TIMEOUT_S
+  while 'Epoch 2/' not in logs[0].read_text():
+    assert workers[0].poll() is None, logs[0].read_text()[-3000:]
+    assert time.monotonic() < deadline, 'worker 0 never began epoch 2'
+    time.sleep(0.1)
+  workers[1].kill()  # A machine lost mid-run.
+  workers[1].wait()
+  workers[0].wait(timeout=_TIMEOUT_S)
+  text = logs[0].read_text()
+  assert workers[0].returncode == 1, text[-3000:]
+  assert ('error: worker 0 lost a peer mid-step: worker 1 at '
+          f'localhost:{ports[1]} (') in text
+  assert 'Traceback' not in text
 
 
 def _run(model_dir, *flags, workers=0):

@@ -44,7 +44,9 @@ process's and every worker's; validation runs whole on every worker. Only
 the chief (worker 0) shows the progress bar and keeps the callbacks that
 write files (ModelCheckpoint, TensorBoard, CSVLogger): the others drop
 them, so nothing is written twice. An input of unknown length needs
-`steps_per_epoch` (every worker must take as many steps).
+`steps_per_epoch` (every worker must take as many steps). A peer lost
+mid-step ends `fit` on the others with one line naming it (`SystemExit`,
+status 1), not TensorFlow's traceback.
 
 A `keras.callbacks.BackupAndRestore` among `fit`'s callbacks makes the run
 preemptible, exactly: a signal saves the step, the next run resumes at it
@@ -260,11 +262,16 @@ class TowersModel(keras.Model):
       callbacks = [c for c in callbacks if not isinstance(c, _CHIEF_WRITES)]
     arguments['callbacks'] = callbacks
     try:
-      return super().fit(**arguments)
+      with self._lost_peers_as_errors():
+        return super().fit(**arguments)
     except fit_backup.Preempted as e:
       logging.warning('%s: the job saved it in %s; run the same script '
                       'again to resume.', e, self._backup.directory)
       sys.exit(e.stop.exit_code)
+    except errors.ClusterError as e:
+      # A peer lost mid-step, or one that missed the agreed stop: one line
+      # and a failed status, not TensorFlow's pages of traceback.
+      raise SystemExit(f'error: {e}') from e
     finally:
       if self._backup is not None:
         self._backup.close()
@@ -273,6 +280,12 @@ class TowersModel(keras.Model):
   def passing_steps(self):
     """Whether the last step was one a resumed run passed over."""
     return self._passed
+
+  def _lost_peers_as_errors(self):
+    """Across workers, a collective that failed for want of a peer becomes
+    one `errors.ClusterError` line naming the peer."""
+    return (self.workers.lost_peers_as_errors() if self.workers is not None
+            else contextlib.nullcontext())
 
   def _workers_scope(self):
     return (self.strategy.scope() if self.strategy is not None

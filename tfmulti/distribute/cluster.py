@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,14 @@ import tensorflow as tf
 from tfmulti import errors
 
 TF_CONFIG = 'TF_CONFIG'
+# What a restart of the command line's workers does after a lost peer.
+RESUME_FROM_CHECKPOINT = 'they resume from the latest checkpoint'
+# A task as TensorFlow's errors name it: /job:worker/replica:0/task:1.
+_TASK_NAME = re.compile(r'/job:(chief|worker)/replica:\d+/task:(\d+)')
+# The port of an address as gRPC's errors write it: ipv4:10.0.0.2:2222,
+# ipv6:[::1]:2222.
+_GRPC_PORT = re.compile(r'ipv(?:4:[\d.]+|6:\[[^\]\s]*\]):(\d+)')
+_MOST_LISTED = 4  # Peers a lost-peer line lists when TF's error names none.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +45,13 @@ class Cluster:
     workers: the addresses of every training task, chief first.
     index: this task's position in `workers` (its worker index).
     is_chief: whether this task writes the outputs.
+    num_chiefs: how many of `workers` come from a "chief" job (0 or 1):
+      TensorFlow's task i of the "worker" job is `workers[num_chiefs + i]`.
   """
   workers: tuple
   index: int
   is_chief: bool
+  num_chiefs: int = 0
 
   @property
   def num_workers(self):
@@ -83,7 +95,8 @@ def from_environment(environ=None):
     raise errors.ClusterError(
         f'TF_CONFIG task {task!r} is not in the cluster {jobs}; its type is '
         '"chief" or "worker" and its index one of that job\'s positions.')
-  return Cluster(addresses, position + task_index, position + task_index == 0)
+  return Cluster(addresses, position + task_index, position + task_index == 0,
+                 num_chiefs=len(chiefs))
 
 
 def check_flags(cluster, num_workers, worker_index):
@@ -212,8 +225,9 @@ def check_agreement(strategy, job):
 
 
 @contextlib.contextmanager
-def lost_peers_as_errors(cluster):
-  """Turns a collective that failed for want of a peer into one line.
+def lost_peers_as_errors(cluster, resume=RESUME_FROM_CHECKPOINT):
+  """Turns a collective that failed for want of a peer into one line that
+  names the peer (`lost_peer_message`); `resume` says what a restart does.
 
   With `cluster` None (one process), errors pass unchanged.
   """
@@ -223,10 +237,50 @@ def lost_peers_as_errors(cluster):
           tf.errors.CancelledError, tf.errors.AbortedError) as e:
     if cluster is None:
       raise
-    raise errors.ClusterError(
-        f'worker {cluster.index} lost a peer mid-step ({type(e).__name__}'
-        '); restart every worker with the same command: they resume from '
-        'the latest checkpoint.') from e
+    raise errors.ClusterError(lost_peer_message(cluster, e, resume)) from e
+
+
+def lost_peer_message(cluster, error, resume=RESUME_FROM_CHECKPOINT):
+  """The one line for `error`, a collective that failed for want of a
+  peer: the peers TensorFlow's error names, or, if it names none, every
+  peer (the first few), each as `worker i at host:port`."""
+  named = lost_peers(cluster, str(error))
+  if named:
+    who = ', '.join(_worker(cluster, i) for i in named)
+  else:
+    others = [i for i in range(cluster.num_workers) if i != cluster.index]
+    who = 'one of ' + ', '.join(_worker(cluster, i)
+                                for i in others[:_MOST_LISTED])
+    if len(others) > _MOST_LISTED:
+      who += f' and {len(others) - _MOST_LISTED} more'
+  return (f'worker {cluster.index} lost a peer mid-step: {who} '
+          f'({type(error).__name__}); restart every worker with the same '
+          f'command: {resume}.')
+
+
+def lost_peers(cluster, text):
+  """The indices of the peers that TensorFlow's error `text` names, sorted.
+
+  A peer is named by its task (`/job:worker/replica:0/task:1`), by its
+  address, or by gRPC's form of it (`ipv4:10.0.0.2:2222`) when its port is
+  no other worker's (a host name is written as an IP there).
+  """
+  named = set()
+  for job, task in _TASK_NAME.findall(text):
+    named.add(int(task) + (cluster.num_chiefs if job == 'worker' else 0))
+  for index, address in enumerate(cluster.workers):
+    if re.search(rf'(?<![\w.-]){re.escape(address)}(?!\d)', text):
+      named.add(index)
+  ports = [address.rsplit(':', 1)[-1] for address in cluster.workers]
+  for port in _GRPC_PORT.findall(text):
+    if ports.count(port) == 1:
+      named.add(ports.index(port))
+  named.discard(cluster.index)
+  return sorted(i for i in named if 0 <= i < cluster.num_workers)
+
+
+def _worker(cluster, index):
+  return f'worker {index} at {cluster.workers[index]}'
 
 
 def output_dir(model_dir, cluster):

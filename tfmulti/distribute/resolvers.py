@@ -37,6 +37,9 @@ SLURM = 'slurm'
 INDEXED_JOB = 'indexed_job'
 NONE = 'none'
 SOURCES = (AUTO, TF_CONFIG, SLURM, INDEXED_JOB, NONE)
+# A Slurm node's first port when none is given (`--port`, `workers.start`):
+# its k tasks use it and the k - 1 after it.
+DEFAULT_PORT = 12345
 
 
 def source_of(kind, environ):
@@ -219,5 +222,5 @@ def _port(port):
   if port is None or not 1 <= port <= 65535:
     raise errors.ClusterError(
         f"--port={port}: give the first port of each host's tasks, e.g. "
-        '--port=12345.')
+        f'--port={DEFAULT_PORT}.')
   return port

@@ -30,6 +30,10 @@ from tfmulti.distribute import cluster as cluster_lib
 from tfmulti.distribute import preemption
 from tfmulti.distribute import resolvers
 
+# What a restart of a `fit` script's workers does after a lost peer.
+_RESUME = ('with a BackupAndRestore, they resume from its last save; '
+           'without, they start again')
+
 
 @dataclasses.dataclass(frozen=True)
 class Workers:
@@ -62,6 +66,12 @@ class Workers:
     return (self.strategy.scope() if self.strategy is not None
             else contextlib.nullcontext())
 
+  def lost_peers_as_errors(self):
+    """Around `fit`: a collective that failed for want of a peer becomes
+    one `errors.ClusterError` line naming the peer (errors pass unchanged
+    alone)."""
+    return cluster_lib.lost_peers_as_errors(self.cluster, resume=_RESUME)
+
   def agreed_stop(self):
     """A fresh `preemption.AgreedStop` over the workers; None alone."""
     if self.cluster is None:
@@ -69,15 +79,16 @@ class Workers:
     return preemption.AgreedStop(self.cluster, timeout_s=self.timeout_s)
 
 
-def start(source=resolvers.AUTO, *, port=None, worker_hosts=None,
-          num_workers=None, timeout_s=120.0):
+def start(source=resolvers.AUTO, *, port=resolvers.DEFAULT_PORT,
+          worker_hosts=None, num_workers=None, timeout_s=120.0):
   """Joins the job this process was started in; call it first.
 
   Args:
     source: where the cluster is read (`resolvers.SOURCES`); `auto` finds
       `TF_CONFIG` or a Slurm step, else this process runs alone.
     port, worker_hosts, num_workers: as the command line's flags of those
-      names, for the `slurm` and `indexed_job` sources.
+      names (and their defaults), for the `slurm` and `indexed_job`
+      sources.
     timeout_s: how long a worker waits for its peers before it stops with
       one line naming the one missing.
 
