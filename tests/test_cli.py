@@ -16,6 +16,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from tests.data import tfds_store
+from tests.data.test_tfrecords import write_records
 from tests.helpers import checkpoint_tensors
 from tests.helpers import REPO
 from tfmulti import cli
@@ -215,6 +216,142 @@ def test_bad_flags_stop_with_one_line(tmp_path, values, message):
       cli.main(['train.py'])
   assert '\n' not in str(refused.value) and len(str(refused.value)) < 300
   assert not (tmp_path / 'run').exists()
+
+
+# A user's module of model functions that cannot train.
+_USER_MODULE = """
+import keras
+
+
+def nothing(input_shape, num_classes):
+  return None
+
+
+def three_outputs(input_shape, num_classes):
+  inputs = keras.Input(input_shape)
+  return keras.Model(inputs, keras.layers.Dense(3)(
+      keras.layers.Flatten()(inputs)))
+
+
+def broken(input_shape, num_classes):
+  raise RuntimeError('a bug in my model')
+"""
+
+
+def _image_folder(folder, *, classes=2, sizes=((8, 8),), per_class=3):
+  """`--dataset=folder:...` of small grey PNGs, the sizes taken in turn."""
+  pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 1), np.uint8)
+  for label in range(classes):
+    for index in range(per_class):
+      height, width = sizes[index % len(sizes)]
+      path = folder / f'class{label}' / f'{index}.png'
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_bytes(tf.io.encode_png(pixels[:height, :width]).numpy())
+  return f'folder:{folder}'
+
+
+def _truncated_png(folder):
+  dataset = _image_folder(folder)
+  image = folder / 'class1' / '2.png'
+  image.write_bytes(image.read_bytes()[:60])  # Its header, half its pixels.
+  return dict(dataset=dataset)
+
+
+def _garbage_jpeg(folder):
+  dataset = _image_folder(folder)
+  (folder / 'class0' / 'bad.jpg').write_bytes(b'\xff\xd8' + b'junk' * 20)
+  return dict(dataset=dataset)
+
+
+def _records(folder, **kwargs):
+  """`--dataset=tfrecord:...` of 20 digits (`write_records`' `kwargs`)."""
+  write_records(folder, 'train', 20, **kwargs)
+  return f'tfrecord:{folder}/train-*'
+
+
+def _truncated_record(image):
+  return tf.constant(tf.io.encode_png(image).numpy()[:40])
+
+
+def _users_model(function):
+  def make(folder):
+    folder.mkdir()
+    (folder / 'user_models.py').write_text(_USER_MODULE)
+    return dict(dataset=_image_folder(folder / 'images'), batch_size=2,
+                model=f'{folder / "user_models.py"}:{function}')
+  return make
+
+
+# Bad input the data or the model show, each built in a folder of its own
+# by a function of that folder that returns the flags which read it.
+BAD_INPUTS = {
+    'missing_folder': (
+        lambda folder: dict(dataset=f'folder:{folder}'),
+        r'--dataset=folder:\S+/input: no such folder; give a folder of class '
+        'subfolders'),
+    'one_class': (
+        lambda folder: dict(dataset=_image_folder(folder, classes=1)),
+        r"has 1 class folder\(s\) \['class0'\]; a classifier needs at "
+        'least 2'),
+    'truncated_png': (
+        _truncated_png, r'class1/2.png does not decode as an image \(.+\); '
+        're-save it as a PNG or JPEG, or remove it'),
+    'garbage_jpeg': (
+        _garbage_jpeg, r'class0/bad.jpg does not decode as an image \(.+\); '
+        're-save it'),
+    'mixed_sizes': (
+        lambda folder: dict(dataset=_image_folder(folder,
+                                                  sizes=((8, 8), (9, 9)))),
+        r'holds images of several sizes .*pass --image_size=HEIGHT,WIDTH'),
+    'label_past_classes': (
+        lambda folder: dict(dataset=_records(folder), num_classes=5),
+        r'a label of 9 \(after --label_offset\) is at or past '
+        '--num_classes=5; raise --num_classes'),
+    'record_keys': (
+        lambda folder: dict(dataset=_records(
+            folder, keys=('image/bytes', 'label'))),
+        r"holds records with keys \['image/bytes', 'label'\]; tfrecord: "
+        "reads 'image/encoded'"),
+    'record_image': (
+        lambda folder: dict(dataset=_records(
+            folder, files=1, encode=_truncated_record)),
+        r"train-00000: record 0 holds 'image/encoded' bytes that do not "
+        r'decode \(.+\); re-encode its image'),
+    'function_returns_no_model': (
+        _users_model('nothing'),
+        r'user_models.py:nothing returned NoneType, not a functional '
+        'keras.Model; return keras.Model'),
+    'model_of_another_output_size': (
+        _users_model('three_outputs'),
+        r'outputs \[\(None, 3\)\]; the data has 2 classes: return one '
+        'output of 2 logits'),
+}
+
+
+@pytest.mark.parametrize('bad', BAD_INPUTS)
+def test_bad_input_stops_with_one_line_before_training(tmp_path, bad):
+  make, message = BAD_INPUTS[bad]
+  values = make(tmp_path / 'input')
+  before = sorted(tmp_path.rglob('*'))
+  with flagsaver.flagsaver(model_dir=str(tmp_path / 'run'), **values):
+    with pytest.raises(SystemExit, match=message) as refused:
+      cli.main(['train.py'])
+  # A message, not a traceback, and exit status 1.
+  assert isinstance(refused.value.code, str)
+  assert '\n' not in str(refused.value) and len(str(refused.value)) < 300
+  assert sorted(tmp_path.rglob('*')) == before  # No model_dir, no file.
+
+
+def test_an_error_in_a_users_model_function_is_theirs_and_leaves_nothing(
+    tmp_path):
+  values = _users_model('broken')(tmp_path / 'input')
+  before = sorted(tmp_path.rglob('*'))
+  with flagsaver.flagsaver(model_dir=str(tmp_path / 'new' / 'run'), **values):
+    with pytest.raises(RuntimeError, match='a bug in my model') as raised:
+      cli.main(['train.py'])
+  # Its traceback reaches the line of the user's that raised it.
+  assert raised.traceback[-1].path.name == 'user_models.py'
+  assert sorted(tmp_path.rglob('*')) == before
 
 
 def test_help_shows_plain_text():

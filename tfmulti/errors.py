@@ -9,6 +9,8 @@ subclasses say where the problem was found; all are `ValueError`s, as a bad
 argument to a library function is in Python.
 """
 
+import re
+
 
 class UserError(ValueError):
   """A problem the user can fix; the message names the value and the fix."""
@@ -61,6 +63,14 @@ def first_line(error):
   its type's name if it has none."""
   text = str(error).strip()
   return text.splitlines()[0] if text else type(error).__name__
+
+
+def tf_reason(error):
+  """`first_line(error)` without the op names TensorFlow wraps it in
+  (`{{function_node ...}}`, `[Op:DecodeImage]`): what a user can act on."""
+  text = re.sub(r'\{\{function_node [^}]*\}\}|\[Op:[^\]]*\]', '',
+                first_line(error))
+  return ' '.join(text.split()) or type(error).__name__
 
 
 def check_choice(name, value, choices):

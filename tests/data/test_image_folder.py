@@ -68,6 +68,11 @@ def test_mixed_sizes_need_an_image_size(tmp_path):
     ('missing', errors.DatasetUnavailableError, 'no such folder'),
     ('one_class', errors.ConfigError, r"has 1 class folder\(s\) \['digit0'\]"),
     ('not_an_image', errors.ConfigError, 'is not a PNG or JPEG image'),
+    # A PNG's header over half its pixels: the header alone passes.
+    ('truncated_png', errors.ConfigError, r'digit3/\d+.png does not decode '
+     r'as an image \(Invalid PNG data, size \d+\); re-save it'),
+    ('jpeg_garbage', errors.ConfigError, r'digit3/bad.jpg does not decode as '
+     r'an image \(Invalid JPEG data, size 82\)'),
     ('empty_class', errors.ConfigError, 'holds no .png, .jpg or .jpeg file'),
 ])
 def test_a_bad_folder_is_one_line(tmp_path, damage, error, message):
@@ -82,6 +87,11 @@ def test_a_bad_folder_is_one_line(tmp_path, damage, error, message):
         os.rmdir(folder / name)
   if damage == 'not_an_image':
     (folder / 'digit3' / 'notes.png').write_text('not an image')
+  if damage == 'truncated_png':
+    image = folder / 'digit3' / sorted(os.listdir(folder / 'digit3'))[-1]
+    image.write_bytes(image.read_bytes()[:-30])
+  if damage == 'jpeg_garbage':
+    (folder / 'digit3' / 'bad.jpg').write_bytes(b'\xff\xd8' + b'junk' * 20)
   if damage == 'empty_class':
     os.makedirs(folder / 'digit_none')
   with pytest.raises(error, match=message) as refused:

@@ -88,11 +88,19 @@ def test_without_a_validation_glob_a_seeded_share_is_held_out(tmp_path):
      '--num_classes=5'),
     ('offset', 'a label of 0 is below --label_offset=1'),
     ('sizes', r'images of several sizes .*pass --image_size=HEIGHT,WIDTH'),
+    # Found by decoding, not by the header: named by file and record.
+    ('truncated_png', r"train-00001: record 4 holds 'image/encoded' bytes "
+     r'that do not decode \(Invalid PNG data, size \d+\); re-encode'),
+    ('jpeg_garbage', r"train-00001: record 4 holds 'image/encoded' bytes "
+     r'that do not decode \(Invalid JPEG data, size 42\)'),
+    ('not_records', r'train-00002 is not a file of tf.train.Example records '
+     r'\(.+\); give --dataset=tfrecord: a glob of TFRecord files only'),
+    ('damaged', r'train-00001 is damaged after 9 records \(.+\); write it '
+     'again'),
 ])
 def test_bad_records_are_one_line(tmp_path, damage, message):
-  options = {'no_files': {}, 'keys': {}, 'bytes': {},
-             'label': dict(num_classes=5), 'offset': dict(label_offset=1),
-             'sizes': {}}[damage]
+  options = {'label': dict(num_classes=5),
+             'offset': dict(label_offset=1)}.get(damage, {})
   if damage == 'keys':
     write_records(tmp_path, 'train', 20, keys=('image/bytes', 'label'))
   elif damage == 'bytes':
@@ -105,6 +113,23 @@ def test_bad_records_are_one_line(tmp_path, damage, message):
                       tf.image.resize(image, (9, 9), 'nearest')))
     os.rename(tmp_path / 'train-00000', tmp_path / 'train-00001')
     write_records(tmp_path, 'train', 20, files=1)
+  elif damage in ('truncated_png', 'jpeg_garbage'):
+    written = iter(range(20))  # File 0's 10 records, then file 1's.
+
+    def encode(image):
+      good = tf.io.encode_png(image)
+      if next(written) != 14:
+        return good
+      return tf.constant(good.numpy()[:-30] if damage == 'truncated_png'
+                         else b'\xff\xd8' + b'junk' * 10)
+    write_records(tmp_path, 'train', 20, encode=encode)
+  elif damage == 'not_records':
+    write_records(tmp_path, 'train', 20)
+    (tmp_path / 'train-00002').write_bytes(b'a stray note, not records')
+  elif damage == 'damaged':
+    write_records(tmp_path, 'train', 20)
+    damaged = tmp_path / 'train-00001'
+    damaged.write_bytes(damaged.read_bytes()[:-50])
   elif damage != 'no_files':
     write_records(tmp_path, 'train', 20)
   with pytest.raises(errors.UserError, match=message) as refused:

@@ -95,3 +95,32 @@ class TestCheckJob:
     run_dir.check_job(str(tmp_path), other, SETTINGS, resuming=False)
     with pytest.raises(errors.RunDirError, match="model='resnet20' there"):
       run_dir.check_job(str(tmp_path), JOB, SETTINGS, resuming=True)
+
+
+class TestClaimed:
+
+  @pytest.mark.parametrize('error', [
+      errors.ConfigError('refused'), RuntimeError('a bug in my model'),
+      KeyboardInterrupt()])
+  def test_a_run_that_never_trained_leaves_nothing(self, tmp_path, error):
+    model_dir = tmp_path / 'new' / 'run'
+    with pytest.raises(type(error)) as raised:
+      with run_dir.claimed(str(model_dir)):
+        (model_dir / run_dir.JOB_FILE).write_text('{}')
+        raise error
+    assert raised.value is error  # The user's own, traceback and all.
+    assert not (tmp_path / 'new').exists()
+
+  def test_what_a_run_wrote_and_what_it_found_are_kept(self, tmp_path):
+    model_dir = tmp_path / 'run'
+    with pytest.raises(RuntimeError):
+      with run_dir.claimed(str(model_dir)):
+        (model_dir / 'ckpt-1.index').write_text('')
+        raise RuntimeError('after a checkpoint')
+    assert (model_dir / 'ckpt-1.index').exists()
+    found = tmp_path / 'made_by_the_user'
+    found.mkdir()
+    with pytest.raises(RuntimeError):
+      with run_dir.claimed(str(found)):
+        raise RuntimeError('a bug in my model')
+    assert found.is_dir()

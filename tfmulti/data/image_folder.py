@@ -7,24 +7,23 @@ subfolder (sorted by name: the first is label 0), PNG or JPEG files. When
 `PATH/train` and `PATH/test` both exist they are the splits (with the same
 classes); otherwise a fixed share of each class (`validation_fraction`,
 drawn with the seed) is held out for evaluation. Every file is checked
-before training (its header says PNG or JPEG, its size matches the others
-unless an image size is given), so a bad file stops the run in one line
-instead of in the middle of an epoch.
+before training (its header says PNG or JPEG, it decodes, its size
+matches the others unless an image size is given), so a bad file stops
+the run in one line instead of in the middle of an epoch.
 """
 
 import os
 import random
-import struct
 
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti.data import images
 from tfmulti.data import pipeline
 
 PREFIX = 'folder:'
 _EXTENSIONS = ('.png', '.jpg', '.jpeg')
-_PNG = b'\x89PNG\r\n\x1a\n'
-_JPEG = b'\xff\xd8'
+_CHECK_BATCH = 1024  # Files whose shapes are read back at once.
 
 
 def read(path, *, image_size, validation_fraction, seed, shard=None):
@@ -35,8 +34,8 @@ def read(path, *, image_size, validation_fraction, seed, shard=None):
   Raises:
     errors.DatasetUnavailableError: no such folder.
     errors.ConfigError: fewer than 2 classes, a class without images, a
-      file that is not a PNG or JPEG, images of several sizes without
-      `image_size`, splits with other classes.
+      file that is not a PNG or JPEG or does not decode, images of several
+      sizes without `image_size`, splits with other classes.
   """
   if not os.path.isdir(path):
     raise errors.DatasetUnavailableError(
@@ -96,20 +95,16 @@ def _held_out(files, fraction, seed):
 
 
 def _check_images(path, files, image_size):
-  """The images' (height, width, channels); raises for a file that is not
-  a PNG or JPEG, or sizes that differ when no `image_size` is given."""
+  """The images' (height, width, channels), each file decoded once; raises
+  for a file that is not a PNG or JPEG or does not decode, or sizes that
+  differ when no `image_size` is given."""
   shapes = {}
-  for file, _ in files:
-    with open(file, 'rb') as f:
-      head = f.read(32)
-    if head.startswith(_PNG):
-      width, height = struct.unpack('>II', head[16:24])
-      channels = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}.get(head[25], 3)
-      shape = (height, width, channels)
-    elif head.startswith(_JPEG):
-      shape = tuple(int(d) for d in tf.io.extract_jpeg_shape(
-          tf.io.read_file(file)))
-    else:
+  for file, shape in zip([f for f, _ in files], _decoded_shapes(files)):
+    if shape is None:
+      raise errors.ConfigError(
+          f'{file} does not decode as an image ({_reason(file)}); re-save '
+          'it as a PNG or JPEG, or remove it.')
+    if not shape:
       raise errors.ConfigError(
           f'{file} is not a PNG or JPEG image; remove it from {path}.')
     shapes.setdefault(shape if image_size is None else shape[2:], file)
@@ -124,6 +119,36 @@ def _check_images(path, files, image_size):
         'pass --image_size=HEIGHT,WIDTH to resize them all.')
   shape = next(iter(shapes))
   return shape if image_size is None else (*image_size, shape[-1])
+
+
+def _decoded_shapes(files):
+  """Each file's decoded (height, width, channels), in order: () for one
+  that is neither PNG nor JPEG, None for one that does not decode.
+
+  The files are decoded in parallel, as training decodes them, so a
+  truncated or corrupt file stops the run now and not mid-epoch; a file
+  whose decoding fails is dropped from the stream and found by its
+  position.
+  """
+  found = tf.data.Dataset.from_tensor_slices(
+      (tf.range(len(files), dtype=tf.int64), [f for f, _ in files])).map(
+          lambda index, file: (index, images.shape(tf.io.read_file(file))),
+          tf.data.AUTOTUNE).ignore_errors().batch(_CHECK_BATCH)
+  shapes = [None] * len(files)
+  for indices, sizes in found.as_numpy_iterator():
+    for index, size in zip(indices, sizes):
+      shapes[index] = tuple(int(d) for d in size) if size.all() else ()
+  return shapes
+
+
+def _reason(file):
+  """Why `file` does not decode (or cannot be read)."""
+  try:
+    with open(file, 'rb') as f:
+      data = f.read()
+  except OSError as e:
+    return e.strerror or str(e)
+  return images.why_not_decoded(data) or 'reading it failed'
 
 
 def _decoded(files, shape):

@@ -8,17 +8,21 @@ out. `--label_offset` is subtracted from every label (TF's ImageNet
 converter writes 1..1000).
 
 Rows, classes and image sizes are not in the files' headers: the first run
-reads every record once (its label and its image's header, not its pixels),
-checks them all (the keys, PNG or JPEG bytes, labels in range, one size
-unless `--image_size` is given) and logs what it read; the job records the
-counts in `job.json`, and a resumed run takes them from there (`known`).
+reads every record once and decodes its image (so a truncated or corrupt
+image stops the run now, naming its file and record, and not mid-epoch),
+checks them all (the keys, PNG or JPEG bytes that decode, labels in range,
+one size unless `--image_size` is given) and logs what it read; the job
+records the counts in `job.json`, and a resumed run takes them from there
+(`known`).
 """
 
 from absl import logging
+from google.protobuf import message
 import numpy as np
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti.data import images
 from tfmulti.data import pipeline
 
 PREFIX = 'tfrecord:'
@@ -26,12 +30,8 @@ IMAGE_KEY = 'image/encoded'
 LABEL_KEY = 'image/class/label'
 _FEATURES = {IMAGE_KEY: tf.io.FixedLenFeature([], tf.string),
              LABEL_KEY: tf.io.FixedLenFeature([], tf.int64)}
-_PNG = b'\x89PNG\r\n\x1a\n'
-_JPEG = b'\xff\xd8'
 _SCAN_BATCH = 4096  # Records summarised a read.
-# PNG colour type (byte 25) -> channels: grey, -, RGB, palette, grey+alpha,
-# -, RGBA.
-_PNG_CHANNELS = (1, 0, 3, 3, 2, 0, 4)
+_UNREADABLE = (tf.errors.InvalidArgumentError, tf.errors.DataLossError)
 
 
 def _files(pattern, flag):
@@ -42,13 +42,20 @@ def _files(pattern, flag):
         f'{flag}{pattern}: no file matches; give a glob of TFRecord files, '
         'e.g. /data/imagenet/train-*.')
   for file in files:  # The first record of each file holds both keys.
-    for raw in tf.data.TFRecordDataset(file).take(1):
-      keys = set(tf.train.Example.FromString(raw.numpy()).features.feature)
-      if not {IMAGE_KEY, LABEL_KEY} <= keys:
-        raise errors.ConfigError(
-            f'{file} holds records with keys {sorted(keys)}; tfrecord: reads '
-            f'{IMAGE_KEY!r} (PNG or JPEG bytes) and {LABEL_KEY!r} (int64), '
-            "the layout of TF's image-classification converters.")
+    try:
+      first = [raw.numpy() for raw in tf.data.TFRecordDataset(file).take(1)]
+      keys = {key for raw in first
+              for key in tf.train.Example.FromString(raw).features.feature}
+    except (tf.errors.DataLossError, message.DecodeError) as e:
+      raise errors.ConfigError(
+          f'{file} is not a file of tf.train.Example records '
+          f'({errors.tf_reason(e)}); give {flag} a glob of TFRecord files '
+          'only.') from None
+    if first and not {IMAGE_KEY, LABEL_KEY} <= keys:
+      raise errors.ConfigError(
+          f'{file} holds records with keys {sorted(keys)}; tfrecord: reads '
+          f'{IMAGE_KEY!r} (PNG or JPEG bytes) and {LABEL_KEY!r} (int64), '
+          "the layout of TF's image-classification converters.")
   return files
 
 
@@ -61,23 +68,6 @@ def _parsed(raw):
   return example[IMAGE_KEY], example[LABEL_KEY]
 
 
-def _header(image):
-  """(height, width, channels) from an encoded image's header; zeros when
-  the bytes are neither PNG nor JPEG."""
-  def png():
-    size = tf.io.decode_raw(tf.strings.substr(image, 16, 8), tf.int32,
-                            little_endian=False)
-    colour = tf.io.decode_raw(tf.strings.substr(image, 25, 1), tf.uint8)
-    channels = tf.gather(_PNG_CHANNELS, tf.minimum(tf.cast(colour[0],
-                                                           tf.int32), 6))
-    return tf.stack([size[1], size[0], channels])
-  return tf.case(
-      [(tf.strings.substr(image, 0, 2) == _JPEG,
-        lambda: tf.image.extract_jpeg_shape(image)),
-       (tf.strings.substr(image, 0, 8) == _PNG, png)],
-      default=lambda: tf.zeros([3], tf.int32))
-
-
 def _held_out(seed, fraction):
   """Whether record `position` is held out: a draw seeded by it."""
   def held(position):
@@ -88,20 +78,21 @@ def _held_out(seed, fraction):
 
 
 def _scan(records, label_offset):
-  """(labels, (height, width, channels) of each record) of `records`."""
+  """(labels, (height, width, channels) of each record) of `records`, each
+  image decoded once.
+
+  Raises:
+    tf.errors.InvalidArgumentError: a record without the keys, or an image
+      that does not decode (`_bad_record` says which).
+    tf.errors.DataLossError: a damaged file.
+  """
   summaries = records.map(lambda raw: (lambda image, label: (
-      label - label_offset, _header(image)))(*_parsed(raw)),
+      label - label_offset, images.shape(image)))(*_parsed(raw)),
                           tf.data.AUTOTUNE).batch(_SCAN_BATCH)
   labels, shapes = [], []
-  try:
-    for label, shape in summaries:
-      labels.append(label.numpy())
-      shapes.append(shape.numpy())
-  except tf.errors.InvalidArgumentError as e:
-    raise errors.ConfigError(
-        f'a record cannot be read as {IMAGE_KEY!r} bytes and an int64 '
-        f'{LABEL_KEY!r}: {errors.first_line(e)}; convert every record to '
-        'that layout.') from None
+  for label, shape in summaries:
+    labels.append(label.numpy())
+    shapes.append(shape.numpy())
   if not labels:
     return np.zeros([0], np.int64), np.zeros([0, 3], np.int32)
   return np.concatenate(labels), np.concatenate(shapes)
@@ -162,7 +153,7 @@ def read(pattern, *, options, seed, known=None, shard=None):
         lambda _, raw: raw)
   if known is None:
     classes, shape, (train_rows,), test_rows = _counted(
-        pattern, [train], test, options)
+        pattern, [train], test, options, train_files + (test_files or []))
     known = classes, shape, train_rows, test_rows
   return _decoded(train, test, known, options)
 
@@ -201,7 +192,7 @@ def _sharded(pattern, train_files, test_files, options, shard):
         'least: drop it, or split the records into more files.')
   classes, shape, per_file, test_rows = _counted(
       pattern, [_records([f]) for f in train_files], _records(test_files),
-      options)
+      options, train_files + test_files)
   worker_rows = tuple(sum(per_file[w::workers]) for w in range(workers))
   return _decoded(_records(train_files[worker::workers]),
                   _records(test_files),
@@ -209,13 +200,18 @@ def _sharded(pattern, train_files, test_files, options, shard):
                   worker_rows)
 
 
-def _counted(pattern, train_parts, test, options):
+def _counted(pattern, train_parts, test, options, files):
   """(num_classes, image shape, [rows of each train part], test rows),
-  read from every record and checked."""
-  logging.info('Reading every record of %s once (labels and image headers) '
-               'to count its rows and classes and check them.', pattern)
-  found = [_scan(records, options.label_offset)
-           for records in [*train_parts, test]]
+  read from every record of `files` (the parts' and the test's) and
+  checked."""
+  logging.info('Reading every record of %s once (its label, its image '
+               'decoded) to count its rows and classes and check them.',
+               pattern)
+  try:
+    found = [_scan(records, options.label_offset)
+             for records in [*train_parts, test]]
+  except _UNREADABLE as e:
+    raise _bad_record(files, e) from None
   labels = np.concatenate([labels for labels, _ in found])
   shapes = np.concatenate([shapes for _, shapes in found])
   classes, channels, size = _check(f'--dataset={PREFIX}{pattern}', labels,
@@ -226,3 +222,48 @@ def _counted(pattern, train_parts, test, options):
         'raise --validation_fraction or give --validation_glob.')
   return (classes, (*size, channels), [len(labels) for labels, _ in
                                        found[:-1]], len(found[-1][0]))
+
+
+def _bad_record(files, error):
+  """The one-line `ConfigError` naming the first record of `files` that
+  cannot be read, parsed or decoded (`error`, the scan's, says what when
+  none is found): each file is scanned alone until one fails, then its
+  records one by one."""
+  for file in files:
+    try:
+      _scan(_records([file]), 0)
+    except _UNREADABLE:
+      found = _bad_in_file(file)
+      if found:
+        return found
+  return errors.ConfigError(
+      f'a record cannot be read as {IMAGE_KEY!r} bytes and an int64 '
+      f'{LABEL_KEY!r} ({errors.tf_reason(error)}); convert every record to '
+      'that layout.')
+
+
+def _bad_in_file(file):
+  """The `ConfigError` naming `file`'s first bad record, or None."""
+  read = 0
+  try:
+    for raw in tf.data.TFRecordDataset(file):
+      try:
+        image, _ = _parsed(raw)
+      except tf.errors.InvalidArgumentError as e:
+        return errors.ConfigError(
+            f'{file}: record {read} does not hold {IMAGE_KEY!r} bytes and an '
+            f'int64 {LABEL_KEY!r} ({errors.tf_reason(e)}); convert every '
+            'record to that layout.')
+      try:
+        images.shape(image)  # Zeros, not an error, for other bytes.
+      except tf.errors.InvalidArgumentError as e:
+        return errors.ConfigError(
+            f'{file}: record {read} holds {IMAGE_KEY!r} bytes that do not '
+            f'decode ({images.why_not_decoded(image) or errors.tf_reason(e)})'
+            '; re-encode its image, or drop the record.')
+      read += 1
+  except tf.errors.DataLossError as e:
+    return errors.ConfigError(
+        f'{file} is damaged after {read} records ({errors.tf_reason(e)}); '
+        'write it again.')
+  return None

@@ -11,8 +11,9 @@
   may change on resume (learning rate, steps, clones, path, step options)
   take effect, the log says which changed, and `record_stretch` keeps, for
   each stretch of steps, the settings that trained it.
-* `claimed`: the directory checked and locked for the run; a run refused
-  before it trained leaves no trace of itself.
+* `claimed`: the directory checked and locked for the run; a run that
+  stops before it trained (refused, or failing in the user's own model
+  function) leaves no trace of itself.
 """
 
 import contextlib
@@ -177,16 +178,18 @@ _BEFORE_TRAINING = {LOCK_FILE, JOB_FILE}
 def claimed(directory, *, lock=True):
   """`directory` checked (created if needed) and, with `lock`, locked.
 
-  A `UserError` raised inside, while a directory this call created holds
-  nothing but the lock and the job record, removes what it created (its
-  missing parents too): a refused run leaves the filesystem as it was.
+  Any exception raised inside (a `UserError`, or one from the user's own
+  model function, whose traceback it keeps), while a directory this call
+  created holds nothing but the lock and the job record, removes what it
+  created (its missing parents too): a run that never trained leaves the
+  filesystem as it was.
   """
   created = _first_missing(directory)
   check_directory('model_dir', directory)
   try:
     with Lock(directory) if lock else contextlib.nullcontext():
       yield
-  except errors.UserError:
+  except BaseException:  # Ctrl-C during the build, too: nothing trained.
     if created and _holds_only(created, _BEFORE_TRAINING):
       shutil.rmtree(created)
     raise
