@@ -218,8 +218,10 @@ _PIPELINE_SCHEDULE = flags.DEFINE_enum(
     'pipeline_schedule', step_options.ONE_F_ONE_B,
     step_options.PIPELINE_SCHEDULES, "The order of each stage's forward and "
     'backward passes over the micro-batches: 1f1b (one forward, one '
-    'backward in turn: less activation memory) or gpipe (all forwards, then '
-    'all backwards).')
+    'backward in turn: less activation memory), gpipe (all forwards, then '
+    'all backwards) or zb_h1 (1f1b with each backward pass split into input '
+    'and weight gradients, the weight half filling the bubble: a third of '
+    "1f1b's idle time when the three passes take equal time).")
 _CLONE_SHARES = flags.DEFINE_list(
     'clone_shares', None, "Each clone's share of a step's rows, e.g. 3,1 "
     "for a device 3x as fast (towers, mirrored), or 'auto': measure the "

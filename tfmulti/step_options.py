@@ -29,7 +29,8 @@ STAGE_COSTS = (ESTIMATED, MEASURED)
 # The order of each stage's passes (see `pipeline.schedules`).
 GPIPE = 'gpipe'
 ONE_F_ONE_B = '1f1b'
-PIPELINE_SCHEDULES = (ONE_F_ONE_B, GPIPE)
+ZB_H1 = 'zb_h1'
+PIPELINE_SCHEDULES = (ONE_F_ONE_B, GPIPE, ZB_H1)
 # clone_shares=auto: measured and balanced (`deploy.balance`); xla=auto:
 # on where `deploy.xla_rule` says.
 AUTO = 'auto'
@@ -61,8 +62,9 @@ class StepOptions:
       (2 for a device twice as fast); None for equal devices.
     recompute: recompute each stage's activations in its backward pass.
     pipeline_schedule: the order of each stage's forward and backward
-      passes over the micro-batches: '1f1b' or 'gpipe'
-      (`pipeline.schedules`).
+      passes over the micro-batches: '1f1b', 'gpipe' or 'zb_h1' (each
+      backward pass split into input and weight gradients, the weight
+      half deferred into the bubble; `pipeline.schedules`).
     clone_shares: each clone's share of a step's rows, e.g. (3, 1); 'auto'
       to measure the clones and balance them; None for equal shares.
     rebalance_every_steps: with 'auto', steps between measurements.

@@ -1,9 +1,12 @@
 """Pipeline schedules: the order of each stage's passes over micro-batches.
 
 A schedule gives each stage of a clone, for its M micro-batches, the order
-of its forward (F) and backward (B) passes; `Stages` imposes it on the
-traced step with control dependencies, so the executor cannot pick
-another. With K stages:
+of its forward (F) and backward passes; `Stages` imposes it on the traced
+step with control dependencies, so the executor cannot pick another. A
+backward pass is one B (the gradients of the stage's inputs and weights
+together), or, where the schedule splits it, a B (input gradients only:
+what the stage before waits for) and a later W (weight gradients only).
+With K stages:
 
   gpipe  (Huang et al. 2019): every forward pass, then every backward pass
          (the last micro-batch's first). Stage s holds M micro-batches'
@@ -13,47 +16,76 @@ another. With K stages:
          pipeline, then one forward and one backward in turn, then the
          remaining backward passes. Stage s holds at most min(K - s, M)
          micro-batches' activations.
+  zb_h1  (ZB-H1, Qi et al., ICLR 2024, the handcrafted schedule of
+         "Zero Bubble Pipeline Parallelism"): 1F1B's order with each
+         backward pass split into B and W. Stage s's first min(s, M) W
+         passes are deferred to the end of its step, where it would wait
+         for the last micro-batch's B from the s stages after it; every
+         other W follows its B at once. With K - s - 1 = w warm-up
+         forwards: F x w; then [F, B] with W deferred (the first s), then
+         [F, B, W] while forwards remain; [B, W] for the rest; the s
+         deferred W last. When M < s, only M are deferred.
 
-Both leave each stage idle (K - 1) / (M + K - 1) of a step when the stages
-take equal time; 1F1B needs less memory for activations.
+With F, B and W the seconds of one pass (B + W a fused backward pass),
+GPipe and 1F1B leave each stage idle (K - 1)(F + B + W) seconds a step,
+(K - 1) / (M + K - 1) of it; ZB-H1 leaves (K - 1)(F + B - W), a third of
+that when F = B = W (`idle_theory`).
 """
 
 from tfmulti import errors
-from tfmulti.step_options import GPIPE  # noqa: F401
+from tfmulti.step_options import GPIPE
 from tfmulti.step_options import ONE_F_ONE_B  # noqa: F401
 from tfmulti.step_options import PIPELINE_SCHEDULES as SCHEDULES
+from tfmulti.step_options import ZB_H1
 
-FORWARD, BACKWARD = 'F', 'B'
+FORWARD, BACKWARD, WEIGHTS = 'F', 'B', 'W'
+
+
+def splits_backward(schedule):
+  """Whether `schedule` runs each backward pass as a B and a later W."""
+  return schedule == ZB_H1
 
 
 def passes(schedule, num_stages, num_microbatches):
   """Each stage's passes in order: a list (one a stage) of lists of
-  (FORWARD or BACKWARD, micro-batch index)."""
+  (FORWARD, BACKWARD or WEIGHTS, micro-batch index)."""
   errors.check_choice('pipeline_schedule', schedule, SCHEDULES)
   m = num_microbatches
   order = []
   for s in range(num_stages):
+    warmup = m if schedule == GPIPE else min(num_stages - s - 1, m)
+    backwards = list(range(m))
     if schedule == GPIPE:
-      warmup = m
-    else:
-      warmup = min(num_stages - s - 1, m)
+      backwards.reverse()
+    deferred = min(s, m) if splits_backward(schedule) else 0
     stage = [(FORWARD, i) for i in range(warmup)]
-    for i in range(m - warmup):  # One forward, one backward in turn.
-      stage += [(FORWARD, warmup + i), (BACKWARD, i)]
-    backward_first = m - warmup
-    rest = range(backward_first, m)
-    if schedule == GPIPE:
-      rest = reversed(rest)
-    stage += [(BACKWARD, i) for i in rest]
+    for n, i in enumerate(backwards):
+      if warmup + n < m:  # One forward, one backward in turn.
+        stage.append((FORWARD, warmup + n))
+      stage.append((BACKWARD, i))
+      if splits_backward(schedule) and n >= deferred:
+        stage.append((WEIGHTS, i))
+    stage += [(WEIGHTS, i) for i in backwards[:deferred]]
     order.append(stage)
   return order
 
 
+def _needs(s, kind, m, num_stages):
+  """The passes that (stage s, kind, micro-batch m) reads: F on s - 1 for
+  F; F on s and B on s + 1 for B; B on s for W."""
+  if kind == FORWARD:
+    return [(s - 1, FORWARD, m)] if s else []
+  if kind == WEIGHTS:
+    return [(s, BACKWARD, m)]
+  return [(s, FORWARD, m)] + (
+      [(s + 1, BACKWARD, m)] if s + 1 < num_stages else [])
+
+
 def build_order(per_stage):
   """The passes of every stage, (stage, kind, micro-batch), in an order
-  that builds each after the passes it reads (F on stage s after F on
-  s - 1; B on s after B on s + 1 and F on s) and after its stage's
-  previous pass; raises `ValueError` for a schedule that deadlocks."""
+  that builds each after the passes it reads (`_needs`) and after its
+  stage's previous pass; raises `ValueError` for a schedule that
+  deadlocks."""
   num_stages = len(per_stage)
   done, order = set(), []
   next_pass = [0] * num_stages
@@ -64,12 +96,7 @@ def build_order(per_stage):
       if next_pass[s] == len(per_stage[s]):
         continue
       kind, m = per_stage[s][next_pass[s]]
-      if kind == FORWARD:
-        needs = [(s - 1, FORWARD, m)] if s else []
-      else:
-        needs = [(s, FORWARD, m)] + (
-            [(s + 1, BACKWARD, m)] if s + 1 < num_stages else [])
-      if all(need in done for need in needs):
+      if all(need in done for need in _needs(s, kind, m, num_stages)):
         done.add((s, kind, m))
         order.append((s, kind, m))
         next_pass[s] += 1
@@ -80,10 +107,49 @@ def build_order(per_stage):
 
 
 def peak_in_flight(stage_passes):
-  """The most micro-batches whose forward pass has run and backward pass
-  not yet, on one stage: how many micro-batches' activations it holds."""
+  """The most micro-batches whose forward pass has run and whose last
+  backward pass (B, or W where it is split) has not, on one stage: how
+  many micro-batches' activations it holds, wholly or for a pending W."""
+  split = any(kind == WEIGHTS for kind, _ in stage_passes)
+  last = WEIGHTS if split else BACKWARD
   held = peak = 0
   for kind, _ in stage_passes:
-    held += 1 if kind == FORWARD else -1
+    held += 1 if kind == FORWARD else -1 if kind == last else 0
     peak = max(peak, held)
   return peak
+
+
+def timeline(per_stage, seconds):
+  """When each pass runs if each starts as soon as what it reads and its
+  stage's previous pass are done: {(stage, kind, m): (start, end)}, with
+  `seconds` {kind: seconds of one pass} (a fused B takes B + W). The
+  schedule's own clock, with no transfer time: the theory the emulated
+  benchmark compares with."""
+  split = any(kind == WEIGHTS for stage in per_stage for kind, _ in stage)
+  duration = dict(seconds)
+  if not split:
+    duration[BACKWARD] = seconds[BACKWARD] + seconds[WEIGHTS]
+  times, free = {}, [0.0] * len(per_stage)
+  for s, kind, m in build_order(per_stage):
+    start = max([free[s]] + [times[need][1] for need in _needs(
+        s, kind, m, len(per_stage))])
+    times[(s, kind, m)] = (start, start + duration[kind])
+    free[s] = start + duration[kind]
+  return times
+
+
+def idle_theory(schedule, num_stages, num_microbatches, seconds):
+  """Each stage's idle share of the step (the first pass's start to the
+  last pass's end) by `timeline`; with F, B, W the same on every stage:
+  (K-1)(F+B+W) / (M(F+B+W) + (K-1)(F+B+W)) for GPipe and 1F1B, and
+  (K-1)(F+B-W) / (M(F+B+W) + (K-1)(F+B-W)) for ZB-H1 (Qi et al. 2024,
+  section 2), for M >= K."""
+  per_stage = passes(schedule, num_stages, num_microbatches)
+  times = timeline(per_stage, seconds)
+  span = max(end for _, end in times.values())
+  idle = []
+  for s in range(num_stages):
+    busy = sum(end - start for (stage, _, _), (start, end) in times.items()
+               if stage == s)
+    idle.append(1 - busy / span)
+  return idle

@@ -117,8 +117,10 @@ def _indices(variables, among):
   return tuple(where[id(v)] for v in variables)
 
 
-def split_model(model, starts):
-  """The `Stage`s of `model` that begin at the layers `starts`."""
+def split_model(model, starts, parts=False):
+  """The `Stage`s of `model` that begin at the layers `starts`; with
+  `parts`, the pieces of stages (`weight_parts`), any of which may give a
+  model output."""
   graph = costs.operations(model)
   ends = list(starts[1:]) + [len(graph)]
   output_keys = {id(t): t for t in model.outputs}
@@ -139,20 +141,54 @@ def split_model(model, starts):
         later = any(r > s for r in stage_of_reader.get(id(tensor), ()))
         if later or id(tensor) in output_keys:
           outputs.append(tensor)
-        if id(tensor) in output_keys and s < len(starts) - 1:
+        if id(tensor) in output_keys and s < len(starts) - 1 and not parts:
           raise errors.ConfigError(
               f'model {model.name!r}: its output {tensor.name!r} comes from '
               f'stage {s} of {len(starts)} (layer {op.name!r}); '
               'the last stage gives every output: cut after that layer '
               '(stage_boundaries), or use fewer stages.')
     sub = keras.Model(list(inputs.values()), outputs,
-                      name=f'{model.name}_stage_{s}')
+                      name=f'{model.name}_{"part" if parts else "stage"}_{s}')
     stages.append(Stage(
         sub, tuple(inputs), tuple(id(t) for t in outputs),
         _indices(sub.trainable_variables, model.trainable_variables),
         _indices(sub.non_trainable_variables, model.non_trainable_variables),
         graph[a][0].name))
   return stages
+
+
+# Layers whose weight gradients B takes even where W is split off: their
+# scale's and offset's gradients are the reductions (of the output gradient,
+# and of it times the normalised input) that their input gradient is made
+# of, so W would run them again.
+_NORMALIZATIONS = (keras.layers.BatchNormalization,
+                   keras.layers.LayerNormalization,
+                   keras.layers.GroupNormalization)
+
+
+def defers_weights(operation):
+  """Whether a split backward pass leaves `operation`'s weight gradients
+  to W: a layer with trainable weights, not a normalization."""
+  return bool(operation.trainable_variables) and not isinstance(
+      operation, _NORMALIZATIONS)
+
+
+def weight_parts(model, starts):
+  """Each stage's parts when its backward pass is split into B and W: the
+  stage cut after each layer whose weight gradients W takes
+  (`defers_weights`), so that such a layer is its part's last. A part's own
+  tape then gives those gradients (W) from its outputs' gradients by
+  walking that layer alone, while B walks every part's tape once for the
+  input gradients. A list (one a stage) of lists of `Stage`s."""
+  graph = costs.operations(model)
+  cuts = set(starts) | {i + 1 for i, (op, _) in enumerate(graph[:-1])
+                        if defers_weights(op)}
+  part_starts = sorted(cuts)
+  parts = split_model(model, part_starts, parts=True)
+  grouped = [[] for _ in starts]
+  for start, part in zip(part_starts, parts):
+    grouped[sum(1 for first in starts if first <= start) - 1].append(part)
+  return grouped
 
 
 class Stages:
@@ -163,38 +199,96 @@ class Stages:
     recomputation); raises `ConfigError` for a cut that cannot be made."""
     self.options = options
     self.model = model
-    self.stages = split_model(model, stage_starts(model, num_stages, options))
+    starts = stage_starts(model, num_stages, options)
+    self.stages = split_model(model, starts)
+    # What a pass runs, under a tape each: the stage whole, or, where the
+    # schedule splits the backward pass, the stage's `weight_parts`.
+    self.split = schedules.splits_backward(options.pipeline_schedule)
+    self.parts = (weight_parts(model, starts) if self.split
+                  else [[stage] for stage in self.stages])
+    # The trainable variables (their indices) whose gradients B takes.
+    in_b = {id(v) for op, _ in costs.operations(model)
+            if not (self.split and defers_weights(op))
+            for v in op.trainable_variables}
+    self.in_b = {i for i, v in enumerate(model.trainable_variables)
+                 if id(v) in in_b}
     self.input_keys = tuple(id(t) for t in model.inputs)
     self.output_keys = tuple(id(t) for t in model.outputs)
 
-  def _forward(self, s, context, values, flight):
-    """Stage `s` on one micro-batch (`flight`): its `_Result`."""
-    stage = self.stages[s]
-    non_trainable = [context.non_trainable[i] for i in stage.non_trainable]
-    seeds = keras_internals.seed_indices(stage.model)
+  def _run_part(self, part, context, values, flight, loss_part):
+    """One part of a stage on one micro-batch (`flight`), reading its
+    inputs from `values` (tensors by Keras tensor id) and adding its
+    outputs there: its `_Result`; with `loss_part` (the last stage's last
+    part), the micro-batch's part of the loss too."""
+    non_trainable = [context.non_trainable[i] for i in part.non_trainable]
+    seeds = keras_internals.seed_indices(part.model)
     folded = keras_internals.fold_seeds(non_trainable, seeds, flight.offset)
-    outputs, new_non_trainable, losses = stage.model.stateless_call(
-        [context.trainable[i] for i in stage.trainable], folded,
-        [values[k] for k in stage.input_keys],
+    outputs, new_non_trainable, losses = part.model.stateless_call(
+        [context.trainable[i] for i in part.trainable], folded,
+        [values[k] for k in part.input_keys],
         training=True, return_losses=True)
     new_non_trainable = keras_internals.unfold_seeds(
         new_non_trainable, folded, non_trainable, seeds)
     outputs = keras.tree.flatten(outputs)
+    values.update(zip(part.output_keys, outputs))
     # In the variables' dtype (float64 models too), not the activations'.
-    dtype = (context.trainable[stage.trainable[0]].dtype if stage.trainable
-             else tf.float32)
-    model_losses, penalties = keras_internals.split_losses(stage.model,
+    weights = part.trainable or range(len(context.trainable))
+    dtype = context.trainable[weights[0]].dtype if weights else tf.float32
+    model_losses, penalties = keras_internals.split_losses(part.model,
                                                            losses)
     penalty = (trainer.penalty(penalties, flight.weight, dtype) +
                trainer.model_loss(model_losses, flight.rows,
                                   context.global_rows, dtype))
-    loss = None
-    if s == len(self.stages) - 1:  # The penalty is kept apart, per stage.
-      loss, _, _ = trainer.objective(context.loss_fn, flight.labels,
-                                     self._model_outputs(stage, outputs),
-                                     global_rows=context.global_rows)
+    # The penalty is kept apart, per part.
+    loss = self._loss(context, flight, values) if loss_part else None
     return _Result(outputs, new_non_trainable, penalty, loss,
                    (model_losses, penalties))
+
+  def _source_keys(self, s, j):
+    """The tensors whose gradients part j of stage s gives its backward
+    pass: what it reads that is not a model input (stage 0 reads only
+    those, and watches just its weights)."""
+    return [k for k in self.parts[s][j].input_keys
+            if k not in self.input_keys]
+
+  def _forward(self, s, context, inputs, flight, taped):
+    """Stage s on one micro-batch, from its `inputs`, part by part, each
+    under a tape of its own when `taped` (nothing else records on it, so
+    its gradients walk that part alone): a `_Kept`."""
+    values = dict(zip(self.stages[s].input_keys, inputs))
+    tapes, results = [], []
+    parts = self.parts[s]
+    for j, part in enumerate(parts):
+      loss_part = s == len(self.stages) - 1 and j == len(parts) - 1
+      if not taped:
+        results.append(self._run_part(part, context, values, flight,
+                                      loss_part))
+        continue
+      # Persistent where B and W ask it apart. Split, the loss is taken
+      # on a tape of its own, so that W starts from the model outputs'
+      # gradients and does not walk the loss's again.
+      with tf.GradientTape(persistent=self.split) as tape:
+        tape.watch([context.trainable[i] for i in part.trainable])
+        tape.watch([values[k] for k in self._source_keys(s, j)])
+        results.append(self._run_part(part, context, values, flight,
+                                      loss_part and not self.split))
+      tapes.append(tape)
+      if loss_part and self.split:
+        with tf.GradientTape() as loss_tape:
+          loss_tape.watch([values[k] for k in self.output_keys])
+          results[-1] = results[-1]._replace(
+              loss=self._loss(context, flight, values))
+        tapes.append(loss_tape)
+    return _Kept(inputs, tapes if taped else None, results, values)
+
+  def _loss(self, context, flight, values):
+    """The micro-batch's part of the loss, from the model outputs among
+    `values`."""
+    loss, _, _ = trainer.objective(
+        context.loss_fn, flight.labels, keras_internals.pack_outputs(
+            self.model, [values[k] for k in self.output_keys]),
+        global_rows=context.global_rows)
+    return loss
 
   def clone_step(self, devices, loss_fn, global_rows, pieces, shift,
                  trainable, non_trainable, images, labels, loss_scale):
@@ -224,10 +318,11 @@ class Stages:
     ends = [[] for _ in self.stages]  # What each stage's last pass made.
     per_stage = schedules.passes(self.options.pipeline_schedule,
                                  len(self.stages), len(sizes))
+    run = {schedules.FORWARD: self._forward_pass,
+           schedules.BACKWARD: self._backward_pass,
+           schedules.WEIGHTS: self._weights_pass}
     for s, kind, m in schedules.build_order(per_stage):
-      run = self._forward_pass if kind == schedules.FORWARD else (
-          self._backward_pass)
-      ends[s] = run(s, m, devices, context, flights[m], ends[s])
+      ends[s] = run[kind](s, m, devices, context, flights[m], ends[s])
     return self._clone_results(devices, context, flights, len(trainable))
 
   def _clone_results(self, devices, context, flights, num_trainable):
@@ -235,11 +330,12 @@ class Stages:
     last = len(self.stages) - 1
     losses, regularizations = [], []
     for flight in flights:
-      loss = flight.kept[last][2].loss
+      loss = flight.kept[last].results[-1].loss
       with tf.device(devices[last]):
         # One sum over every layer's regularization (the stages' tapes
         # take theirs apart), the same whatever the cut.
-        kept = [flight.kept[s][2].losses for s in range(last + 1)]
+        kept = [result.losses for s in range(last + 1)
+                for result in flight.kept[s].results]
         regularization = trainer.penalty(
             [x for _, penalties in kept for x in penalties], flight.weight,
             loss.dtype) + trainer.model_loss(
@@ -253,16 +349,17 @@ class Stages:
     gradients = [None] * num_trainable
     for s, stage in enumerate(self.stages):
       with tf.device(devices[s]), tf.name_scope(f'stage_{s}_sum'):
-        for k, index in enumerate(stage.trainable):
-          grads = [f.stage_grads[s][k] for f in flights
-                   if f.stage_grads[s][k] is not None]
+        for index in stage.trainable:
+          grads = [f.grads[index] for f in flights
+                   if f.grads.get(index) is not None]
           if grads:
             gradients[index] = combine(grads)
     with tf.device(devices[-1]):
       loss = combine(losses)
       output = tf.nest.map_structure(
           lambda *parts: tf.concat(parts, axis=0),
-          *(self._model_outputs(self.stages[last], f.kept[last][2].outputs)
+          *(keras_internals.pack_outputs(
+              self.model, [f.kept[last].values[k] for k in self.output_keys])
             for f in flights))
     return (output, loss, tf.add_n(regularizations), gradients,
             [f.new_non_trainable for f in flights])
@@ -279,64 +376,104 @@ class Stages:
     stage = self.stages[s]
     with tf.device(devices[s]), tf.name_scope(self._scope(context, m, s)):
       inputs = _gate([flight.values[k] for k in stage.input_keys], after)
-      if self.options.recompute and s < len(self.stages) - 1:
-        tape, result = None, self._forward(
-            s, context, dict(zip(stage.input_keys, inputs)), flight)
-      else:
-        tape, result = self._taped(s, context, inputs, flight)
-      flight.values.update(zip(stage.output_keys, result.outputs))
-      for i, value in zip(stage.non_trainable, result.state):
-        flight.new_non_trainable[i] = value
-      flight.kept[s] = (inputs, tape, result)
-    return list(result.outputs) + [result.penalty] + (
-        [] if result.loss is None else [result.loss])
+      taped = not (self.options.recompute and s < len(self.stages) - 1)
+      kept = self._forward(s, context, inputs, flight, taped)
+      flight.values.update((k, kept.values[k]) for k in stage.output_keys)
+      for part, result in zip(self.parts[s], kept.results):
+        for i, value in zip(part.non_trainable, result.state):
+          flight.new_non_trainable[i] = value
+      flight.kept[s] = kept
+    return [t for r in kept.results for t in list(r.outputs) + [r.penalty] + (
+        [] if r.loss is None else [r.loss])]
 
   def _backward_pass(self, s, m, devices, context, flight, after):
     """Micro-batch m's backward pass through stage s, from the gradients
-    of its outputs, once the stage's previous pass (`after`) is done:
-    the gradients of its variables and of the tensors it read; returns
-    what it made."""
+    of its outputs, once the stage's previous pass (`after`) is done: the
+    gradients of the tensors it read and, unless the schedule defers them
+    to a W pass, of its variables. Part by part, last first, each from its
+    own tape; returns what it made."""
     stage, last = self.stages[s], len(self.stages) - 1
-    inputs, tape, result = flight.kept[s]
+    kept = flight.kept[s]
     with tf.device(devices[s]), tf.name_scope(
         self._scope(context, m, s, '_backward')):
       upstream = [flight.upstream[k] for k in stage.output_keys] if (
           s < last) else []
-      if tape is None:  # Recompute, once the output gradients exist.
-        inputs = _gate(_gate(inputs, after), upstream, 'await_gradients')
-        tape, result = self._taped(s, context, inputs, flight)
-      outputs, penalty, loss = result.outputs, result.penalty, result.loss
-      scale = tf.cast(context.loss_scale, penalty.dtype)
+      if kept.tapes is None:  # Recompute, once the output gradients exist.
+        inputs = _gate(_gate(kept.inputs, after), upstream, 'await_gradients')
+        kept = self._forward(s, context, inputs, flight, taped=True)
+      scale = tf.cast(context.loss_scale, kept.results[0].penalty.dtype)
       if s == last:
-        targets = [loss, penalty]
-        output_gradients = _gate([scale, scale], after)
+        scales = _gate([scale, scale], after)
+        through = {}
+        if self.split:  # The loss's own tape: the model outputs' gradients.
+          outputs = [kept.values[k] for k in self.output_keys]
+          grads = kept.tapes[-1].gradient(kept.results[-1].loss, outputs,
+                                          output_gradients=scales[0])
+          for k, x, g in zip(self.output_keys, outputs, grads):
+            through[k] = tf.zeros_like(x) if g is None else g
       else:
-        targets = list(outputs) + [penalty]
-        output_gradients = _gate(upstream, after) + [scale]
-      input_keys = [k for k in stage.input_keys
-                    if k not in self.input_keys]
-      sources = [context.trainable[i] for i in stage.trainable] + [
-          x for k, x in zip(stage.input_keys, inputs)
-          if k not in self.input_keys]
-      grads = tape.gradient(targets, sources,
-                            output_gradients=output_gradients)
-      n = len(stage.trainable)
-      flight.stage_grads[s] = grads[:n]
-      for k, x, g in zip(input_keys, sources[n:], grads[n:]):
-        g = tf.zeros_like(x) if g is None else g
-        flight.upstream[k] = (flight.upstream[k] + g
-                              if k in flight.upstream else g)
-    return [g for g in grads if g is not None]
+        scales = [scale, scale]
+        through = dict(zip(stage.output_keys, _gate(upstream, after)))
+      made, flight.pending[s] = [], []
+      for j in reversed(range(len(self.parts[s]))):
+        part, result = self.parts[s][j], kept.results[j]
+        targets, output_gradients = [], []
+        if result.loss is not None and not self.split:
+          targets.append(result.loss)
+          output_gradients.append(scales[0])
+        for k, output in zip(part.output_keys, result.outputs):
+          if k in through:  # Else a model output: the loss's.
+            targets.append(output)
+            output_gradients.append(through[k])
+        targets.append(result.penalty)
+        output_gradients.append(scales[1])
+        keys = self._source_keys(s, j)
+        indices = [i for i in part.trainable if i in self.in_b]
+        weights = [context.trainable[i] for i in indices]
+        grads = kept.tapes[j].gradient(
+            targets, weights + [kept.values[k] for k in keys],
+            output_gradients=output_gradients)
+        flight.add_grads(indices, grads[:len(weights)])
+        flight.pending[s].insert(0, (kept.tapes[j], targets,
+                                     output_gradients))
+        for k, g in zip(keys, grads[len(weights):]):
+          g = tf.zeros_like(kept.values[k]) if g is None else g
+          into = flight.upstream if k in stage.input_keys else through
+          into[k] = into[k] + g if k in into else g
+        made += [g for g in grads if g is not None]
+    made += [through[k] for k in self.output_keys if k in through] if (
+        s == last and self.split) else []
+    # A B with no input gradients to give (a first stage whose weights wait
+    # for W) hands the next pass the gradients it was given.
+    return made or list(through.values()) + list(scales)
 
-  def _taped(self, s, context, inputs, flight):
-    """`_forward` recorded on a tape: (tape, its results)."""
-    stage = self.stages[s]
-    values = dict(zip(stage.input_keys, inputs))
-    with tf.GradientTape() as tape:
-      tape.watch([context.trainable[i] for i in stage.trainable])
-      tape.watch([x for k, x in values.items() if k not in self.input_keys])
-      result = self._forward(s, context, values, flight)
-    return tape, result
+  def _weights_pass(self, s, m, devices, context, flight, after):
+    """Micro-batch m's W pass on stage s (schedules that split the
+    backward pass): each part's weight gradients from its own tape and the
+    output gradients its B pass used, once the stage's previous pass
+    (`after`) is done. B asked those tapes for input gradients only, and W
+    for weight gradients only: in the traced step each half of a layer's
+    gradient is reachable from one of them (`Conv2DBackpropInput` from B,
+    `Conv2DBackpropFilter` from W), so each runs once. Returns what it
+    made."""
+    made = []
+    with tf.device(devices[s]), tf.name_scope(
+        self._scope(context, m, s, '_weights')):
+      for part, (tape, targets, output_gradients) in zip(
+          self.parts[s], flight.pending[s]):
+        indices = [i for i in part.trainable if i not in self.in_b]
+        if not indices:
+          continue
+        grads = tape.gradient(
+            targets, [context.trainable[i] for i in indices],
+            output_gradients=_gate(output_gradients, after))
+        flight.add_grads(indices, grads)
+        # Named in this pass's scope (the tape names its ops after the
+        # forward pass's), so the traced order can be read back.
+        made += [tf.identity(g, name='weights_done') for g in grads
+                 if g is not None]
+    flight.pending[s] = None
+    return made
 
   def predict(self, devices, images, trainable, non_trainable):
     """Inference through the stages on `devices`: (outputs, the layers'
@@ -359,12 +496,6 @@ class Stages:
         self.model, [values[k] for k in self.output_keys]), model_losses,
             penalties)
 
-  def _model_outputs(self, stage, outputs):
-    """The model's outputs, in its structure, from the last stage's."""
-    made = dict(zip(stage.output_keys, outputs))
-    return keras_internals.pack_outputs(
-        self.model, [made[k] for k in self.output_keys])
-
 
 def _gate(tensors, after, name='pass_gate'):
   """`tensors` through identities that run after the ops making `after`:
@@ -373,12 +504,19 @@ def _gate(tensors, after, name='pass_gate'):
     return [tf.identity(t, name=name) for t in tensors]
 
 
-# A stage's forward pass on one micro-batch: its outputs, the new
+# A part's forward pass on one micro-batch: its outputs, the new
 # non-trainable values, its part of the regularization (penalties times the
 # weight, add_loss terms by rows), the micro-batch's part of the loss (the
-# last stage; else None), and its layers' (add_loss terms, penalties).
+# last stage's last part; else None), and its layers' (add_loss terms,
+# penalties).
 _Result = collections.namedtuple(
     '_Result', ['outputs', 'state', 'penalty', 'loss', 'losses'])
+
+# A stage's forward pass on one micro-batch: its inputs, its parts' tapes
+# (None when the backward pass recomputes them) and `_Result`s, and every
+# tensor it read or made, by Keras tensor id.
+_Kept = collections.namedtuple('_Kept',
+                               ['inputs', 'tapes', 'results', 'values'])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,7 +541,16 @@ class _Flight:
     self.rows = piece.rows
     self.weight = piece.penalty  # Its part of the weight penalties.
     self.offset = piece.offset + shift  # Its first row, for its seeds.
-    self.kept = [None] * num_stages  # (inputs, tape or None, results).
+    self.kept = [None] * num_stages  # Each stage's `_Kept`.
     self.upstream = {}  # Gradients of the tensors the later stages read.
-    self.stage_grads = [None] * num_stages
+    # Each stage's parts' (tape, targets, output gradients) between its B
+    # and W passes.
+    self.pending = [None] * num_stages
+    self.grads = {}  # Index among the trainable variables -> gradient.
     self.new_non_trainable = non_trainable
+
+  def add_grads(self, indices, grads):
+    """Adds the gradients of the trainable variables at `indices`."""
+    for i, g in zip(indices, grads):
+      if g is not None:
+        self.grads[i] = self.grads[i] + g if i in self.grads else g

@@ -1,0 +1,224 @@
+"""ZB-H1: each backward pass split into B (input gradients) and W (weight
+gradients), the W passes deferred into the bubble: its order, its theory,
+its exactness, and, read from the traced step, that no gradient op runs
+twice."""
+
+import collections
+import itertools
+
+import keras
+import numpy as np
+import pytest
+
+from tests.deploy.test_atoms import assert_bit_identical
+from tests.deploy.test_atoms import train
+from tests.helpers import make_batch
+from tests.helpers import make_deployed
+from tests.helpers import mlp
+from tests.pipeline.test_stages import _assert_same_steps
+from tests.pipeline.test_stages import _pipelined
+from tests.pipeline.test_stages import skip_mlp
+from tfmulti import deploy
+from tfmulti import models
+from tfmulti.pipeline import schedules
+from tfmulti.pipeline import stages as stages_lib
+
+ZB = schedules.ZB_H1
+
+
+def test_the_order_is_megatron_deepspeeds():
+  """K - s - 1 forwards; [F, B] with W deferred s times; [F, B, W] while
+  forwards remain; [B, W]; the s deferred W last."""
+  first, *_, last = schedules.passes(ZB, 4, 8)
+  assert first == [('F', 0), ('F', 1), ('F', 2), ('F', 3)] + [
+      pass_ for i in range(4) for pass_ in (
+          ('B', i), ('W', i), ('F', 4 + i))] + [
+              pass_ for i in range(4, 8) for pass_ in (('B', i), ('W', i))]
+  assert last == [pass_ for i in range(3) for pass_ in (
+      ('F', i), ('B', i))] + [pass_ for i in range(3, 8) for pass_ in (
+          ('F', i), ('B', i), ('W', i))] + [('W', 0), ('W', 1), ('W', 2)]
+  # Fewer micro-batches than the stages after: only M are deferred.
+  assert schedules.passes(ZB, 4, 2)[3] == [
+      ('F', 0), ('B', 0), ('F', 1), ('B', 1), ('W', 0), ('W', 1)]
+
+
+@pytest.mark.parametrize('k, m', itertools.product((2, 3, 4),
+                                                   (1, 2, 4, 8)))
+def test_every_pass_once_in_a_buildable_order(k, m):
+  per_stage = schedules.passes(ZB, k, m)
+  order = schedules.build_order(per_stage)  # Raises on a deadlock.
+  assert len(order) == 3 * k * m
+  for stage in per_stage:
+    assert sorted(stage) == sorted(
+        (kind, i) for kind in 'FBW' for i in range(m))
+    assert stage.index(('B', 0)) < stage.index(('W', 0))
+    # Its activations (whole, or kept for a pending W): K at most, as the
+    # first stage of 1F1B.
+    assert schedules.peak_in_flight(stage) == min(k, m)
+
+
+def test_the_bubble_is_the_papers():
+  """Qi et al. 2024: (K-1)(F+B+W) idle a stage under 1F1B, (K-1)(F+B-W)
+  under ZB-H1; with F = B = W at K=4, M=8, 0.273 and 0.111 of the step."""
+  equal = {'F': 1.0, 'B': 1.0, 'W': 1.0}
+  one_f_one_b = schedules.idle_theory('1f1b', 4, 8, equal)
+  zero_bubble = schedules.idle_theory(ZB, 4, 8, equal)
+  np.testing.assert_allclose(one_f_one_b, [9 / 33] * 4)
+  np.testing.assert_allclose(zero_bubble, [3 / 27] * 4)
+  # Any F, B, W: (K-1)(F+B-W) seconds idle, the step M(F+B+W) longer.
+  f, b, w = 1.0, 1.5, 0.75
+  idle = schedules.idle_theory(ZB, 3, 6, {'F': f, 'B': b, 'W': w})
+  want = 2 * (f + b - w)
+  np.testing.assert_allclose(idle, [want / (6 * (f + b + w) + want)] * 3)
+
+
+_QUICK = ((2, 2), (4, 4))
+
+
+@pytest.mark.parametrize('k, m', [
+    pytest.param(k, m, marks=[] if (k, m) in _QUICK else [pytest.mark.slow])
+    for k, m in itertools.product((2, 3, 4), (2, 4, 8))])
+def test_zb_h1_equals_one_device(k, m):
+  for recompute in (False, True):
+    _assert_same_steps(_pipelined(k, m, pipeline_schedule=ZB,
+                                  recompute=recompute), rows=8)
+
+
+@pytest.mark.slow
+def test_with_clones_shares_and_accumulation_equal_one_device():
+  _assert_same_steps(
+      _pipelined(2, 4, num_clones=2, pipeline_schedule=ZB,
+                 clone_shares=(3, 1), accumulation_steps=2, recompute=True),
+      rows=32)
+
+
+def _bn_layout(schedule):
+  return (dict(num_clones=2, num_stages=2),
+          dict(num_microbatches=4, pipeline_schedule=schedule))
+
+
+def test_the_same_bits_as_1f1b_with_reproducible_rows():
+  """A BatchNorm MLP with L2 (weights, slots, moving statistics)."""
+  def batch(step):
+    return make_batch(32, seed=step)
+
+  def bn_mlp():
+    return mlp(batch_norm=True)
+  want = train(bn_mlp, _bn_layout('1f1b'), 3, batch)
+  assert_bit_identical(train(bn_mlp, _bn_layout(ZB), 3, batch), want,
+                       staged=True)
+
+
+# --- No gradient op runs twice: counted from the traced step. ---
+
+# The two halves of a layer's gradient, and the bias's: each must be
+# reachable exactly as often under ZB-H1 as in the fused 1F1B step.
+HALVES = ('Conv2DBackpropInput', 'Conv2DBackpropFilter', 'MatMul',
+          'BiasAddGrad')
+
+
+def reachable_gradient_ops(deployed, batch):
+  """{device: [gradient ops]} of the ops the traced step's outputs (and
+  stateful updates) need: what the runtime runs, as it prunes the rest
+  (the traced graph holds both halves of each split gradient twice, one
+  of them dead)."""
+  graph = deployed.traced_step(*batch).graph
+  seen, todo = set(), [t.op for t in graph.outputs] + list(
+      graph.control_outputs)
+  while todo:
+    op = todo.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    todo += [t.op for t in op.inputs] + list(op.control_inputs)
+  found = collections.defaultdict(list)
+  for op in graph.get_operations():
+    if op.name in seen and 'gradient_tape' in op.name:
+      found[op.device].append(op)
+  return found
+
+
+def _traced(model_fn, shape, schedule, num_microbatches, boundaries):
+  config = deploy.DeploymentConfig(clone_on_cpu=True, num_stages=2)
+  deployed = make_deployed(config, model_fn,
+                           num_microbatches=num_microbatches,
+                           pipeline_schedule=schedule,
+                           stage_boundaries=boundaries)
+  rng = np.random.default_rng(0)
+  batch = (rng.normal(size=(8, *shape)).astype(np.float32),
+           rng.integers(0, 3, size=8).astype(np.int32))
+  return deployed, reachable_gradient_ops(deployed, batch)
+
+
+def lenet():
+  keras.utils.set_random_seed(0)
+  return models.get_model('lenet', input_shape=(28, 28, 1), num_classes=3)
+
+
+def resnet20():
+  keras.utils.set_random_seed(0)
+  return models.get_model('resnet20', input_shape=(32, 32, 3),
+                          num_classes=3)
+
+
+# (model, input shape, the cut: None for the automatic one).
+MODELS = {
+    'lenet': (lenet, (28, 28, 1), None),
+    'resnet20': (resnet20, (32, 32, 3), None),
+    'skip_mlp': (skip_mlp, (6,), ('d2',)),  # Its skip crosses the cut.
+}
+
+
+# What W runs again, and why: the elementwise gradient of an activation
+# fused into its layer (W starts from the layer's output, after it), and
+# two kinds of op that do no arithmetic on tensors: Conv2D's gradient reads
+# its input's and kernel's shapes (ShapeN) in each half, and each part's
+# penalty is scaled by the micro-batch's part of it (a scalar Mul).
+_ACTIVATION_GRADS = {'relu': 'ReluGrad', 'tanh': 'TanhGrad',
+                     'sigmoid': 'SigmoidGrad'}
+
+
+def _fused_activations(deployed, s):
+  """The gradient op types of the activations fused into stage s's
+  deferred layers whose input gradients B needs too (all but those of a
+  part that reads only model inputs, whose B has nothing to give)."""
+  stages = deployed.stages
+  return collections.Counter(
+      _ACTIVATION_GRADS[layer.activation.__name__]
+      for part in stages.parts[s]
+      if set(part.input_keys) - set(stages.input_keys)
+      for layer in part.model.layers
+      if stages_lib.defers_weights(layer) and getattr(
+          layer, 'activation', None) not in (None, keras.activations.linear))
+
+
+@pytest.mark.parametrize('model_name', [
+    'skip_mlp', pytest.param('lenet', marks=pytest.mark.slow),
+    pytest.param('resnet20', marks=pytest.mark.slow)])
+def test_each_half_of_each_gradient_runs_once(model_name):
+  """Per stage device: the convolution, matmul and bias gradients exactly
+  as often as in the fused 1F1B step (B the input halves, W the weight
+  halves); beyond them, W runs only the gradient of each activation fused
+  into a deferred layer again, once a micro-batch, and ops that do no
+  arithmetic on tensors."""
+  model_fn, shape, boundaries = MODELS[model_name]
+  m = 2
+  _, fused = _traced(model_fn, shape, '1f1b', m, boundaries)
+  deployed, split = _traced(model_fn, shape, ZB, m, boundaries)
+  assert set(split) == set(fused) == {'/device:CPU:0', '/device:CPU:1'}
+  for s in range(2):
+    device = f'/device:CPU:{s}'
+    want = collections.Counter(op.type for op in fused[device])
+    got = collections.Counter(op.type for op in split[device])
+    for op_type in HALVES:
+      assert got[op_type] == want[op_type], (device, op_type)
+    assert sum(want[t] for t in HALVES) > 0
+    extra = got - want
+    activations = {t: n for t, n in extra.items() if t.endswith('Grad')}
+    assert activations == {t: n * m for t, n in _fused_activations(
+        deployed, s).items()}
+    assert set(extra) - set(activations) <= {'ShapeN', 'Mul'}
+    muls = [op for op in split[device] if op.type == 'Mul']
+    assert sum(op.outputs[0].shape.rank != 0 for op in muls) == sum(
+        op.outputs[0].shape.rank != 0 for op in fused[device]
+        if op.type == 'Mul')
