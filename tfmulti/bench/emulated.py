@@ -32,8 +32,8 @@ def use_threads(count):
 
 
 class PassLog:
-  """The waits that ran: (stage, kind 'F' or 'B', start, end), seconds on
-  `time.perf_counter`'s clock."""
+  """The waits that ran: (stage, kind 'F', 'B' or 'W', start, end),
+  seconds on `time.perf_counter`'s clock."""
 
   def __init__(self):
     self._lock = threading.Lock()
@@ -49,43 +49,62 @@ class PassLog:
 
 
 class EmulatedPass(keras.layers.Layer):
-  """Identity whose forward pass waits `forward_s_per_row` a row and whose
-  backward pass waits `backward_s_per_row` a row, logged as stage
-  `stage`'s. Put one in each stage of a model cut into stages."""
+  """Identity with one (unused) weight whose forward pass waits
+  `forward_s_per_row` a row, and whose gradient waits `backward_s_per_row`
+  a row for its input's half (B) and `weights_s_per_row` for its weight's
+  (W), logged as stage `stage`'s. Put one in each stage of a model cut
+  into stages. The two halves are separate ops, so a schedule that asks
+  for them apart (ZB-H1) runs each in its own pass; one fused backward
+  pass runs both, one after the other, as one device would: the waits of
+  one layer hold a lock."""
 
   def __init__(self, stage, forward_s_per_row, backward_s_per_row, log,
-               **kwargs):
+               weights_s_per_row=0.0, **kwargs):
     super().__init__(**kwargs)
     self.stage = stage
-    self.seconds = {'F': forward_s_per_row, 'B': backward_s_per_row}
+    self.seconds = {'F': forward_s_per_row, 'B': backward_s_per_row,
+                    'W': weights_s_per_row}
     self.log = log
+    self._device = threading.Lock()
+
+  def build(self, input_shape):
+    self.delay_weight = self.add_weight(shape=(), initializer='zeros',
+                                  name='emulated_weight')
 
   def _wait(self, kind, values):
-    start = time.perf_counter()
-    time.sleep(len(values) * self.seconds[kind])
-    self.log.add((self.stage, kind, start, time.perf_counter()))
+    with self._device:
+      start = time.perf_counter()
+      time.sleep(len(values) * self.seconds[kind])
+      self.log.add((self.stage, kind, start, time.perf_counter()))
     return np.float32(0.0)
 
-  def _waited(self, kind, tensor):
-    """`tensor`, after the wait (a zero added: a data dependency).
+  def _zero_after_wait(self, kind, tensor):
+    """A float32 zero that exists once the wait of `tensor`'s rows is done.
 
     The wait is declared stateless: a stateful op would be chained to every
     other one in the step by tf.function's automatic control dependencies,
-    and the stages' waits would run one after another. It reads the
-    tensor itself, so nothing folds it away before the step runs.
+    and the stages' waits would run one after another (and the half of a
+    gradient that no result needs would still run). It reads the tensor
+    itself, so nothing folds it away before the step runs.
     """
     zero = tf.numpy_function(lambda values: self._wait(kind, values),
                              [tensor], tf.float32, stateful=False)
     zero.set_shape([])
-    return tensor + tf.cast(zero, tensor.dtype)
+    return zero
+
+  def _waited(self, kind, tensor):
+    """`tensor`, after the wait (a zero added: a data dependency)."""
+    return tensor + tf.cast(self._zero_after_wait(kind, tensor),
+                            tensor.dtype)
 
   def call(self, inputs):
     @tf.custom_gradient
-    def emulated(x):
+    def emulated(x, weight):
       def grad(dy):
-        return self._waited('B', dy)
+        return (self._waited('B', dy), tf.cast(
+            self._zero_after_wait('W', dy), weight.dtype))
       return self._waited('F', x), grad
-    return emulated(inputs)
+    return emulated(inputs, self.delay_weight)
 
   def compute_output_shape(self, input_shape):
     return input_shape

@@ -2,18 +2,23 @@
 
 `python -m tfmulti.bench.schedules` trains one clone cut into K stages, on
 emulated devices (`bench.emulated`: each stage's forward pass waits a
-fixed time a row, its backward pass twice that), with M micro-batches,
-under each `--pipeline_schedule`. For each schedule and (K, M) it reports:
+fixed time a row, F; its backward pass B for the input gradients and W for
+the weight gradients, one after the other where they are fused, apart
+under ZB-H1; by default F = B = W, as Qi et al. time them), with M
+micro-batches, under each `--pipeline_schedule`. For each schedule and
+(K, M) it reports:
 
   * the step's pipeline time (first pass start to last pass end) against
-    the schedule's makespan (M + K - 1) * (t_F + t_B), t the time of one
-    micro-batch's pass;
+    the schedule's makespan, from `schedules.timeline` (every pass as soon
+    as what it reads is there; (M + K - 1)(F + B + W) for GPipe and 1F1B,
+    M(F + B + W) + (K - 1)(F + B - W) for ZB-H1);
   * each stage's idle fraction (1 - its waits' time / the pipeline time)
-    against theory, (K - 1) / (M + K - 1) for GPipe and 1F1B;
+    and idle seconds against theory (`schedules.idle_theory`);
   * each stage's peak activation memory, counted from the traced graph:
-    the bytes of the forward tensors that the backward pass reads, for one
-    micro-batch, times the micro-batches the schedule holds at once
-    (`schedules.peak_in_flight`), without and with recomputation.
+    the bytes of micro-batch 0's forward tensors that its backward passes
+    read, held from its F to its last backward pass, and, under ZB-H1,
+    those only its W reads held from B to W, at the most micro-batches the
+    stage's order holds at once; without and with recomputation.
 
 `--chart_dir` draws each schedule's passes (stage x time, as the papers
 draw them) from the logged waits at the largest K and M. Every figure here
@@ -24,13 +29,12 @@ schedule, not a device's speed.
 import argparse
 import dataclasses
 import os
-import re
 import resource
 import statistics
 import subprocess
 import sys
 import time
-from typing import Tuple
+from typing import Optional, Tuple
 
 from absl import logging
 import keras
@@ -57,7 +61,9 @@ class ScheduleBenchConfig:
     microbatches: the micro-batch counts M.
     schedules: the `--pipeline_schedule`s.
     rows: rows of each step's batch (one clone's).
-    forward_ms_per_row: each stage's forward wait a row; backward 2x.
+    forward_ms_per_row: each stage's forward wait a row (F).
+    backward_ms_per_row: its input gradients' wait a row (B); None: F.
+    weights_ms_per_row: its weight gradients' wait a row (W); None: F.
     steps: timed steps per configuration (median over them).
   """
   stages: Tuple[int, ...] = (2, 4)
@@ -65,6 +71,8 @@ class ScheduleBenchConfig:
   schedules: Tuple[str, ...] = schedules.SCHEDULES
   rows: int = 64
   forward_ms_per_row: float = 2.5
+  backward_ms_per_row: Optional[float] = None
+  weights_ms_per_row: Optional[float] = None
   steps: int = 3
 
   def __post_init__(self):
@@ -73,15 +81,25 @@ class ScheduleBenchConfig:
     for name in self.schedules:
       errors.check_choice('schedules', name, schedules.SCHEDULES)
     errors.check_count('steps', self.steps, 1)
-    errors.check_positive('forward_ms_per_row', self.forward_ms_per_row)
+    for name in ('forward_ms_per_row', 'backward_ms_per_row',
+                 'weights_ms_per_row'):
+      if getattr(self, name) is not None:
+        errors.check_positive(name, getattr(self, name))
     for m in self.microbatches:
       if self.rows % m:
         raise errors.ConfigError(
             f'rows={self.rows}: each of microbatches={m} must get as many '
             'rows; pass a multiple of every micro-batch count.')
 
+  def seconds_per_row(self):
+    """{'F', 'B', 'W': seconds a row of each pass}."""
+    forward = self.forward_ms_per_row
+    return {kind: (forward if ms is None else ms) / 1000 for kind, ms in (
+        ('F', forward), ('B', self.backward_ms_per_row),
+        ('W', self.weights_ms_per_row))}
 
-def build_model(num_stages, forward_s_per_row, log, width=WIDTH):
+
+def build_model(num_stages, seconds_per_row, log, width=WIDTH):
   """A chain of `num_stages` stages of Dense layers, each ending in an
   `EmulatedPass`; returns (model, the first layer of stages 1..K-1)."""
   keras.utils.set_random_seed(0)
@@ -93,18 +111,20 @@ def build_model(num_stages, forward_s_per_row, log, width=WIDTH):
       if j == 0 and s:
         firsts.append(name)
       x = keras.layers.Dense(width, activation='tanh', name=name)(x)
-    x = emulated.EmulatedPass(s, forward_s_per_row, 2 * forward_s_per_row,
-                              log, name=f'stage{s}_emulated')(x)
+    x = emulated.EmulatedPass(
+        s, seconds_per_row['F'], seconds_per_row['B'], log,
+        weights_s_per_row=seconds_per_row['W'], name=f'stage{s}_emulated')(x)
   outputs = keras.layers.Dense(10, name='logits')(x)
   return keras.Model(inputs, outputs), tuple(firsts)
 
 
 def deploy_stages(num_stages, num_microbatches, schedule, log,
-                  forward_s_per_row, recompute=False, width=WIDTH):
-  """One clone in `num_stages` stages on logical CPUs, emulated."""
+                  seconds_per_row, recompute=False, width=WIDTH):
+  """One clone in `num_stages` stages on logical CPUs, emulated
+  (`seconds_per_row`: {'F', 'B', 'W': seconds})."""
   config = deploy.DeploymentConfig(clone_on_cpu=True, num_stages=num_stages)
   with tf.device(config.variables_device()):
-    model, firsts = build_model(num_stages, forward_s_per_row, log, width)
+    model, firsts = build_model(num_stages, seconds_per_row, log, width)
     optimizer = keras.optimizers.SGD(0.01)
   return deploy.deploy(
       config, model,
@@ -134,38 +154,93 @@ def idle_fractions(records, num_stages):
   return span, idle
 
 
-_FORWARD = re.compile(r'microbatch_0/stage_(\d+)/')
-_BACKWARD = re.compile(r'microbatch_0/stage_(\d+)(_backward/|/)')
+def _reachable(graph):
+  """The names of the ops the step's outputs and updates need: what the
+  runtime runs (it prunes the rest, such as the half of a split gradient
+  that no result reads)."""
+  seen, todo = set(), [t.op for t in graph.outputs] + list(
+      graph.control_outputs)
+  while todo:
+    op = todo.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      todo += [t.op for t in op.inputs] + list(op.control_inputs)
+  return seen
+
+
+def _descendants(ops, among):
+  """The names of the ops (in `among`) that read, at any depth, `ops`."""
+  seen, todo = set(), list(ops)
+  while todo:
+    op = todo.pop()
+    for tensor in op.outputs:
+      for reader in tensor.consumers():
+        if reader.name in among and reader.name not in seen:
+          seen.add(reader.name)
+          todo.append(reader)
+  return seen
 
 
 def activation_bytes(graph, num_stages):
-  """Per stage, the bytes of micro-batch 0's forward tensors that its
-  backward pass reads, counted from the traced step's graph."""
-  counted = [0] * num_stages
-  for op in graph.get_operations():
-    found = _FORWARD.search(op.name)
-    if not found or op.name.startswith('gradient_tape/'):
-      continue
-    s = int(found.group(1))
-    for tensor in op.outputs:
-      readers = [c for c in tensor.consumers() if _reads_backward(c.name, s)]
-      if readers and tensor.shape.is_fully_defined():
-        counted[s] += tensor.shape.num_elements() * tensor.dtype.size
-  return counted
+  """Per stage, what micro-batch 0 holds between its passes, counted from
+  the traced step's graph: (bytes held from its forward pass to its
+  backward pass B, bytes held from B to W). Until B: the tensors its
+  forward pass made (its inputs too) that B or W reads. From B to W: the
+  tensors W reads that F or B made (the deferred layers' inputs and their
+  output gradients; under recomputation, B's forward tensors). W's ops are
+  those that follow its gates; B's the stage's other reachable backward
+  ops."""
+  live = _reachable(graph)
+  held = []
+  for s in range(num_stages):
+    gates = [op for op in graph.get_operations()
+             if f'microbatch_0/stage_{s}_weights/pass_gate' in op.name]
+    reads_in_w = _descendants(gates, live) | {op.name for op in gates}
+    to_b = to_w = 0
+    for op in graph.get_operations():
+      made_in = _pass_of(op.name, s)
+      if made_in is None or op.name not in live or op.name in reads_in_w:
+        continue
+      for tensor in op.outputs:
+        if not tensor.shape.is_fully_defined():
+          continue
+        readers = {c.name for c in tensor.consumers()} & live
+        size = tensor.shape.num_elements() * tensor.dtype.size
+        if readers & reads_in_w:
+          to_w += size
+          to_b += size if made_in == 'F' else 0
+        elif made_in == 'F' and any(_pass_of(r, s) == 'B' for r in readers):
+          to_b += size
+    held.append((to_b, to_w))
+  return held
 
 
-def _reads_backward(name, stage):
-  found = _BACKWARD.search(name)
-  if not found or int(found.group(1)) != stage:
-    return False
-  return name.startswith('gradient_tape/') or found.group(2) == '_backward/'
+def _pass_of(name, stage):
+  """'F' or 'B' for op `name` of micro-batch 0's forward or backward pass
+  on `stage` (W's are told apart by what they read), else None."""
+  forward = f'microbatch_0/stage_{stage}/'
+  if f'microbatch_0/stage_{stage}_backward/' in name or (
+      name.startswith('gradient_tape/') and forward in name):
+    return 'B'
+  return 'F' if forward in name else None
+
+
+def peak_bytes(stage_passes, to_b, to_w):
+  """The most bytes of activations a stage holds at once in its order of
+  passes, each micro-batch holding `to_b` from F to B and `to_w` from B
+  to W."""
+  now = peak = 0
+  for kind, _ in stage_passes:
+    now += {'F': to_b, 'B': to_w - to_b, 'W': -to_w}[kind]
+    peak = max(peak, now)
+  return peak
 
 
 def measure(config, num_stages, num_microbatches, schedule, log):
   """One (K, M, schedule): the timings and memory counts, as a dict."""
-  seconds = config.forward_ms_per_row / 1000
+  per_row = config.seconds_per_row()
   deployed = deploy_stages(num_stages, num_microbatches, schedule, log,
-                           seconds)
+                           per_row)
   images, labels = batch(config.rows)
   deployed.train_step(images, labels)  # Traces; not timed.
   spans, idles, walls, traces = [], [], [], []
@@ -179,29 +254,32 @@ def measure(config, num_stages, num_microbatches, schedule, log):
     spans.append(span)
     idles.append(idle)
   rows = config.rows // num_microbatches
-  makespan = (num_microbatches + num_stages - 1) * 3 * seconds * rows
-  theory = (num_stages - 1) / (num_microbatches + num_stages - 1)
+  seconds = {kind: s * rows for kind, s in per_row.items()}
   per_stage = schedules.passes(schedule, num_stages, num_microbatches)
+  timeline = schedules.timeline(per_stage, seconds)
   memory = {}
   for recompute in (False, True):
     stages = deploy_stages(num_stages, num_microbatches, schedule, log,
-                           seconds, recompute) if recompute else deployed
+                           per_row, recompute) if recompute else deployed
     graph = stages.traced_step(images, labels).graph
-    counted = activation_bytes(graph, num_stages)
     memory['recompute' if recompute else 'plain'] = [
-        {'bytes_per_microbatch': b,
+        {'bytes_to_b': to_b, 'bytes_to_w': to_w,
          'microbatches_held': schedules.peak_in_flight(per_stage[s]),
-         'peak_bytes': b * schedules.peak_in_flight(per_stage[s])}
-        for s, b in enumerate(counted)]
+         'peak_bytes': peak_bytes(per_stage[s], to_b, to_w)}
+        for s, (to_b, to_w) in enumerate(activation_bytes(graph,
+                                                          num_stages))]
+  pipeline = statistics.median(spans)
+  idle = [statistics.median(i[s] for i in idles) for s in range(num_stages)]
   return {
       'schedule': schedule, 'num_stages': num_stages,
       'num_microbatches': num_microbatches,
-      'pipeline_seconds': statistics.median(spans),
+      'pipeline_seconds': pipeline,
       'step_seconds': statistics.median(walls),
-      'makespan_seconds': makespan,
-      'idle_theory': theory,
-      'idle_measured': [statistics.median(i[s] for i in idles)
-                        for s in range(num_stages)],
+      'makespan_seconds': max(end for _, end in timeline.values()),
+      'idle_theory': schedules.idle_theory(schedule, num_stages,
+                                           num_microbatches, seconds),
+      'idle_measured': idle,
+      'idle_seconds_measured': [x * pipeline for x in idle],
       'memory': memory,
       'passes': traces[len(traces) // 2],
   }
@@ -215,9 +293,9 @@ def run(config):
     for m in config.microbatches:
       for schedule in config.schedules:
         result = measure(config, k, m, schedule, log)
-        logging.info('%s K=%d M=%d: idle %s (theory %.3f)', schedule, k, m,
+        logging.info('%s K=%d M=%d: idle %s (theory %s)', schedule, k, m,
                      ' '.join(f'{x:.3f}' for x in result['idle_measured']),
-                     result['idle_theory'])
+                     ' '.join(f'{x:.3f}' for x in result['idle_theory']))
         results.append(result)
   return {'config': dataclasses.asdict(config), 'emulated': True,
           'results': results}
@@ -226,17 +304,23 @@ def run(config):
 def format_report(report):
   lines = ['EMULATED devices (waits, not compute): pipeline schedules',
            f'{"schedule":9} {"K":>2} {"M":>2} {"pipeline s":>10} '
-           f'{"makespan s":>10} {"idle theory":>11}  idle measured per '
-           'stage  |  stage 0 activations held (KiB): plain, recompute']
+           f'{"makespan s":>10} {"idle s":>7}  idle per stage: measured '
+           '(theory)  |  peak activations held (KiB), busiest stage: '
+           'plain, recompute']
   for r in report['results']:
-    idle = ' '.join(f'{x:.3f}' for x in r['idle_measured'])
-    plain = r['memory']['plain'][0]['peak_bytes'] / 1024
-    again = r['memory']['recompute'][0]['peak_bytes'] / 1024
+    idle = ' '.join(f'{x:.3f} ({t:.3f})' for x, t in zip(
+        r['idle_measured'], r['idle_theory']))
+    plain, again = (max(stage['peak_bytes'] for stage in r['memory'][kind])
+                    / 1024 for kind in ('plain', 'recompute'))
     lines.append(
         f'{r["schedule"]:9} {r["num_stages"]:>2} {r["num_microbatches"]:>2} '
         f'{r["pipeline_seconds"]:>10.3f} {r["makespan_seconds"]:>10.3f} '
-        f'{r["idle_theory"]:>11.3f}  {idle}  |  {plain:.0f}, {again:.0f}')
+        f'{statistics.mean(r["idle_seconds_measured"]):>7.3f}  {idle}  |  '
+        f'{plain:.0f}, {again:.0f}')
   return '\n'.join(lines)
+
+
+_COLOURS = {'F': '#9ecae1', 'B': '#3182bd', 'W': '#08519c'}
 
 
 def write_charts(report, directory):
@@ -251,13 +335,15 @@ def write_charts(report, directory):
       continue
     figure, axes = pyplot.subplots(figsize=(10, 0.6 * k + 1))
     start = min(p[2] for p in r['passes'])
-    order = schedules.passes(r['schedule'], k, m)
-    for s in range(k):
+    for s, stage in enumerate(schedules.passes(r['schedule'], k, m)):
       mine = sorted((p for p in r['passes'] if p[0] == s),
                     key=lambda p: p[2])
-      for (kind, index), (_, _, begin, end) in zip(order[s], mine):
+      # A fused backward pass logs its B and W waits; each gets its index.
+      indices = [i for kind, i in stage for _ in (
+          'BW' if kind == 'B' and len(stage) == 2 * m else kind)]
+      for index, (_, kind, begin, end) in zip(indices, mine):
         axes.broken_barh([(begin - start, end - begin)], (k - 1 - s, 0.8),
-                         color='#9ecae1' if kind == 'F' else '#3182bd')
+                         color=_COLOURS[kind])
         axes.text((begin + end) / 2 - start, k - 0.6 - s,
                   f'{kind}{index}', ha='center', va='center', fontsize=7)
     axes.set(yticks=[k - 0.6 - s for s in range(k)],
@@ -265,7 +351,7 @@ def write_charts(report, directory):
              xlabel='seconds (emulated devices)',
              title=f'{r["schedule"]}, K={k}, M={m}: idle '
              f'{statistics.mean(r["idle_measured"]):.3f} (theory '
-             f'{r["idle_theory"]:.3f})')
+             f'{statistics.mean(r["idle_theory"]):.3f})')
     figure.tight_layout()
     path = os.path.join(directory, f'schedule_{r["schedule"]}.png')
     figure.savefig(path, dpi=110)
@@ -282,8 +368,8 @@ RSS_ROWS, RSS_WIDTH, RSS_STEPS = 32768, 256, 2
 def rss_child(schedule):
   """Trains RSS_STEPS steps under `schedule` (no waits); returns this
   process's peak resident memory in MiB. Run it in a fresh process."""
-  deployed = deploy_stages(2, 8, schedule, emulated.PassLog(), 0.0,
-                           width=RSS_WIDTH)
+  deployed = deploy_stages(2, 8, schedule, emulated.PassLog(),
+                           {'F': 0.0, 'B': 0.0, 'W': 0.0}, width=RSS_WIDTH)
   images, labels = batch(RSS_ROWS, RSS_WIDTH)
   for _ in range(RSS_STEPS):
     float(deployed.train_step(images, labels))
@@ -311,6 +397,10 @@ def _parse(argv):
   parser.add_argument('--microbatches', default='4,8')
   parser.add_argument('--rows', type=int, default=64)
   parser.add_argument('--forward_ms_per_row', type=float, default=2.5)
+  parser.add_argument('--backward_ms_per_row', type=float,
+                      help="the input gradients' wait (B); default F's")
+  parser.add_argument('--weights_ms_per_row', type=float,
+                      help="the weight gradients' wait (W); default F's")
   parser.add_argument('--steps', type=int, default=3)
   parser.add_argument('--output', help='write the report here as JSON')
   parser.add_argument('--chart_dir', help='draw each schedule here (PNG)')
@@ -341,7 +431,8 @@ def main(argv=None):
         stages=_counts('stages', args.stages),
         microbatches=_counts('microbatches', args.microbatches),
         rows=args.rows, forward_ms_per_row=args.forward_ms_per_row,
-        steps=args.steps)
+        backward_ms_per_row=args.backward_ms_per_row,
+        weights_ms_per_row=args.weights_ms_per_row, steps=args.steps)
     emulated.use_threads(8 * max(config.stages))
     devices.create_logical_cpus(max(config.stages))
   except errors.UserError as e:
