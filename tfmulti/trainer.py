@@ -9,15 +9,19 @@ shard's mean loss weighted by its rows of the global batch (`shard_loss`),
 with a Keras loss that does not divide by the replica count (`mean_loss`),
 the regularization penalty counted once over the job (`penalty`), and the
 float16 loss scale (`loss_scale_of`). How rows are cut is `rows`'s.
+Every path refuses a loss over a Keras mask (`check_no_mask`) and runs a
+piece's forward pass off the root name scope (`off_the_root`).
 """
 
 import abc
 import collections
+import contextlib
 
 import keras
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import keras_internals
 
 # What one training step reports: `total` is the loss that was minimised,
 # `regularization` its regularization part, `clones` each clone's (or
@@ -125,6 +129,37 @@ def check_loss(loss_fn):
         f'loss {loss_fn.name!r} has reduction={reduction!r}: the towers '
         "compute the mean over the global batch; use reduction="
         f"'{_MEAN_REDUCTION}' (Keras's default).")
+
+
+def check_no_mask(model):
+  """Raises `ConfigError` for a model whose output carries a Keras mask: a
+  masked loss is a mean over each piece's valid entries, not its rows, so
+  weighting pieces by rows (every path here does) would train wrong."""
+  for output in getattr(model, 'outputs', None) or ():
+    if keras_internals.mask_of(output) is not None:
+      raise errors.ConfigError(
+          f'model {model.name!r} outputs a Keras mask (from '
+          f'{output.name!r}), whose loss is a mean over valid entries, not '
+          'rows, so its pieces cannot be weighted by rows; drop the mask '
+          'from the output or train with plain Keras fit.')
+
+
+@contextlib.contextmanager
+def off_the_root(name):
+  """Opens name scope `name` where the current scope is the root, else
+  nothing.
+
+  Keras opens a scope named after each layer it calls, and TensorFlow
+  refuses a root scope name with a leading '_' (a class `_Scale` is named
+  '__scale'), which any enclosing scope takes. A piece's forward pass may
+  be traced at the root: in replica 0 of a tf.distribute strategy (the
+  others run under 'replica_<i>') or in a function of its own (XLA's).
+  """
+  if tf.get_current_name_scope():
+    yield
+  else:
+    with tf.name_scope(name):
+      yield
 
 
 def loss_scale_of(optimizer):

@@ -1,7 +1,15 @@
 """What every piece of a step computes on its own rows: the model's
-`add_loss` terms weighted by rows on every layout, synchronized BatchNorm
-for any BatchNormalization, random layers that never repeat a mask across
-pieces and keep the same bits under `reproducible_rows`."""
+`add_loss` terms weighted by rows on every layout and path (towers, atoms,
+the lockstep clones, the tf.distribute strategies, 2 workers), against
+one-device towers; synchronized BatchNorm for any BatchNormalization;
+random layers that never repeat a mask across pieces (lockstep clones and
+replicas included), advance their generators once an assignment of the
+state, and keep the same bits under `reproducible_rows`."""
+
+import json
+import re
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -13,6 +21,7 @@ from tests.helpers import make_batch
 from tests.helpers import make_deployed
 from tests.helpers import make_loss
 from tests.helpers import mlp
+from tests.helpers import REPO
 from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import distribute
@@ -52,6 +61,11 @@ def _one_device():
                  marks=pytest.mark.slow),
     pytest.param(dict(num_clones=2, num_stages=2), dict(num_microbatches=2),
                  marks=pytest.mark.slow),
+    # Atoms of 4 rows, each its own forward pass (Keras divides an activity
+    # penalty by the atom's rows).
+    (dict(num_clones=2), dict(reproducible_rows=4)),
+    # The clones in lockstep, replicas of a MirroredStrategy.
+    (dict(num_clones=2), dict(sync_batch_norm=True)),
 ])
 def test_add_loss_terms_count_over_every_row(config_fields, options):
   config = deploy.DeploymentConfig(clone_on_cpu=True, **config_fields)
@@ -59,19 +73,79 @@ def test_add_loss_terms_count_over_every_row(config_fields, options):
   assert_same_steps(towers, _one_device(), rows=16)
 
 
+@pytest.mark.parametrize('name, options', [
+    ('mirrored', dict(accumulation_steps=2)),
+    ('central_storage', {}),
+    pytest.param('central_storage', dict(accumulation_steps=2),
+                 marks=pytest.mark.slow),
+])
+def test_add_loss_terms_on_tf_distribute_replicas(name, options):
+  """Against one-device towers: the replicas' add_loss terms (read as
+  means, scaled by 1 / replicas under tf.distribute) weighted by rows."""
+  strategy = distribute.make_strategy(
+      name, deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
+  with strategy.scope():
+    model = add_loss_mlp()
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+  distributed = distribute.DistributedModel(
+      strategy, model, make_loss(), optimizer,
+      step_options.StepOptions(**options))
+  assert_same_steps(distributed, _one_device(), rows=16)
+
+
+# Each worker of the launcher's job: DistributedModel over its
+# MultiWorkerMirroredStrategy (one replica a worker), 2 steps of 16 rows.
+_WORKER = '''
+import json, os, sys
+sys.path.insert(0, os.getcwd())  # The repository: the launcher's cwd.
+import keras
+from tests.deploy.test_pieces import add_loss_mlp
+from tests.helpers import make_batch, make_loss
+from tfmulti import distribute, step_options
+from tfmulti.distribute import workers as workers_lib
+
+workers = workers_lib.start()  # Before TensorFlow runs an op.
+with workers.scope():
+  model = add_loss_mlp()
+  optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+trainer = distribute.DistributedModel(
+    workers.strategy, model, make_loss(), optimizer,
+    step_options.StepOptions(accumulation_steps=2),
+    worker_index=workers.index, num_workers=workers.num_workers)
+for step in range(2):
+  outputs = trainer.train_step_outputs(*make_batch(16, seed=step))
+  print('losses', json.dumps([float(outputs.total),
+                              float(outputs.regularization)]), flush=True)
+print('weights', json.dumps([w.tolist() for w in model.get_weights()]),
+      flush=True)
+'''
+_WORKERS_TIMEOUT_S = 300
+
+
 @pytest.mark.slow
-def test_add_loss_terms_on_mirrored_replicas_with_accumulation():
-  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  runs = []
-  for name in ('mirrored', 'single'):
-    strategy = distribute.make_strategy(name, config)
-    with strategy.scope():
-      model = add_loss_mlp()
-      optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
-    runs.append(distribute.DistributedModel(
-        strategy, model, make_loss(), optimizer,
-        deploy.StepOptions(accumulation_steps=2)))
-  assert_same_steps(*runs, rows=16)
+def test_add_loss_terms_on_two_workers_with_accumulation(tmp_path):
+  """multi_worker_mirrored: 2 workers x 2 accumulation steps, against
+  one-device towers on the same 16 rows a step."""
+  script = tmp_path / 'worker.py'
+  script.write_text(_WORKER)
+  result = subprocess.run(
+      [sys.executable, '-m', 'tfmulti.launch', '--num_workers=2', '--',
+       str(script)], cwd=REPO, capture_output=True, text=True,
+      timeout=_WORKERS_TIMEOUT_S)
+  log = result.stdout + result.stderr
+  assert result.returncode == 0, log[-3000:]
+  reference = _one_device()
+  want = []
+  for step in range(2):
+    outputs = reference.train_step_outputs(*make_batch(16, seed=step))
+    want.append([float(outputs.total), float(outputs.regularization)])
+  for worker in range(2):
+    got = [json.loads(found) for found in re.findall(
+        rf'\[worker {worker}\] losses (.*)', log)]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    (found,) = re.findall(rf'\[worker {worker}\] weights (.*)', log)
+    for got, want_weights in zip(json.loads(found), weights(reference.model)):
+      np.testing.assert_allclose(got, want_weights, atol=1e-5)
 
 
 def test_sync_batch_norm_synchronizes_layers_built_unsynchronized():
@@ -98,18 +172,42 @@ def _training_outputs(towers, images, labels):
   return towers.train_step_outputs(images, labels, with_outputs=True).outputs
 
 
-def test_clones_draw_their_own_masks():
+def _generator_counter(model):
+  """The counter of the model's one random generator (`[seed, counter]`)."""
+  (state,) = [v for v in model.non_trainable_variables
+              if 'seed_generator' in v.path]
+  return int(state[1])
+
+
+# The clones one by one, and in lockstep (replicas of a MirroredStrategy,
+# each passed its clone's offset).
+@pytest.mark.parametrize('options', [{}, dict(sync_batch_norm=True)],
+                         ids=['clones', 'lockstep'])
+def test_clones_draw_their_own_masks(options):
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  towers = make_deployed(config, model_fn=dropout_mlp)
+  towers = make_deployed(config, model_fn=dropout_mlp, **options)
   images, labels = make_batch(8)
   # The same 8 rows twice: clone 0 and clone 1 get identical inputs.
   doubled = np.concatenate([images, images]), np.concatenate([labels, labels])
   outputs = np.array(_training_outputs(towers, *doubled))
   assert not np.allclose(outputs[:8], outputs[8:])
   # The generator advanced once a step from its unfolded state.
-  state = next(v for v in towers.model.non_trainable_variables
-               if 'seed_generator' in v.path)
-  assert int(state[1]) == 1
+  assert _generator_counter(towers.model) == 1
+
+
+@pytest.mark.parametrize('options, advances', [
+    (dict(accumulation_steps=2), 2),
+    # Atoms assign the state once, at the step's end.
+    (dict(accumulation_steps=2, reproducible_rows=4), 1),
+])
+def test_the_generators_advance_once_an_assignment_of_the_state(
+    options, advances):
+  """Each accumulation step assigns the state it left (as K steps of one
+  device would), unless the atoms hold it to the step's end."""
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  towers = make_deployed(config, model_fn=dropout_mlp, **options)
+  towers.train_step_outputs(*make_batch(16))
+  assert _generator_counter(towers.model) == advances
 
 
 @pytest.mark.parametrize('config_fields, options', [
@@ -175,7 +273,8 @@ def test_sync_batch_norm_equals_one_device_in_float64():
 @pytest.mark.parametrize('options', [{}, dict(accumulation_steps=2)])
 def test_mirrored_replicas_draw_their_own_masks(options):
   """tf.distribute replicas fold their generators too: two replicas fed
-  identical rows do not repeat a mask, and the generator advances once."""
+  identical rows do not repeat a mask, and the generator advances once an
+  accumulation step."""
   strategy = distribute.make_strategy(
       'mirrored', deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
   with strategy.scope():
@@ -188,6 +287,4 @@ def test_mirrored_replicas_draw_their_own_masks(options):
   doubled = np.concatenate([images, images]), np.concatenate([labels, labels])
   replica_losses = mirrored.train_step_outputs(*doubled).clones
   assert not np.allclose(replica_losses[0], replica_losses[1])
-  state = next(v for v in model.non_trainable_variables
-               if 'seed_generator' in v.path)
-  assert int(state[1]) == options.get('accumulation_steps', 1)
+  assert _generator_counter(model) == options.get('accumulation_steps', 1)

@@ -2,14 +2,20 @@
 one-device `fit` on the same rows and initial weights: several inputs and
 outputs (dicts and lists), several losses with `loss_weights`, sample and
 class weights, `add_loss` terms (an activity regularizer and a layer's
-own), numpy input whose last batch has fewer rows than clones."""
+own), numpy input whose last batch has fewer rows than clones; a layer
+named with a leading '_' on every path, against one-device towers, and a
+loss over a Keras mask refused on every path."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.helpers import assert_same_steps
+from tests.helpers import make_deployed
+from tests.helpers import make_loss
 from tfmulti import deploy
+from tfmulti import distribute
 from tfmulti import errors
 
 ROWS = 34  # Batches of 8 and a last one of 2: fewer rows than 4 clones.
@@ -165,14 +171,34 @@ def test_evaluate_counts_the_model_losses_as_one_device():
       plain.evaluate(**data, batch_size=BATCH, verbose=0)[0], rtol=1e-5)
 
 
-def test_a_masked_output_is_refused_in_one_line():
+def _masked_model():
   keras.utils.set_random_seed(0)
   x = keras.Input((5,), dtype='int32')
   h = keras.layers.Embedding(10, 4, mask_zero=True)(x)
-  model = keras.Model(x, keras.layers.Dense(2)(h))
+  return keras.Model(x, keras.layers.Dense(2)(h))
+
+
+def _towers_model(model):
+  deploy.TowersModel(
+      model, deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
+
+
+def _deployed(model):
+  deploy.deploy(deploy.DeploymentConfig(clone_on_cpu=True), model,
+                make_loss(), keras.optimizers.SGD(0.1))
+
+
+def _distributed(model):
+  strategy = distribute.make_strategy(
+      'single', deploy.DeploymentConfig(clone_on_cpu=True))
+  distribute.DistributedModel(strategy, model, make_loss(),
+                              keras.optimizers.SGD(0.1))
+
+
+@pytest.mark.parametrize('build', [_towers_model, _deployed, _distributed])
+def test_a_masked_output_is_refused_in_one_line_on_every_path(build):
   with pytest.raises(errors.ConfigError, match='outputs a Keras mask') as e:
-    deploy.TowersModel(
-        model, deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
+    build(_masked_model())
   assert '\n' not in str(e.value) and len(str(e.value)) < 300
 
 
@@ -230,23 +256,60 @@ def test_shares_written_as_the_flag_is():
     deploy.StepOptions(clone_shares='3,x')
 
 
-def test_a_layer_named_with_a_leading_underscore_trains_on_one_clone():
-  class _Scale(keras.layers.Layer):  # Keras names it '__scale'.
-    def build(self, shape):
-      self.w = self.add_weight(shape=(shape[-1],), initializer='ones')
+class _Scale(keras.layers.Layer):  # Keras names it '__scale'.
 
-    def call(self, x):
-      return x * self.w
-  keras.utils.set_random_seed(0)
+  def build(self, shape):
+    self.w = self.add_weight(shape=(shape[-1],), initializer='ones')
+
+  def call(self, x):
+    return x * self.w
+
+
+def _underscored(seed=0):
+  """6 -> 3 through a layer whose name starts with '_'."""
+  keras.utils.set_random_seed(seed)
   x = keras.Input((6,))
   model = keras.Model(x, keras.layers.Dense(3)(_Scale()(x)))
   assert any(layer.name.startswith('_') for layer in model.layers)
-  towers = deploy.TowersModel(model, deploy.DeploymentConfig(
+  return model
+
+
+def test_a_layer_named_with_a_leading_underscore_trains_on_one_clone():
+  towers = deploy.TowersModel(_underscored(), deploy.DeploymentConfig(
       clone_on_cpu=True))
   towers.compile(optimizer='sgd', loss='mse')
   towers.fit(np.ones((4, 6), np.float32), np.ones((4, 3), np.float32),
              verbose=0)
   assert int(towers.optimizer.iterations) == 1
+
+
+def _underscored_towers(**options):
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  return make_deployed(config, model_fn=_underscored, **options)
+
+
+def _underscored_distributed(name):
+  strategy = distribute.make_strategy(
+      name, deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
+  with strategy.scope():
+    model = _underscored()
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+  return distribute.DistributedModel(strategy, model, make_loss(), optimizer)
+
+
+@pytest.mark.parametrize('make', [
+    # Replica 0 of the lockstep and of a strategy, and an XLA clone's own
+    # function, trace at the root name scope.
+    lambda: _underscored_towers(sync_batch_norm=True),
+    lambda: _underscored_towers(xla=True),
+    lambda: _underscored_distributed('mirrored'),
+    lambda: _underscored_distributed('single'),
+    lambda: _underscored_distributed('central_storage'),
+], ids=['lockstep', 'xla', 'mirrored', 'single', 'central_storage'])
+def test_a_layer_named_with_a_leading_underscore_trains_on_every_path(make):
+  reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
+                            model_fn=_underscored)
+  assert_same_steps(make(), reference, rows=8)
 
 
 def _two_headed(seed=0):

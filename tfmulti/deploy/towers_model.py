@@ -103,7 +103,6 @@ class TowersModel(keras.Model):
     """
     _check_no_strategy()
     towers_lib.check_model(model)
-    _check_no_mask(model)
     strategy = workers.strategy if workers is not None else None
     towers_in_strategy.check_workers(strategy, config, model)
     options = dataclasses.replace(options or step_options.StepOptions(),
@@ -352,19 +351,6 @@ def _targets(labels, sample_weight):
   """What the towers split with the inputs: (labels,) or (labels,
   sample_weight), a nest of tensors (None is no row-major tensor)."""
   return (labels,) if sample_weight is None else (labels, sample_weight)
-
-
-def _check_no_mask(model):
-  """Refuses a model whose output carries a Keras mask: a masked loss is a
-  mean over each piece's valid entries, not its rows, which the towers
-  cannot weight exactly."""
-  for output in model.outputs:
-    if keras_internals.mask_of(output) is not None:
-      raise errors.ConfigError(
-          f'model {model.name!r} outputs a Keras mask (from '
-          f'{output.name!r}), whose loss is a mean over valid entries, not '
-          'rows, so the towers cannot split it exactly; drop the mask from '
-          'the output or train on one device.')
 
 
 def _check_no_strategy():

@@ -81,9 +81,15 @@ class DistributedModel(trainer.Trainer):
     only: each replica's share of a step's rows; `accumulation_steps`,
     all-reduced once a step; `summarize_gradients`). `worker_index` and
     `num_workers`: this process's place in a multi-worker job
-    (MultiWorkerMirroredStrategy), whose replicas span the workers."""
+    (MultiWorkerMirroredStrategy), whose replicas span the workers.
+
+    Raises:
+      errors.UserError: shares that do not match the replicas, a loss over
+        a Keras mask or a loss that is not a mean.
+    """
     rows.check_share_count(options.fixed_shares,
                            strategy.num_replicas_in_sync, 'num_replicas')
+    trainer.check_no_mask(model)
     trainer.check_loss(loss_fn)
     self.options = options
     self.worker_index = worker_index
@@ -115,7 +121,9 @@ class DistributedModel(trainer.Trainer):
     `add_loss` terms on every one, weighted by its rows. Random layers
     draw from their generators folded with `offset` (a number no other
     replica or accumulation step of the step has), so no two repeat a
-    mask; the generators are left advanced from their unfolded state."""
+    mask; the generators are left advanced from their unfolded state.
+    Replica 0 runs at the root name scope, so it opens 'replica'
+    (`trainer.off_the_root`)."""
     model = self.model
     trainable = [tf.convert_to_tensor(v.value)
                  for v in model.trainable_variables]
@@ -123,7 +131,7 @@ class DistributedModel(trainer.Trainer):
                      for v in model.non_trainable_variables]
     seeds = keras_internals.seed_indices(model)
     folded = keras_internals.fold_seeds(non_trainable, seeds, offset)
-    with tf.GradientTape() as tape:
+    with trainer.off_the_root('replica'), tf.GradientTape() as tape:
       tape.watch(trainable)
       outputs, new_values, losses = model.stateless_call(
           trainable, folded, images, training=True, return_losses=True)
