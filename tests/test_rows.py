@@ -46,6 +46,19 @@ def test_workers_accumulation_clones_and_microbatches_in_row_order():
   assert layout.equal_steps() and layout.step_rows(1, 1) == 4
 
 
+def test_clone_spans_hold_each_clones_rows_of_every_accumulation_step():
+  """What the input feed cuts a batch by: clone 0 of a 3:1 split takes 6 of
+  each accumulation step's 8 rows, in order; a worker counts from its own
+  first row."""
+  layout = rows.step_layout(16, num_clones=2, shares=(3, 1),
+                            accumulation_steps=2)
+  assert layout.clone_spans() == (((0, 6), (8, 14)), ((6, 8), (14, 16)))
+  two_workers = rows.step_layout(8, num_clones=2, num_workers=2,
+                                 devices=('/device:GPU:0', '/device:GPU:1'))
+  assert two_workers.clone_spans(1) == (((0, 4),), ((4, 8),))
+  assert two_workers.clone_device(1, 1) == '/device:GPU:1'
+
+
 def test_the_penalties_count_once_over_the_job():
   layout = rows.step_layout(8, num_clones=2, accumulation_steps=2,
                             num_workers=2)

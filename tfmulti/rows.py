@@ -12,6 +12,10 @@ that refuses a batch is checked here, once, with its message.
 
 An empty piece (a short last batch, fewer rows than clones) is part of the
 layout and runs nothing: it adds exactly 0 to every sum.
+
+A batch may come already cut into the clones' shards by its layout
+(`Shards`, `StepLayout.clone_spans`: the input feed prefetches each to
+its clone's device); `accumulate` then cuts each shard on its own device.
 """
 
 import dataclasses
@@ -136,6 +140,40 @@ class StepLayout:
     return len({p for w in range(self.num_workers)
                 for k in range(self.accumulation_steps)
                 for p in self.clone_rows(w, k)}) == 1
+
+  def clone_spans(self, worker=0):
+    """Where each clone's shard lies in `worker`'s batch: per clone, a
+    (start, stop) for each accumulation step, counted from the batch's
+    first row. A clone's shard of the step is these rows, in order (what
+    the input feed cuts, `deploy.feeds`)."""
+    first = self.of(worker)[0].offset
+    spans = []
+    for clone in range(self.num_clones):
+      spans.append(tuple(
+          (pieces[0].offset - first,
+           pieces[0].offset - first + sum(p.rows for p in pieces))
+          for pieces in (self.of(worker, k, clone)
+                         for k in range(self.accumulation_steps))))
+    return tuple(spans)
+
+  def clone_device(self, worker, clone):
+    """The device clone `clone` of `worker` runs on ('' without devices)."""
+    return self.of(worker, 0, clone)[0].device
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+  """One nest of a step's batch (its inputs, or its targets) already cut
+  into the clones' shards, as the input pipeline hands them to the step
+  when it prefetches each shard to its clone's device (`deploy.feeds`).
+
+  Attributes:
+    parts: one nest a clone, in clone order: the clone's rows of every
+      accumulation step, in order (`StepLayout.clone_spans`).
+    layout: the `StepLayout` they were cut by; the step runs it.
+  """
+  parts: tuple
+  layout: StepLayout
 
 
 @functools.lru_cache(maxsize=None)
@@ -331,7 +369,7 @@ def split(tensors, sizes):
 
 
 def accumulate(step, images, labels, layout, *, worker=0, device=None,
-               gradient_devices=None):
+               gradient_devices=None, by_clone=False):
   """Gradient accumulation: the layout's accumulation steps, summed.
 
   Accumulation step k holds the consecutive rows the layout gives it.
@@ -347,12 +385,16 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None,
       empty). It runs the pieces of the layout's accumulation step `k` (a
       Python int), their offsets moved by `shift` rows (0, or a tensor in
       the loop, which runs step 1's pieces again).
-    images, labels: nests of the batch of all accumulation steps.
+    images, labels: nests of the batch of all accumulation steps; with
+      `by_clone`, tuples of the clones' shards (`Shards.parts`), each cut
+      into its accumulation steps on its clone's device, and `step` gets
+      tuples of the clones' rows of step k.
     layout: the step's `StepLayout`.
     worker: this worker's index in it.
     device: where the sums live.
     gradient_devices: where each gradient's sum lives (a list, one device
       a variable); None for `device`.
+    by_clone: `images` and `labels` come as the clones' shards.
 
   Returns:
     (summed gradients, summed scalars, concatenated outputs).
@@ -361,19 +403,22 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None,
   if steps == 1:
     return step(images, labels, 0, 0)
   if not layout.equal_steps(worker):
-    sizes = [layout.step_rows(worker, k) for k in range(steps)]
-    results = [step(x, y, k, 0) for k, (x, y) in enumerate(zip(
-        split(images, sizes), split(labels, sizes)))]
+    parts = [_step_parts(nest, layout, worker, by_clone)
+             for nest in (images, labels)]
+    results = [step(x, y, k, 0) for k, (x, y) in enumerate(zip(*parts))]
     with tf.device(device), tf.name_scope('accumulate'):
       return _summed(results, gradient_devices)
   rows = layout.step_rows(worker, 0)
-  with tf.device(device), tf.name_scope('accumulate'):
-    images, labels = [tf.nest.map_structure(
-        lambda t: tf.reshape(t, [steps, rows, *t.shape[1:]]), nest)
-                      for nest in (images, labels)]
+  images, labels = [_stacked_steps(nest, layout, worker, device, by_clone)
+                    for nest in (images, labels)]
 
   def part(nest, k):
-    return tf.nest.map_structure(lambda t: t[k], nest)
+    if not by_clone:
+      return tf.nest.map_structure(lambda t: t[k], nest)
+    return tuple(  # Each clone's rows of step k, read on its device.
+        devices.on(layout.clone_device(worker, c) or None,
+                   tf.nest.map_structure, lambda t: t[k], shard)
+        for c, shard in enumerate(nest))
   gradients, scalars, outputs = step(part(images, 0), part(labels, 0), 0, 0)
   reached = [g is not None for g in gradients]
   places = [d for d, r in zip(gradient_devices or [device] * len(reached),
@@ -398,6 +443,36 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None,
   sums = iter(sums)
   return ([next(sums) if r else None for r in reached], scalars,
           [array.concat() for array in arrays])
+
+
+def _step_parts(nest, layout, worker, by_clone):
+  """Each accumulation step's rows of `nest` (a list, one a step); with
+  `by_clone`, each clone's shard cut on its own device."""
+  steps = range(layout.accumulation_steps)
+  if not by_clone:
+    return split(nest, [layout.step_rows(worker, k) for k in steps])
+  per_clone = [devices.on(
+      layout.clone_device(worker, c) or None, split, shard,
+      [layout.rows_of(worker=worker, accumulation_step=k, clone=c)
+       for k in steps]) for c, shard in enumerate(nest)]
+  return [tuple(parts[k] for parts in per_clone) for k in steps]
+
+
+def _stacked_steps(nest, layout, worker, device, by_clone):
+  """`nest` with its rows as [accumulation step, row]: on `device`, or,
+  `by_clone`, each clone's shard on its own device."""
+  steps = layout.accumulation_steps
+
+  def stacked(tensors, rows):
+    return tf.nest.map_structure(
+        lambda t: tf.reshape(t, [steps, rows, *t.shape[1:]]), tensors)
+  if not by_clone:
+    with tf.device(device), tf.name_scope('accumulate'):
+      return stacked(nest, layout.step_rows(worker, 0))
+  return tuple(devices.on(
+      layout.clone_device(worker, c) or None, stacked, shard,
+      layout.rows_of(worker=worker, accumulation_step=0, clone=c))
+               for c, shard in enumerate(nest))
 
 
 def _summed(results, gradient_devices=None):

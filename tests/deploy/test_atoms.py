@@ -10,6 +10,7 @@ import types
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.helpers import make_batch
 from tests.helpers import make_deployed
@@ -17,6 +18,7 @@ from tests.helpers import mlp
 from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import models
+from tfmulti import rows
 from tfmulti.deploy import atoms
 
 ATOM_ROWS = 4
@@ -40,15 +42,22 @@ def bn_mlp():
   return mlp(batch_norm=True)
 
 
-def train(model_fn, layout, steps, batch, atom_rows=ATOM_ROWS):
+def train(model_fn, layout, steps, batch, atom_rows=ATOM_ROWS, feed=False):
   """The model's and optimizer's variables, and the losses, after `steps`
-  steps of `batch(step)` on `layout`."""
+  steps of `batch(step)` on `layout`; with `feed`, each clone's shard
+  prefetched to its device by the input feed (`deploy.feeds`)."""
   config_fields, fields = layout
-  config = deploy.DeploymentConfig(clone_on_cpu=True, **config_fields)
+  config = deploy.DeploymentConfig(clone_on_cpu=True, prefetch_to_clones=feed,
+                                   **config_fields)
   deployed = make_deployed(config, model_fn, reproducible_rows=atom_rows,
                            **fields)
-  losses = [deployed.train_step_outputs(*batch(step)).total.numpy()
-            for step in range(steps)]
+  batches = [batch(step) for step in range(steps)]
+  if feed:
+    batches = list(deployed.distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(tuple(map(np.stack,
+                                                     zip(*batches))))))
+    assert all(isinstance(images, rows.Shards) for images, _ in batches)
+  losses = [deployed.train_step_outputs(*b).total.numpy() for b in batches]
   variables = deployed.model.variables + deployed.optimizer.variables
   return [v.numpy() for v in variables], losses
 
@@ -93,6 +102,18 @@ def test_every_layout_trains_the_same_bits(name, mlp_reference):
   """A BatchNorm model with L2: bit for bit one clone's."""
   assert_bit_identical(train(bn_mlp, LAYOUTS[name], MLP_STEPS, mlp_batch),
                        mlp_reference, staged='stages' in name)
+
+
+@pytest.mark.parametrize('name', [
+    pytest.param('shares 3:1'),
+    pytest.param('2 clones x 2 accumulation steps', marks=pytest.mark.slow),
+    pytest.param('4 clones x 2 stages x 2 micro-batches',
+                 marks=pytest.mark.slow)])
+def test_the_input_feed_trains_the_same_bits(name, mlp_reference):
+  """Each clone's shard prefetched to its device: still one clone's bits."""
+  assert_bit_identical(
+      train(bn_mlp, LAYOUTS[name], MLP_STEPS, mlp_batch, feed=True),
+      mlp_reference, staged='stages' in name)
 
 
 def test_without_atoms_the_layouts_differ():

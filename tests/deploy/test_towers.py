@@ -75,6 +75,18 @@ class TestDeploymentConfig:
     config = deploy.DeploymentConfig(num_replicas=3, replica_id=2)
     assert (config.num_workers, config.worker_index) == (3, 2)
 
+  @pytest.mark.parametrize('kwargs, prefetches', [
+      (dict(num_clones=2), True),  # GPU clones: the copies hide.
+      (dict(num_clones=2, clone_on_cpu=True), False),  # One memory.
+      (dict(num_clones=2, num_ps_tasks=1), False),
+      (dict(num_clones=2, clone_on_cpu=True, prefetch_to_clones=True), True),
+      (dict(num_clones=2, prefetch_to_clones=False), False),
+  ])
+  def test_each_clones_shard_is_prefetched_to_gpus_by_default(
+      self, kwargs, prefetches):
+    assert deploy.DeploymentConfig(**kwargs).prefetches_to_clones() is (
+        prefetches)
+
   def test_is_frozen(self):
     config = deploy.DeploymentConfig()
     with pytest.raises(AttributeError):
@@ -100,6 +112,9 @@ class TestDeploymentConfig:
       (dict(variables_device='banana'), "variables_device='banana'"),
       (dict(num_ps_tasks=1, variables_device='/device:GPU:0'),
        "variables_device='/device:GPU:0'"),
+      (dict(prefetch_to_clones='yes'), "prefetch_to_clones='yes'"),
+      (dict(num_ps_tasks=1, prefetch_to_clones=True),
+       'prefetch_to_clones=True'),
   ])
   def test_bad_values_raise_naming_the_value(self, kwargs, named):
     with pytest.raises(errors.ConfigError, match=named.replace('.', r'\.')):

@@ -142,6 +142,34 @@ def test_fit_across_workers_refuses_input_the_workers_cannot_share():
     np.testing.assert_array_equal(got, want)
 
 
+def test_only_the_chief_keeps_the_callbacks_that_write_files(tmp_path):
+  """ModelCheckpoint, TensorBoard and CSVLogger write on worker 0 alone;
+  worker 1 trains the same epoch and writes nothing (each worker given a
+  directory of its own here, so a second writer would show)."""
+  stand_in = _stand_in(deploy.DeploymentConfig(num_clones=2,
+                                               clone_on_cpu=True))
+  x, y = np.zeros([8, 6], np.float32), np.zeros([8], np.int32)
+  for index in (0, 1):
+    config = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=index,
+                                     num_replicas=2)
+    with stand_in.scope():
+      model = mlp()
+    towers = deploy.TowersModel(model, config, workers=stand_in)
+    towers.compile(optimizer='sgd', loss=keras.losses.
+                   SparseCategoricalCrossentropy(from_logits=True))
+    written = tmp_path / f'worker{index}'
+    history = towers.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(str(written / 'model.keras')),
+        keras.callbacks.TensorBoard(str(written / 'logs')),
+        keras.callbacks.CSVLogger(str(written / 'history.csv'))])
+    assert len(history.history['loss']) == 1  # Both trained the epoch.
+  chief = tmp_path / 'worker0'
+  assert (chief / 'model.keras').is_file()
+  assert list((chief / 'logs').glob('train/events.out.tfevents.*'))
+  assert len((chief / 'history.csv').read_text().splitlines()) == 2
+  assert not (tmp_path / 'worker1').exists()
+
+
 class _LosePeer(keras.callbacks.Callback):
   """Fails as TensorFlow's collective does when worker 1 is gone."""
 

@@ -13,6 +13,7 @@ The library's own modules import the module that defines a name.
   towers_model        TowersModel: the towers behind Keras's compile/fit
   batch_norm          the moving statistics after a step of several clones
   balance             automatic clone shares for unequal devices
+  feeds               each clone's shard prefetched to its device
   towers_in_strategy  the towers inside a tf.distribute strategy
 """
 
