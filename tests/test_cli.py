@@ -189,6 +189,17 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
      r"stage_boundaries=\('dense',\) says how to cut a clone into stages, "
      'and num_stages=1 makes none: set num_stages=2'),
     (dict(recompute=True), 'recompute=True says how to cut a clone'),
+    (dict(num_stages=2, clone_on_cpu=True, virtual_stages=2),
+     "virtual_stages=2 gives each device several chunks of the model, which "
+     "only pipeline_schedule='interleaved_1f1b' runs"),
+    (dict(num_stages=2, clone_on_cpu=True,
+          pipeline_schedule='interleaved_1f1b', virtual_stages=2,
+          num_microbatches=3),
+     "num_microbatches=3: 'interleaved_1f1b' runs micro-batches in groups"),
+    (dict(num_stages=4, clone_on_cpu=True,
+          pipeline_schedule='interleaved_1f1b', virtual_stages=3,
+          num_microbatches=4),
+     "virtual_stages=3: 4 stages of 3 chunks cut 'lenet' into 12 chunks"),
     (dict(stage_costs='measured'), "stage_costs='measured' says how to cut"),
     (dict(image_size=['32']), '--image_size=32: give HEIGHT,WIDTH in pixels'),
     (dict(image_size=['0', '8']), 'image_size=0: must be an integer >= 1'),

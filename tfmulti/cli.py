@@ -221,7 +221,13 @@ _PIPELINE_SCHEDULE = flags.DEFINE_enum(
     'backward in turn: less activation memory), gpipe (all forwards, then '
     'all backwards) or zb_h1 (1f1b with each backward pass split into input '
     'and weight gradients, the weight half filling the bubble: a third of '
-    "1f1b's idle time when the three passes take equal time).")
+    "1f1b's idle time when the three passes take equal time) or "
+    'interleaved_1f1b (each stage device runs --virtual_stages chunks of '
+    'the model: (K - 1) / (v M) of the ideal step idle).')
+_VIRTUAL_STAGES = flags.DEFINE_integer(
+    'virtual_stages', 1, 'With --pipeline_schedule=interleaved_1f1b: v, '
+    'the chunks of the model on each stage device (num_stages x v chunks, '
+    'chunk c on device c mod num_stages).')
 _CLONE_SHARES = flags.DEFINE_list(
     'clone_shares', None, "Each clone's share of a step's rows, e.g. 3,1 "
     "for a device 3x as fast (towers, mirrored), or 'auto': measure the "
@@ -416,6 +422,7 @@ def _step_options():
                         if _STAGE_BOUNDARIES.value else None),
       stage_costs=_STAGE_COSTS.value, recompute=_RECOMPUTE.value,
       pipeline_schedule=_PIPELINE_SCHEDULE.value,
+      virtual_stages=_VIRTUAL_STAGES.value,
       clone_shares=_clone_shares(_CLONE_SHARES.value),
       rebalance_every_steps=_REBALANCE_EVERY_STEPS.value,
       accumulation_steps=_ACCUMULATION_STEPS.value,
@@ -499,7 +506,7 @@ HELP_GROUPS = (
     ('How each step runs (the step options)', (
         'batch_norm_policy', 'sync_batch_norm', 'xla', 'num_microbatches',
         'stage_boundaries', 'stage_costs', 'recompute', 'pipeline_schedule',
-        'clone_shares',
+        'virtual_stages', 'clone_shares',
         'rebalance_every_steps', 'accumulation_steps', 'summarize_gradients',
         'reproducible_rows', 'gradient_packs')),
     ('Output', (

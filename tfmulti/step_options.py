@@ -30,13 +30,14 @@ STAGE_COSTS = (ESTIMATED, MEASURED)
 GPIPE = 'gpipe'
 ONE_F_ONE_B = '1f1b'
 ZB_H1 = 'zb_h1'
-PIPELINE_SCHEDULES = (ONE_F_ONE_B, GPIPE, ZB_H1)
+INTERLEAVED_1F1B = 'interleaved_1f1b'
+PIPELINE_SCHEDULES = (ONE_F_ONE_B, GPIPE, ZB_H1, INTERLEAVED_1F1B)
 # clone_shares=auto: measured and balanced (`deploy.balance`); xla=auto:
 # on where `deploy.xla_rule` says.
 AUTO = 'auto'
 # The options that say how a clone is cut into stages (num_stages > 1).
 _OF_THE_CUT = ('stage_boundaries', 'stage_costs', 'stage_speeds', 'recompute',
-               'pipeline_schedule')
+               'pipeline_schedule', 'virtual_stages')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +63,13 @@ class StepOptions:
       (2 for a device twice as fast); None for equal devices.
     recompute: recompute each stage's activations in its backward pass.
     pipeline_schedule: the order of each stage's forward and backward
-      passes over the micro-batches: '1f1b', 'gpipe' or 'zb_h1' (each
+      passes over the micro-batches: '1f1b', 'gpipe', 'zb_h1' (each
       backward pass split into input and weight gradients, the weight
-      half deferred into the bubble; `pipeline.schedules`).
+      half deferred into the bubble) or 'interleaved_1f1b' (each device
+      runs `virtual_stages` chunks of the model; `pipeline.schedules`).
+    virtual_stages: v, with 'interleaved_1f1b': the model is cut into
+      num_stages x v chunks, chunk c on stage device c mod num_stages
+      (`DeploymentConfig.chunk_devices`).
     clone_shares: each clone's share of a step's rows, e.g. (3, 1); 'auto'
       to measure the clones and balance them; None for equal shares.
     rebalance_every_steps: with 'auto', steps between measurements.
@@ -89,6 +94,7 @@ class StepOptions:
   stage_speeds: Optional[Tuple[float, ...]] = None
   recompute: bool = False
   pipeline_schedule: str = ONE_F_ONE_B
+  virtual_stages: int = 1
   clone_shares: Optional[Union[Tuple[float, ...], str]] = None
   rebalance_every_steps: int = 100
   accumulation_steps: int = 1
@@ -103,7 +109,7 @@ class StepOptions:
     errors.check_choice('pipeline_schedule', self.pipeline_schedule,
                         PIPELINE_SCHEDULES)
     for name in ('num_microbatches', 'rebalance_every_steps',
-                 'accumulation_steps'):
+                 'accumulation_steps', 'virtual_stages'):
       errors.check_count(name, getattr(self, name), 1)
     for speed in self.stage_speeds or ():
       errors.check_positive('stage_speeds', speed)
@@ -111,6 +117,7 @@ class StepOptions:
     if not (self.xla is True or self.xla is False or self.xla == AUTO):
       raise errors.ConfigError(
           f'xla={self.xla!r}: use True, False or {AUTO!r}.')
+    self._check_virtual_stages()
     self._check_packs()
     self._check_shares()
     self._check_reproducible()
@@ -123,6 +130,21 @@ class StepOptions:
               'sync_batch_norm=True: synchronized BatchNorm runs equal, whole '
               f'clones at once; drop one of the two.')
     self._check_whole_clones(1)  # Micro-batches alone cut clones too.
+
+  def _check_virtual_stages(self):
+    interleaved = self.pipeline_schedule == INTERLEAVED_1F1B
+    if self.virtual_stages > 1 and not interleaved:
+      raise errors.ConfigError(
+          f'virtual_stages={self.virtual_stages} gives each device several '
+          'chunks of the model, which only '
+          f'pipeline_schedule={INTERLEAVED_1F1B!r} runs; set it, or drop '
+          'virtual_stages.')
+    if interleaved and self.virtual_stages < 2:
+      raise errors.ConfigError(
+          f'pipeline_schedule={INTERLEAVED_1F1B!r} runs virtual_stages '
+          f'chunks on each device, and virtual_stages={self.virtual_stages}'
+          f' makes one (that is {ONE_F_ONE_B!r}): set virtual_stages=2 or '
+          'more.')
 
   def _check_packs(self):
     packs = self.gradient_packs
@@ -177,6 +199,14 @@ class StepOptions:
               f'{name}={getattr(self, name)!r} says how to cut a clone into '
               'stages, and num_stages=1 makes none: set num_stages=2 or '
               'more, or drop it.')
+    if (self.pipeline_schedule == INTERLEAVED_1F1B and
+        self.num_microbatches % num_stages):
+      raise errors.ConfigError(
+          f'num_microbatches={self.num_microbatches}: '
+          f'{INTERLEAVED_1F1B!r} runs micro-batches in groups of one a '
+          f'stage (Megatron\'s order), so it needs a multiple of '
+          f'num_stages={num_stages}: use num_microbatches='
+          f'{num_stages * max(1, self.num_microbatches // num_stages)}.')
     self._check_whole_clones(num_stages)
 
   def _check_whole_clones(self, num_stages):

@@ -24,28 +24,29 @@ def test_each_emulated_stage_runs_its_passes_in_the_schedules_order(
   waits came in the order the schedule gives that stage (a fused backward
   pass runs its B and W waits together, in either order)."""
   log = emulated.PassLog()
-  deployed = bench.deploy_stages(3, 4, schedule, log, NO_WAITS)
-  deployed.train_step(*bench.batch(ROWS))
+  deployed = bench.deploy_stages(3, 6, schedule, log, NO_WAITS,
+                                 virtual_stages=2)
+  deployed.train_step(*bench.batch(ROWS - 4))
   split = schedules.splits_backward(schedule)
-  for s, passes in enumerate(schedules.passes(schedule, 3, 4)):
-    ran = [kind for stage, kind, _, _ in sorted(
-        log.records, key=lambda r: r[2]) if stage == s]
+  for d, passes in enumerate(schedules.device_orders(schedule, 3, 6, 2)):
+    ran = [(stage, kind) for stage, kind, _, _ in sorted(
+        log.records, key=lambda r: r[2]) if stage % 3 == d]
     if not split:
       ran = _fused(ran)
-    assert ran == [kind for kind, _ in passes]
+    assert ran == [(stage, kind) for stage, kind, _ in passes]
 
 
-def _fused(kinds):
-  """Logged waits with each fused backward pass's two (B, W in either
-  order) as one B."""
+def _fused(ran):
+  """Logged (stage, kind) waits with each fused backward pass's two (B
+  and W of one stage, in either order) as one B."""
   out, i = [], 0
-  while i < len(kinds):
-    if kinds[i] == 'F':
-      out.append('F')
+  while i < len(ran):
+    if ran[i][1] == 'F':
+      out.append(ran[i])
       i += 1
     else:
-      assert sorted(kinds[i:i + 2]) == ['B', 'W'], kinds
-      out.append('B')
+      assert sorted(ran[i:i + 2]) == [(ran[i][0], 'B'), (ran[i][0], 'W')]
+      out.append((ran[i][0], 'B'))
       i += 2
   return out
 
@@ -56,9 +57,8 @@ def _peak_bytes(schedule, recompute=False, k=2, m=8):
   images, labels = bench.batch(64)
   graph = deployed.traced_step(images, labels).graph
   counted = bench.activation_bytes(graph, k)
-  per_stage = schedules.passes(schedule, k, m)
-  return [bench.peak_bytes(passes, to_b, to_w)
-          for (to_b, to_w), passes in zip(counted, per_stage)], counted
+  return [bench.peak_bytes(device, counted)
+          for device in schedules.device_orders(schedule, k, m)], counted
 
 
 @pytest.mark.slow
@@ -115,11 +115,14 @@ def test_the_report_and_its_charts(tmp_path):
   assert {r['schedule'] for r in report['results']} == set(
       schedules.SCHEDULES)
   for r in report['results']:
-    # F = B = W: 1 of 3 units a step idle under 1F1B, 1 of 7 under ZB-H1.
-    want = 1 / 7 if r['schedule'] == 'zb_h1' else 1 / 3
+    # F = B = W: 1 of 3 units a step idle under 1F1B, 1 of 7 under ZB-H1,
+    # (K - 1) / (v M) = 1/4 of the ideal 6 interleaved: 1.5 of 7.5.
+    want = {'zb_h1': 1 / 7, 'interleaved_1f1b': 1.5 / 7.5}.get(
+        r['schedule'], 1 / 3)
     assert r['idle_theory'] == pytest.approx([want, want])
     assert len(r['idle_measured']) == 2
-    assert len(r['passes']) == 2 * 2 * 3  # F, B, W; 2 stages, 2 each.
+    # F, B and W of 2 micro-batches on each of 2 stages (4 chunks).
+    assert len(r['passes']) == 2 * 2 * 3 * r['virtual_stages']
   for name in schedules.SCHEDULES:
     assert (tmp_path / f'schedule_{name}.png').read_bytes().startswith(
         b'\x89PNG')

@@ -46,7 +46,8 @@ def test_the_order_is_megatron_deepspeeds():
                                                    (1, 2, 4, 8)))
 def test_every_pass_once_in_a_buildable_order(k, m):
   per_stage = schedules.passes(ZB, k, m)
-  order = schedules.build_order(per_stage)  # Raises on a deadlock.
+  order = schedules.build_order(  # Raises on a deadlock.
+      schedules.device_orders(ZB, k, m), k)
   assert len(order) == 3 * k * m
   for stage in per_stage:
     assert sorted(stage) == sorted(

@@ -3,9 +3,10 @@
 `python -m tfmulti.bench.schedules` trains one clone cut into K stages, on
 emulated devices (`bench.emulated`: each stage's forward pass waits a
 fixed time a row, F; its backward pass B for the input gradients and W for
-the weight gradients, one after the other where they are fused, apart
-under ZB-H1; by default F = B = W, as Qi et al. time them), with M
-micro-batches, under each `--pipeline_schedule`. For each schedule and
+the weight gradients, B + W before the input gradient where they are
+fused, apart under ZB-H1; by default F = B = W, as Qi et al. time them;
+under interleaved 1F1B each of a device's v chunks waits 1 / v of it),
+with M micro-batches, under each `--pipeline_schedule`. For each schedule and
 (K, M) it reports:
 
   * the step's pipeline time (first pass start to last pass end) against
@@ -60,6 +61,7 @@ class ScheduleBenchConfig:
     stages: the stage counts K.
     microbatches: the micro-batch counts M.
     schedules: the `--pipeline_schedule`s.
+    virtual_stages: the chunks a device under 'interleaved_1f1b'.
     rows: rows of each step's batch (one clone's).
     forward_ms_per_row: each stage's forward wait a row (F).
     backward_ms_per_row: its input gradients' wait a row (B); None: F.
@@ -68,6 +70,7 @@ class ScheduleBenchConfig:
   """
   stages: Tuple[int, ...] = (2, 4)
   microbatches: Tuple[int, ...] = (4, 8)
+  virtual_stages: int = 2
   schedules: Tuple[str, ...] = schedules.SCHEDULES
   rows: int = 64
   forward_ms_per_row: float = 2.5
@@ -81,6 +84,7 @@ class ScheduleBenchConfig:
     for name in self.schedules:
       errors.check_choice('schedules', name, schedules.SCHEDULES)
     errors.check_count('steps', self.steps, 1)
+    errors.check_count('virtual_stages', self.virtual_stages, 2)
     for name in ('forward_ms_per_row', 'backward_ms_per_row',
                  'weights_ms_per_row'):
       if getattr(self, name) is not None:
@@ -100,8 +104,9 @@ class ScheduleBenchConfig:
 
 
 def build_model(num_stages, seconds_per_row, log, width=WIDTH):
-  """A chain of `num_stages` stages of Dense layers, each ending in an
-  `EmulatedPass`; returns (model, the first layer of stages 1..K-1)."""
+  """A chain of `num_stages` stages (or chunks) of Dense layers, each
+  ending in an `EmulatedPass`; returns (model, the first layer of stages
+  1..K-1)."""
   keras.utils.set_random_seed(0)
   inputs = x = keras.Input((width,))
   firsts = []
@@ -119,19 +124,30 @@ def build_model(num_stages, seconds_per_row, log, width=WIDTH):
 
 
 def deploy_stages(num_stages, num_microbatches, schedule, log,
-                  seconds_per_row, recompute=False, width=WIDTH):
+                  seconds_per_row, recompute=False, width=WIDTH,
+                  virtual_stages=1):
   """One clone in `num_stages` stages on logical CPUs, emulated
-  (`seconds_per_row`: {'F', 'B', 'W': seconds})."""
+  (`seconds_per_row`: {'F', 'B', 'W': seconds} of a stage, shared by its
+  `virtual_stages` chunks under interleaved 1F1B)."""
   config = deploy.DeploymentConfig(clone_on_cpu=True, num_stages=num_stages)
+  chunks = virtual_stages if schedule == schedules.INTERLEAVED_1F1B else 1
+  waits = dict(seconds_per_row)
+  if not schedules.splits_backward(schedule):
+    # A fused backward pass hands on its input gradient after B + W, as the
+    # papers time it: the executor would otherwise be free to run the
+    # weight half after the input half, and give 1F1B part of ZB-H1's gain.
+    waits = {'F': waits['F'], 'B': waits['B'] + waits['W'], 'W': 0.0}
   with tf.device(config.variables_device()):
-    model, firsts = build_model(num_stages, seconds_per_row, log, width)
+    model, firsts = build_model(
+        num_stages * chunks, {kind: t / chunks for kind, t in waits.items()},
+        log, width)
     optimizer = keras.optimizers.SGD(0.01)
   return deploy.deploy(
       config, model,
       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       optimizer, num_microbatches=num_microbatches,
       stage_boundaries=firsts or None, pipeline_schedule=schedule,
-      recompute=recompute)
+      virtual_stages=chunks, recompute=recompute)
 
 
 def batch(rows, width=WIDTH):
@@ -141,12 +157,13 @@ def batch(rows, width=WIDTH):
 
 
 def idle_fractions(records, num_stages):
-  """(pipeline seconds, each stage's idle fraction) of one step's waits;
-  raises `RuntimeError` if two passes of a stage overlapped."""
+  """(pipeline seconds, each stage device's idle fraction) of one step's
+  waits (logged by stage, or chunk c on device c mod `num_stages`); raises
+  `RuntimeError` if two passes of a device overlapped."""
   span = max(r[3] for r in records) - min(r[2] for r in records)
   idle = []
   for s in range(num_stages):
-    mine = sorted((r[2], r[3]) for r in records if r[0] == s)
+    mine = sorted((r[2], r[3]) for r in records if r[0] % num_stages == s)
     for (_, end), (start, _) in zip(mine, mine[1:]):
       if start < end - 1e-4:
         raise RuntimeError(f'stage {s} ran two passes at once.')
@@ -225,12 +242,14 @@ def _pass_of(name, stage):
   return 'F' if forward in name else None
 
 
-def peak_bytes(stage_passes, to_b, to_w):
-  """The most bytes of activations a stage holds at once in its order of
-  passes, each micro-batch holding `to_b` from F to B and `to_w` from B
-  to W."""
+def peak_bytes(device_passes, held):
+  """The most bytes of activations a device holds at once in its order of
+  passes ((stage, kind, micro-batch), `schedules.device_orders`), each
+  micro-batch holding `held[stage]`'s (to_b, to_w): to_b from F to B and
+  to_w from B to W."""
   now = peak = 0
-  for kind, _ in stage_passes:
+  for stage, kind, _ in device_passes:
+    to_b, to_w = held[stage]
     now += {'F': to_b, 'B': to_w - to_b, 'W': -to_w}[kind]
     peak = max(peak, now)
   return peak
@@ -239,8 +258,10 @@ def peak_bytes(stage_passes, to_b, to_w):
 def measure(config, num_stages, num_microbatches, schedule, log):
   """One (K, M, schedule): the timings and memory counts, as a dict."""
   per_row = config.seconds_per_row()
+  chunks = (config.virtual_stages
+            if schedule == schedules.INTERLEAVED_1F1B else 1)
   deployed = deploy_stages(num_stages, num_microbatches, schedule, log,
-                           per_row)
+                           per_row, virtual_stages=chunks)
   images, labels = batch(config.rows)
   deployed.train_step(images, labels)  # Traces; not timed.
   spans, idles, walls, traces = [], [], [], []
@@ -255,29 +276,32 @@ def measure(config, num_stages, num_microbatches, schedule, log):
     idles.append(idle)
   rows = config.rows // num_microbatches
   seconds = {kind: s * rows for kind, s in per_row.items()}
-  per_stage = schedules.passes(schedule, num_stages, num_microbatches)
-  timeline = schedules.timeline(per_stage, seconds)
+  per_device = schedules.device_orders(schedule, num_stages,
+                                       num_microbatches, chunks)
+  timeline = schedules.timeline(per_device, seconds, num_stages * chunks)
   memory = {}
   for recompute in (False, True):
     stages = deploy_stages(num_stages, num_microbatches, schedule, log,
-                           per_row, recompute) if recompute else deployed
+                           per_row, recompute, virtual_stages=chunks
+                           ) if recompute else deployed
     graph = stages.traced_step(images, labels).graph
+    held = activation_bytes(graph, num_stages * chunks)
     memory['recompute' if recompute else 'plain'] = [
-        {'bytes_to_b': to_b, 'bytes_to_w': to_w,
-         'microbatches_held': schedules.peak_in_flight(per_stage[s]),
-         'peak_bytes': peak_bytes(per_stage[s], to_b, to_w)}
-        for s, (to_b, to_w) in enumerate(activation_bytes(graph,
-                                                          num_stages))]
+        {'held_per_stage': [held[c] for c in range(d, len(held),
+                                                   num_stages)],
+         'peak_bytes': peak_bytes(device, held)}
+        for d, device in enumerate(per_device)]
   pipeline = statistics.median(spans)
   idle = [statistics.median(i[s] for i in idles) for s in range(num_stages)]
   return {
       'schedule': schedule, 'num_stages': num_stages,
-      'num_microbatches': num_microbatches,
+      'virtual_stages': chunks, 'num_microbatches': num_microbatches,
       'pipeline_seconds': pipeline,
       'step_seconds': statistics.median(walls),
       'makespan_seconds': max(end for _, end in timeline.values()),
+      'ideal_seconds': num_microbatches * sum(seconds.values()),
       'idle_theory': schedules.idle_theory(schedule, num_stages,
-                                           num_microbatches, seconds),
+                                           num_microbatches, seconds, chunks),
       'idle_measured': idle,
       'idle_seconds_measured': [x * pipeline for x in idle],
       'memory': memory,
@@ -335,12 +359,14 @@ def write_charts(report, directory):
       continue
     figure, axes = pyplot.subplots(figsize=(10, 0.6 * k + 1))
     start = min(p[2] for p in r['passes'])
-    for s, stage in enumerate(schedules.passes(r['schedule'], k, m)):
-      mine = sorted((p for p in r['passes'] if p[0] == s),
+    split = schedules.splits_backward(r['schedule'])
+    for s, device in enumerate(schedules.device_orders(
+        r['schedule'], k, m, r['virtual_stages'])):
+      mine = sorted((p for p in r['passes'] if p[0] % k == s),
                     key=lambda p: p[2])
       # A fused backward pass logs its B and W waits; each gets its index.
-      indices = [i for kind, i in stage for _ in (
-          'BW' if kind == 'B' and len(stage) == 2 * m else kind)]
+      indices = [i for _, kind, i in device for _ in (
+          'BW' if kind == 'B' and not split else kind)]
       for index, (_, kind, begin, end) in zip(indices, mine):
         axes.broken_barh([(begin - start, end - begin)], (k - 1 - s, 0.8),
                          color=_COLOURS[kind])
@@ -369,7 +395,8 @@ def rss_child(schedule):
   """Trains RSS_STEPS steps under `schedule` (no waits); returns this
   process's peak resident memory in MiB. Run it in a fresh process."""
   deployed = deploy_stages(2, 8, schedule, emulated.PassLog(),
-                           {'F': 0.0, 'B': 0.0, 'W': 0.0}, width=RSS_WIDTH)
+                           {'F': 0.0, 'B': 0.0, 'W': 0.0}, width=RSS_WIDTH,
+                           virtual_stages=2)
   images, labels = batch(RSS_ROWS, RSS_WIDTH)
   for _ in range(RSS_STEPS):
     float(deployed.train_step(images, labels))
@@ -402,6 +429,8 @@ def _parse(argv):
   parser.add_argument('--weights_ms_per_row', type=float,
                       help="the weight gradients' wait (W); default F's")
   parser.add_argument('--steps', type=int, default=3)
+  parser.add_argument('--virtual_stages', type=int, default=2,
+                      help="each device's chunks under interleaved_1f1b")
   parser.add_argument('--output', help='write the report here as JSON')
   parser.add_argument('--chart_dir', help='draw each schedule here (PNG)')
   parser.add_argument('--rss', action='store_true',
@@ -432,7 +461,8 @@ def main(argv=None):
         microbatches=_counts('microbatches', args.microbatches),
         rows=args.rows, forward_ms_per_row=args.forward_ms_per_row,
         backward_ms_per_row=args.backward_ms_per_row,
-        weights_ms_per_row=args.weights_ms_per_row, steps=args.steps)
+        weights_ms_per_row=args.weights_ms_per_row,
+        virtual_stages=args.virtual_stages, steps=args.steps)
     emulated.use_threads(8 * max(config.stages))
     devices.create_logical_cpus(max(config.stages))
   except errors.UserError as e:

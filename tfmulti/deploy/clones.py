@@ -45,11 +45,13 @@ def clone_step(model, loss_fn, global_rows, trainable, non_trainable,
   from their generators folded with `offset`, the piece's first row in the
   global batch, so no two pieces repeat a mask; the generators come back
   advanced from their unfolded state. The gradient is of
-  `loss * loss_scale` (float16 loss scaling; 1 otherwise).
+  `loss * loss_scale` (float16 loss scaling; 1 otherwise). Traced at the
+  root (lockstep replica 0, an XLA function), it opens the scope 'clone'
+  (`trainer.off_the_root`).
   """
   seeds = keras_internals.seed_indices(model)
   folded = keras_internals.fold_seeds(non_trainable, seeds, offset)
-  with tf.GradientTape() as tape:
+  with trainer.off_the_root('clone'), tf.GradientTape() as tape:
     tape.watch(trainable)
     outputs, new_non_trainable, losses = model.stateless_call(
         trainable, folded, images, training=True, return_losses=True)
@@ -109,7 +111,7 @@ def worker_of(config, layout):
 def create_clones(config, model, loss_fn, images, labels, *,
                   layout=None, accumulation_step=0, shift=0,
                   options=step_options.DEFAULTS, loss_scale=1.0,
-                  lockstep=None, stages=None, packs=()):
+                  lockstep=None, stages=None, packs=(), by_clone=False):
   """Runs every clone on its device and its pieces of the batch.
 
   Args:
@@ -117,8 +119,10 @@ def create_clones(config, model, loss_fn, images, labels, *,
     model: a built functional `keras.Model` whose variables live on
       `config.variables_device()`.
     loss_fn: `loss_fn(labels, outputs)` -> mean loss over those examples.
-    images: this worker's rows of the accumulation step (a nest).
-    labels: its targets, as many rows (a nest).
+    images: this worker's rows of the accumulation step (a nest); with
+      `by_clone`, a tuple of each clone's rows of it, already on its
+      device (a prefetched `rows.Shards`), which the clone reads there.
+    labels: its targets, as many rows (a nest; a tuple with `by_clone`).
     layout: the step's `rows.StepLayout`; None for this batch alone (one
       accumulation step, the clones' shares as even as the rows go).
     accumulation_step: whose pieces these rows are, in `layout`.
@@ -139,6 +143,7 @@ def create_clones(config, model, loss_fn, images, labels, *,
       micro-batches through its stages, on `config.stage_devices(clone)`.
     packs: groups of trainable variables (`packs.groups`) whose values
       each clone without stages reads as one tensor from their owner.
+    by_clone: `images` and `labels` come cut into the clones' shards.
 
   Returns:
     A list of `Clone`, one per clone with rows (an empty clone of a short
@@ -159,8 +164,11 @@ def create_clones(config, model, loss_fn, images, labels, *,
     return clone_step(model, loss_fn, layout.global_rows, *args)
   if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
     clone_fn = tf.function(clone_fn, jit_compile=True)
-  image_shards = split_batch(config, images, sizes)
-  label_shards = split_batch(config, labels, sizes)
+  if by_clone:
+    image_shards, label_shards = images, labels
+  else:
+    image_shards = split_batch(config, images, sizes)
+    label_shards = split_batch(config, labels, sizes)
   if lockstep is not None:
     with tf.device(config.optimizer_device()):
       variables = (values_of(model.trainable_variables),
@@ -184,7 +192,8 @@ def create_clones(config, model, loss_fn, images, labels, *,
                      values_of(model.non_trainable_variables))
         if stages is not None:
           results[i] = stages.clone_step(
-              config.stage_devices(i), loss_fn, layout.global_rows,
+              config.chunk_devices(i, stages.options.virtual_stages),
+              loss_fn, layout.global_rows,
               pieces[i], shift, *variables, image_shards[i],
               label_shards[i], loss_scale)
         else:

@@ -60,6 +60,9 @@ class DeploymentConfig:
       one of the clones' devices (`compute_devices`), the largest first to
       the least loaded by bytes (build the model in `variables_scope()`);
       its slots, gradient sum and update run beside it.
+    prefetch_to_clones: whether the input pipeline copies each clone's
+      shard of a step to the clone's device ahead of the step; None (the
+      default) follows `prefetches_to_clones()`'s rule.
   """
   num_clones: int
   clone_on_cpu: bool
@@ -70,11 +73,13 @@ class DeploymentConfig:
   ps_job_name: str
   num_stages: int
   spread_variables: bool
+  prefetch_to_clones: Optional[bool]
   _variables_device: Optional[str]
 
   def __init__(self, num_clones=1, clone_on_cpu=False, variables_device=None,
                replica_id=0, num_replicas=1, num_ps_tasks=0,
-               worker_job_name='worker', ps_job_name='ps', *, num_stages=1):
+               worker_job_name='worker', ps_job_name='ps', *, num_stages=1,
+               prefetch_to_clones=None):
     """Validates the arguments; raises `ConfigError` naming the bad value."""
     errors.check_count('num_clones', num_clones, 1)
     errors.check_count('num_stages', num_stages, 1)
@@ -101,11 +106,21 @@ class DeploymentConfig:
           'hold the variables; leave variables_device unset.')
     if variables_device is not None:
       variables_device = _normalise_device(variables_device)
+    if prefetch_to_clones not in (None, True, False):
+      raise errors.ConfigError(
+          f'prefetch_to_clones={prefetch_to_clones!r}: use True, False or '
+          'None (on for GPU clones).')
+    if prefetch_to_clones and num_ps_tasks:
+      raise errors.ConfigError(
+          f'prefetch_to_clones=True with num_ps_tasks={num_ps_tasks}: the '
+          "shards are prefetched to this process's own devices; leave it "
+          'unset with parameter servers.')
     values = dict(num_clones=num_clones, clone_on_cpu=bool(clone_on_cpu),
                   replica_id=replica_id, num_replicas=num_replicas,
                   num_ps_tasks=num_ps_tasks, worker_job_name=worker_job_name,
                   ps_job_name=ps_job_name, num_stages=num_stages,
                   spread_variables=spread_variables,
+                  prefetch_to_clones=prefetch_to_clones,
                   _variables_device=variables_device)
     for name, value in values.items():
       object.__setattr__(self, name, value)
@@ -153,6 +168,15 @@ class DeploymentConfig:
     """The devices of clone `clone_index`'s stages, in stage order."""
     return [self.stage_device(clone_index, s) for s in range(self.num_stages)]
 
+  def chunk_devices(self, clone_index, virtual_stages):
+    """The devices of clone `clone_index`'s num_stages x `virtual_stages`
+    chunks of the model (interleaved 1F1B), in model order: chunk c on
+    its stage device c mod num_stages, so each device holds
+    `virtual_stages` chunks, one in each num_stages consecutive."""
+    devices = self.stage_devices(clone_index)
+    return [devices[c % self.num_stages]
+            for c in range(self.num_stages * virtual_stages)]
+
   def compute_devices(self):
     """Every device a clone or stage runs on: num_clones * num_stages."""
     return [device for c in range(self.num_clones)
@@ -187,8 +211,25 @@ class DeploymentConfig:
     return self.optimizer_device()
 
   def inputs_device(self):
-    """Where the input pipeline runs and the batch is split."""
+    """Where the input pipeline runs and, unless each clone's shard is
+    prefetched to its device, the batch is split."""
     return self._worker_prefix() + _HOST
+
+  def prefetches_to_clones(self):
+    """Whether the input pipeline cuts each step's batch into the clones'
+    shards and copies each to its clone's device ahead of the step
+    (`deploy.feeds`): `prefetch_to_clones` when given, else where the
+    clones run on this process's GPUs (no parameter servers).
+
+    On a GPU the copy of the next steps' rows is then made while a step
+    computes, not inside the step, which would wait for it (no GPU has
+    measured it yet: BENCHMARKS.md). Logical CPUs share one memory, so
+    there is no copy to hide, only a pipeline more. Either way the step
+    trains the same rows (the same bits under `reproducible_rows`).
+    """
+    if self.prefetch_to_clones is not None:
+      return self.prefetch_to_clones
+    return not self.clone_on_cpu and not self.num_ps_tasks
 
   def summaries_device(self):
     """Where summaries and checkpoints are written from: the host CPU."""

@@ -32,6 +32,11 @@ How this differs from slim (graph-mode TF 1):
     there too, next to the variables and slots they read and write.
   * With parameter servers, worker devices carry `/task:<replica_id>`; slim
     left the task out, which broke multi-node runs (tensorflow/models#3945).
+  * On GPUs the input pipeline cuts each step's batch by its layout and
+    prefetches each clone's shard to the clone's device
+    (`distribute_dataset`, `feeds`); slim's prefetch queue handed each
+    clone its own batch on the host. Unfed, the step splits the batch on
+    the inputs device.
 
 This module knows nothing of the tf.distribute paths; the one place where
 the towers meet a strategy (clones in lockstep, for synchronized BatchNorm)
@@ -42,6 +47,7 @@ import contextlib
 import dataclasses
 import functools
 
+from absl import logging
 import tensorflow as tf
 
 from tfmulti import devices
@@ -52,6 +58,7 @@ from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.deploy import atoms
 from tfmulti.deploy import balance
+from tfmulti.deploy import feeds
 from tfmulti.deploy import packs
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy import xla_rule
@@ -99,10 +106,12 @@ class DeployedModel(trainer.Trainer):
     self._packs = packs.groups(model.trainable_variables, self._owners,
                                options.gradient_packs)
     self._probes = {}  # Clone index -> its timing function.
+    self._feeder = None  # A `feeds.Feeder`, made at the first feed.
     self._step = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
 
-  def step_graph(self, images, labels, layout, with_outputs=False):
+  def step_graph(self, images, labels, layout, with_outputs=False,
+                 by_clone=False):
     """The step, untraced: for `tf.function`, or inside a replica context
     (each worker of a multi-worker job runs it; Keras's `apply_gradients`
     then all-reduces the workers' summed gradients before the update).
@@ -112,6 +121,8 @@ class DeployedModel(trainer.Trainer):
     accumulation step, micro-batch and atom runs. The accumulation steps'
     gradients are summed on the optimizer device and applied once.
     `with_outputs`: also return the clones' outputs, in row order.
+    `by_clone`: `images` and `labels` are tuples of the clones' shards cut
+    by `layout` (`rows.Shards.parts`), each read on its clone's device.
     """
     config, variables = self.config, self.model.trainable_variables
     loss_scale = trainer.loss_scale_of(self.optimizer)
@@ -123,13 +134,14 @@ class DeployedModel(trainer.Trainer):
                            layout=layout, accumulation_step=k, shift=shift,
                            options=self.options, loss_scale=scale,
                            lockstep=self.lockstep, stages=self.stages,
-                           packs=self._packs)
+                           packs=self._packs, by_clone=by_clone)
 
     run = self._atoms_step if self.options.reproducible_rows else (
         self._summed_step)
     structure = []  # The outputs' nest, as traced.
     gradients, (total_loss, regularization, *clone_losses), outputs = run(
-        clones_of, images, labels, layout, structure if with_outputs else None)
+        clones_of, images, labels, layout, structure if with_outputs else None,
+        by_clone)
     with tf.device(config.optimizer_device()):
       grads_and_vars = [(g, v) for g, v in zip(gradients, variables)
                         if g is not None]
@@ -168,7 +180,8 @@ class DeployedModel(trainer.Trainer):
     return [combine(next(found).loss) if rows_ else tf.zeros([])
             for rows_ in layout.clone_rows(worker_of(self.config, layout), k)]
 
-  def _summed_step(self, clones_of, images, labels, layout, structure):
+  def _summed_step(self, clones_of, images, labels, layout, structure,
+                   by_clone):
     """The clones' gradients summed on the optimizer device, over clones
     then accumulation steps: (gradients, scalars, outputs) as
     `rows.accumulate` gives them."""
@@ -189,9 +202,10 @@ class DeployedModel(trainer.Trainer):
     return rows.accumulate(accumulation_step, images, labels, layout,
                            worker=worker_of(self.config, layout),
                            device=config.optimizer_device(),
-                           gradient_devices=self._owners)
+                           gradient_devices=self._owners, by_clone=by_clone)
 
-  def _atoms_step(self, clones_of, images, labels, layout, structure):
+  def _atoms_step(self, clones_of, images, labels, layout, structure,
+                  by_clone):
     """`_summed_step` with `reproducible_rows`: every atom of the job kept
     apart, then folded in atom order (`deploy.atoms`); the moving
     statistics are the atoms' mean, assigned once."""
@@ -216,7 +230,8 @@ class DeployedModel(trainer.Trainer):
 
     _, scalars, parts = rows.accumulate(
         accumulation_step, images, labels, layout,
-        worker=worker_of(self.config, layout), device=device)
+        worker=worker_of(self.config, layout), device=device,
+        by_clone=by_clone)
     num_outputs = len(tf.nest.flatten(structure[0])) if structure else 0
     split = len(parts) - num_outputs  # The outputs, if any, last.
     stacked, outputs = parts[:split], parts[split:]
@@ -266,8 +281,33 @@ class DeployedModel(trainer.Trainer):
         variable.assign(value)
 
   def distribute_dataset(self, dataset):
-    """`dataset` itself: each step splits its batch over the clones."""
-    return dataset
+    """`dataset` itself: each step splits its batch over the clones; or,
+    where `config.prefetches_to_clones()` and the batches' rows are known,
+    a feed (`feeds`): each global batch cut by the step's layout, each
+    clone's shard prefetched to its device, as `train_step_outputs` takes
+    them.
+
+    The cut follows the clones' shares as they are when it is made: with
+    `clone_shares='auto'` the first cut waits for the first measurement,
+    and a split measured during an epoch cuts the next epoch's batches
+    (each step runs the layout its shards were cut by, which is exact).
+    """
+    if not self.config.prefetches_to_clones():
+      return dataset
+    specs = dataset.element_spec
+    if not feeds.known_rows(specs):
+      logging.info('Batches of unknown rows: each step splits its batch '
+                   'on %s, not prefetched to the clones.',
+                   self.config.inputs_device())
+      return dataset
+    if self.balancer is not None and not self.balancer.history:
+      with tf.device(self.config.inputs_device()):
+        self.clone_shares = self.balancer.shares(self,
+                                                 *feeds.stand_in(specs))
+    if self._feeder is None:
+      self._feeder = feeds.Feeder(self.config)
+    layout = self.layout_for(*specs)
+    return self._feeder.feed(dataset, layout, worker_of(self.config, layout))
 
   def layout_for(self, images, labels, partial=False):
     """The `rows.StepLayout` of a step on this worker's batch (nests),
@@ -292,7 +332,18 @@ class DeployedModel(trainer.Trainer):
     `partial` takes a short last batch (see `layout_for`);
     `with_outputs` returns the training outputs too (for compiled metrics).
     With `clone_shares='auto'` the shares are measured first, when due.
+    `images` and `labels` may be `rows.Shards` from a feed
+    (`distribute_dataset`): the step then runs their layout, each clone
+    reading its shard on its device.
     """
+    if isinstance(images, rows.Shards):
+      if self.balancer is not None:  # For the next cut; timed on zeros.
+        with tf.device(self.config.inputs_device()):
+          self.clone_shares = self.balancer.shares(self, *(
+              feeds.stand_in(nest.parts[0], nest.layout.worker_rows())
+              for nest in (images, labels)))
+      return self._step(images.parts, labels.parts, images.layout,
+                        with_outputs, True)
     images, labels = [tf.nest.map_structure(tf.convert_to_tensor, nest)
                       for nest in (images, labels)]
     if self.balancer is not None:
@@ -302,8 +353,11 @@ class DeployedModel(trainer.Trainer):
                       self.layout_for(images, labels, partial), with_outputs)
 
   def traced_step(self, images, labels, with_outputs=False):
-    """The step's concrete function on this batch (its graph shows where
-    each op runs)."""
+    """The step's concrete function on this batch, or on a feed's
+    `rows.Shards` (its graph shows where each op runs)."""
+    if isinstance(images, rows.Shards):
+      return self._step.get_concrete_function(
+          images.parts, labels.parts, images.layout, with_outputs, True)
     images, labels = [tf.nest.map_structure(tf.convert_to_tensor, nest)
                       for nest in (images, labels)]
     return self._step.get_concrete_function(
@@ -326,7 +380,8 @@ class DeployedModel(trainer.Trainer):
             0.0, 1.0)
       else:
         _, loss, _, gradients, _ = self.stages.clone_step(
-            config.stage_devices(clone_index), self.loss_fn,
+            config.chunk_devices(clone_index, self.options.virtual_stages),
+            self.loss_fn,
             layout.global_rows, layout.pieces, 0, *args, images, labels, 1.0)
       return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
                               if g is not None])
@@ -360,7 +415,8 @@ class DeployedModel(trainer.Trainer):
                                                                  losses)
         else:
           output, model_losses, penalties = self.stages.predict(
-              self.config.stage_devices(i), shards[i], *variables)
+              self.config.chunk_devices(i, self.options.virtual_stages),
+              shards[i], *variables)
         outputs.append(output)
         # The weight penalties once; the add_loss terms by rows, as a step.
         regularization.append(
@@ -419,7 +475,9 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   trainer.check_loss(loss_fn)
   stages = None
   if config.num_stages > 1 or options.num_microbatches > 1:
-    stages = Stages(model, config.num_stages, options)
+    # Interleaved 1F1B cuts num_stages x virtual_stages chunks.
+    stages = Stages(model, config.num_stages * options.virtual_stages,
+                    options)
   devices.check_devices_exist(
       config.variable_devices() + [config.optimizer_device(),
                                    config.inputs_device()] +
@@ -444,8 +502,9 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
 
 def check_model(model):
   """Raises `ConfigError` for a model the towers cannot clone: not built,
-  not functional, or nothing to train. Several inputs and outputs (lists
-  or dicts) are split by rows as one input is."""
+  not functional, nothing to train, or a loss over a Keras mask
+  (`trainer.check_no_mask`). Several inputs and outputs (lists or dicts)
+  are split by rows as one input is."""
   if not model.built:
     raise errors.ConfigError(
         f'model {model.name!r} is not built; build a functional model '
@@ -459,6 +518,7 @@ def check_model(model):
     raise errors.ConfigError(
         f'model {model.name!r} has no trainable weights: there is nothing to '
         'train; unfreeze some layers.')
+  trainer.check_no_mask(model)
 
 
 def check_options(config, options):

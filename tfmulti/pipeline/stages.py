@@ -199,6 +199,13 @@ class Stages:
     recomputation); raises `ConfigError` for a cut that cannot be made."""
     self.options = options
     self.model = model
+    chunks = options.virtual_stages
+    layers = len(costs.operations(model))
+    if chunks > 1 and num_stages > layers:
+      raise errors.ConfigError(
+          f'virtual_stages={chunks}: {num_stages // chunks} stages of '
+          f'{chunks} chunks cut {model.name!r} into {num_stages} chunks, and '
+          f'it has {layers} layers: use fewer virtual_stages or stages.')
     starts = stage_starts(model, num_stages, options)
     self.stages = split_model(model, starts)
     # What a pass runs, under a tape each: the stage whole, or, where the
@@ -315,14 +322,17 @@ class Stages:
         self.model, x))), y, piece, shift, len(self.stages),
                        list(non_trainable))
                for piece, x, y in zip(pieces, image_parts, label_parts)]
-    ends = [[] for _ in self.stages]  # What each stage's last pass made.
-    per_stage = schedules.passes(self.options.pipeline_schedule,
-                                 len(self.stages), len(sizes))
+    num_devices = len(self.stages) // self.options.virtual_stages
+    ends = [[] for _ in range(num_devices)]  # What each device last made.
+    per_device = schedules.device_orders(
+        self.options.pipeline_schedule, num_devices, len(sizes),
+        self.options.virtual_stages)
     run = {schedules.FORWARD: self._forward_pass,
            schedules.BACKWARD: self._backward_pass,
            schedules.WEIGHTS: self._weights_pass}
-    for s, kind, m in schedules.build_order(per_stage):
-      ends[s] = run[kind](s, m, devices, context, flights[m], ends[s])
+    for s, kind, m in schedules.build_order(per_device, len(self.stages)):
+      d = s % num_devices  # Its passes chained per device, not per stage.
+      ends[d] = run[kind](s, m, devices, context, flights[m], ends[d])
     return self._clone_results(devices, context, flights, len(trainable))
 
   def _clone_results(self, devices, context, flights, num_trainable):
