@@ -318,6 +318,16 @@ def batch_rows(images, labels):
   return counts.pop()
 
 
+def check_worker_split(rows, num_workers, made_by=''):
+  """Raises `ConfigError` unless a batch of `rows` splits evenly over
+  `num_workers` workers; `made_by` says where the batch came from."""
+  if rows % num_workers:
+    raise errors.ConfigError(
+        f'a batch of {rows} rows{made_by} does not split over {num_workers} '
+        f'workers; give every batch (the last one too) a multiple of '
+        f'{num_workers} rows.')
+
+
 def worker_part(tensors, *, worker, num_workers):
   """Worker `worker`'s rows of a global batch (a nest of tensors, rows
   known): the worker-th of `num_workers` equal, consecutive parts, as
@@ -328,11 +338,7 @@ def worker_part(tensors, *, worker, num_workers):
   """
   rows = {t.shape[0] for t in tf.nest.flatten(tensors) if t is not None}
   total = rows.pop()
-  if total % num_workers:
-    raise errors.ConfigError(
-        f'a batch of {total} rows does not split over {num_workers} '
-        f'workers; give every batch (the last one too) a multiple of '
-        f'{num_workers} rows.')
+  check_worker_split(total, num_workers)
   part = total // num_workers
   return tf.nest.map_structure(
       lambda t: t if t is None else t[worker * part:(worker + 1) * part],

@@ -86,11 +86,29 @@ def fed(arguments, backup_dir, *, seed):
           'BackupAndRestore on a tf.data input of unknown length: the '
           'backup counts steps in an epoch; pass steps_per_epoch.')
     return dict(steps_per_epoch=steps, epochs=epochs)
-  if not all(hasattr(a, 'shape') for a in tf.nest.flatten(x)):
+  if not are_arrays(x):
     raise errors.ConfigError(
         f'BackupAndRestore cannot rebuild a step of a {type(x).__name__} '
         'input; pass arrays or a tf.data.Dataset that gives the same '
         'batches each time it is read.')
+  return feed_arrays(arguments, seed=seed, first_epoch=first)
+
+
+def are_arrays(x):
+  """Whether `fit`'s `x` is arrays (a nest of them), rows first."""
+  return x is not None and not isinstance(x, tf.data.Dataset) and all(
+      hasattr(a, 'shape') for a in tf.nest.flatten(x))
+
+
+def feed_arrays(arguments, *, seed, first_epoch):
+  """Rewrites `fit`'s arguments (a dict) with array inputs so that their
+  batches come from `epochs_of_arrays`: each epoch's order from the seed
+  (seed, epoch), not from Keras's random generator, so every worker of a
+  job, and every restart, reads the same global batches. Returns
+  `steps_per_epoch` and `epochs`."""
+  epochs = arguments.get('epochs', 1)
+  first = first_epoch
+  x = arguments.get('x')
   arrays = tuple(a for a in (x, arguments.pop('y', None),
                              arguments.pop('sample_weight', None))
                  if a is not None)

@@ -93,8 +93,9 @@ class TowersModel(keras.Model):
       options: a `StepOptions`; None for the defaults.
       workers: across workers, what `workers.start()` gave (the model
         built in its scope); None in one process.
-      shuffle_seed: with BackupAndRestore, the seed of each epoch's order
-        of array inputs (the same on every worker and every restart).
+      shuffle_seed: across workers or with BackupAndRestore, the seed of
+        each epoch's order of array inputs (the same on every worker and
+        every restart, whatever Keras's random generator holds).
       **fields: `StepOptions` fields that replace those of `options`.
 
     Raises:
@@ -256,6 +257,12 @@ class TowersModel(keras.Model):
           agreed_stop=self.workers and self.workers.agreed_stop())
       callbacks = [self._backup if c is originals[0] else c
                    for c in callbacks]
+    elif self.strategy is not None and fit_backup.are_arrays(
+        arguments.get('x')):
+      # Keras would shuffle by each process's own generator: every worker
+      # must take its rows of the same global batches.
+      fit_backup.feed_arrays(arguments, seed=self.shuffle_seed,
+                             first_epoch=arguments.get('initial_epoch', 0))
     if self.config.worker_index:
       arguments['verbose'] = 0
       callbacks = [c for c in callbacks if not isinstance(c, _CHIEF_WRITES)]
@@ -319,12 +326,9 @@ def _check_input(arguments, num_workers):
               * (1.0 - arguments.get('validation_split', 0.0)))
   batch_size = arguments.get('batch_size') or 32
   for batch in (min(batch_size, rows_), rows_ % batch_size):  # Full, last.
-    if batch % num_workers:
-      raise errors.ConfigError(
-          f'fit across {num_workers} workers with batch_size={batch_size} on '
-          f'{rows_} rows makes a batch of {batch} rows, which does not split '
-          f'over the workers; give batch_size and the rows multiples of '
-          f'{num_workers}.')
+    rows.check_worker_split(
+        batch, num_workers, f' (fit with batch_size={batch_size} on {rows_} '
+        'rows)')
 
 
 class _CompiledLoss:
