@@ -25,11 +25,12 @@ from absl import logging  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfmulti import data  # noqa: E402
-from tfmulti import deploy  # noqa: E402
 from tfmulti import devices  # noqa: E402
 from tfmulti import errors  # noqa: E402
 from tfmulti import models  # noqa: E402
 from tfmulti import step_options  # noqa: E402
+from tfmulti.data import options as options_lib  # noqa: E402
+from tfmulti.deploy import placement  # noqa: E402
 from tfmulti.distribute import cluster  # noqa: E402
 from tfmulti.distribute import resolvers  # noqa: E402
 from tfmulti.train import build  # noqa: E402
@@ -100,10 +101,10 @@ _SHARD_FILES = flags.DEFINE_bool(
     'with the fewest rows.')
 _AUGMENT = flags.DEFINE_list(
     'augment', [], f'Training-row augmentations, off by default: any of '
-    f'{",".join(data.AUGMENTATIONS)} (a left-right mirror half the time; '
-    'a pad by an eighth of each side and a random crop back), each row\'s '
-    'draw seeded by (--seed, epoch, row), so every layout sees the same '
-    'rows.')
+    f'{",".join(options_lib.AUGMENTATIONS)} (a left-right mirror half the '
+    'time; a pad by an eighth of each side and a random crop back), each '
+    'row\'s draw seeded by (--seed, epoch, row), so every layout sees the '
+    'same rows.')
 _DATA_DIR = flags.DEFINE_string(
     'data_dir', None, 'TFDS data directory holding prepared datasets '
     '(default: ~/tensorflow_datasets).')
@@ -262,19 +263,19 @@ _MIXED_PRECISION = flags.DEFINE_bool(
 
 def _variables_gpu(value):
   """N of --variables_device=gpu:N, or None for 'cpu' and 'spread'."""
-  if value in ('cpu', deploy.SPREAD):
+  if value in ('cpu', placement.SPREAD):
     return None
   if value.startswith('gpu:') and value[4:].isdigit():
     return int(value[4:])
   raise errors.ConfigError(f"--variables_device={value}: use 'cpu', "
-                           f"'gpu:N' or '{deploy.SPREAD}', e.g. "
+                           f"'gpu:N' or '{placement.SPREAD}', e.g. "
                            '--variables_device=gpu:0.')
 
 
 def _variables_device(value, variables_gpu):
   """The `DeploymentConfig` value of --variables_device."""
-  if value == deploy.SPREAD:
-    return deploy.SPREAD
+  if value == placement.SPREAD:
+    return placement.SPREAD
   return None if variables_gpu is None else f'/device:GPU:{variables_gpu}'
 
 
@@ -404,7 +405,7 @@ def _train_config():
 
 def _input_options():
   """The one `data.InputOptions` record of this run, from its flags."""
-  return data.InputOptions(
+  return options_lib.InputOptions(
       image_size=_image_size(_IMAGE_SIZE.value),
       validation_fraction=_VALIDATION_FRACTION.value,
       validation_glob=_VALIDATION_GLOB.value,
@@ -447,7 +448,7 @@ def configs_from_flags():
   clone_on_cpu = devices.place_clones(
       _NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
       variables_gpu=variables_gpu, num_stages=_NUM_STAGES.value)
-  deploy_config = deploy.DeploymentConfig(
+  deploy_config = placement.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=clone_on_cpu,
       variables_device=_variables_device(_VARIABLES_DEVICE.value,
                                          variables_gpu),

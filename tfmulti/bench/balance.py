@@ -31,13 +31,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
 from tfmulti.bench import designs as bench
 from tfmulti.bench import emulated
 from tfmulti.deploy import balance
+from tfmulti.deploy import placement
+from tfmulti.deploy import towers as towers_lib
 
 SLOW_CLONE = 1
 
@@ -71,7 +72,7 @@ class ExtraWorkOn(keras.layers.Layer):
 
 def _towers(model_name, batch_size):
   """Two towers whose clone 1 carries an `ExtraWorkOn` layer."""
-  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  config = placement.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   shape = (28, 28, 1)
   with tf.device(config.variables_device()):
     keras.utils.set_random_seed(0)
@@ -80,7 +81,7 @@ def _towers(model_name, batch_size):
     extra = ExtraWorkOn(config.clone_device(SLOW_CLONE).split('/')[-1])
     model = keras.Model(inputs, inner(extra(inputs)))
     optimizer = keras.optimizers.SGD(0.01)
-  towers = deploy.deploy(
+  towers = towers_lib.deploy(
       config, model,
       keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer)
   rng = np.random.default_rng(0)
@@ -137,7 +138,7 @@ def _emulated_towers(waits, batch_size):
   """Two towers on emulated devices (`waits`: seconds a row by device),
   their `DeviceWaits` layer (whose copy of `waits` the step reads), and a
   batch of 2 * batch_size rows."""
-  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  config = placement.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   with tf.device(config.variables_device()):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16,))
@@ -145,7 +146,7 @@ def _emulated_towers(waits, batch_size):
     outputs = keras.layers.Dense(10)(device_waits(inputs))
     model = keras.Model(inputs, outputs)
     optimizer = keras.optimizers.SGD(0.01)
-  towers = deploy.deploy(
+  towers = towers_lib.deploy(
       config, model,
       keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer)
   rng = np.random.default_rng(0)

@@ -30,11 +30,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
 from tfmulti.bench import variants as bench_variants
+from tfmulti.deploy import placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +334,7 @@ def main(argv=None):
       devices.create_logical_cpus(max((args.num_clones,) + sweep_clones))
     elif args.split_gpu:
       devices.split_gpu(args.split_gpu, args.gpu_memory_mb)
-    devices.check_devices_exist(deploy.DeploymentConfig(
+    devices.check_devices_exist(placement.DeploymentConfig(
         num_clones=max((args.num_clones,) + sweep_clones),
         clone_on_cpu=args.clone_on_cpu).clone_devices())
   except errors.UserError as e:

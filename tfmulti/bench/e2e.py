@@ -31,10 +31,11 @@ import keras
 import tensorflow as tf
 
 from tfmulti import data
-from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import step_options
+from tfmulti.deploy import placement
+from tfmulti.deploy import towers_model
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
 from tfmulti.train import job
@@ -94,7 +95,7 @@ def _tfmulti(e2e, num_clones, xla=step_options.AUTO):
             epochs=e2e.epochs, optimizer=e2e.optimizer,
             learning_rate=e2e.learning_rate, export=False,
             step_options=step_options.StepOptions(xla=xla)),
-        deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True))
+        placement.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True))
   finally:
     shutil.rmtree(model_dir, ignore_errors=True)
   phases = metrics['phases_seconds']
@@ -142,8 +143,8 @@ def _fit(e2e, kind, jit_compile='auto'):
   keras.utils.set_random_seed(0)
   loaded = data.load('digits', global_batch_size=e2e.global_batch_size,
                      data_dir=e2e.data_dir)
-  towers = deploy.DeploymentConfig(num_clones=NUM_LOGICAL_CPUS,
-                                   clone_on_cpu=True)
+  towers = placement.DeploymentConfig(num_clones=NUM_LOGICAL_CPUS,
+                                      clone_on_cpu=True)
   scope = {'one_device': lambda: tf.device('/cpu:0'),
            'towers': lambda: tf.device(towers.variables_device()),
            'mirrored': lambda: tf.distribute.MirroredStrategy(
@@ -153,10 +154,10 @@ def _fit(e2e, kind, jit_compile='auto'):
     model, optimizer = build.model_and_optimizer(
         config_lib.TrainConfig(model=e2e.model, optimizer=e2e.optimizer,
                                learning_rate=e2e.learning_rate),
-        deploy.DeploymentConfig(), input_shape=loaded.input_shape,
+        placement.DeploymentConfig(), input_shape=loaded.input_shape,
         num_classes=loaded.num_classes, learning_rate=e2e.learning_rate)()
     if kind == 'towers':
-      model = deploy.TowersModel(model, towers)
+      model = towers_model.TowersModel(model, towers)
     model.compile(optimizer=optimizer, loss=build.make_loss(),
                   metrics=['accuracy'], jit_compile=jit_compile)
   phases = _Phases(started)

@@ -25,10 +25,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
+from tfmulti.deploy import placement
+from tfmulti.deploy import towers as towers_lib
 from tfmulti.pipeline import costs
 
 VARIANTS = ('step', 'step_xla')
@@ -86,7 +87,7 @@ def step_seconds(bench, xla, config):
   with tf.device(config.variables_device()):
     model = models.get_model(bench.model, input_shape=shape, num_classes=10)
     optimizer = keras.optimizers.SGD(0.01)
-  deployed = deploy.deploy(
+  deployed = towers_lib.deploy(
       config, model, keras.losses.SparseCategoricalCrossentropy(
           from_logits=True), optimizer, xla=xla)
   rng = np.random.default_rng(0)
@@ -143,7 +144,7 @@ def main(argv=None):
     devices.place_clones(1, clone_on_cpu=on_cpu)
   except errors.UserError as e:
     sys.exit(f'tfmulti.bench.flops: error: {e}')
-  config = deploy.DeploymentConfig(num_clones=1, clone_on_cpu=on_cpu)
+  config = placement.DeploymentConfig(num_clones=1, clone_on_cpu=on_cpu)
   rounds, flops = run(bench, config)
   report = summarize(rounds, flops)
   print(json.dumps(report, indent=2))

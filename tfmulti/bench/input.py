@@ -40,10 +40,11 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import data
-from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
-from tfmulti.data import pipeline
+from tfmulti.data import batches
+from tfmulti.data import options as options_lib
+from tfmulti.deploy import placement
 from tfmulti.train import config as config_lib
 from tfmulti.train import job
 
@@ -109,7 +110,7 @@ def _job(bench, dataset, deploy_config):
     metrics = job.train_and_evaluate(
         config_lib.TrainConfig(
             model=bench.model, dataset=dataset,
-            input_options=data.InputOptions(
+            input_options=options_lib.InputOptions(
                 image_size=(bench.image_size, bench.image_size)),
             model_dir=model_dir, batch_size=bench.batch_size,
             train_steps=bench.steps, log_every_steps=bench.steps,
@@ -124,7 +125,7 @@ def decode_rate(folder, bench):
   """Images/sec of the folder's training pipeline alone, one epoch."""
   loaded = data.load(f'folder:{folder}',
                      global_batch_size=bench.batch_size * bench.num_clones,
-                     options=data.InputOptions(
+                     options=options_lib.InputOptions(
                          image_size=(bench.image_size, bench.image_size)))
   start, rows = time.perf_counter(), 0
   for images, _ in loaded.train_epoch(0):
@@ -182,14 +183,14 @@ def main(argv=None):
   except errors.UserError as e:
     sys.exit(f'tfmulti.bench.input: error: {e}')
   if not bench.cache:
-    pipeline.CACHE_BYTES = 0  # Decode every epoch, as large datasets do.
+    batches.CACHE_BYTES = 0  # Decode every epoch, as large datasets do.
   folder = args.folder or tempfile.mkdtemp(prefix='tfmulti-jpegs-')
   try:
     write_folder(folder, images=bench.images, classes=bench.classes,
                  size=bench.source_size)
     if args.write_only:
       return
-    rounds, decoding = run(bench, folder, deploy.DeploymentConfig(
+    rounds, decoding = run(bench, folder, placement.DeploymentConfig(
         num_clones=bench.num_clones, clone_on_cpu=clone_on_cpu))
   finally:
     if not args.folder:

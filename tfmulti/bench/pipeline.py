@@ -43,12 +43,12 @@ import keras
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
 from tfmulti import step_options
 from tfmulti.bench import designs as bench
+from tfmulti.deploy import placement
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
 from tfmulti.train import registry
@@ -72,7 +72,9 @@ class PipelineBenchConfig:
     boundaries: the first layer of stage 1; None to cut where the
       `stage_costs` balance.
     stage_costs: 'estimated' or 'measured' layer costs (`costs`).
-    pipeline_schedule: the order of each stage's passes ('1f1b', 'gpipe').
+    pipeline_schedule: the order of each stage's passes
+      (`step_options.PIPELINE_SCHEDULES`).
+    virtual_stages: each device's chunks under 'interleaved_1f1b'.
   """
   model: str = 'resnet50'
   image_size: int = 128
@@ -83,6 +85,7 @@ class PipelineBenchConfig:
   boundaries: Tuple[str, ...] = None
   stage_costs: str = step_options.ESTIMATED
   pipeline_schedule: str = step_options.ONE_F_ONE_B
+  virtual_stages: int = 2
 
   def __post_init__(self):
     models.check(self.model)
@@ -107,9 +110,12 @@ def _design(config, num_stages, num_microbatches):
           stage_costs=(config.stage_costs if num_stages > 1
                        else step_options.ESTIMATED),
           pipeline_schedule=(config.pipeline_schedule if num_stages > 1
-                             else step_options.ONE_F_ONE_B)))
-  deploy_config = deploy.DeploymentConfig(clone_on_cpu=config.clone_on_cpu,
-                                          num_stages=num_stages)
+                             else step_options.ONE_F_ONE_B),
+          virtual_stages=(config.virtual_stages if num_stages > 1 and (
+              config.pipeline_schedule == step_options.INTERLEAVED_1F1B)
+                          else 1)))
+  deploy_config = placement.DeploymentConfig(clone_on_cpu=config.clone_on_cpu,
+                                             num_stages=num_stages)
   shape = (config.image_size, config.image_size, 3)
   make = build.model_and_optimizer(train_config, deploy_config,
                                    input_shape=shape, num_classes=NUM_CLASSES,
@@ -330,6 +336,8 @@ def _parse(argv):
   parser.add_argument('--pipeline_schedule', default=step_options.ONE_F_ONE_B,
                       choices=step_options.PIPELINE_SCHEDULES,
                       help="the order of each stage's passes")
+  parser.add_argument('--virtual_stages', type=int, default=2,
+                      help="each device's chunks under interleaved_1f1b")
   parser.add_argument('--output', help='write the report here as JSON')
   parser.add_argument('--chart', help='write the chart here (PNG)')
   return parser.parse_args(argv)
@@ -350,12 +358,13 @@ def main(argv=None):
         clone_on_cpu=args.clone_on_cpu,
         boundaries=(args.stage_boundary,) if args.stage_boundary else None,
         stage_costs=args.stage_costs,
-        pipeline_schedule=args.pipeline_schedule)
+        pipeline_schedule=args.pipeline_schedule,
+        virtual_stages=args.virtual_stages)
     if args.clone_on_cpu:
       devices.create_logical_cpus(NUM_STAGES)
     elif args.split_gpu:
       devices.split_gpu(NUM_STAGES, args.gpu_memory_mb)
-    devices.check_devices_exist(deploy.DeploymentConfig(
+    devices.check_devices_exist(placement.DeploymentConfig(
         clone_on_cpu=args.clone_on_cpu, num_stages=NUM_STAGES
     ).compute_devices())
   except errors.UserError as e:

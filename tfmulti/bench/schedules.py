@@ -42,11 +42,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti.bench import designs as bench
 from tfmulti.bench import emulated
+from tfmulti.deploy import placement
+from tfmulti.deploy import towers as towers_lib
 from tfmulti.pipeline import schedules
 
 WIDTH = 64  # Features through every stage.
@@ -129,7 +130,7 @@ def deploy_stages(num_stages, num_microbatches, schedule, log,
   """One clone in `num_stages` stages on logical CPUs, emulated
   (`seconds_per_row`: {'F', 'B', 'W': seconds} of a stage, shared by its
   `virtual_stages` chunks under interleaved 1F1B)."""
-  config = deploy.DeploymentConfig(clone_on_cpu=True, num_stages=num_stages)
+  config = placement.DeploymentConfig(clone_on_cpu=True, num_stages=num_stages)
   chunks = virtual_stages if schedule == schedules.INTERLEAVED_1F1B else 1
   waits = dict(seconds_per_row)
   if not schedules.splits_backward(schedule):
@@ -142,7 +143,7 @@ def deploy_stages(num_stages, num_microbatches, schedule, log,
         num_stages * chunks, {kind: t / chunks for kind, t in waits.items()},
         log, width)
     optimizer = keras.optimizers.SGD(0.01)
-  return deploy.deploy(
+  return towers_lib.deploy(
       config, model,
       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       optimizer, num_microbatches=num_microbatches,

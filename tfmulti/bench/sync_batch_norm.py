@@ -22,11 +22,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
 from tfmulti.bench import designs as bench
+from tfmulti.deploy import placement
+from tfmulti.deploy import towers as towers_lib
 
 NUM_CLONES = 2
 IMAGE_SHAPE = (32, 32, 3)
@@ -48,12 +49,12 @@ def _loss(name):
 
 def time_first_steps(name, synchronized, rows):
   """Seconds of each phase of a fresh deployment's first steps."""
-  config = deploy.DeploymentConfig(num_clones=NUM_CLONES, clone_on_cpu=True)
+  config = placement.DeploymentConfig(num_clones=NUM_CLONES, clone_on_cpu=True)
   with tf.device(config.variables_device()):
     model = _model(name)
     optimizer = keras.optimizers.SGD(0.01)
-  towers = deploy.deploy(config, model, _loss(name), optimizer,
-                         sync_batch_norm=synchronized)
+  towers = towers_lib.deploy(config, model, _loss(name), optimizer,
+                             sync_batch_norm=synchronized)
   rng = np.random.default_rng(0)
   images = rng.normal(size=(rows, *IMAGE_SHAPE)).astype(np.float32)
   labels = rng.integers(0, NUM_CLASSES, size=rows).astype(np.int32)

@@ -37,11 +37,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
 from tfmulti.bench import designs as bench
+from tfmulti.deploy import placement
+from tfmulti.deploy import towers as towers_lib
 from tfmulti.deploy import traffic
 
 MB = 2**20
@@ -55,9 +56,9 @@ def _deployed(variant, args):
   """The model deployed as `variant` says (see the module's docstring)."""
   n = args.num_clones
   variables = (f'/device:CPU:{n}' if variant == 'central'
-               else deploy.SPREAD)
-  config = deploy.DeploymentConfig(num_clones=n, clone_on_cpu=True,
-                                   variables_device=variables)
+               else placement.SPREAD)
+  config = placement.DeploymentConfig(num_clones=n, clone_on_cpu=True,
+                                      variables_device=variables)
   keras.utils.set_random_seed(0)
   with tf.device(config.optimizer_variables_device()):
     with config.variables_scope():
@@ -67,7 +68,7 @@ def _deployed(variant, args):
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
   loss = keras.losses.SparseCategoricalCrossentropy(
       from_logits=models.ends_in_logits(args.model))
-  return deploy.deploy(
+  return towers_lib.deploy(
       config, model, loss, optimizer,
       gradient_packs='auto' if variant == 'spread_packs' else 0)
 

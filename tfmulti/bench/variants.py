@@ -28,11 +28,11 @@ import keras
 import tensorflow as tf
 
 from tfmulti import data
-from tfmulti import deploy
-from tfmulti import distribute
 from tfmulti import errors
 from tfmulti import step_options
 from tfmulti import trainer
+from tfmulti.deploy import placement
+from tfmulti.distribute import distributed_model
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
 from tfmulti.train import registry
@@ -64,7 +64,7 @@ class Variant:
   model: keras.Model = None
 
 
-class _OneDevice(deploy.DeploymentConfig):
+class _OneDevice(placement.DeploymentConfig):
   """A deployment whose clones all run on clone 0's device."""
 
   def clone_device(self, clone_index):
@@ -108,10 +108,11 @@ def _path(name, bench, deploy_config, strategy, **fields):
   setup = _setup(bench, deploy_config, strategy, **fields)
   run = registry.get(strategy).build(setup)
   rows = bench.batch_size * bench.num_clones
-  device = (deploy_config.clone_device(0) if strategy == distribute.SINGLE
+  device = (deploy_config.clone_device(0)
+            if strategy == distributed_model.SINGLE
             else deploy_config.inputs_device())
   images, labels = global_batch(rows, device)
-  if isinstance(run, distribute.DistributedModel):
+  if isinstance(run, distributed_model.DistributedModel):
     images, labels = (_per_replica(run.strategy, t) for t in (images, labels))
   return Variant(name, lambda: run.train_step(images, labels),
                  lambda: run.trace_count, setup.config.step_options.xla,
@@ -130,12 +131,14 @@ def _per_replica(strategy, tensor):
 
 
 def _mirrored(name, bench, deploy_config, cross_device_ops):
-  setup = _setup(bench, deploy_config, distribute.MIRRORED)
-  strategy = distribute.make_strategy(distribute.MIRRORED, deploy_config,
-                                      cross_device_ops=cross_device_ops)
+  setup = _setup(bench, deploy_config, distributed_model.MIRRORED)
+  strategy = distributed_model.make_strategy(
+      distributed_model.MIRRORED, deploy_config,
+      cross_device_ops=cross_device_ops)
   with strategy.scope():
     model, optimizer = setup.build_model()
-  run = distribute.DistributedModel(strategy, model, setup.loss_fn, optimizer)
+  run = distributed_model.DistributedModel(strategy, model, setup.loss_fn,
+                                           optimizer)
   images, labels = (_per_replica(strategy, t) for t in global_batch(
       bench.batch_size * bench.num_clones, deploy_config.inputs_device()))
   return Variant(name, lambda: run.train_step(images, labels),
@@ -183,23 +186,23 @@ def _independent(bench, deploy_config):
 def towers(bench, num_clones=None):
   """The towers variant, at `num_clones` (default: the benchmark's)."""
   bench = dataclasses.replace(bench, num_clones=num_clones or bench.num_clones)
-  return _path('towers', bench, deploy.DeploymentConfig(
+  return _path('towers', bench, placement.DeploymentConfig(
       num_clones=bench.num_clones, clone_on_cpu=bench.clone_on_cpu),
                registry.TOWERS)
 
 
 def build_variants(bench):
   """(variants, {skipped name: reason}) for the devices present."""
-  deploy_config = deploy.DeploymentConfig(num_clones=bench.num_clones,
-                                          clone_on_cpu=bench.clone_on_cpu)
-  spread = deploy.DeploymentConfig(num_clones=bench.num_clones,
-                                   clone_on_cpu=bench.clone_on_cpu,
-                                   variables_device=deploy.SPREAD)
+  deploy_config = placement.DeploymentConfig(num_clones=bench.num_clones,
+                                             clone_on_cpu=bench.clone_on_cpu)
+  spread = placement.DeploymentConfig(num_clones=bench.num_clones,
+                                      clone_on_cpu=bench.clone_on_cpu,
+                                      variables_device=placement.SPREAD)
   one_device = _OneDevice(num_clones=bench.num_clones,
                           clone_on_cpu=bench.clone_on_cpu)
   builders = [
       ('single', lambda: _path('single', bench, deploy_config,
-                               distribute.SINGLE)),
+                               distributed_model.SINGLE)),
       ('towers', lambda: towers(bench)),
       ('towers_one_device', lambda: _path('towers_one_device', bench,
                                           one_device, registry.TOWERS)),
@@ -215,7 +218,7 @@ def build_variants(bench):
   ]
   if not bench.clone_on_cpu:
     builders.append(('towers_gpu_vars', lambda: _path(
-        'towers_gpu_vars', bench, deploy.DeploymentConfig(
+        'towers_gpu_vars', bench, placement.DeploymentConfig(
             num_clones=bench.num_clones, variables_device='/gpu:0'),
         registry.TOWERS)))
   device_type = 'CPU' if bench.clone_on_cpu else 'GPU'
@@ -228,7 +231,8 @@ def build_variants(bench):
                        op(**kwargs))
     builders.append((f'mirrored_{op_name}', mirrored))
   builders.append(('central_storage', lambda: _path(
-      'central_storage', bench, deploy_config, distribute.CENTRAL_STORAGE)))
+      'central_storage', bench, deploy_config,
+      distributed_model.CENTRAL_STORAGE)))
   variants, skipped = [], {}
   for name, make in builders:
     try:

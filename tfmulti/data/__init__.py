@@ -2,7 +2,7 @@
 
 `load()` returns batched train and test pipelines for a global batch (a
 `Data`): each source gives its two splits in a fixed order
-(`pipeline.Splits`), and `pipeline.batched` scales, resizes, caches,
+(`batches.Splits`), and `batches.batched` scales, resizes, caches,
 shuffles epoch e with the seed (seed, e), augments, batches and prefetches
 them. Call it under `tf.device(config.inputs_device())`. An interrupted run
 rebuilds the same epoch and skips the batches it already trained on
@@ -27,14 +27,13 @@ import tensorflow as tf
 
 from tfmulti import digits  # noqa: F401  (registers the TFDS builder)
 from tfmulti import errors
+from tfmulti.data import batches
 from tfmulti.data import image_folder
-from tfmulti.data import pipeline
 from tfmulti.data import tfds_source
 from tfmulti.data import tfrecords
-from tfmulti.data.options import AUGMENTATIONS  # noqa: F401
+from tfmulti.data.batches import Data  # noqa: F401
 from tfmulti.data.options import DEFAULTS
 from tfmulti.data.options import InputOptions  # noqa: F401
-from tfmulti.data.pipeline import Data  # noqa: F401
 
 DOWNLOADABLE = ('mnist', 'fashion_mnist', 'cifar10')
 DATASETS = ('digits',) + DOWNLOADABLE + ('synthetic',)
@@ -88,7 +87,7 @@ SHARDABLE = (image_folder.PREFIX, tfrecords.PREFIX)
 
 
 def _splits(name, *, data_dir, seed, options, known, shard):
-  """The source's `pipeline.Splits`."""
+  """The source's `batches.Splits`."""
   if name.startswith(image_folder.PREFIX):
     return image_folder.read(
         name[len(image_folder.PREFIX):], image_size=options.image_size,
@@ -140,7 +139,7 @@ def load(name, *, global_batch_size, data_dir=None, seed=0,
     splits = _splits(name, data_dir=data_dir, seed=seed, options=options,
                      known=known, shard=shard)
     batch = global_batch_size // shard[1] if shard else global_batch_size
-    data = pipeline.batched(splits, global_batch_size=batch, seed=seed,
+    data = batches.batched(splits, global_batch_size=batch, seed=seed,
                             options=options)
     if data.input_shape[0] is None:
       raise errors.ConfigError(

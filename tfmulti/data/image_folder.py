@@ -18,8 +18,8 @@ import random
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti.data import batches
 from tfmulti.data import images
-from tfmulti.data import pipeline
 
 PREFIX = 'folder:'
 _EXTENSIONS = ('.png', '.jpg', '.jpeg')
@@ -27,7 +27,7 @@ _CHECK_BATCH = 1024  # Files whose shapes are read back at once.
 
 
 def read(path, *, image_size, validation_fraction, seed, shard=None):
-  """`pipeline.Splits` of the folder's (uint8 image, label) files; with
+  """`batches.Splits` of the folder's (uint8 image, label) files; with
   `shard`, (worker, workers), this worker's training files are every
   workers-th from the worker-th (`shard_files`).
 
@@ -58,7 +58,7 @@ def read(path, *, image_size, validation_fraction, seed, shard=None):
     worker, workers = shard
     worker_rows = tuple(len(train[w::workers]) for w in range(workers))
     train = train[worker::workers]
-  return pipeline.Splits(_decoded(train, known), _decoded(test, known),
+  return batches.Splits(_decoded(train, known), _decoded(test, known),
                          len(classes), len(train), len(test), worker_rows)
 
 

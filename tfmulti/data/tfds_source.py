@@ -15,7 +15,7 @@ from urllib import parse
 import tensorflow_datasets as tfds
 
 from tfmulti import errors
-from tfmulti.data import pipeline
+from tfmulti.data import batches
 
 PREFIX = 'tfds:'
 _PROBE_TIMEOUT_S = 3.0  # Seconds to wait for a download server to answer.
@@ -87,7 +87,7 @@ def _image_and_label(name, info):
 
 
 def read(name, *, data_dir, seed, validation_fraction):
-  """`pipeline.Splits` of TFDS dataset `name` (see the module docstring)."""
+  """`batches.Splits` of TFDS dataset `name` (see the module docstring)."""
   builder = _builder(name, data_dir)
   image, label = _image_and_label(name, builder.info)
   splits = builder.info.splits
@@ -99,7 +99,7 @@ def read(name, *, data_dir, seed, validation_fraction):
     cut = train_rows - max(1, round(train_rows * validation_fraction))
     names = (f'train[:{cut}]', f'train[{cut}:]')
   # The train split's files in an order fixed by the seed, the same every
-  # epoch (rows are shuffled again, per epoch, in `pipeline`).
+  # epoch (rows are shuffled again, per epoch, in `batches`).
   read_config = tfds.ReadConfig(shuffle_seed=seed,
                                 shuffle_reshuffle_each_iteration=False)
   train, test = [
@@ -107,6 +107,6 @@ def read(name, *, data_dir, seed, validation_fraction):
                          read_config=read_config).map(
                              lambda row: (row[image], row[label]))
       for split, shuffle in zip(names, (True, False))]
-  return pipeline.Splits(
+  return batches.Splits(
       train, test, builder.info.features[label].num_classes,
-      pipeline.count(train), pipeline.count(test))
+      batches.count(train), batches.count(test))

@@ -22,8 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti.data import batches
 from tfmulti.data import images
-from tfmulti.data import pipeline
 
 PREFIX = 'tfrecord:'
 IMAGE_KEY = 'image/encoded'
@@ -133,7 +133,7 @@ def _check(where, labels, shapes, options):
 
 
 def read(pattern, *, options, seed, known=None, shard=None):
-  """`pipeline.Splits` of the TFRecords `pattern` (see the module's
+  """`batches.Splits` of the TFRecords `pattern` (see the module's
   docstring); `known` is the counts a previous run of this job recorded,
   or None to read them; `shard`, (worker, workers) with `shard_files`:
   this worker reads files worker, worker + workers, ..."""
@@ -159,7 +159,7 @@ def read(pattern, *, options, seed, known=None, shard=None):
 
 
 def _decoded(train, test, known, options, worker_rows=None):
-  """`pipeline.Splits` of the record streams, decoded."""
+  """`batches.Splits` of the record streams, decoded."""
   num_classes, shape, train_rows, test_rows = known
   # Resized later when an image size is given; else all of `shape`.
   decoded_shape = (None, None, shape[2]) if options.image_size else shape
@@ -170,7 +170,7 @@ def _decoded(train, test, known, options, worker_rows=None):
                                expand_animations=False)
     image.set_shape(decoded_shape)
     return image, label - options.label_offset
-  return pipeline.Splits(train.map(decode, tf.data.AUTOTUNE),
+  return batches.Splits(train.map(decode, tf.data.AUTOTUNE),
                          test.map(decode, tf.data.AUTOTUNE), num_classes,
                          train_rows, test_rows, worker_rows)
 

@@ -2,8 +2,8 @@
 
 `from tfmulti import deploy` gives slim's names where its users look for
 them: `deploy.DeploymentConfig`, `deploy.deploy`, `deploy.DeployedModel`,
-the clone building blocks (`Clone`, `clone_step`, `create_clones`,
-`optimize_clones`), the BatchNorm policies (`deploy.BN_*`), the step
+the clone building blocks (`Clone`, `create_clones`, `optimize_clones`),
+the BatchNorm policies (`deploy.BN_*`), the step
 options (`deploy.StepOptions`) and Keras's door (`deploy.TowersModel`).
 The library's own modules import the module that defines a name.
 
@@ -17,11 +17,7 @@ The library's own modules import the module that defines a name.
   towers_in_strategy  the towers inside a tf.distribute strategy
 """
 
-from tfmulti.deploy.batch_norm import BN_CLONE_0  # noqa: F401
-from tfmulti.deploy.batch_norm import BN_FULL_BATCH  # noqa: F401
-from tfmulti.deploy.batch_norm import BN_MEAN  # noqa: F401
 from tfmulti.deploy.clones import Clone  # noqa: F401
-from tfmulti.deploy.clones import clone_step  # noqa: F401
 from tfmulti.deploy.clones import create_clones  # noqa: F401
 from tfmulti.deploy.clones import optimize_clones  # noqa: F401
 from tfmulti.deploy.placement import DeploymentConfig  # noqa: F401
@@ -29,4 +25,7 @@ from tfmulti.deploy.placement import SPREAD  # noqa: F401
 from tfmulti.deploy.towers import deploy  # noqa: F401
 from tfmulti.deploy.towers import DeployedModel  # noqa: F401
 from tfmulti.deploy.towers_model import TowersModel  # noqa: F401
+from tfmulti.step_options import BN_CLONE_0  # noqa: F401
+from tfmulti.step_options import BN_FULL_BATCH  # noqa: F401
+from tfmulti.step_options import BN_MEAN  # noqa: F401
 from tfmulti.step_options import StepOptions  # noqa: F401

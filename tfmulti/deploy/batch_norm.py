@@ -9,12 +9,7 @@ import tensorflow as tf
 
 from tfmulti import devices
 from tfmulti import keras_internals
-
-# The policies' names live with the step options that choose them.
-from tfmulti.step_options import BATCH_NORM_POLICIES  # noqa: F401
-from tfmulti.step_options import BN_CLONE_0  # noqa: F401
-from tfmulti.step_options import BN_FULL_BATCH  # noqa: F401
-from tfmulti.step_options import BN_MEAN  # noqa: F401
+from tfmulti import step_options
 
 
 def moments_of(model):
@@ -39,7 +34,7 @@ def combine_non_trainable(clones, policy, moments=(), owners=None):
   """
   places = owners or [None] * len(clones[0].non_trainable[0][1])
   parts = [part for clone in clones for part in clone.non_trainable]
-  if policy == BN_CLONE_0:
+  if policy == step_options.BN_CLONE_0:
     return list(parts[0][1])
   total = sum(rows for rows, _ in parts)
   weights = [rows / total for rows, _ in parts]
@@ -50,7 +45,7 @@ def combine_non_trainable(clones, policy, moments=(), owners=None):
           place, tf.add_n, [w * v for w, v in zip(weights, values)]))
     else:  # Random-generator state and counters are not averaged.
       combined.append(values[0])
-  if policy == BN_FULL_BATCH:
+  if policy == step_options.BN_FULL_BATCH:
     for mean_index, variance_index, momentum in moments:
       # A part's new moving mean is m * momentum + mean_p * (1 - momentum),
       # so mean_p - mean = (new_p - new) / (1 - momentum), and the whole

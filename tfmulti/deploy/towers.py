@@ -72,7 +72,7 @@ from tfmulti.deploy.clones import optimize_clones
 from tfmulti.deploy.clones import split_batch
 from tfmulti.deploy.clones import values_of
 from tfmulti.deploy.clones import worker_of
-from tfmulti.pipeline import Stages
+from tfmulti.pipeline.stages import Stages
 
 
 class DeployedModel(trainer.Trainer):

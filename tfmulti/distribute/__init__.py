@@ -9,9 +9,7 @@
   workers            a user's own `fit` script on every worker (`start`)
 """
 
-from tfmulti.distribute.distributed_model import CENTRAL_STORAGE  # noqa: F401
 from tfmulti.distribute.distributed_model import check_supported  # noqa: F401
 from tfmulti.distribute.distributed_model import DistributedModel  # noqa: F401
 from tfmulti.distribute.distributed_model import make_strategy  # noqa: F401
 from tfmulti.distribute.distributed_model import MIRRORED  # noqa: F401
-from tfmulti.distribute.distributed_model import SINGLE  # noqa: F401

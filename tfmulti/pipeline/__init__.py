@@ -6,7 +6,4 @@
   costs      each layer's cost: estimated from shapes, or measured
 """
 
-from tfmulti.pipeline.stages import split_model  # noqa: F401
-from tfmulti.pipeline.stages import Stage  # noqa: F401
-from tfmulti.pipeline.stages import stage_starts  # noqa: F401
 from tfmulti.pipeline.stages import Stages  # noqa: F401

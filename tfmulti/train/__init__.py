@@ -5,5 +5,6 @@
   config       TrainConfig: what to train, for how long, where to write
   build        the model, optimizer, loss and schedule every path trains
   loop         the training loop over any trainer
-  checkpoints, run_dir, metrics, summaries, profiling, schedules, export
+  checkpoints, run_dir, metrics, summaries, profiling, learning_rates,
+               export
 """

@@ -15,6 +15,7 @@ from tfmulti import data
 from tfmulti import errors
 from tfmulti import models
 from tfmulti import step_options as step_options_lib
+from tfmulti.data import options as options_lib
 from tfmulti.train import build
 from tfmulti.train import learning_rates
 from tfmulti.train import registry
@@ -73,7 +74,7 @@ class TrainConfig:
   model: str = 'lenet'
   weights: Optional[str] = None
   dataset: str = 'digits'
-  input_options: data.InputOptions = data.DEFAULTS
+  input_options: options_lib.InputOptions = options_lib.DEFAULTS
   model_dir: str = 'runs/default'
   data_dir: Optional[str] = None
   batch_size: int = 64

@@ -18,10 +18,10 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from tfmulti import data
 from tfmulti import errors
 from tfmulti import stops
 from tfmulti import trainer as trainer_lib
+from tfmulti.data import batches as batches_lib
 from tfmulti.distribute import preemption
 from tfmulti.train import checkpoints
 from tfmulti.train import profiling
@@ -162,7 +162,7 @@ class Run:
       stops this process after the current step.
   """
   trainer: trainer_lib.Trainer
-  dataset: data.Data
+  dataset: batches_lib.Data
   loss_fn: Callable
   schedule: Callable
   checkpointer: checkpoints.Checkpointer

@@ -23,13 +23,13 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfmulti import distribute
 from tfmulti import errors
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers
 from tfmulti.deploy import towers_in_strategy
+from tfmulti.distribute import distributed_model
 
 TOWERS = 'towers'
 MULTI_WORKER = 'multi_worker'
@@ -74,12 +74,13 @@ def _towers(setup):
 def _local_strategy(name):
   """The builder of a one-process tf.distribute path."""
   def build(setup):
-    strategy = distribute.make_strategy(name, setup.deploy_config)
+    strategy = distributed_model.make_strategy(name, setup.deploy_config)
     with strategy.scope():
       model, optimizer = setup.build_model()
-    distribute.check_supported(name, model, strategy.num_replicas_in_sync)
-    return distribute.DistributedModel(strategy, model, setup.loss_fn,
-                                       optimizer, setup.config.step_options)
+    distributed_model.check_supported(name, model,
+                                      strategy.num_replicas_in_sync)
+    return distributed_model.DistributedModel(
+        strategy, model, setup.loss_fn, optimizer, setup.config.step_options)
   return build
 
 
@@ -94,7 +95,7 @@ def _worker_towers(setup):
 def _worker_mirrored(setup):
   with setup.workers.scope():
     model, optimizer = setup.build_model()
-  return distribute.DistributedModel(
+  return distributed_model.DistributedModel(
       setup.workers, model, setup.loss_fn, optimizer,
       setup.config.step_options,
       worker_index=setup.deploy_config.worker_index,
@@ -158,17 +159,17 @@ BUILDERS = {
         _towers, _TOWERS,
         variables='one copy on the variables device; the clones read it, '
         'their gradients are summed there, one update'),
-    distribute.MIRRORED: StrategyBuilder(
-        _local_strategy(distribute.MIRRORED),
+    distributed_model.MIRRORED: StrategyBuilder(
+        _local_strategy(distributed_model.MIRRORED),
         _WHOLE_COPIES | {'clone_shares'},
         variables='a copy of every variable on each replica; gradients '
         'all-reduced'),
-    distribute.CENTRAL_STORAGE: StrategyBuilder(
-        _local_strategy(distribute.CENTRAL_STORAGE), _WHOLE_COPIES,
+    distributed_model.CENTRAL_STORAGE: StrategyBuilder(
+        _local_strategy(distributed_model.CENTRAL_STORAGE), _WHOLE_COPIES,
         variables='variables on the parameter device; gradients reduced '
         'there'),
-    distribute.SINGLE: StrategyBuilder(
-        _local_strategy(distribute.SINGLE), _WHOLE_COPIES,
+    distributed_model.SINGLE: StrategyBuilder(
+        _local_strategy(distributed_model.SINGLE), _WHOLE_COPIES,
         variables='variables and the whole batch on one device'),
     MULTI_WORKER: StrategyBuilder(
         _worker_towers, frozenset({'batch_norm_policy', 'accumulation_steps',
