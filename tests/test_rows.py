@@ -109,6 +109,9 @@ def test_one_layout_object_a_shape():
     (dict(worker_rows=8, num_clones=2, shares=(1, 1, 1)),
      'give one share per clone'),
     (dict(worker_rows=0), r'rows of a batch=0: must be an integer >= 1'),
+    (dict(worker_rows=7, num_clones=2, partial=True, even=True),
+     'sync_batch_norm=True runs equal clones in lockstep, and a batch of 7 '
+     'rows does not split evenly over num_clones=2'),
 ])
 def test_each_rule_refuses_in_one_line(kwargs, message):
   worker_rows = kwargs.pop('worker_rows')

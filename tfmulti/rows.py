@@ -179,7 +179,8 @@ class Shards:
 @functools.lru_cache(maxsize=None)
 def step_layout(worker_rows, *, num_clones=1, shares=None,
                 accumulation_steps=1, num_microbatches=1, staged=False,
-                atom_rows=0, num_workers=1, partial=False, devices=None):
+                atom_rows=0, num_workers=1, partial=False, devices=None,
+                even=False):
   """The `StepLayout` of a step whose workers each bring `worker_rows`.
 
   Args:
@@ -199,6 +200,8 @@ def step_layout(worker_rows, *, num_clones=1, shares=None,
       unequal, as plain `fit` trains it; a full batch must split fully.
     devices: each clone's device (a tuple, as
       `DeploymentConfig.clone_devices()` gives them), for the pieces.
+    even: every clone must take as many rows (lockstep clones, whose
+      synchronized BatchNorm all-reduces between equal shards).
 
   Returns:
     The `StepLayout`; the same object for the same arguments, so a
@@ -227,8 +230,14 @@ def step_layout(worker_rows, *, num_clones=1, shares=None,
                               penalty, devices[clone] if devices else ''))
           offset += part
           atom += 1 if atom_rows else 0
-  return StepLayout(worker_rows * num_workers, num_workers, num_clones,
-                    accumulation_steps, atom_rows, tuple(pieces))
+  layout = StepLayout(worker_rows * num_workers, num_workers, num_clones,
+                      accumulation_steps, atom_rows, tuple(pieces))
+  if even and not layout.is_even():
+    raise errors.ConfigError(
+        f'sync_batch_norm=True runs equal clones in lockstep, and a batch of '
+        f'{worker_rows} rows does not split evenly over num_clones='
+        f'{num_clones}; give every batch a multiple of {num_clones} rows.')
+  return layout
 
 
 def _penalty(worker, step, clone, microbatch, num_workers, atom_rows):

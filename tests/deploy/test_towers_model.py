@@ -104,6 +104,32 @@ def test_the_last_partial_batch_trains_exactly_with_one_more_trace():
   assert towers._train_function.experimental_get_tracing_count() == traces
 
 
+@pytest.mark.parametrize('options, message', [
+    (dict(reproducible_rows=4),
+     'reproducible_rows=4: a batch of 2 rows on a worker is not'),
+    (dict(sync_batch_norm=True),
+     'sync_batch_norm=True runs equal clones in lockstep, and a batch of 3 '
+     'rows does not split evenly'),
+])
+def test_a_last_batch_the_layout_refuses_stops_fit_before_a_step(options,
+                                                                 message):
+  """Arrays whose last batch the layout cannot cut are refused before the
+  first step, in one line, the weights as they were: not after an epoch."""
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    model = mlp()
+  towers = deploy.TowersModel(model, config, **options)
+  towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
+  before = weights(model)
+  rows = 34 if 'reproducible_rows' in options else 35  # A last batch of 2, 3.
+  images, labels = make_batch(rows, seed=3)
+  with pytest.raises(errors.ConfigError, match=message) as refused:
+    towers.fit(images, labels, batch_size=8, epochs=1, verbose=0)
+  assert '\n' not in str(refused.value)
+  for got, want in zip(weights(model), before):
+    np.testing.assert_array_equal(got, want)
+
+
 def test_evaluate_and_predict_equal_the_plain_model():
   towers, _ = _towers_fit('momentum', num_clones=2, epochs=1)
   images, labels = make_batch(ROWS, seed=4)

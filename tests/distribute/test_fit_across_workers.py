@@ -170,40 +170,6 @@ def test_only_the_chief_keeps_the_callbacks_that_write_files(tmp_path):
   assert not (tmp_path / 'worker1').exists()
 
 
-def _fit_worker_0(stand_in, seed, x, y, fed_in_order=True):
-  """Worker 0's weights after 2 epochs of shuffled arrays, its process's
-  random generators seeded with `seed` once the model is built."""
-  config = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=0,
-                                   num_replicas=2)
-  with stand_in.scope():
-    model = mlp()
-  keras.utils.set_random_seed(seed)  # As a worker's own, unseeded run.
-  towers = deploy.TowersModel(model, config, workers=stand_in)
-  towers.compile(optimizer='sgd', loss=keras.losses.
-                 SparseCategoricalCrossentropy(from_logits=True))
-  towers.fit(x, y, batch_size=4, epochs=2, shuffle=True, verbose=0)
-  return [w.numpy() for w in model.weights]
-
-
-def test_every_worker_reads_the_same_global_batches_whatever_its_seed(
-    monkeypatch):
-  """Arrays across workers are fed in the order of `shuffle_seed`, not of
-  each process's generator: a worker seeded otherwise takes its rows of the
-  same global batches (else rows would be read twice or never)."""
-  stand_in = _stand_in(deploy.DeploymentConfig(num_clones=2,
-                                               clone_on_cpu=True))
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(16, 6)).astype(np.float32)
-  y = rng.integers(0, 3, size=16).astype(np.int32)
-  first, second = (_fit_worker_0(stand_in, seed, x, y) for seed in (1, 2))
-  for a, b in zip(first, second):
-    np.testing.assert_array_equal(a, b)
-  # Keras's own shuffle, by each process's generator, would differ.
-  monkeypatch.setattr(fit_backup, 'are_arrays', lambda x: False)
-  first, second = (_fit_worker_0(stand_in, seed, x, y) for seed in (1, 2))
-  assert any(not np.array_equal(a, b) for a, b in zip(first, second))
-
-
 class _LosePeer(keras.callbacks.Callback):
   """Fails as TensorFlow's collective does when worker 1 is gone."""
 

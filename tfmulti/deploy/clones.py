@@ -94,12 +94,21 @@ def values_of(variables):
 def layout_of(config, options, images, labels, *, shares=None,
               staged=False, partial=False):
   """The `rows.StepLayout` of a step on this worker's batch."""
+  return layout_of_rows(config, options, rows.batch_rows(images, labels),
+                        shares=shares, staged=staged, partial=partial)
+
+
+def layout_of_rows(config, options, worker_rows, *, shares=None,
+                   staged=False, partial=False):
+  """The `rows.StepLayout` of a step on a batch of `worker_rows` rows on
+  this worker."""
   return rows.step_layout(
-      rows.batch_rows(images, labels), num_clones=config.num_clones,
+      worker_rows, num_clones=config.num_clones,
       shares=shares, accumulation_steps=options.accumulation_steps,
       num_microbatches=options.num_microbatches, staged=staged,
       atom_rows=options.reproducible_rows, num_workers=config.num_workers,
-      partial=partial, devices=tuple(config.clone_devices()))
+      partial=partial, devices=tuple(config.clone_devices()),
+      even=options.sync_batch_norm)
 
 
 def worker_of(config, layout):

@@ -66,7 +66,7 @@ from tfmulti.deploy.batch_norm import combine_non_trainable
 from tfmulti.deploy.batch_norm import moments_of
 from tfmulti.deploy.clones import clone_step
 from tfmulti.deploy.clones import create_clones
-from tfmulti.deploy.clones import layout_of
+from tfmulti.deploy.clones import layout_of_rows
 from tfmulti.deploy.clones import on_clone
 from tfmulti.deploy.clones import optimize_clones
 from tfmulti.deploy.clones import split_batch
@@ -314,16 +314,13 @@ class DeployedModel(trainer.Trainer):
     under the clones' current shares; raises `ConfigError` for a batch
     that cannot be cut so. `partial`: a short last batch (Keras's), which
     may leave clones or micro-batches empty, as plain `fit` trains it."""
-    layout = layout_of(self.config, self.options, images, labels,
-                       shares=self.clone_shares,
-                       staged=self.stages is not None, partial=partial)
-    if self.lockstep is not None and not layout.is_even():
-      raise errors.ConfigError(
-          f'sync_batch_norm=True runs equal clones in lockstep, and a batch '
-          f'of {layout.worker_rows()} rows does not split evenly over '
-          f'num_clones={self.config.num_clones}; give every batch a multiple '
-          f'of {self.config.num_clones} rows.')
-    return layout
+    return self.layout_for_rows(rows.batch_rows(images, labels), partial)
+
+  def layout_for_rows(self, worker_rows, partial=False):
+    """`layout_for` a batch of `worker_rows` rows on this worker."""
+    return layout_of_rows(self.config, self.options, worker_rows,
+                          shares=self.clone_shares,
+                          staged=self.stages is not None, partial=partial)
 
   def train_step_outputs(self, images, labels, *, partial=False,
                          with_outputs=False):

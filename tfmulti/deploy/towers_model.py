@@ -93,9 +93,11 @@ class TowersModel(keras.Model):
       options: a `StepOptions`; None for the defaults.
       workers: across workers, what `workers.start()` gave (the model
         built in its scope); None in one process.
-      shuffle_seed: across workers or with BackupAndRestore, the seed of
-        each epoch's order of array inputs (the same on every worker and
-        every restart, whatever Keras's random generator holds).
+      shuffle_seed: with BackupAndRestore, the seed of each epoch's order
+        of array inputs (the same on every worker and every restart). Without
+        one, Keras shuffles arrays by each process's own generators: across
+        workers, seed them alike (`keras.utils.set_random_seed`) on every
+        worker, or each takes its rows of another global batch.
       **fields: `StepOptions` fields that replace those of `options`.
 
     Raises:
@@ -246,6 +248,7 @@ class TowersModel(keras.Model):
     arguments.update(arguments.pop('kwargs', {}))
     if self.strategy is not None:
       _check_input(arguments, self.config.num_workers)
+    self._check_batches(arguments)
     callbacks = list(arguments.get('callbacks') or ())
     originals = [c for c in callbacks
                  if isinstance(c, keras.callbacks.BackupAndRestore)]
@@ -257,12 +260,6 @@ class TowersModel(keras.Model):
           agreed_stop=self.workers and self.workers.agreed_stop())
       callbacks = [self._backup if c is originals[0] else c
                    for c in callbacks]
-    elif self.strategy is not None and fit_backup.are_arrays(
-        arguments.get('x')):
-      # Keras would shuffle by each process's own generator: every worker
-      # must take its rows of the same global batches.
-      fit_backup.feed_arrays(arguments, seed=self.shuffle_seed,
-                             first_epoch=arguments.get('initial_epoch', 0))
     if self.config.worker_index:
       arguments['verbose'] = 0
       callbacks = [c for c in callbacks if not isinstance(c, _CHIEF_WRITES)]
@@ -286,6 +283,22 @@ class TowersModel(keras.Model):
   def passing_steps(self):
     """Whether the last step was one a resumed run passed over."""
     return self._passed
+
+  def _check_batches(self, arguments):
+    """Cuts the full and the last batch of array inputs before the first
+    step: a last batch the layout refuses (not whole atoms, clones in
+    lockstep) would otherwise stop `fit` after a whole epoch."""
+    x = arguments.get('x')
+    if self.towers is None or not fit_backup.are_arrays(x):
+      return
+    rows_ = int(tf.nest.flatten(x)[0].shape[0]
+                * (1.0 - arguments.get('validation_split', 0.0)))
+    batch_size = arguments.get('batch_size') or 32
+    full, last = min(batch_size, rows_), rows_ % batch_size
+    for batch, partial in ((full, False), (last, 0 < last < full)):
+      if batch:
+        self.towers.layout_for_rows(batch // self.config.num_workers,
+                                    partial)
 
   def _lost_peers_as_errors(self):
     """Across workers, a collective that failed for want of a peer becomes
