@@ -253,8 +253,8 @@ _GRADIENT_PACKS = flags.DEFINE_string(
 _XLA = flags.DEFINE_string(
     'xla', step_options.AUTO, "Compile each clone's forward and backward "
     "pass with XLA (towers only): 'true', 'false', or 'auto': on for whole "
-    'clones on GPUs, and on CPUs in runs of 50 steps or more; off with '
-    'stages or micro-batches, --reproducible_rows, --sync_batch_norm or '
+    'clones on GPUs; off on CPUs (as Keras), and with stages or '
+    'micro-batches, --reproducible_rows, --sync_batch_norm or '
     '--deterministic (logged).')
 _MIXED_PRECISION = flags.DEFINE_bool(
     'mixed_precision', False, 'Compute in float16 on GPUs (with dynamic loss '

@@ -18,15 +18,6 @@ def test_whole_clones_on_gpus_compile():
   assert options.xla is True
 
 
-def test_a_long_run_on_cpus_compiles_and_a_short_or_unknown_one_does_not():
-  options = step_options.StepOptions()
-  long_run = xla_rule.CPU_MIN_STEPS
-  assert xla_rule.resolve(CPUS, options, total_steps=long_run).xla is True
-  assert 'this run has 49 steps' in xla_rule.why_not(
-      CPUS, options, total_steps=long_run - 1)
-  assert 'an unknown number of steps' in xla_rule.why_not(CPUS, options)
-
-
 @pytest.mark.parametrize('config, fields, reason', [
     (CPUS, {}, 'the clones run on CPUs'),
     (deploy.DeploymentConfig(num_clones=2, num_stages=2), {},

@@ -44,7 +44,8 @@ NUM_LOGICAL_CPUS = 2
 FIT_VARIANTS = ('fit_one_device', 'fit_one_device_jit', 'fit_mirrored',
                 'towers_fit_2clones')
 TFMULTI_VARIANTS = ('tfmulti_2clones', 'tfmulti_1clone',
-                    'tfmulti_2clones_xla', 'tfmulti_1clone_xla')
+                    'tfmulti_2clones_xla', 'tfmulti_1clone_xla',
+                    'tfmulti_2clones_no_xla', 'tfmulti_1clone_no_xla')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +177,8 @@ def run(e2e, variants=TFMULTI_VARIANTS + FIT_VARIANTS):
           'tfmulti_1clone': lambda: _tfmulti(e2e, 1),
           'tfmulti_2clones_xla': lambda: _tfmulti(e2e, 2, xla=True),
           'tfmulti_1clone_xla': lambda: _tfmulti(e2e, 1, xla=True),
+          'tfmulti_2clones_no_xla': lambda: _tfmulti(e2e, 2, xla=False),
+          'tfmulti_1clone_no_xla': lambda: _tfmulti(e2e, 1, xla=False),
           'fit_one_device': lambda: _fit(e2e, 'one_device'),
           'fit_one_device_jit': lambda: _fit(e2e, 'one_device', True),
           'fit_mirrored': lambda: _fit(e2e, 'mirrored'),

@@ -197,9 +197,9 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     total_steps = config.train_steps or (
         config.epochs * (dataset.train_examples // batch))
     _check_profile_steps(config.profile_steps, total_steps)
-    if 'xla' in path.honours:  # The towers': the rule knows the run's length.
+    if 'xla' in path.honours:  # The towers'.
       config = dataclasses.replace(config, step_options=xla_rule.resolve(
-          deploy_config, config.step_options, total_steps))
+          deploy_config, config.step_options))
     schedule = build.make_schedule(
         config, deploy_config.num_clones * deploy_config.num_workers,
         total_steps)
