@@ -104,6 +104,23 @@ def test_the_last_partial_batch_trains_exactly_with_one_more_trace():
   assert towers._train_function.experimental_get_tracing_count() == traces
 
 
+def test_a_last_batch_of_fewer_rows_than_clones_trains_as_plain_fit():
+  """tf.data's last batch of 2 rows on 3 clones: clone 2 takes none."""
+  images, labels = make_batch(34, seed=3)
+  data = tf.data.Dataset.from_tensor_slices((images, labels)).batch(BATCH)
+  plain = mlp()
+  plain.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
+  plain.fit(data, epochs=1, verbose=0)
+  config = deploy.DeploymentConfig(num_clones=3, clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    model = mlp()
+  towers = deploy.TowersModel(model, config)
+  towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
+  towers.fit(data, epochs=1, verbose=0)
+  for got, want in zip(weights(model), weights(plain)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize('options, message', [
     (dict(reproducible_rows=4),
      'reproducible_rows=4: a batch of 2 rows on a worker is not'),
