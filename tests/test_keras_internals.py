@@ -63,3 +63,31 @@ def test_dict_inputs_follow_the_model_inputs():
                       keras.layers.Concatenate()([a, b]))
   flat = keras_internals.flat_inputs(model, {'a': 'A', 'b': 'B'})
   assert flat == [{'a': 'A', 'b': 'B'}[t.name] for t in model.inputs]
+
+
+def test_a_compiled_loss_counts_in_its_output_metrics_when_tracked():
+  keras.utils.set_random_seed(0)
+  x = keras.Input((4,))
+  model = keras.Model(x, {'a': keras.layers.Dense(2, name='a')(x),
+                          'b': keras.layers.Dense(1, name='b')(x)})
+  model.compile(loss={'a': 'mse', 'b': 'mae'}, loss_weights={'a': 1.0,
+                                                               'b': 0.5})
+  rng = np.random.default_rng(0)
+  data = (rng.normal(size=(5, 4)).astype(np.float32),
+          {'a': rng.normal(size=(5, 2)).astype(np.float32),
+           'b': rng.normal(size=(5, 1)).astype(np.float32)})
+  keras_internals.build_compiled(model, data)
+  outputs = model(data[0])
+  total, output_losses = keras_internals.compiled_loss(model, data[1],
+                                                       outputs)
+  metrics = keras_internals.compiled_loss_metrics(model)
+  assert [m.name for m in metrics] == ['a_loss', 'b_loss']
+  assert all(float(m.count) == 0 for m in metrics)  # A call alone: none.
+  want = [keras.losses.mean_squared_error(data[1]['a'], outputs['a']),
+          keras.losses.mean_absolute_error(data[1]['b'], outputs['b'])]
+  want = [float(np.mean(w)) for w in want]
+  np.testing.assert_allclose(output_losses, want, rtol=1e-6)
+  np.testing.assert_allclose(total, want[0] + 0.5 * want[1], rtol=1e-6)
+  keras_internals.track_output_losses(model, output_losses)
+  assert [float(m.count) for m in metrics] == [1.0, 1.0]  # A batch: one.
+  np.testing.assert_allclose([m.result() for m in metrics], want, rtol=1e-6)

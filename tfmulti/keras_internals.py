@@ -20,6 +20,11 @@ The conventions read here:
   Keras mask, a compiled model's loss (`_compile_loss`), metrics
   (`_compile_metrics`, `_symbolic_build`) and loss tracker
   (`_loss_tracker`).
+* A compiled loss (`CompileLoss`) of several outputs adds, on every call,
+  each output's unweighted loss to that output's metric (its `_metrics`,
+  `logits_loss`, ...), weighted by the output's static rows (`shape[0]`):
+  None in Keras's traced step (its batches come from a dataset whose batch
+  dimension is unknown), so each batch weighs one there, whatever its rows.
 * An optimizer's `apply` runs its arithmetic under the caller's device
   scope: Keras applies each update through the default tf.distribute
   strategy (`extended.update`), which does not colocate it with its
@@ -165,9 +170,58 @@ def pack_outputs(model, flat):
   return keras.tree.pack_sequence_as(model._outputs_struct, flat)
 
 
-def compile_loss(model):
-  """The loss `compile` built (one or several, with their weights)."""
-  return model._compile_loss
+class _Recorder:
+  """Stands in for one output's loss metric: keeps what Keras would add."""
+
+  def __init__(self):
+    self.values = []
+
+  def update_state(self, value, sample_weight=None):
+    del sample_weight  # The output's static rows: what `track` replaces.
+    self.values.append(value)
+
+
+def compiled_loss(model, y_true, y_pred, sample_weight=None):
+  """The loss `compile` built (several outputs' losses, their weights and
+  sample weights), leaving its per-output metrics as they are.
+
+  Args:
+    model: a compiled model; its loss is built first (`build_compiled`),
+      or this call builds it and counts in its metrics, as Keras's would.
+    y_true, y_pred, sample_weight: as Keras's `compute_loss` takes them.
+
+  Returns:
+    (total, output_losses): the weighted total (None without a compiled
+    loss) and each output's unweighted loss, in the order of its metrics
+    (none for one output), for `track_output_losses`.
+  """
+  loss = model._compile_loss
+  if loss is None:
+    return None, []
+  if not loss.built:  # Built by this call (the towers' step run alone).
+    return loss(y_true, y_pred, sample_weight), []
+  # A shallow copy whose metrics only record: a call on a piece of a batch
+  # must not count in the metrics (Keras counts every call), and the copy
+  # leaves the shared loss alone for the clones that trace at once.
+  quiet = object.__new__(type(loss))
+  vars(quiet).update(vars(loss))
+  quiet._metrics = [_Recorder() for _ in loss.metrics]
+  total = quiet(y_true, y_pred, sample_weight)
+  return total, [recorder.values[-1] for recorder in quiet._metrics]
+
+
+def compiled_loss_metrics(model):
+  """The compiled loss's per-output metrics (`logits_loss`, ...)."""
+  return list(model._compile_loss.metrics)
+
+
+def track_output_losses(model, output_losses):
+  """Adds one batch's output losses (from `compiled_loss` on the whole
+  batch) to their metrics as Keras's traced step does: each batch once,
+  whatever its rows (a dataset of a known batch dimension has batches of
+  equal rows, which weigh alike too)."""
+  for metric, value in zip(compiled_loss_metrics(model), output_losses):
+    metric.update_state(value)
 
 
 def build_compiled(model, data):

@@ -52,8 +52,9 @@ def _list_model():
   a, b = keras.Input((4,)), keras.Input((2,))
   x = keras.layers.Dense(8, activation='tanh')(
       keras.layers.Concatenate()([a, b]))
-  return keras.Model([a, b], [keras.layers.Dense(3)(x),
-                              keras.layers.Dense(1)(x)])
+  # Named: Keras names a list output's loss metric by its layer.
+  return keras.Model([a, b], [keras.layers.Dense(3, name='logits')(x),
+                              keras.layers.Dense(1, name='value')(x)])
 
 
 def _one_dict_output():
@@ -97,7 +98,14 @@ def _fit(model, kind, **fit_args):
                 **_compile_args(kind))
   history = model.fit(**_data(kind), batch_size=BATCH, epochs=1,
                       shuffle=False, verbose=0, **fit_args)
-  return history.history['loss'][-1]
+  return {key: values[-1] for key, values in history.history.items()}
+
+
+def _assert_same_metrics(got, want):
+  """Every metric, the per-output losses (`logits_loss`, ...) too."""
+  assert sorted(got) == sorted(want)
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
 
 
 def _towers(kind, num_clones, variables_device=None, **options):
@@ -121,12 +129,12 @@ def _towers(kind, num_clones, variables_device=None, **options):
 ])
 def test_fit_equals_one_device(kind, num_clones, options):
   plain = BUILD[kind]()
-  want_loss = _fit(plain, kind)
+  want_metrics = _fit(plain, kind)
   towers = _towers(kind, num_clones, **options)
-  got_loss = _fit(towers, kind)
+  got_metrics = _fit(towers, kind)
   for got, want in zip(towers.model.get_weights(), plain.get_weights()):
     np.testing.assert_allclose(got, want, atol=1e-5)
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  _assert_same_metrics(got_metrics, want_metrics)
 
 
 @pytest.mark.slow
@@ -164,11 +172,13 @@ def test_evaluate_counts_the_model_losses_as_one_device():
   for model in (plain, towers):
     model.compile(optimizer='sgd', **_compile_args('dict'))
   data = _data('dict')
-  # The total loss: both outputs' weighted losses, the penalties and the
-  # add_loss terms, over a last batch of fewer rows than clones.
-  np.testing.assert_allclose(
-      towers.evaluate(**data, batch_size=BATCH, verbose=0)[0],
-      plain.evaluate(**data, batch_size=BATCH, verbose=0)[0], rtol=1e-5)
+  # The total loss (both outputs' weighted losses, the penalties and the
+  # add_loss terms) and each output's, over a last batch of fewer rows
+  # than clones.
+  got, want = (model.evaluate(**data, batch_size=BATCH, verbose=0,
+                              return_dict=True) for model in (towers, plain))
+  assert {'logits_loss', 'value_loss'} <= set(want)
+  _assert_same_metrics(got, want)
 
 
 def _masked_model():
@@ -329,19 +339,19 @@ def test_stages_take_several_inputs_and_give_several_outputs():
   BUILD['two_headed'] = _two_headed
   try:
     plain = _two_headed()
-    want_loss = _fit(plain, 'dict')
+    want_metrics = _fit(plain, 'dict')
     config = deploy.DeploymentConfig(num_clones=2, num_stages=2,
                                      clone_on_cpu=True)
     with tf.device(config.variables_device()):
       model = _two_headed()
     towers = deploy.TowersModel(model, config, num_microbatches=2,
                                 stage_boundaries=('join',))
-    got_loss = _fit(towers, 'dict')
+    got_metrics = _fit(towers, 'dict')
   finally:
     del BUILD['two_headed']
   for got, want in zip(towers.model.get_weights(), plain.get_weights()):
     np.testing.assert_allclose(got, want, atol=1e-5)
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  _assert_same_metrics(got_metrics, want_metrics)
 
 
 def test_an_output_before_the_last_stage_is_refused_in_one_line():

@@ -113,6 +113,9 @@ class TowersModel(keras.Model):
     towers_lib.check_options(config, options)
     super().__init__(name=f'towers_{model.name}')
     self.model = model
+    # Keras names the losses and metrics of a list of outputs by these, as
+    # on the model itself (`dense_1_loss`, not the loss's name).
+    self.output_names = model.output_names
     self.config = config
     self.options = options
     self.workers = workers
@@ -198,6 +201,11 @@ class TowersModel(keras.Model):
     labels, sample_weight = (*all_targets, None)[:2]
     keras_internals.loss_tracker(self).update_state(
         total, sample_weight=layout.global_rows)
+    # Each output's loss (`logits_loss`, ...) of the whole batch, as Keras
+    # computes it: the pieces' calls above leave those metrics alone.
+    _, output_losses = _CompiledLoss(self).with_output_losses(all_targets,
+                                                              outputs)
+    keras_internals.track_output_losses(self, output_losses)
     return self.compute_metrics(images, labels, outputs,
                                 sample_weight=sample_weight)
 
@@ -211,7 +219,9 @@ class TowersModel(keras.Model):
     """The towers' inference and Keras's evaluation loss and metrics of it,
     one compiled call a batch."""
     outputs, regularization = self.towers.evaluate_outputs(images)
-    loss = _CompiledLoss(self)(_targets(labels, sample_weight), outputs)
+    loss, output_losses = _CompiledLoss(self).with_output_losses(
+        _targets(labels, sample_weight), outputs)
+    keras_internals.track_output_losses(self, output_losses)
     loss += tf.cast(regularization, loss.dtype)
     rows_ = tf.shape(tf.nest.flatten(images)[0])[0]
     keras_internals.loss_tracker(self).update_state(loss,
@@ -348,20 +358,25 @@ class _CompiledLoss:
   """Keras's compiled loss as the towers' `loss_fn(targets, outputs)`, with
   targets = `_targets(labels, sample_weight)`: several outputs, their losses,
   `loss_weights` and sample (or class) weights, each a mean over the rows
-  that the towers weight by a piece's rows, which is exact."""
+  that the towers weight by a piece's rows, which is exact. A call leaves
+  the per-output loss metrics alone: the step adds the whole batch's."""
 
   def __init__(self, model):
     self.model = model
 
   def __call__(self, targets, outputs):
+    return self.with_output_losses(targets, outputs)[0]
+
+  def with_output_losses(self, targets, outputs):
+    """(The loss, each output's unweighted loss for its metric)."""
     labels, sample_weight = (*targets, None)[:2]
-    loss = keras_internals.compile_loss(self.model)
+    loss, output_losses = keras_internals.compiled_loss(
+        self.model, labels, outputs, sample_weight)
     if loss is None:  # The model's own add_loss terms alone.
-      return tf.zeros([])
+      return tf.zeros([]), output_losses
     # A mean-reduced Keras loss divides by the replica count in the
     # clones' lockstep; the towers weight by rows themselves.
-    return keras_internals.unscale_for_replicas(
-        loss(labels, outputs, sample_weight))
+    return keras_internals.unscale_for_replicas(loss), output_losses
 
 
 def _targets(labels, sample_weight):
