@@ -217,6 +217,10 @@ def test_the_generators_advance_once_an_assignment_of_the_state(
                  marks=pytest.mark.slow),
     pytest.param(dict(num_clones=2, num_stages=2), dict(num_microbatches=2),
                  marks=pytest.mark.slow),
+    pytest.param(dict(num_clones=4), {}, marks=pytest.mark.slow),
+    pytest.param(dict(num_stages=2), dict(
+        num_microbatches=4, pipeline_schedule='zb_h1', recompute=True),
+                 marks=pytest.mark.slow),
 ])
 def test_dropout_keeps_the_same_bits_on_every_layout(config_fields, options):
   atoms = dict(reproducible_rows=4)
@@ -231,6 +235,27 @@ def test_dropout_keeps_the_same_bits_on_every_layout(config_fields, options):
     np.testing.assert_array_equal(got.total, want.total)
   for got, want in zip(weights(towers.model), weights(reference.model)):
     np.testing.assert_array_equal(got, want)
+
+
+def test_recomputation_replays_the_forward_passs_masks():
+  """A stage recomputed in its backward pass draws the masks its forward
+  pass drew (its piece's folded seed): the same step as without."""
+  def model_fn():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(16, activation='tanh', name='d1')(inputs)
+    x = keras.layers.Dropout(0.5, name='drop')(x)  # In stage 0: recomputed.
+    return keras.Model(inputs, keras.layers.Dense(3, name='out')(x))
+
+  def trained(recompute):
+    config = deploy.DeploymentConfig(clone_on_cpu=True, num_stages=2)
+    towers = make_deployed(config, model_fn=model_fn, num_microbatches=2,
+                           recompute=recompute, stage_boundaries=('out',))
+    for step in range(2):
+      towers.train_step_outputs(*make_batch(16, seed=step))
+    return weights(towers.model)
+  for got, want in zip(trained(True), trained(False)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_a_piece_draws_from_its_offset_alone():
