@@ -237,6 +237,40 @@ def test_dropout_keeps_the_same_bits_on_every_layout(config_fields, options):
     np.testing.assert_array_equal(got, want)
 
 
+def flip_cnn():
+  """RandomFlip on 4x4 images, then a Dense head."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((4, 4, 1))
+  x = keras.layers.RandomFlip('horizontal', name='flip')(inputs)
+  x = keras.layers.Flatten()(x)
+  return keras.Model(inputs, keras.layers.Dense(3, name='out')(x))
+
+
+@pytest.mark.parametrize('config_fields, options', [
+    (dict(num_clones=2), {}),
+    pytest.param(dict(num_clones=4), dict(accumulation_steps=2),
+                 marks=pytest.mark.slow),
+])
+def test_random_flip_keeps_the_same_bits_on_every_layout(config_fields,
+                                                         options):
+  """RandomFlip's decisions, like Dropout's masks, depend on each atom's
+  place in the global batch alone."""
+  atoms = dict(reproducible_rows=2)
+  reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
+                            model_fn=flip_cnn, **atoms)
+  config = deploy.DeploymentConfig(clone_on_cpu=True, **config_fields)
+  towers = make_deployed(config, model_fn=flip_cnn, **atoms, **options)
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    images = rng.normal(size=(16, 4, 4, 1)).astype(np.float32)
+    labels = rng.integers(0, 3, size=16).astype(np.int32)
+    want = reference.train_step_outputs(images, labels)
+    got = towers.train_step_outputs(images, labels)
+    np.testing.assert_array_equal(got.total, want.total)
+  for got, want in zip(weights(towers.model), weights(reference.model)):
+    np.testing.assert_array_equal(got, want)
+
+
 def test_recomputation_replays_the_forward_passs_masks():
   """A stage recomputed in its backward pass draws the masks its forward
   pass drew (its piece's folded seed): the same step as without."""
