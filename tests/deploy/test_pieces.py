@@ -223,13 +223,21 @@ def test_the_generators_advance_once_an_assignment_of_the_state(
                  marks=pytest.mark.slow),
 ])
 def test_dropout_keeps_the_same_bits_on_every_layout(config_fields, options):
-  atoms = dict(reproducible_rows=4)
+  _assert_the_same_bits_as_one_clone(
+      dropout_mlp, 4, [make_batch(16, seed=step) for step in range(3)],
+      config_fields, options)
+
+
+def _assert_the_same_bits_as_one_clone(model_fn, atom_rows, batches,
+                                       config_fields, options):
+  """Atoms of `atom_rows` on the layout of `config_fields` and `options`
+  train `batches` to one clone's losses and weights, bit for bit."""
+  atoms = dict(reproducible_rows=atom_rows)
   reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
-                            model_fn=dropout_mlp, **atoms)
+                            model_fn=model_fn, **atoms)
   config = deploy.DeploymentConfig(clone_on_cpu=True, **config_fields)
-  towers = make_deployed(config, model_fn=dropout_mlp, **atoms, **options)
-  for step in range(3):
-    images, labels = make_batch(16, seed=step)
+  towers = make_deployed(config, model_fn=model_fn, **atoms, **options)
+  for images, labels in batches:
     want = reference.train_step_outputs(images, labels)
     got = towers.train_step_outputs(images, labels)
     np.testing.assert_array_equal(got.total, want.total)
@@ -255,20 +263,12 @@ def test_random_flip_keeps_the_same_bits_on_every_layout(config_fields,
                                                          options):
   """RandomFlip's decisions, like Dropout's masks, depend on each atom's
   place in the global batch alone."""
-  atoms = dict(reproducible_rows=2)
-  reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
-                            model_fn=flip_cnn, **atoms)
-  config = deploy.DeploymentConfig(clone_on_cpu=True, **config_fields)
-  towers = make_deployed(config, model_fn=flip_cnn, **atoms, **options)
   rng = np.random.default_rng(0)
-  for _ in range(3):
-    images = rng.normal(size=(16, 4, 4, 1)).astype(np.float32)
-    labels = rng.integers(0, 3, size=16).astype(np.int32)
-    want = reference.train_step_outputs(images, labels)
-    got = towers.train_step_outputs(images, labels)
-    np.testing.assert_array_equal(got.total, want.total)
-  for got, want in zip(weights(towers.model), weights(reference.model)):
-    np.testing.assert_array_equal(got, want)
+  batches = [(rng.normal(size=(16, 4, 4, 1)).astype(np.float32),
+              rng.integers(0, 3, size=16).astype(np.int32))
+             for _ in range(3)]
+  _assert_the_same_bits_as_one_clone(flip_cnn, 2, batches, config_fields,
+                                     options)
 
 
 def test_recomputation_replays_the_forward_passs_masks():

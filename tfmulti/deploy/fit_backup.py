@@ -107,7 +107,6 @@ def feed_arrays(arguments, *, seed, first_epoch):
   job, and every restart, reads the same global batches. Returns
   `steps_per_epoch` and `epochs`."""
   epochs = arguments.get('epochs', 1)
-  first = first_epoch
   x = arguments.get('x')
   arrays = tuple(a for a in (x, arguments.pop('y', None),
                              arguments.pop('sample_weight', None))
@@ -123,7 +122,7 @@ def feed_arrays(arguments, *, seed, first_epoch):
   arguments.update(
       x=epochs_of_arrays(arrays, batch_size=batch_size,
                          shuffle=arguments.pop('shuffle', True), seed=seed,
-                         first_epoch=first, epochs=epochs),
+                         first_epoch=first_epoch, epochs=epochs),
       steps_per_epoch=steps)
   return dict(steps_per_epoch=steps, epochs=epochs)
 
