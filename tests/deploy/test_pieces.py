@@ -3,8 +3,8 @@
 the lockstep clones, the tf.distribute strategies, 2 workers), against
 one-device towers; synchronized BatchNorm for any BatchNormalization;
 random layers that never repeat a mask across pieces (lockstep clones and
-replicas included), advance their generators once an assignment of the
-state, and keep the same bits under `reproducible_rows`."""
+replicas included), advance their generators once a step, and keep the
+same bits under `reproducible_rows`."""
 
 import json
 import re
@@ -195,19 +195,24 @@ def test_clones_draw_their_own_masks(options):
   assert _generator_counter(towers.model) == 1
 
 
-@pytest.mark.parametrize('options, advances', [
-    (dict(accumulation_steps=2), 2),
-    # Atoms assign the state once, at the step's end.
-    (dict(accumulation_steps=2, reproducible_rows=4), 1),
-])
-def test_the_generators_advance_once_an_assignment_of_the_state(
-    options, advances):
-  """Each accumulation step assigns the state it left (as K steps of one
-  device would), unless the atoms hold it to the step's end."""
+@pytest.mark.parametrize('options', [
+    dict(accumulation_steps=2),
+    dict(accumulation_steps=2, clone_shares=(3, 1)),
+    dict(accumulation_steps=2, reproducible_rows=4),
+], ids=['summed', 'shares', 'atoms'])
+def test_accumulation_steps_draw_their_own_masks_and_advance_once(options):
+  """Accumulation steps fed identical rows draw different masks (their
+  offsets differ), and the step advances the generators once, however
+  many accumulation steps it has."""
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   towers = make_deployed(config, model_fn=dropout_mlp, **options)
-  towers.train_step_outputs(*make_batch(16))
-  assert _generator_counter(towers.model) == advances
+  images, labels = make_batch(8)
+  doubled = np.concatenate([images, images]), np.concatenate([labels, labels])
+  outputs = np.array(_training_outputs(towers, *doubled))
+  assert not np.allclose(outputs[:8], outputs[8:])
+  assert _generator_counter(towers.model) == 1
+  towers.train_step_outputs(*doubled)
+  assert _generator_counter(towers.model) == 2
 
 
 @pytest.mark.parametrize('config_fields, options', [
@@ -332,8 +337,8 @@ def test_sync_batch_norm_equals_one_device_in_float64():
 @pytest.mark.parametrize('options', [{}, dict(accumulation_steps=2)])
 def test_mirrored_replicas_draw_their_own_masks(options):
   """tf.distribute replicas fold their generators too: two replicas fed
-  identical rows do not repeat a mask, and the generator advances once an
-  accumulation step."""
+  identical rows do not repeat a mask, and the generator advances once a
+  step, with accumulation steps too."""
   strategy = distribute.make_strategy(
       'mirrored', deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
   with strategy.scope():
@@ -346,4 +351,4 @@ def test_mirrored_replicas_draw_their_own_masks(options):
   doubled = np.concatenate([images, images]), np.concatenate([labels, labels])
   replica_losses = mirrored.train_step_outputs(*doubled).clones
   assert not np.allclose(replica_losses[0], replica_losses[1])
-  assert _generator_counter(model) == options.get('accumulation_steps', 1)
+  assert _generator_counter(model) == 1

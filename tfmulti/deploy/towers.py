@@ -98,6 +98,7 @@ class DeployedModel(trainer.Trainer):
     self.clone_shares = options.fixed_shares
     self.balancer = balancer
     self._moments = moments_of(model)
+    self._seeds = keras_internals.seed_indices(model)
     # Where each variable's gradient sum, update or new value is made.
     self._owners = [config.owner_device(devices.device_of(v))
                     for v in model.trainable_variables]
@@ -186,6 +187,7 @@ class DeployedModel(trainer.Trainer):
     then accumulation steps: (gradients, scalars, outputs) as
     `rows.accumulate` gives them."""
     config, variables = self.config, self.model.trainable_variables
+    held = []  # The generators' states as accumulation step 0 left them.
 
     def accumulation_step(images, labels, k, shift):
       clones = clones_of(images, labels, k, shift)
@@ -193,16 +195,18 @@ class DeployedModel(trainer.Trainer):
         total_loss, grads_and_vars = optimize_clones(
             clones, variables, self._owners, self._packs)
         regularization = tf.add_n([c.regularization_loss for c in clones])
-      self._update_state(clones)
+      self._update_state(clones, held if k == 0 else None)
       by_variable = {id(v): g for g, v in grads_and_vars}
       return ([by_variable.get(id(v)) for v in variables],
               [total_loss, regularization] +
               self._clone_losses(clones, layout, k, tf.identity),
               self._outputs(clones, structure))
-    return rows.accumulate(accumulation_step, images, labels, layout,
-                           worker=worker_of(self.config, layout),
-                           device=config.optimizer_device(),
-                           gradient_devices=self._owners, by_clone=by_clone)
+    summed = rows.accumulate(accumulation_step, images, labels, layout,
+                             worker=worker_of(self.config, layout),
+                             device=config.optimizer_device(),
+                             gradient_devices=self._owners, by_clone=by_clone)
+    self._assign_state(held, only=self._seeds)
+    return summed
 
   def _atoms_step(self, clones_of, images, labels, layout, structure,
                   by_clone):
@@ -265,20 +269,29 @@ class DeployedModel(trainer.Trainer):
             for k, (parts, owner) in enumerate(zip(
                 zip(*(c.gradients for c in clones)), self._owners))]
 
-  def _update_state(self, clones):
-    """Assigns the non-trainable variables once, under the BN policy."""
+  def _update_state(self, clones, held=None):
+    """Assigns the non-trainable variables once, under the BN policy, all
+    but the random generators' states: every accumulation step reads them
+    unadvanced (its pieces' offsets differ) and the step assigns them once
+    at its end, from `held` (filled here when given)."""
     with tf.name_scope('update_state'):
-      self._assign_state(combine_non_trainable(
+      values = combine_non_trainable(
           clones, self.options.batch_norm_policy, self._moments,
-          self._state_owners))
+          self._state_owners)
+      if held is not None:
+        held[:] = [values[i] for i in self._seeds]
+      kept = set(self._seeds)
+      self._assign_state(values, only=[i for i in range(len(values))
+                                       if i not in kept])
 
-  def _assign_state(self, values):
+  def _assign_state(self, values, only=None):
     """Assigns the non-trainable variables these values, each on its
-    owner."""
-    for variable, value, owner in zip(self.model.non_trainable_variables,
-                                      values, self._state_owners):
-      with tf.device(owner):
-        variable.assign(value)
+    owner: all of them, or those at the indices `only` (then `values`
+    holds theirs, in that order)."""
+    every = self.model.non_trainable_variables
+    for value, i in zip(values, range(len(every)) if only is None else only):
+      with tf.device(self._state_owners[i]):
+        every[i].assign(value)
 
   def distribute_dataset(self, dataset):
     """`dataset` itself: each step splits its batch over the clones; or,

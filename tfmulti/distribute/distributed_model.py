@@ -114,16 +114,17 @@ class DistributedModel(trainer.Trainer):
     """tf.distribute replicas in sync, over every worker."""
     return self.strategy.num_replicas_in_sync
 
-  def _accumulation_step(self, images, labels, first, global_rows, offset):
+  def _accumulation_step(self, images, labels, first, global_rows, offset,
+                         held):
     """One accumulation step of a replica: (gradients, [loss,
     regularization], no outputs). The weight penalties count on the
     `first` one only (the weights do not change between them); the model's
     `add_loss` terms on every one, weighted by its rows. Random layers
     draw from their generators folded with `offset` (a number no other
     replica or accumulation step of the step has), so no two repeat a
-    mask; the generators are left advanced from their unfolded state.
-    Replica 0 runs at the root name scope, so it opens 'replica'
-    (`trainer.off_the_root`)."""
+    mask; the `first` puts their states advanced from the unfolded one in
+    `held`, for the step to assign once. Replica 0 runs at the root name
+    scope, so it opens 'replica' (`trainer.off_the_root`)."""
     model = self.model
     trainable = [tf.convert_to_tensor(v.value)
                  for v in model.trainable_variables]
@@ -145,11 +146,13 @@ class DistributedModel(trainer.Trainer):
     gradients = tape.gradient(scaled_loss, trainable)
     new_values = keras_internals.unfold_seeds(new_values, folded,
                                               non_trainable, seeds)
+    if first:
+      held[:] = [new_values[i] for i in seeds]
     # As the layers' own calls would: what the step changed (BatchNorm's
-    # statistics, the generators), assigned in the replica's context.
-    for variable, value, passed in zip(model.non_trainable_variables,
-                                       new_values, folded):
-      if value is not passed:
+    # statistics), assigned in the replica's context.
+    for i, (variable, value, passed) in enumerate(zip(
+        model.non_trainable_variables, new_values, folded)):
+      if value is not passed and i not in seeds:
         variable.assign(value)
     return gradients, [loss, regularization], []
 
@@ -164,14 +167,17 @@ class DistributedModel(trainer.Trainer):
     replica = tf.distribute.get_replica_context().replica_id_in_sync_group
     first_rows = [layout.of(0, k)[0].offset
                   for k in range(layout.accumulation_steps)]
+    held = []  # The generators' states, advanced once for the step.
     gradients, (loss, regularization), _ = rows.accumulate(
         lambda x, y, k, shift: self._accumulation_step(
             x, y, k == 0, global_rows,
             # This replica's rows come after every row of the replicas
             # before it would, at most global_rows each.
             tf.cast(replica, tf.int64) * tf.cast(global_rows, tf.int64)
-            + first_rows[k] + tf.cast(shift, tf.int64)),
+            + first_rows[k] + tf.cast(shift, tf.int64), held),
         images, labels, layout)
+    for i, value in zip(keras_internals.seed_indices(model), held):
+      model.non_trainable_variables[i].assign(value)
     # Keras all-reduces (sums) the replicas' gradients inside
     # apply_gradients, once a step; a LossScaleOptimizer also unscales them.
     self.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
