@@ -29,6 +29,7 @@ from tfmulti import errors
 from tfmulti import launch
 from tfmulti import rows
 from tfmulti.deploy import fit_backup
+from tfmulti.deploy import towers_in_strategy
 from tfmulti.distribute import cluster as cluster_lib
 from tfmulti.distribute import resolvers
 from tfmulti.distribute import workers as workers_lib
@@ -423,3 +424,63 @@ def test_a_backup_refuses_an_input_it_cannot_rebuild(tmp_path, x, message):
   with pytest.raises(errors.ConfigError, match=message):
     towers.fit(x, epochs=1, verbose=0, callbacks=[backup])
   assert not (tmp_path / 'backup').exists()
+
+
+def test_a_batch_fingerprint_follows_its_rows_and_their_order():
+  images = tf.reshape(tf.range(24, dtype=tf.float32), [6, 2, 2])
+  labels = tf.range(6)
+  fingerprint = towers_in_strategy.batch_fingerprint
+  same = fingerprint((tf.identity(images), (labels, None)))
+  assert same.dtype == tf.int64 and same.shape == []
+  assert int(fingerprint((images, (labels, None)))) == int(same)
+  reordered = [1, 0, 2, 3, 4, 5]
+  for other in ((tf.gather(images, reordered), (labels, None)),
+                (images, (tf.gather(labels, reordered), None)),
+                (images[:4], (labels[:4], None))):
+    assert int(fingerprint(other)) != int(same)
+
+
+# examples/fit_across_workers.py with each worker seeding Keras by its own
+# index, as a script that never seeds does by chance.
+_UNSEEDED = '''
+import json, os, sys
+sys.path.insert(0, 'examples')
+from absl import app
+import keras
+import fit_across_workers as example
+from tfmulti import devices
+
+_INDEX = json.loads(os.environ['TF_CONFIG'])['task']['index']
+_SEED = keras.utils.set_random_seed
+keras.utils.set_random_seed = lambda seed: _SEED(seed + _INDEX)
+
+
+def main(argv):
+  devices.create_logical_cpus(example._NUM_CLONES.value)
+  example.fit(example._MODEL_DIR.value, example._EPOCHS.value)
+
+
+app.run(main)
+'''
+
+
+@pytest.mark.slow
+def test_workers_that_shuffle_alike_by_chance_stop_before_a_step(tmp_path):
+  """Workers whose Keras generators differ shuffle the arrays into other
+  global batches: each stops at step 1, before any update, with one line
+  saying how to seed them; worker 0 writes nothing."""
+  script = tmp_path / 'unseeded.py'
+  script.write_text(_UNSEEDED)
+  result = subprocess.run(
+      [sys.executable, '-m', 'tfmulti.launch', '--num_workers=2', '--',
+       str(script), f'--model_dir={tmp_path / "run"}'], cwd=REPO,
+      capture_output=True, text=True, timeout=_TIMEOUT_S)
+  log = result.stdout + result.stderr
+  assert result.returncode == 1, log[-3000:]
+  for index in (0, 1):
+    assert (f'[worker {index}] error: {towers_in_strategy.BATCHES_DIFFER} '
+            'at step 1, each taking its rows of its own: seed Keras alike '
+            'on every worker before fit (keras.utils.set_random_seed(0))'
+            ) in log, log[-3000:]
+  assert 'Traceback' not in log
+  assert not (tmp_path / 'run' / 'final.weights.h5').exists()

@@ -20,6 +20,8 @@ second in its own step: `step_on_workers`, and `check_workers` first.
 Neither imports `deploy.towers`: the towers hand in what they need.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tfmulti import devices
@@ -93,8 +95,15 @@ def check_workers(strategy, config, model):
         '`with workers.scope(), config.variables_scope():`.')
 
 
-def step_on_workers(strategy, towers, images, targets, layout):
+def step_on_workers(strategy, towers, images, targets, layout, whole):
   """One towers step of every worker's rows, in the strategy's replica.
+
+  The workers first agree that they read the same global batch `whole`
+  (its fingerprint gathered from every worker; `batches_agreed` turns a
+  disagreement into one line): each takes its rows of it, so workers fed
+  other batches (arrays shuffled by unseeded generators) would train on
+  rows no one process would. The check runs before the step changes
+  anything, and every worker reaches the same verdict.
 
   Returns:
     (the job's total loss, the job's outputs): the loss all-reduced, the
@@ -102,17 +111,53 @@ def step_on_workers(strategy, towers, images, targets, layout):
     would have them, so Keras's metrics read the whole global batch on
     every worker.
   """
-  def replica_fn(images, targets):
-    result = towers.step_graph(images, targets, layout, with_outputs=True)
+  def replica_fn(images, targets, fingerprint):
     context = tf.distribute.get_replica_context()
+    everyone = context.all_gather(fingerprint[None], axis=0)
+    agreed = tf.debugging.assert_equal(everyone, everyone[0],
+                                       message=BATCHES_DIFFER)
+    with tf.control_dependencies([agreed]):  # Every op of the step.
+      result = towers.step_graph(images, targets, layout, with_outputs=True)
     return result.total, tf.nest.map_structure(
         lambda t: context.all_gather(t, axis=0), result.outputs)
   def local(value):  # This worker's one replica's.
     return strategy.experimental_local_results(value)[0]
   with strategy.scope():  # Keras's fit runs outside it.
-    total, outputs = strategy.run(replica_fn, args=(images, targets))
+    total, outputs = strategy.run(
+        replica_fn, args=(images, targets, batch_fingerprint(whole)))
     return (strategy.reduce(tf.distribute.ReduceOp.SUM, total, None),
             tf.nest.map_structure(local, outputs))
+
+
+BATCHES_DIFFER = 'the workers read different global batches'
+
+
+def batch_fingerprint(batch):
+  """A 64-bit fingerprint (int64) of `batch`, a nest of row-major tensors:
+  the FarmHash of every row's bytes in order, so equal batches give equal
+  fingerprints on every machine (no floating-point sum to round)."""
+  columns = [tf.fingerprint(t) for t in tf.nest.flatten(batch)
+             if t is not None]
+  whole = tf.fingerprint(tf.reshape(tf.concat(columns, axis=1), [1, -1]))
+  return tf.bitcast(tf.reshape(whole, [8]), tf.int64)
+
+
+@contextlib.contextmanager
+def batches_agreed(step):
+  """Around `fit` across workers: the step's failed agreement check
+  (`step_on_workers`, on this worker or aborting a peer's collective)
+  becomes one `errors.ClusterError` line; `step()` is the step it
+  failed at."""
+  try:
+    yield
+  except tf.errors.OpError as e:
+    if BATCHES_DIFFER not in str(e):
+      raise
+    raise errors.ClusterError(
+        f'{BATCHES_DIFFER} at step {step()}, each taking its rows of its '
+        'own: seed Keras alike on every worker before fit '
+        '(keras.utils.set_random_seed(0)), or feed the same tf.data '
+        'pipeline with a fixed shuffle seed.') from None
 
 
 class WorkerTowers(trainer.Trainer):

@@ -36,9 +36,10 @@ How it differs from a plain Keras model:
 
 Across workers (`workers=`, from `tfmulti.distribute.workers.start()`,
 the same script on every worker): every worker reads the same global
-batches (the same data, the same seed) and trains on its rows of each
-(`rows.worker_part`); the workers' gradients meet in the strategy's
-all-reduce, one update. The metrics `fit` logs are computed on every
+batches (the same data, the same seed; checked each step, one line if
+not) and trains on its rows of each (`rows.worker_part`); the workers'
+gradients meet in the strategy's all-reduce, one update. The metrics
+`fit` logs are computed on every
 worker from the whole batch's outputs (gathered), so they equal one
 process's and every worker's; validation runs whole on every worker. Only
 the chief (worker 0) shows the progress bar and keeps the callbacks that
@@ -97,7 +98,8 @@ class TowersModel(keras.Model):
         of array inputs (the same on every worker and every restart). Without
         one, Keras shuffles arrays by each process's own generators: across
         workers, seed them alike (`keras.utils.set_random_seed`) on every
-        worker, or each takes its rows of another global batch.
+        worker; workers fed other batches stop at the step with one line
+        (`towers_in_strategy.step_on_workers`).
       **fields: `StepOptions` fields that replace those of `options`.
 
     Raises:
@@ -183,21 +185,23 @@ class TowersModel(keras.Model):
     if towers.balancer is not None:
       towers.clone_shares = towers.balancer.shares(towers, *mine)
     layout = towers.layout_for(*mine, partial=rows_ < self._full_rows)
-    return self._train_function(*mine, layout, targets)
+    return self._train_function(*mine, layout, (images, targets))
 
   @tf.function
-  def _train_function(self, images, targets, layout, all_targets):
+  def _train_function(self, images, targets, layout, whole):
     """The towers' step and the metrics, one compiled call a step (eager,
     the metrics cost more than a small model's step). `layout` is a frozen
     record of Python ints: one trace per layout, as the towers' own step.
-    `all_targets`: the whole global batch's, for the metrics."""
+    `whole`: the whole global batch (images, targets), which the workers
+    check they share, and whose targets the metrics read."""
     if self.strategy is None:
       result = self.towers.step_graph(images, targets, layout,
                                       with_outputs=True)
       total, outputs = result.total, result.outputs
     else:
       total, outputs = towers_in_strategy.step_on_workers(
-          self.strategy, self.towers, images, targets, layout)
+          self.strategy, self.towers, images, targets, layout, whole)
+    all_targets = whole[1]
     labels, sample_weight = (*all_targets, None)[:2]
     keras_internals.loss_tracker(self).update_state(
         total, sample_weight=layout.global_rows)
@@ -310,11 +314,18 @@ class TowersModel(keras.Model):
         self.towers.layout_for_rows(batch // self.config.num_workers,
                                     partial)
 
+  @contextlib.contextmanager
   def _lost_peers_as_errors(self):
-    """Across workers, a collective that failed for want of a peer becomes
-    one `errors.ClusterError` line naming the peer."""
-    return (self.workers.lost_peers_as_errors() if self.workers is not None
-            else contextlib.nullcontext())
+    """Across workers, a collective that failed for want of a peer, or
+    workers that read different batches, becomes one `errors.ClusterError`
+    line."""
+    if self.workers is None:
+      yield
+      return
+    with self.workers.lost_peers_as_errors(), (
+        towers_in_strategy.batches_agreed(
+            lambda: int(self.optimizer.iterations.value.numpy()) + 1)):
+      yield
 
   def _workers_scope(self):
     return (self.strategy.scope() if self.strategy is not None
