@@ -354,6 +354,26 @@ def worker_part(tensors, *, worker, num_workers):
       tensors)
 
 
+def evaluation_part(tensors, *, worker, num_workers):
+  """Worker `worker`'s rows of an evaluation batch (a nest, rows known)
+  and their share of the batch: the worker-th of `num_workers` parts that
+  differ by one row at most (evaluation updates nothing, so any batch
+  splits); a batch of fewer rows than workers is every worker's whole.
+
+  Returns:
+    (its rows as `tensors`' nest, its rows / the batch's rows).
+  """
+  total = {t.shape[0] for t in tf.nest.flatten(tensors) if t is not None}
+  total = total.pop()
+  sizes = split_rows(total, [1] * num_workers)
+  if not min(sizes):
+    return tensors, 1.0
+  first = sum(sizes[:worker])
+  part = tf.nest.map_structure(
+      lambda t: t if t is None else t[first:first + sizes[worker]], tensors)
+  return part, sizes[worker] / total
+
+
 def worker_shards(dataset, *, worker, num_workers, shards_per_worker):
   """Worker `worker`'s rows of each global batch, one dataset element a
   shard.

@@ -49,6 +49,18 @@ def test_a_worker_takes_its_consecutive_rows_of_the_global_batch():
     rows.worker_part(batch, worker=0, num_workers=4)
 
 
+def test_an_evaluation_batch_splits_over_the_workers_by_a_row_at_most():
+  batch = (tf.reshape(tf.range(10), [5, 2]), (tf.range(5), None))
+  parts = [rows.evaluation_part(batch, worker=w, num_workers=2)
+           for w in range(2)]
+  assert [share for _, share in parts] == [3 / 5, 2 / 5]
+  np.testing.assert_array_equal(parts[0][0][1][0], [0, 1, 2])
+  np.testing.assert_array_equal(parts[1][0][0], [[6, 7], [8, 9]])
+  assert parts[1][0][1][1] is None
+  # Fewer rows than workers: every worker evaluates the whole batch.
+  alone, share = rows.evaluation_part(batch, worker=5, num_workers=8)
+  assert share == 1.0 and alone is batch
+
 def test_alone_start_gives_worker_0_of_1_and_no_strategy(monkeypatch):
   monkeypatch.delenv('TF_CONFIG', raising=False)
   workers = workers_lib.start()
@@ -170,6 +182,32 @@ def test_only_the_chief_keeps_the_callbacks_that_write_files(tmp_path):
   assert len((chief / 'history.csv').read_text().splitlines()) == 2
   assert not (tmp_path / 'worker1').exists()
 
+
+
+def test_a_worker_evaluates_its_rows_and_gathers_everyones():
+  """Worker 1 of 2 runs its 2 rows of a batch of 5 and gathers its peers'
+  outputs; in the stand-in both replicas are worker 1, so the gathered
+  outputs are its rows twice, and the model's losses (the L2 penalties)
+  come back once a replica, weighted by its share of the rows."""
+  stand_in = _stand_in(deploy.DeploymentConfig(num_clones=2,
+                                               clone_on_cpu=True))
+  config = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=1,
+                                   num_replicas=2)
+  with stand_in.scope():
+    model = mlp()
+  towers = deploy.TowersModel(model, config, workers=stand_in)
+  towers.compile(optimizer='sgd', loss='mse')
+  images = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32)
+  outputs, regularization = tf.function(
+      lambda x: towers_in_strategy.evaluate_on_workers(
+          stand_in.strategy, towers.towers, x, worker=1, num_workers=2))(
+              tf.constant(images))
+  mine = model(images[3:], training=False)
+  np.testing.assert_allclose(outputs, np.concatenate([mine, mine]),
+                             rtol=1e-6)
+  penalties = float(sum(model.losses))
+  np.testing.assert_allclose(float(regularization), 2 * 0.4 * penalties,
+                             rtol=1e-6)
 
 class _LosePeer(keras.callbacks.Callback):
   """Fails as TensorFlow's collective does when worker 1 is gone."""

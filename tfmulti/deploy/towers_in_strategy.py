@@ -129,6 +129,38 @@ def step_on_workers(strategy, towers, images, targets, layout, whole):
             tf.nest.map_structure(local, outputs))
 
 
+def evaluate_on_workers(strategy, towers, images, *, worker, num_workers):
+  """Inference of an evaluation batch split over the workers
+  (`rows.evaluation_part`): each runs its rows on its clones, then the
+  outputs are gathered in worker order and the model's losses summed, each
+  weighted by its rows, so every worker holds what one process computes on
+  the whole batch (a batch of fewer rows than workers runs whole on each).
+
+  Returns:
+    (the batch's outputs, the model's losses on it), as
+    `towers.evaluate_outputs` gives them for the whole batch.
+  """
+  mine, share = rows.evaluation_part(images, worker=worker,
+                                     num_workers=num_workers)
+  whole = share == 1.0
+
+  def replica_fn(mine):
+    outputs, regularization = towers.evaluate_outputs(mine)
+    if whole:
+      return outputs, regularization
+    context = tf.distribute.get_replica_context()
+    # The penalties count once in every worker's, and the shares sum to 1.
+    return (tf.nest.map_structure(lambda t: context.all_gather(t, axis=0),
+                                  outputs),
+            context.all_reduce(tf.distribute.ReduceOp.SUM,
+                               regularization * share))
+  def local(value):  # This worker's one replica's.
+    return strategy.experimental_local_results(value)[0]
+  with strategy.scope():
+    return tf.nest.map_structure(local, strategy.run(replica_fn,
+                                                     args=(mine,)))
+
+
 BATCHES_DIFFER = 'the workers read different global batches'
 
 

@@ -41,7 +41,9 @@ not) and trains on its rows of each (`rows.worker_part`); the workers'
 gradients meet in the strategy's all-reduce, one update. The metrics
 `fit` logs are computed on every
 worker from the whole batch's outputs (gathered), so they equal one
-process's and every worker's; validation runs whole on every worker. Only
+process's and every worker's; validation and `evaluate` split each batch
+over the workers (parts that differ by a row at most) and gather the
+outputs the same way. Only
 the chief (worker 0) shows the progress bar and keeps the callbacks that
 write files (ModelCheckpoint, TensorBoard, CSVLogger): the others drop
 them, so nothing is written twice. An input of unknown length needs
@@ -221,8 +223,15 @@ class TowersModel(keras.Model):
   @tf.function
   def _test_function(self, images, labels, sample_weight):
     """The towers' inference and Keras's evaluation loss and metrics of it,
-    one compiled call a batch."""
-    outputs, regularization = self.towers.evaluate_outputs(images)
+    one compiled call a batch. Across workers each runs its rows and the
+    outputs are gathered, so every worker's metrics are the batch's."""
+    if self.strategy is None:
+      outputs, regularization = self.towers.evaluate_outputs(images)
+    else:
+      outputs, regularization = towers_in_strategy.evaluate_on_workers(
+          self.strategy, self.towers, images,
+          worker=self.config.worker_index,
+          num_workers=self.config.num_workers)
     loss, output_losses = _CompiledLoss(self).with_output_losses(
         _targets(labels, sample_weight), outputs)
     keras_internals.track_output_losses(self, output_losses)
