@@ -37,6 +37,9 @@ _NUM_CLONES = flags.DEFINE_integer('num_clones', 1,
                                    'Clones a worker, on logical CPUs.')
 _REPRODUCIBLE_ROWS = flags.DEFINE_integer(
     'reproducible_rows', 0, 'Rows an atom: the same bits on every layout.')
+_VARIABLES_DEVICE = flags.DEFINE_string(
+    'variables_device', None, "Where each worker keeps its variables: its "
+    "CPU (unset) or 'spread' over its clones by bytes.")
 _PLAIN = flags.DEFINE_bool('plain', False, 'Train with plain Keras fit on '
                            'one device instead: the reference.')
 _BACKUP_DIR = flags.DEFINE_string(
@@ -70,6 +73,7 @@ def fit(model_dir, epochs, callbacks=()):
   workers = workers_lib.start()  # Before TensorFlow runs an op.
   config = deploy.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=True,
+      variables_device=_VARIABLES_DEVICE.value,
       replica_id=workers.index, num_replicas=workers.num_workers)
   keras.utils.set_random_seed(0)  # The same weights and shuffles everywhere.
   with workers.scope(), config.variables_scope():
@@ -85,6 +89,9 @@ def fit(model_dir, epochs, callbacks=()):
       optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       metrics=['accuracy'])
+  held = model.variables + trained.optimizer.variables
+  logging.info('variables and slots on %s',
+               sorted({devices.device_of(v) for v in held}))
   train, validation = digits()
   os.makedirs(model_dir, exist_ok=True)
   history = trained.fit(

@@ -6,6 +6,7 @@ decides, before TensorFlow initialises, whether the clones of a command-line
 run go to GPUs or to logical CPUs.
 """
 
+import contextlib
 import itertools
 import math
 
@@ -183,6 +184,41 @@ def on_device(variable, device):
   """Whether `variable` lives on `device` (a device string)."""
   return _matches(tf.DeviceSpec.from_string(device),
                   tf.DeviceSpec.from_string(device_of(variable)))
+
+
+@contextlib.contextmanager
+def made_on(device):
+  """Variables made inside live on `device`, inside the scope of a
+  tf.distribute strategy of one local replica (a multi-worker job's) too.
+
+  Outside a strategy `tf.device` places a variable. A strategy's variable
+  creator ignores it and makes the copies on its own devices, unless it is
+  given `colocate_with`, whose `_devices` it copies (TF's path for the
+  optimizer's slots, `colocate_vars_with`). The creator here passes one
+  naming `device`: the variable stays the strategy's (mirrored across the
+  workers, all-reduced, checkpointed as any), with its local copy on
+  `device`, and Keras's slots follow it there.
+  """
+  def creator(next_creator, **kwargs):
+    return next_creator(**placing(kwargs, device))
+  with tf.device(device), tf.variable_creator_scope(creator):
+    yield
+
+
+def placing(kwargs, device):
+  """A variable creator's `kwargs` that make the variable on `device`
+  under a strategy too (`made_on`), for a creator already in the chain."""
+  if tf.distribute.has_strategy() and kwargs.get('colocate_with') is None:
+    kwargs = dict(kwargs, colocate_with=_Devices(device))
+  return kwargs
+
+
+class _Devices:
+  """What a strategy's creator reads of its `colocate_with`: the devices
+  of the copies to make (one here)."""
+
+  def __init__(self, device):
+    self._devices = (device,)
 
 
 def variable_bytes(variable):

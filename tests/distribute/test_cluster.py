@@ -283,6 +283,39 @@ def test_two_workers_with_atoms_train_the_bits_of_one_clone(
 
 
 @pytest.mark.slow
+def test_two_workers_with_spread_variables_train_the_central_bits(
+    tmp_path, digits_dir, run_train):
+  """--variables_device=spread on 2 workers x 2 clones: each worker's copy
+  of every variable and slot lives on one of its own clone devices, and
+  the job trains, bit for bit under --reproducible_rows, the weights of
+  the same job with each worker's variables on its CPU."""
+  run_train(train_steps=1)  # Prepares digits before two workers read it.
+  flags = ('--strategy=multi_worker', '--num_clones=2', '--model=lenet',
+           '--reproducible_rows=2', '--train_steps=4')
+  central = _run_job(tmp_path / 'central', digits_dir, tmp_path / 'c',
+                     *flags)
+  spread = _run_job(tmp_path / 'spread', digits_dir, tmp_path / 's', *flags,
+                    '--variables_device=spread')
+  for index, log in enumerate(spread):
+    held = re.search(r"this worker's variables and slots: (.*)", log)
+    where = dict((device, int(count)) for count, device in re.findall(
+        r'(\d+) on (\S+?)(?:,|$)', held.group(1)))
+    task = f'/job:worker/replica:0/task:{index}/device:CPU:'
+    # LeNet's 10 variables, their 10 momentum slots and `iterations`.
+    # Largest first to the least-loaded device: the first dense kernel
+    # (most of the bytes) and its momentum on CPU:0, beside `iterations`
+    # (made outside the spreading); every other variable and slot on CPU:1.
+    assert where == {task + '0': 3, task + '1': 18}, held.group(0)
+    assert re.search(f"variables and slots: 21 on {task}0$", central[index],
+                     re.MULTILINE)
+  metrics = [json.loads((tmp_path / name / 'metrics.json').read_text())
+             for name in ('spread', 'central')]
+  assert metrics[0]['steps'] == metrics[1]['steps'] == 4
+  assert_same_checkpoints(metrics[0]['checkpoint'], metrics[1]['checkpoint'],
+                          exact=True)
+
+
+@pytest.mark.slow
 def test_a_worker_without_its_peer_fails_with_the_address(tmp_path,
                                                           digits_dir):
   ports = _free_ports(2)

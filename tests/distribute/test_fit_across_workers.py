@@ -25,6 +25,7 @@ import tensorflow as tf
 from tests.helpers import mlp
 from tests.helpers import REPO
 from tfmulti import deploy
+from tfmulti import devices
 from tfmulti import errors
 from tfmulti import launch
 from tfmulti import rows
@@ -107,9 +108,9 @@ def test_a_slurm_step_is_written_as_the_tf_config_the_strategy_reads():
 
 def _stand_in(config):
   """Workers whose strategy is a 2-replica MirroredStrategy: the workers'
-  strategy's count and scope."""
-  return workers_lib.Workers(
-      None, tf.distribute.MirroredStrategy(config.clone_devices()))
+  strategy's count and scope (collective keys its own: two strategies of
+  one process with the same keys clash in their gathers)."""
+  return workers_lib.Workers(None, devices.collective_strategy(config))
 
 
 def test_the_workers_must_match_the_config_and_hold_the_model():
@@ -329,6 +330,26 @@ def test_fit_across_workers_with_atoms_trains_one_process_bits(tmp_path):
                        _weights(tmp_path / 'one')):
     np.testing.assert_array_equal(got, want)
 
+
+
+@pytest.mark.slow
+def test_fit_across_workers_with_spread_variables_trains_central_bits(
+    tmp_path):
+  """Each worker's variables spread over its 2 clones (the model built in
+  `config.variables_scope()` inside the workers' scope): the histories and
+  weights of central placement, bit for bit under reproducible_rows."""
+  flags = ('--num_clones=2', '--reproducible_rows=8', '--epochs=1')
+  central_log, central = _run(tmp_path / 'central', *flags, workers=2)
+  spread_log, spread = _run(tmp_path / 'spread', *flags,
+                            '--variables_device=spread', workers=2)
+  for index in range(2):
+    task = f'/job:worker/replica:0/task:{index}/device:CPU:'
+    assert f"variables and slots on ['{task}0']" in central_log
+    assert f"variables and slots on ['{task}0', '{task}1']" in spread_log
+  assert spread == central
+  for got, want in zip(_weights(tmp_path / 'spread'),
+                       _weights(tmp_path / 'central')):
+    np.testing.assert_array_equal(got, want)
 
 def test_each_epoch_of_arrays_is_rebuilt_alone_in_its_order():
   arrays = (np.arange(10, dtype=np.float32), np.arange(10) * 10)

@@ -295,7 +295,7 @@ def _spreading(candidates):
   def creator(next_creator, **kwargs):
     device = least_loaded()
     with tf.device(device):
-      variable = next_creator(**kwargs)
+      variable = next_creator(**devices.placing(kwargs, device))
     held[device] += devices.variable_bytes(variable)
     return variable
   with keras_internals.deferred_variables() as deferred:
@@ -306,5 +306,5 @@ def _spreading(candidates):
     owners[id(variable)] = device = least_loaded()
     held[device] += devices.variable_bytes(variable)
   for variable in deferred:  # In creation order, as Keras would.
-    with tf.device(owners[id(variable)]):
+    with devices.made_on(owners[id(variable)]):
       keras_internals.initialize(variable)

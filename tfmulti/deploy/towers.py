@@ -152,8 +152,12 @@ class DeployedModel(trainer.Trainer):
             grads_and_vars, None if loss_scale is None else scale)
       if self.options.reproducible_rows and config.worker_index:
         # Every worker folded the job's atoms alike; Keras's all-reduce
-        # then adds these zeros to worker 0's sums, which is exact.
-        grads_and_vars = [(tf.zeros_like(g), v) for g, v in grads_and_vars]
+        # then adds these zeros to worker 0's sums, which is exact. Each
+        # beside its variable, as worker 0's sums are: the all-reduce packs
+        # its tensors by device, alike on every worker.
+        owner = {id(v): o for v, o in zip(variables, self._owners)}
+        grads_and_vars = [(devices.on(owner[id(v)], tf.zeros_like, g), v)
+                          for g, v in grads_and_vars]
         total_loss, regularization = tf.zeros_like(total_loss), (
             tf.zeros_like(regularization))
       # A LossScaleOptimizer divides by the scale, and skips the update

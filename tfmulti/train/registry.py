@@ -16,6 +16,7 @@ not a branch elsewhere; adding a step option adds a field to
   multi_worker_mirrored   MultiWorkerMirroredStrategy
 """
 
+import collections
 import dataclasses
 from typing import Callable, FrozenSet, Optional
 
@@ -23,6 +24,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfmulti import devices
 from tfmulti import errors
 from tfmulti import rows
 from tfmulti import step_options
@@ -85,10 +87,19 @@ def _local_strategy(name):
 
 
 def _worker_towers(setup):
-  with setup.workers.scope():  # Variables on each worker's CPU.
-    model, optimizer = setup.build_model()
+  deploy_config = setup.deploy_config
+  # Each worker's copy of the variables: on its CPU, or spread over its
+  # clone devices.
+  with setup.workers.scope():
+    model, optimizer = setup.build_model(
+        deploy_config.variables_scope() if deploy_config.spread_variables
+        else None)
     deployed = towers.deploy(setup.deploy_config, model, setup.loss_fn,
                              optimizer, setup.config.step_options)
+  held = collections.Counter(devices.device_of(v) for v in
+                             model.variables + optimizer.variables)
+  logging.info('this worker\'s variables and slots: %s', ', '.join(
+      f'{count} on {device}' for device, count in sorted(held.items())))
   return towers_in_strategy.WorkerTowers(setup.workers, deployed)
 
 
@@ -103,12 +114,15 @@ def _worker_mirrored(setup):
 
 
 def _check_workers(config, deploy_config):
+  """Each worker keeps its variables on its CPU, or (the towers', checked
+  before) spread over its clone devices."""
   where = deploy_config.variables_device()
-  if where != deploy_config.inputs_device():
+  if where != deploy_config.inputs_device() and not (
+      deploy_config.spread_variables):
     raise errors.ConfigError(
-        f'variables_device={where or placement.SPREAD!r}: a multi-worker '
-        "job keeps the variables on each worker's CPU; drop "
-        '--variables_device.')
+        f'variables_device={where!r}: a multi-worker job keeps the '
+        "variables on each worker's CPU, or spreads them over its clones "
+        f"({placement.SPREAD!r}); drop --variables_device.")
 
 
 def _check_worker_mirrored(config, deploy_config):
@@ -221,11 +235,13 @@ def check(config, deploy_config):
         f'strategy={config.strategy!r} runs whole model copies; stages '
         f'(num_stages={deploy_config.num_stages}) run on '
         f'--strategy={TOWERS}.')
-  if config.strategy != TOWERS and deploy_config.spread_variables:
+  if config.strategy not in (TOWERS, MULTI_WORKER) and (
+      deploy_config.spread_variables):
     raise errors.UnsupportedError(
         f'variables_device={placement.SPREAD!r} spreads the towers\' '
         f'variables over their clones; strategy={config.strategy!r} places '
-        f'its own: use --strategy={TOWERS}, or drop --variables_device.')
+        f'its own: use --strategy={TOWERS} (or {MULTI_WORKER}), or drop '
+        '--variables_device.')
   if config.strategy in (TOWERS, MULTI_WORKER):
     towers.check_options(deploy_config, options)
   check_layout(config, deploy_config)
