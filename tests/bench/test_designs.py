@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.helpers import weights
 from tfmulti.bench import designs as bench
@@ -84,6 +85,31 @@ def test_a_retracing_variant_fails_the_benchmark():
   with pytest.raises(RuntimeError, match=r"\['retraces'\] retraced"):
     bench.time_variants([variant], TINY)
 
+
+
+def test_peak_memory_resets_each_device_before_each_variant(monkeypatch):
+  """Each variant's peaks are read after its own steps, from statistics
+  reset before them (the allocator is faked: CPUs report none)."""
+  held = {'GPU:0': 0, 'GPU:1': 0}
+  memory = tf.config.experimental
+  monkeypatch.setattr(memory, 'reset_memory_stats',
+                      lambda device: held.__setitem__(device, 0))
+  monkeypatch.setattr(memory, 'get_memory_info',
+                      lambda device: {'peak': held[device]})
+
+  def stepping(name, grows):
+    def step():
+      for device, extra in grows.items():
+        held[device] += extra
+      return 0.0
+    return bench_variants.Variant(name, step=step, trace_count=lambda: 1,
+                                  xla=False)
+  variants = [stepping('central', {'GPU:0': 30}),
+              stepping('spread', {'GPU:0': 10, 'GPU:1': 10})]
+  assert bench.peak_memory(variants, ['GPU:0', 'GPU:1']) == {
+      'central': {'GPU:0': 90, 'GPU:1': 0},
+      'spread': {'GPU:0': 30, 'GPU:1': 30}}
+  assert bench.peak_memory(variants, []) == {}
 
 @pytest.mark.slow
 def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):

@@ -133,12 +133,32 @@ def _summary(rates, reference):
 
 
 def compare(config):
-  """Times every variant; returns the report as a dict."""
+  """Times every variant; returns the report as a dict (with each
+  variant's peak bytes on each GPU, where there are GPUs)."""
   variants, skipped = bench_variants.build_variants(config)
   first_step = _warm_up(variants, config)
   rates = time_variants(variants, config)
-  return summarize(rates, first_step, {v.name: v.xla for v in variants},
-                   skipped)
+  report = summarize(rates, first_step, {v.name: v.xla for v in variants},
+                     skipped)
+  gpus = [d.name for d in tf.config.list_logical_devices('GPU')]
+  for name, peaks in peak_memory(variants, gpus).items():
+    report['variants'][name]['peak_bytes_per_device'] = peaks
+  return report
+
+
+def peak_memory(variants, devices, steps=3):
+  """{variant: {device: peak bytes}} over `steps` steps of each variant,
+  the allocator's statistics reset before each (GPUs report them per
+  device, `get_memory_info`; CPUs do not: pass none)."""
+  peaks = {}
+  for variant in variants if devices else ():
+    for device in devices:
+      tf.config.experimental.reset_memory_stats(device)
+    _run_steps(variant, steps)
+    peaks[variant.name] = {
+        device: tf.config.experimental.get_memory_info(device)['peak']
+        for device in devices}
+  return peaks
 
 
 def summarize(rates, first_step, xla, skipped):
