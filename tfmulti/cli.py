@@ -53,7 +53,7 @@ _VARIABLES_DEVICE = flags.DEFINE_string(
     'variables_device', 'cpu', "Where variables and optimizer slots live, "
     "and the update runs: 'cpu' (CPU:0, slim's default), 'gpu:N' (one "
     "chosen GPU) or 'spread' (each variable on one of the clones' devices, "
-    'balanced by bytes, its update beside it; towers only).')
+    'balanced by bytes, its update beside it; towers and multi_worker).')
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 64, 'Examples per clone per step (as in slim); the global '
     'batch is batch_size * num_clones * workers.')

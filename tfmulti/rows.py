@@ -363,8 +363,7 @@ def evaluation_part(tensors, *, worker, num_workers):
   Returns:
     (its rows as `tensors`' nest, its rows / the batch's rows).
   """
-  total = {t.shape[0] for t in tf.nest.flatten(tensors) if t is not None}
-  total = total.pop()
+  (total,) = {t.shape[0] for t in tf.nest.flatten(tensors) if t is not None}
   sizes = split_rows(total, [1] * num_workers)
   if not min(sizes):
     return tensors, 1.0

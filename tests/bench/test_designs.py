@@ -86,29 +86,35 @@ def test_a_retracing_variant_fails_the_benchmark():
     bench.time_variants([variant], TINY)
 
 
-
-def test_peak_memory_resets_each_device_before_each_variant(monkeypatch):
+def test_peak_memory_counts_each_variants_steps_above_the_resident(
+    monkeypatch):
   """Each variant's peaks are read after its own steps, from statistics
-  reset before them (the allocator is faked: CPUs report none)."""
-  held = {'GPU:0': 0, 'GPU:1': 0}
+  reset before them, less what was resident then (100 bytes on each
+  device: every variant's variables). The allocator is faked: CPUs report
+  none."""
+  resident = 100
+  peak = {'GPU:0': 0, 'GPU:1': 0}
+  held = {'GPU:0': resident, 'GPU:1': resident}
   memory = tf.config.experimental
   monkeypatch.setattr(memory, 'reset_memory_stats',
-                      lambda device: held.__setitem__(device, 0))
-  monkeypatch.setattr(memory, 'get_memory_info',
-                      lambda device: {'peak': held[device]})
+                      lambda device: peak.__setitem__(device, held[device]))
+  monkeypatch.setattr(memory, 'get_memory_info', lambda device: {
+      'peak': max(peak[device], held[device]), 'current': held[device]})
 
   def stepping(name, grows):
     def step():
       for device, extra in grows.items():
-        held[device] += extra
+        held[device] += extra  # Activations of this step...
+        peak[device] = max(peak[device], held[device])
+        held[device] -= extra  # ...freed after it.
       return 0.0
     return bench_variants.Variant(name, step=step, trace_count=lambda: 1,
                                   xla=False)
   variants = [stepping('central', {'GPU:0': 30}),
               stepping('spread', {'GPU:0': 10, 'GPU:1': 10})]
   assert bench.peak_memory(variants, ['GPU:0', 'GPU:1']) == {
-      'central': {'GPU:0': 90, 'GPU:1': 0},
-      'spread': {'GPU:0': 30, 'GPU:1': 30}}
+      'central': {'GPU:0': 30, 'GPU:1': 0},
+      'spread': {'GPU:0': 10, 'GPU:1': 10}}
   assert bench.peak_memory(variants, []) == {}
 
 @pytest.mark.slow

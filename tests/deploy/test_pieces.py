@@ -168,6 +168,17 @@ def dropout_mlp(seed=0):
   return mlp(seed=seed, dropout=True)
 
 
+
+def dropout_before_batch_norm():
+  """Its generator's state comes before BatchNorm's moving statistics
+  among the model's non-trainable variables."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((6,))
+  x = keras.layers.Dropout(0.5)(inputs)
+  x = keras.layers.Dense(16, activation='tanh')(x)
+  x = keras.layers.BatchNormalization()(x)
+  return keras.Model(inputs, keras.layers.Dense(3)(x))
+
 def _training_outputs(towers, images, labels):
   return towers.train_step_outputs(images, labels, with_outputs=True).outputs
 
@@ -214,6 +225,25 @@ def test_accumulation_steps_draw_their_own_masks_and_advance_once(options):
   towers.train_step_outputs(*doubled)
   assert _generator_counter(towers.model) == 2
 
+
+
+def test_each_new_state_goes_to_its_own_variable():
+  """A random layer before BatchNorm: the step assigns every new value to
+  its own variable (the generators' once, at the end), as the atoms'
+  path, which assigns them all together, does with one atom of the same
+  rows (the same offset, so the same mask)."""
+  runs = [make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),
+                        model_fn=dropout_before_batch_norm, **atoms)
+          for atoms in ({}, dict(reproducible_rows=16))]
+  batch = make_batch(16)
+  for run in runs:
+    run.train_step_outputs(*batch)
+  states = [run.model.non_trainable_variables for run in runs]
+  assert 'seed_generator' in states[0][0].path
+  assert _generator_counter(runs[0].model) == 1
+  for got, want in zip(*states, strict=True):
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6,
+                               err_msg=got.path)
 
 @pytest.mark.parametrize('config_fields, options', [
     pytest.param(dict(num_clones=2), {}, marks=pytest.mark.slow),

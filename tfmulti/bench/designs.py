@@ -142,21 +142,27 @@ def compare(config):
                      skipped)
   gpus = [d.name for d in tf.config.list_logical_devices('GPU')]
   for name, peaks in peak_memory(variants, gpus).items():
-    report['variants'][name]['peak_bytes_per_device'] = peaks
+    report['variants'][name]['step_peak_bytes_per_device'] = peaks
   return report
 
 
 def peak_memory(variants, devices, steps=3):
-  """{variant: {device: peak bytes}} over `steps` steps of each variant,
-  the allocator's statistics reset before each (GPUs report them per
-  device, `get_memory_info`; CPUs do not: pass none)."""
+  """{variant: {device: bytes}}: the most each variant's `steps` steps
+  held on each device above what was resident before them (GPUs report
+  this per device, `get_memory_info`; CPUs do not: pass none). Every
+  variant stays built, so the resident bytes (all variants' variables
+  and slots) are left out: what remains is the step's own (activations,
+  gradients, the copies of variables and gradients between devices)."""
+  memory = tf.config.experimental
   peaks = {}
   for variant in variants if devices else ():
+    resident = {}
     for device in devices:
-      tf.config.experimental.reset_memory_stats(device)
+      memory.reset_memory_stats(device)
+      resident[device] = memory.get_memory_info(device)['current']
     _run_steps(variant, steps)
     peaks[variant.name] = {
-        device: tf.config.experimental.get_memory_info(device)['peak']
+        device: memory.get_memory_info(device)['peak'] - resident[device]
         for device in devices}
   return peaks
 

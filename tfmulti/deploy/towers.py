@@ -191,7 +191,7 @@ class DeployedModel(trainer.Trainer):
     then accumulation steps: (gradients, scalars, outputs) as
     `rows.accumulate` gives them."""
     config, variables = self.config, self.model.trainable_variables
-    held = []  # The generators' states as accumulation step 0 left them.
+    advanced = []  # The generators' states accumulation step 0 left.
 
     def accumulation_step(images, labels, k, shift):
       clones = clones_of(images, labels, k, shift)
@@ -199,7 +199,7 @@ class DeployedModel(trainer.Trainer):
         total_loss, grads_and_vars = optimize_clones(
             clones, variables, self._owners, self._packs)
         regularization = tf.add_n([c.regularization_loss for c in clones])
-      self._update_state(clones, held if k == 0 else None)
+      self._update_state(clones, advanced if k == 0 else None)
       by_variable = {id(v): g for g, v in grads_and_vars}
       return ([by_variable.get(id(v)) for v in variables],
               [total_loss, regularization] +
@@ -209,7 +209,7 @@ class DeployedModel(trainer.Trainer):
                              worker=worker_of(self.config, layout),
                              device=config.optimizer_device(),
                              gradient_devices=self._owners, by_clone=by_clone)
-    self._assign_state(held, only=self._seeds)
+    self._assign_state(dict(zip(self._seeds, advanced)))
     return summed
 
   def _atoms_step(self, clones_of, images, labels, layout, structure,
@@ -253,10 +253,10 @@ class DeployedModel(trainer.Trainer):
                            for t, place in zip(folded, places)]
       sums = iter(sums)
       gradients = [next(sums) if r else None for r in reached]
-      self._assign_state([
+      self._assign_state(dict(enumerate(
           devices.on(owner, atoms.mean_state, [values])[0]
           for values, owner in zip(stacked[len(folded):],
-                                   self._state_owners)])
+                                   self._state_owners))))
     return gradients, [total_loss] + scalars, outputs
 
   def _stacked_gradients(self, clones):
@@ -273,27 +273,25 @@ class DeployedModel(trainer.Trainer):
             for k, (parts, owner) in enumerate(zip(
                 zip(*(c.gradients for c in clones)), self._owners))]
 
-  def _update_state(self, clones, held=None):
+  def _update_state(self, clones, advanced=None):
     """Assigns the non-trainable variables once, under the BN policy, all
     but the random generators' states: every accumulation step reads them
     unadvanced (its pieces' offsets differ) and the step assigns them once
-    at its end, from `held` (filled here when given)."""
+    at its end, from `advanced` (filled here when given)."""
     with tf.name_scope('update_state'):
       values = combine_non_trainable(
           clones, self.options.batch_norm_policy, self._moments,
           self._state_owners)
-      if held is not None:
-        held[:] = [values[i] for i in self._seeds]
-      kept = set(self._seeds)
-      self._assign_state(values, only=[i for i in range(len(values))
-                                       if i not in kept])
+      if advanced is not None:
+        advanced[:] = [values[i] for i in self._seeds]
+      self._assign_state({i: value for i, value in enumerate(values)
+                          if i not in self._seeds})
 
-  def _assign_state(self, values, only=None):
-    """Assigns the non-trainable variables these values, each on its
-    owner: all of them, or those at the indices `only` (then `values`
-    holds theirs, in that order)."""
+  def _assign_state(self, values):
+    """Assigns the non-trainable variables at the keys of `values` (index
+    -> new value) theirs, each on its owner."""
     every = self.model.non_trainable_variables
-    for value, i in zip(values, range(len(every)) if only is None else only):
+    for i, value in values.items():
       with tf.device(self._state_owners[i]):
         every[i].assign(value)
 

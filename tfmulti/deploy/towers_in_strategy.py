@@ -14,8 +14,10 @@ alone provides, and keep everything else their own:
   replica; Keras's `apply_gradients` all-reduces the workers' summed
   gradients once before the update, which every worker applies to its copy.
 
-Keras's `fit` across workers (`TowersModel(..., strategy=)`) runs the
-second in its own step: `step_on_workers`, and `check_workers` first.
+Keras's `fit` across workers (`TowersModel(..., workers=)`) runs the
+second in its own step: `check_workers` first, then `step_on_workers` a
+step (after the workers agree they read one batch: `batch_fingerprint`,
+`batches_agreed`) and `evaluate_on_workers` an evaluation batch.
 
 Neither imports `deploy.towers`: the towers hand in what they need.
 """

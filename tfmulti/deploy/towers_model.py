@@ -43,7 +43,8 @@ gradients meet in the strategy's all-reduce, one update. The metrics
 worker from the whole batch's outputs (gathered), so they equal one
 process's and every worker's; validation and `evaluate` split each batch
 over the workers (parts that differ by a row at most) and gather the
-outputs the same way. Only
+outputs the same way (collectives: call `evaluate` on every worker, as
+`fit`). Only
 the chief (worker 0) shows the progress bar and keeps the callbacks that
 write files (ModelCheckpoint, TensorBoard, CSVLogger): the others drop
 them, so nothing is written twice. An input of unknown length needs

@@ -115,7 +115,7 @@ class DistributedModel(trainer.Trainer):
     return self.strategy.num_replicas_in_sync
 
   def _accumulation_step(self, images, labels, first, global_rows, offset,
-                         held):
+                         advanced):
     """One accumulation step of a replica: (gradients, [loss,
     regularization], no outputs). The weight penalties count on the
     `first` one only (the weights do not change between them); the model's
@@ -123,7 +123,7 @@ class DistributedModel(trainer.Trainer):
     draw from their generators folded with `offset` (a number no other
     replica or accumulation step of the step has), so no two repeat a
     mask; the `first` puts their states advanced from the unfolded one in
-    `held`, for the step to assign once. Replica 0 runs at the root name
+    `advanced`, for the step to assign once. Replica 0 runs at the root name
     scope, so it opens 'replica' (`trainer.off_the_root`)."""
     model = self.model
     trainable = [tf.convert_to_tensor(v.value)
@@ -147,7 +147,7 @@ class DistributedModel(trainer.Trainer):
     new_values = keras_internals.unfold_seeds(new_values, folded,
                                               non_trainable, seeds)
     if first:
-      held[:] = [new_values[i] for i in seeds]
+      advanced[:] = [new_values[i] for i in seeds]
     # As the layers' own calls would: what the step changed (BatchNorm's
     # statistics), assigned in the replica's context.
     for i, (variable, value, passed) in enumerate(zip(
@@ -167,16 +167,16 @@ class DistributedModel(trainer.Trainer):
     replica = tf.distribute.get_replica_context().replica_id_in_sync_group
     first_rows = [layout.of(0, k)[0].offset
                   for k in range(layout.accumulation_steps)]
-    held = []  # The generators' states, advanced once for the step.
+    advanced = []  # The generators' states, advanced once for the step.
     gradients, (loss, regularization), _ = rows.accumulate(
         lambda x, y, k, shift: self._accumulation_step(
             x, y, k == 0, global_rows,
             # This replica's rows come after every row of the replicas
             # before it would, at most global_rows each.
             tf.cast(replica, tf.int64) * tf.cast(global_rows, tf.int64)
-            + first_rows[k] + tf.cast(shift, tf.int64), held),
+            + first_rows[k] + tf.cast(shift, tf.int64), advanced),
         images, labels, layout)
-    for i, value in zip(keras_internals.seed_indices(model), held):
+    for i, value in zip(keras_internals.seed_indices(model), advanced):
       model.non_trainable_variables[i].assign(value)
     # Keras all-reduces (sums) the replicas' gradients inside
     # apply_gradients, once a step; a LossScaleOptimizer also unscales them.

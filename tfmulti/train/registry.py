@@ -121,8 +121,9 @@ def _check_workers(config, deploy_config):
       deploy_config.spread_variables):
     raise errors.ConfigError(
         f'variables_device={where!r}: a multi-worker job keeps the '
-        "variables on each worker's CPU, or spreads them over its clones "
-        f"({placement.SPREAD!r}); drop --variables_device.")
+        "variables on each worker's CPU, or spreads them over its clones; "
+        f'drop --variables_device, or pass --variables_device='
+        f'{placement.SPREAD}.')
 
 
 def _check_worker_mirrored(config, deploy_config):
