@@ -345,13 +345,10 @@ def worker_part(tensors, *, worker, num_workers):
   Raises:
     errors.ConfigError: a batch whose rows do not split evenly.
   """
-  rows = {t.shape[0] for t in tf.nest.flatten(tensors) if t is not None}
-  total = rows.pop()
+  total = batch_rows(tensors, None)
   check_worker_split(total, num_workers)
   part = total // num_workers
-  return tf.nest.map_structure(
-      lambda t: t if t is None else t[worker * part:(worker + 1) * part],
-      tensors)
+  return _rows_from(tensors, worker * part, part)
 
 
 def evaluation_part(tensors, *, worker, num_workers):
@@ -363,14 +360,18 @@ def evaluation_part(tensors, *, worker, num_workers):
   Returns:
     (its rows as `tensors`' nest, its rows / the batch's rows).
   """
-  (total,) = {t.shape[0] for t in tf.nest.flatten(tensors) if t is not None}
+  total = batch_rows(tensors, None)
   sizes = split_rows(total, [1] * num_workers)
   if not min(sizes):
     return tensors, 1.0
-  first = sum(sizes[:worker])
-  part = tf.nest.map_structure(
-      lambda t: t if t is None else t[first:first + sizes[worker]], tensors)
-  return part, sizes[worker] / total
+  return (_rows_from(tensors, sum(sizes[:worker]), sizes[worker]),
+          sizes[worker] / total)
+
+
+def _rows_from(tensors, first, count):
+  """`count` rows of the nest `tensors` from row `first` (None stays)."""
+  return tf.nest.map_structure(
+      lambda t: t if t is None else t[first:first + count], tensors)
 
 
 def worker_shards(dataset, *, worker, num_workers, shards_per_worker):

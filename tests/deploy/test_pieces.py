@@ -183,6 +183,22 @@ def _training_outputs(towers, images, labels):
   return towers.train_step_outputs(images, labels, with_outputs=True).outputs
 
 
+def _twin_batch():
+  """8 rows twice over: 16 rows whose second 8 repeat the first."""
+  images, labels = make_batch(8)
+  return np.concatenate([images, images]), np.concatenate([labels, labels])
+
+
+def _twin_rows_draw_apart(towers):
+  """Trains a step on `_twin_batch()` (the second 8 rows in another piece)
+  and asserts the two halves' training outputs differ: their pieces drew
+  different masks. Returns the batch."""
+  doubled = _twin_batch()
+  outputs = np.array(_training_outputs(towers, *doubled))
+  assert not np.allclose(outputs[:8], outputs[8:])
+  return doubled
+
+
 def _generator_counter(model):
   """The counter of the model's one random generator (`[seed, counter]`)."""
   (state,) = [v for v in model.non_trainable_variables
@@ -197,11 +213,7 @@ def _generator_counter(model):
 def test_clones_draw_their_own_masks(options):
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   towers = make_deployed(config, model_fn=dropout_mlp, **options)
-  images, labels = make_batch(8)
-  # The same 8 rows twice: clone 0 and clone 1 get identical inputs.
-  doubled = np.concatenate([images, images]), np.concatenate([labels, labels])
-  outputs = np.array(_training_outputs(towers, *doubled))
-  assert not np.allclose(outputs[:8], outputs[8:])
+  _twin_rows_draw_apart(towers)  # Clone 0 and clone 1 get identical rows.
   # The generator advanced once a step from its unfolded state.
   assert _generator_counter(towers.model) == 1
 
@@ -217,14 +229,10 @@ def test_accumulation_steps_draw_their_own_masks_and_advance_once(options):
   many accumulation steps it has."""
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   towers = make_deployed(config, model_fn=dropout_mlp, **options)
-  images, labels = make_batch(8)
-  doubled = np.concatenate([images, images]), np.concatenate([labels, labels])
-  outputs = np.array(_training_outputs(towers, *doubled))
-  assert not np.allclose(outputs[:8], outputs[8:])
+  doubled = _twin_rows_draw_apart(towers)
   assert _generator_counter(towers.model) == 1
   towers.train_step_outputs(*doubled)
   assert _generator_counter(towers.model) == 2
-
 
 
 def test_each_new_state_goes_to_its_own_variable():
@@ -244,6 +252,7 @@ def test_each_new_state_goes_to_its_own_variable():
   for got, want in zip(*states, strict=True):
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6,
                                err_msg=got.path)
+
 
 @pytest.mark.parametrize('config_fields, options', [
     pytest.param(dict(num_clones=2), {}, marks=pytest.mark.slow),
@@ -377,8 +386,6 @@ def test_mirrored_replicas_draw_their_own_masks(options):
   mirrored = distribute.DistributedModel(
       strategy, model, make_loss(), optimizer,
       step_options.StepOptions(**options))
-  images, labels = make_batch(8)
-  doubled = np.concatenate([images, images]), np.concatenate([labels, labels])
-  replica_losses = mirrored.train_step_outputs(*doubled).clones
+  replica_losses = mirrored.train_step_outputs(*_twin_batch()).clones
   assert not np.allclose(replica_losses[0], replica_losses[1])
   assert _generator_counter(model) == 1

@@ -120,15 +120,12 @@ def step_on_workers(strategy, towers, images, targets, layout, whole):
                                        message=BATCHES_DIFFER)
     with tf.control_dependencies([agreed]):  # Every op of the step.
       result = towers.step_graph(images, targets, layout, with_outputs=True)
-    return result.total, tf.nest.map_structure(
-        lambda t: context.all_gather(t, axis=0), result.outputs)
-  def local(value):  # This worker's one replica's.
-    return strategy.experimental_local_results(value)[0]
+    return result.total, _gathered(result.outputs)
   with strategy.scope():  # Keras's fit runs outside it.
     total, outputs = strategy.run(
         replica_fn, args=(images, targets, batch_fingerprint(whole)))
     return (strategy.reduce(tf.distribute.ReduceOp.SUM, total, None),
-            tf.nest.map_structure(local, outputs))
+            _this_workers(strategy, outputs))
 
 
 def evaluate_on_workers(strategy, towers, images, *, worker, num_workers):
@@ -150,17 +147,24 @@ def evaluate_on_workers(strategy, towers, images, *, worker, num_workers):
     outputs, regularization = towers.evaluate_outputs(mine)
     if whole:
       return outputs, regularization
-    context = tf.distribute.get_replica_context()
     # The penalties count once in every worker's, and the shares sum to 1.
-    return (tf.nest.map_structure(lambda t: context.all_gather(t, axis=0),
-                                  outputs),
-            context.all_reduce(tf.distribute.ReduceOp.SUM,
-                               regularization * share))
-  def local(value):  # This worker's one replica's.
-    return strategy.experimental_local_results(value)[0]
+    return _gathered(outputs), tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, regularization * share)
   with strategy.scope():
-    return tf.nest.map_structure(local, strategy.run(replica_fn,
-                                                     args=(mine,)))
+    return _this_workers(strategy, strategy.run(replica_fn, args=(mine,)))
+
+
+def _gathered(outputs):
+  """In a replica: every worker's `outputs` (a nest), in worker order."""
+  context = tf.distribute.get_replica_context()
+  return tf.nest.map_structure(lambda t: context.all_gather(t, axis=0),
+                               outputs)
+
+
+def _this_workers(strategy, values):
+  """This worker's one replica's `values` (a nest of per-replica ones)."""
+  return tf.nest.map_structure(
+      lambda value: strategy.experimental_local_results(value)[0], values)
 
 
 BATCHES_DIFFER = 'the workers read different global batches'
