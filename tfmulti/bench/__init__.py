@@ -1,7 +1,17 @@
 """Benchmarks: what each design costs, measured side by side.
 
-  python -m tfmulti.bench           the designs' steps (`designs`)
-  python -m tfmulti.bench.e2e       whole training runs, to an accuracy
-  python -m tfmulti.bench.pipeline  the model-parallel experiment
-  python -m tfmulti.bench.balance   automatic shares on an unequal pair
+Every module is a command (`python -m tfmulti.bench.NAME`), but for the
+two that hold what the others share:
+
+  designs             `python -m tfmulti.bench`: each design's step cost
+  variants            the variants `designs` times, built as training does
+  e2e                 whole training runs against plain Keras `fit`
+  flops               a step's share of the device's matmul rate
+  input               the input pipeline against data already on device
+  pipeline            the model-parallel experiment (ResNet-50 in stages)
+  schedule_timelines  each schedule's idle and activations, emulated
+  emulated            (shared) devices whose passes wait, not compute
+  sync_batch_norm     synchronized BatchNorm's first step, against plain
+  transfers           each device's bytes held and moved, from the graph
+  unequal_clones      automatic shares on an unequal pair of clones
 """

@@ -1,4 +1,6 @@
-"""Automatic shares on an unequal pair: `python -m tfmulti.bench.balance`.
+"""Automatic shares on an unequal pair of clones.
+
+  python -m tfmulti.bench.unequal_clones
 
 Two clones on two devices, one of them made slower: every row that clone
 1 computes also waits `seconds_per_row` (a sleep inside its forward pass,
@@ -234,8 +236,9 @@ def format_report(report):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog='python -m tfmulti.bench.balance',
-                                   description=__doc__.split('\n')[0])
+  parser = argparse.ArgumentParser(
+      prog='python -m tfmulti.bench.unequal_clones',
+      description=__doc__.split('\n')[0])
   parser.add_argument('--model', default='lenet', choices=models.names())
   parser.add_argument('--batch_size', type=int, default=64,
                       help='rows per clone of an even split')
@@ -263,7 +266,7 @@ def main(argv=None):
       emulated.use_threads(8)
     devices.create_logical_cpus(2)
   except errors.UserError as e:
-    sys.exit(f'tfmulti.bench.balance: error: {e}')
+    sys.exit(f'tfmulti.bench.unequal_clones: error: {e}')
   if pairs:
     reports = [run_emulated(pair, args.batch_size, args.ms_per_row,
                             args.steps, args.every_steps) for pair in pairs]

@@ -1,6 +1,6 @@
 """Each device's bytes held and moved in one towers step, read from its graph.
 
-  python -m tfmulti.bench.traffic --model=resnet50 --num_clones=4
+  python -m tfmulti.bench.transfers --model=resnet50 --num_clones=4
 
 Deploys the model (224x224x3 images, 1000 classes by default; momentum SGD,
 one slot a variable) over `--num_clones` clones of logical CPUs with its
@@ -198,7 +198,7 @@ def format_report(report):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(
-      prog='python -m tfmulti.bench.traffic',
+      prog='python -m tfmulti.bench.transfers',
       description=__doc__.split('\n')[0])
   parser.add_argument('--model', default='resnet50',
                       help='a registered model, or applications:NAME')
@@ -215,7 +215,7 @@ def main(argv=None):
     models.check_any(args.model)
     devices.create_logical_cpus(args.num_clones + 1)  # And the host.
   except errors.UserError as e:
-    sys.exit(f'tfmulti.bench.traffic: error: {e}')
+    sys.exit(f'tfmulti.bench.transfers: error: {e}')
   report = run(args)
   bench.emit(report, format_report(report), args.output)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfmulti.bench import balance as bench_balance
+from tfmulti.bench import unequal_clones as bench_balance
 
 
 @pytest.mark.slow

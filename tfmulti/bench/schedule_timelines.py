@@ -1,7 +1,7 @@
 """Pipeline schedules measured on emulated devices.
 
-`python -m tfmulti.bench.schedules` trains one clone cut into K stages, on
-emulated devices (`bench.emulated`: each stage's forward pass waits a
+`python -m tfmulti.bench.schedule_timelines` trains one clone cut into K
+stages, on emulated devices (`bench.emulated`: each stage's forward pass waits a
 fixed time a row, F; its backward pass B for the input gradients and W for
 the weight gradients, B + W before the input gradient where they are
 fused, apart under ZB-H1; by default F = B = W, as Qi et al. time them;
@@ -410,7 +410,7 @@ def measure_rss(repeats=2):
   for _ in range(repeats):
     for name in peaks:
       done = subprocess.run(
-          [sys.executable, '-m', 'tfmulti.bench.schedules',
+          [sys.executable, '-m', 'tfmulti.bench.schedule_timelines',
            f'--rss_child={name}'], capture_output=True, text=True,
           check=True, timeout=600)
       peaks[name].append(float(done.stdout.split()[-1]))
@@ -419,7 +419,7 @@ def measure_rss(repeats=2):
 
 def _parse(argv):
   parser = argparse.ArgumentParser(
-      prog='python -m tfmulti.bench.schedules',
+      prog='python -m tfmulti.bench.schedule_timelines',
       description=__doc__.split('\n')[0])
   parser.add_argument('--stages', default='2,4')
   parser.add_argument('--microbatches', default='4,8')
@@ -467,7 +467,7 @@ def main(argv=None):
     emulated.use_threads(8 * max(config.stages))
     devices.create_logical_cpus(max(config.stages))
   except errors.UserError as e:
-    sys.exit(f'tfmulti.bench.schedules: error: {e}')
+    sys.exit(f'tfmulti.bench.schedule_timelines: error: {e}')
   report = run(config)
   text = format_report(report)
   if args.rss:

@@ -1,12 +1,12 @@
-"""tfmulti.bench.schedules: emulated stages run the schedule's order, and
-activation memory is counted from the traced graph."""
+"""tfmulti.bench.schedule_timelines: emulated stages run the schedule's
+order, and activation memory is counted from the traced graph."""
 
 import json
 
 import pytest
 
 from tfmulti.bench import emulated
-from tfmulti.bench import schedules as bench
+from tfmulti.bench import schedule_timelines as bench
 from tfmulti.pipeline import schedules
 
 ROWS = 16

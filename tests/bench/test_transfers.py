@@ -1,10 +1,10 @@
-"""`python -m tfmulti.bench.traffic`: its table and refusals."""
+"""`python -m tfmulti.bench.transfers`: its table and refusals."""
 
 import argparse
 
 import pytest
 
-from tfmulti.bench import traffic as bench
+from tfmulti.bench import transfers as bench
 
 
 @pytest.mark.slow
