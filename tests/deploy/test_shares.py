@@ -15,7 +15,7 @@ from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
-from tfmulti import rows
+from tfmulti import layouts
 
 OPTIMIZERS = {
     'sgd': lambda: keras.optimizers.SGD(0.1),
@@ -47,11 +47,11 @@ def _towers(num_clones, optimizer='momentum', **kwargs):
 
 
 def test_split_rows_by_largest_remainder():
-  assert rows.split_rows(8, [3, 1]) == [6, 2]
-  assert rows.split_rows(8, [5, 3]) == [5, 3]
-  assert rows.split_rows(10, [1, 1, 2]) == [3, 2, 5]  # Leftover to 0.
-  assert rows.split_rows(7, [1, 1]) == [4, 3]
-  assert rows.split_rows(5, [0.75, 0.25]) == [4, 1]
+  assert layouts.split_rows(8, [3, 1]) == [6, 2]
+  assert layouts.split_rows(8, [5, 3]) == [5, 3]
+  assert layouts.split_rows(10, [1, 1, 2]) == [3, 2, 5]  # Leftover to 0.
+  assert layouts.split_rows(7, [1, 1]) == [4, 3]
+  assert layouts.split_rows(5, [0.75, 0.25]) == [4, 1]
 
 
 @pytest.mark.parametrize('shares,rows', [((3, 1), 8), ((5, 3), 8),

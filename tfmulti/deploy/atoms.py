@@ -23,7 +23,7 @@ the job's atom 0; the model's `add_loss` terms on every atom, weighted by
 its rows. Random layers fold each atom's generators with its first row in
 the global batch, so its masks depend only on the step and its place.
 
-The atoms are cut by `rows.StepLayout`, which hands clones whole atoms (by
+The atoms are cut by `layouts.StepLayout`, which hands clones whole atoms (by
 their shares, as the atoms go) and refuses a batch that is not whole atoms
 (a short last batch included: give it a multiple of a rows).
 
@@ -56,7 +56,7 @@ def check_devices(config):
 def run_pieces(clone_fn, pieces, shift, trainable, non_trainable, images,
                labels, loss_scale, *, stacked):
   """`clone_fn` (as `clones.clone_step`) on a clone's pieces (its rows'
-  `rows.Piece`s), each alone, offsets moved by `shift`.
+  `layouts.Piece`s), each alone, offsets moved by `shift`.
 
   Without `stacked` the clone has one piece, and this is `clone_fn`'s
   result. With it (each piece an atom), the result is (outputs in row

@@ -21,8 +21,8 @@ from absl import logging
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti.layouts import split_rows
 from tfmulti.pipeline import costs
-from tfmulti.rows import split_rows
 
 BUCKETS = 16  # Shares are integers summing to this.
 # A new split must predict a step this much faster than the current one's,

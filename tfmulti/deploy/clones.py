@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfmulti import devices
 from tfmulti import keras_internals
+from tfmulti import layouts
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
@@ -40,7 +41,7 @@ def clone_step(model, loss_fn, global_rows, trainable, non_trainable,
   the computation can be compiled by XLA apart from the variables (XLA will
   not read a variable that lives on another device). `global_rows` counts
   the whole job's batch. The weight penalties count `penalty_weight` times
-  (the piece's part of them, `rows.Piece.penalty`); the model's `add_loss`
+  (the piece's part of them, `layouts.Piece.penalty`); the model's `add_loss`
   terms count on every piece, weighted by its rows. Random layers draw
   from their generators folded with `offset`, the piece's first row in the
   global batch, so no two pieces repeat a mask; the generators come back
@@ -81,34 +82,14 @@ def split_batch(config, tensors, sizes=None):
   device: evenly, or `sizes[i]` rows to clone i; a list of nests."""
   with tf.device(config.inputs_device()), tf.name_scope('split_batch'):
     if sizes is None:
-      sizes = rows.split_rows(tf.nest.flatten(tensors)[0].shape[0],
-                              [1] * config.num_clones)
+      sizes = layouts.even_parts(tf.nest.flatten(tensors)[0].shape[0],
+                                 config.num_clones)
     return rows.split(tensors, sizes)
 
 
 def values_of(variables):
   """The variables' current values, read on the current device."""
   return [tf.convert_to_tensor(v) for v in variables]
-
-
-def layout_of(config, options, images, labels, *, shares=None,
-              staged=False, partial=False):
-  """The `rows.StepLayout` of a step on this worker's batch."""
-  return layout_of_rows(config, options, rows.batch_rows(images, labels),
-                        shares=shares, staged=staged, partial=partial)
-
-
-def layout_of_rows(config, options, worker_rows, *, shares=None,
-                   staged=False, partial=False):
-  """The `rows.StepLayout` of a step on a batch of `worker_rows` rows on
-  this worker."""
-  return rows.step_layout(
-      worker_rows, num_clones=config.num_clones,
-      shares=shares, accumulation_steps=options.accumulation_steps,
-      num_microbatches=options.num_microbatches, staged=staged,
-      atom_rows=options.reproducible_rows, num_workers=config.num_workers,
-      partial=partial, devices=tuple(config.clone_devices()),
-      even=options.sync_batch_norm)
 
 
 def worker_of(config, layout):
@@ -132,7 +113,7 @@ def create_clones(config, model, loss_fn, images, labels, *,
       `by_clone`, a tuple of each clone's rows of it, already on its
       device (a prefetched `rows.Shards`), which the clone reads there.
     labels: its targets, as many rows (a nest; a tuple with `by_clone`).
-    layout: the step's `rows.StepLayout`; None for this batch alone (one
+    layout: the step's `layouts.StepLayout`; None for this batch alone (one
       accumulation step, the clones' shares as even as the rows go).
     accumulation_step: whose pieces these rows are, in `layout`.
     shift: rows to add to those pieces' offsets (a tensor inside the
@@ -159,11 +140,11 @@ def create_clones(config, model, loss_fn, images, labels, *,
     batch runs nothing and adds nothing).
   """
   if layout is None:
-    layout = rows.step_layout(
-        rows.batch_rows(images, labels), num_clones=config.num_clones,
+    layout = layouts.step_layout(rows.batch_rows(images, labels), layouts.Cut(
+        num_clones=config.num_clones,
         num_microbatches=options.num_microbatches,
-        staged=stages is not None, atom_rows=options.reproducible_rows,
-        partial=True)
+        staged=stages is not None, atom_rows=options.reproducible_rows),
+                                 partial=True)
   worker = worker_of(config, layout)
   sizes = layout.clone_rows(worker, accumulation_step)
   pieces = [layout.of(worker, accumulation_step, c)

@@ -6,7 +6,7 @@ the step, which waits for them. With one (`DeploymentConfig.
 prefetches_to_clones()`: on for GPU clones), `DeployedModel.
 distribute_dataset` hands the loop a `Feeder.feed`: the input pipeline
 cuts every global batch into the clones' shards by the step's
-`rows.StepLayout` (a clone's shard holds its rows of every accumulation
+`layouts.StepLayout` (a clone's shard holds its rows of every accumulation
 step, `StepLayout.clone_spans`) and copies each to its clone's device,
 `BUFFER_STEPS` steps ahead, while the steps before it run; the step reads
 each shard where it already is (`rows.Shards`, the step's `by_clone`).
@@ -50,7 +50,7 @@ class Feeder:
     Args:
       dataset: a `tf.data.Dataset` of (images, labels) batches (nests) of
         this worker, each of `layout.worker_rows()` rows.
-      layout: the `rows.StepLayout` to cut them by; each step runs it.
+      layout: the `layouts.StepLayout` to cut them by; each step runs it.
       worker: this worker's index in `layout`.
 
     Yields:

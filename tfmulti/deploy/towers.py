@@ -53,6 +53,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti import layouts
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
@@ -66,7 +67,6 @@ from tfmulti.deploy.batch_norm import combine_non_trainable
 from tfmulti.deploy.batch_norm import moments_of
 from tfmulti.deploy.clones import clone_step
 from tfmulti.deploy.clones import create_clones
-from tfmulti.deploy.clones import layout_of_rows
 from tfmulti.deploy.clones import on_clone
 from tfmulti.deploy.clones import optimize_clones
 from tfmulti.deploy.clones import split_batch
@@ -118,7 +118,7 @@ class DeployedModel(trainer.Trainer):
     then all-reduces the workers' summed gradients before the update).
 
     `images` and `labels` are nests of this worker's batch; `layout` is
-    the step's `rows.StepLayout` (`layout_for`): which rows each clone,
+    the step's `layouts.StepLayout` (`layout_for`): which rows each clone,
     accumulation step, micro-batch and atom runs. The accumulation steps'
     gradients are summed on the optimizer device and applied once.
     `with_outputs`: also return the clones' outputs, in row order.
@@ -325,7 +325,7 @@ class DeployedModel(trainer.Trainer):
     return self._feeder.feed(dataset, layout, worker_of(self.config, layout))
 
   def layout_for(self, images, labels, partial=False):
-    """The `rows.StepLayout` of a step on this worker's batch (nests),
+    """The `layouts.StepLayout` of a step on this worker's batch (nests),
     under the clones' current shares; raises `ConfigError` for a batch
     that cannot be cut so. `partial`: a short last batch (Keras's), which
     may leave clones or micro-batches empty, as plain `fit` trains it."""
@@ -333,9 +333,8 @@ class DeployedModel(trainer.Trainer):
 
   def layout_for_rows(self, worker_rows, partial=False):
     """`layout_for` a batch of `worker_rows` rows on this worker."""
-    return layout_of_rows(self.config, self.options, worker_rows,
-                          shares=self.clone_shares,
-                          staged=self.stages is not None, partial=partial)
+    return layouts.for_step(self.config, self.options, worker_rows,
+                            shares=self.clone_shares, partial=partial)
 
   def train_step_outputs(self, images, labels, *, partial=False,
                          with_outputs=False):
@@ -379,10 +378,9 @@ class DeployedModel(trainer.Trainer):
     """Clone `clone_index` alone: its forward and backward pass on its
     device(s), reduced to one number so nothing is pruned."""
     config, model = self.config, self.model
-    layout = rows.step_layout(
-        rows.batch_rows(images, labels),
+    layout = layouts.step_layout(rows.batch_rows(images, labels), layouts.Cut(
         num_microbatches=self.options.num_microbatches,
-        staged=self.stages is not None)
+        staged=self.stages is not None))
     with on_clone(config, clone_index):
       args = (values_of(model.trainable_variables),
               values_of(model.non_trainable_variables))
@@ -411,7 +409,7 @@ class DeployedModel(trainer.Trainer):
     # Inference may see a short last batch: shards differ by one row at most,
     # and a batch of fewer rows than clones leaves the last clones idle.
     total = tf.nest.flatten(images)[0].shape[0]
-    sizes = rows.split_rows(total, [1] * n)
+    sizes = layouts.even_parts(total, n)
     shards = split_batch(self.config, images, sizes)
     outputs, regularization = [], []
     for i in range(n):
@@ -537,6 +535,6 @@ def check_options(config, options):
   """Raises `UserError` for step options these clones cannot run: the
   rules that need both records (the one-record rules are `StepOptions`')."""
   options.check_stages(config.num_stages)
-  rows.check_share_count(options.fixed_shares, config.num_clones)
+  layouts.check_share_count(options.fixed_shares, config.num_clones)
   if options.reproducible_rows:
     atoms.check_devices(config)

@@ -68,6 +68,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti import layouts
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
@@ -315,10 +316,7 @@ class TowersModel(keras.Model):
     x = arguments.get('x')
     if self.towers is None or not fit_backup.are_arrays(x):
       return
-    rows_ = int(tf.nest.flatten(x)[0].shape[0]
-                * (1.0 - arguments.get('validation_split', 0.0)))
-    batch_size = arguments.get('batch_size') or 32
-    full, last = min(batch_size, rows_), rows_ % batch_size
+    _, full, last = _fit_batches(arguments)
     for batch, partial in ((full, False), (last, 0 < last < full)):
       if batch:
         self.towers.layout_for_rows(batch // self.config.num_workers,
@@ -366,13 +364,20 @@ def _check_input(arguments, num_workers):
         'every worker must take as many steps; pass steps_per_epoch.')
   if x is None or not known or isinstance(x, tf.data.Dataset):
     return
-  rows_ = int(tf.nest.flatten(x)[0].shape[0]
-              * (1.0 - arguments.get('validation_split', 0.0)))
-  batch_size = arguments.get('batch_size') or 32
-  for batch in (min(batch_size, rows_), rows_ % batch_size):  # Full, last.
-    rows.check_worker_split(
-        batch, num_workers, f' (fit with batch_size={batch_size} on {rows_} '
-        'rows)')
+  trained, *full_and_last = _fit_batches(arguments)
+  for batch in full_and_last:
+    layouts.check_worker_split(
+        batch, num_workers, f' (fit with batch_size='
+        f'{arguments.get("batch_size") or 32} on {trained} rows)')
+
+
+def _fit_batches(arguments):
+  """(rows trained, the full batch's, the last batch's) of `fit` on its
+  array input (`layouts.fit_batches`, with Keras's defaults)."""
+  return layouts.fit_batches(
+      tf.nest.flatten(arguments.get('x'))[0].shape[0],
+      arguments.get('batch_size') or 32,
+      arguments.get('validation_split', 0.0))
 
 
 class _CompiledLoss:

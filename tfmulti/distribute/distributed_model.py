@@ -21,6 +21,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti import layouts
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
@@ -87,7 +88,7 @@ class DistributedModel(trainer.Trainer):
       errors.UserError: shares that do not match the replicas, a loss over
         a Keras mask or a loss that is not a mean.
     """
-    rows.check_share_count(options.fixed_shares,
+    layouts.check_share_count(options.fixed_shares,
                            strategy.num_replicas_in_sync, 'num_replicas')
     trainer.check_no_mask(model)
     trainer.check_loss(loss_fn)
@@ -161,9 +162,9 @@ class DistributedModel(trainer.Trainer):
     loss_scale = trainer.loss_scale_of(self.optimizer)
     # The sums live on the replica's device, beside its copy of the
     # variables (device None: the replica's own).
-    layout = rows.step_layout(
+    layout = layouts.step_layout(
         rows.batch_rows(images, labels),
-        accumulation_steps=self.options.accumulation_steps)
+        layouts.Cut(accumulation_steps=self.options.accumulation_steps))
     replica = tf.distribute.get_replica_context().replica_id_in_sync_group
     first_rows = [layout.of(0, k)[0].offset
                   for k in range(layout.accumulation_steps)]
@@ -240,9 +241,9 @@ class DistributedModel(trainer.Trainer):
       return self._step(images, labels, global_rows)
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
     steps = self.options.accumulation_steps
-    layout = rows.step_layout(
-        rows.batch_rows(images, labels), num_clones=self.num_replicas,
-        shares=self.options.clone_shares, accumulation_steps=steps)
+    layout = layouts.step_layout(rows.batch_rows(images, labels), layouts.Cut(
+        num_clones=self.num_replicas, shares=self.options.clone_shares,
+        accumulation_steps=steps))
     sizes = list(layout.clone_rows(0, 0))
     # Replica i takes steps * sizes[i] consecutive rows: its part of each
     # accumulation step (the update sees every row of the batch once).

@@ -301,7 +301,7 @@ class Stages:
                  trainable, non_trainable, images, labels, loss_scale):
     """One clone's forward and backward passes over its stages.
 
-    As `clones.clone_step`, on the clone's `pieces` (`rows.Piece`s: its
+    As `clones.clone_step`, on the clone's `pieces` (`layouts.Piece`s: its
     micro-batches, whose rows, penalty weights and offsets it reads, the
     offsets moved by `shift`), with `devices` the clone's stage devices;
     the new non-trainable values come as a list, one a micro-batch, for

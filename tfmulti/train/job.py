@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfmulti import data
 from tfmulti import devices
 from tfmulti import errors
-from tfmulti import rows
+from tfmulti import layouts
 from tfmulti.deploy import xla_rule
 from tfmulti.distribute import cluster
 from tfmulti.distribute import preemption
@@ -55,7 +55,7 @@ def _log_deployment(config, deploy_config, path):
     step_rows = config.batch_size * deploy_config.num_clones
     logging.info('clone shares %s: %s rows of each %d-row batch',
                  ':'.join(f'{share:g}' for share in options.clone_shares),
-                 '/'.join(map(str, rows.split_rows(step_rows,
+                 '/'.join(map(str, layouts.split_rows(step_rows,
                                                    options.clone_shares))),
                  step_rows)
   if config.strategy == registry.TOWERS:

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tfmulti import devices
 from tfmulti import errors
-from tfmulti import rows
+from tfmulti import layouts
 from tfmulti import step_options
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers
@@ -258,11 +258,6 @@ def check_layout(config, deploy_config):
   """Raises `ConfigError` for a batch the step's layout cannot cut (the
   layout's own rules, checked before anything is built or written)."""
   options = config.step_options
-  rows.step_layout(
-      config.batch_size * deploy_config.num_clones * options.accumulation_steps,
-      num_clones=deploy_config.num_clones, shares=options.fixed_shares,
-      accumulation_steps=options.accumulation_steps,
-      num_microbatches=options.num_microbatches,
-      staged=deploy_config.num_stages > 1 or options.num_microbatches > 1,
-      atom_rows=options.reproducible_rows,
-      num_workers=deploy_config.num_workers)
+  layouts.for_step(
+      deploy_config, options,
+      config.batch_size * deploy_config.num_clones * options.accumulation_steps)

@@ -1,10 +1,13 @@
-"""The step's layout (`rows.StepLayout`): integers only, no devices, as
+"""The step's layout (`layouts.StepLayout`): integers only, no devices, as
 `DeploymentConfig`'s tests are."""
+
+import ast
 
 import pytest
 
 from tfmulti import errors
-from tfmulti import rows
+from tfmulti import layouts
+from tfmulti import step_options
 
 
 def _cut(layout):
@@ -13,29 +16,31 @@ def _cut(layout):
 
 
 def test_clones_split_as_evenly_as_the_rows_go():
-  layout = rows.step_layout(10, num_clones=4)
+  layout = layouts.step_layout(10, layouts.Cut(num_clones=4))
   assert layout.clone_rows(0, 0) == (3, 3, 2, 2)
   assert [p.offset for p in layout.pieces] == [0, 3, 6, 8]
   assert layout.global_rows == 10 and not layout.is_even()
 
 
 def test_each_piece_names_its_clone_device():
-  layout = rows.step_layout(4, num_clones=2, num_microbatches=2, staged=True,
-                            devices=('/device:CPU:0', '/device:CPU:1'))
+  layout = layouts.step_layout(4, layouts.Cut(
+      num_clones=2, num_microbatches=2, staged=True,
+      devices=('/device:CPU:0', '/device:CPU:1')))
   assert [(p.clone, p.device) for p in layout.pieces] == [
       (0, '/device:CPU:0'), (0, '/device:CPU:0'), (1, '/device:CPU:1'),
       (1, '/device:CPU:1')]
 
 
 def test_shares_split_by_largest_remainder():
-  assert rows.step_layout(16, num_clones=2, shares=(3, 1)).clone_rows(
-      0, 0) == (12, 4)
-  assert rows.split_rows(16, (2, 1)) == [11, 5]
+  assert layouts.step_layout(16, layouts.Cut(
+      num_clones=2, shares=(3, 1))).clone_rows(0, 0) == (12, 4)
+  assert layouts.split_rows(16, (2, 1)) == [11, 5]
 
 
 def test_workers_accumulation_clones_and_microbatches_in_row_order():
-  layout = rows.step_layout(8, num_clones=2, accumulation_steps=2,
-                            num_microbatches=2, staged=True, num_workers=2)
+  layout = layouts.step_layout(8, layouts.Cut(
+      num_clones=2, accumulation_steps=2, num_microbatches=2, staged=True,
+      num_workers=2))
   assert layout.global_rows == 16
   assert _cut(layout)[:4] == [(0, 0, 0, 0, 0, 1), (0, 0, 0, 1, 1, 1),
                               (0, 0, 1, 0, 2, 1), (0, 0, 1, 1, 3, 1)]
@@ -50,26 +55,29 @@ def test_clone_spans_hold_each_clones_rows_of_every_accumulation_step():
   """What the input feed cuts a batch by: clone 0 of a 3:1 split takes 6 of
   each accumulation step's 8 rows, in order; a worker counts from its own
   first row."""
-  layout = rows.step_layout(16, num_clones=2, shares=(3, 1),
-                            accumulation_steps=2)
+  layout = layouts.step_layout(16, layouts.Cut(
+      num_clones=2, shares=(3, 1), accumulation_steps=2))
   assert layout.clone_spans() == (((0, 6), (8, 14)), ((6, 8), (14, 16)))
-  two_workers = rows.step_layout(8, num_clones=2, num_workers=2,
-                                 devices=('/device:GPU:0', '/device:GPU:1'))
+  two_workers = layouts.step_layout(8, layouts.Cut(
+      num_clones=2, num_workers=2,
+      devices=('/device:GPU:0', '/device:GPU:1')))
   assert two_workers.clone_spans(1) == (((0, 4),), ((4, 8),))
   assert two_workers.clone_device(1, 1) == '/device:GPU:1'
 
 
 def test_the_penalties_count_once_over_the_job():
-  layout = rows.step_layout(8, num_clones=2, accumulation_steps=2,
-                            num_workers=2)
+  layout = layouts.step_layout(8, layouts.Cut(
+      num_clones=2, accumulation_steps=2, num_workers=2))
   assert sum(p.penalty for p in layout.pieces) == 1.0
   assert [p.penalty for p in layout.pieces if p.penalty] == [0.5, 0.5]
-  atoms = rows.step_layout(8, num_clones=2, atom_rows=2, num_workers=2)
+  atoms = layouts.step_layout(8, layouts.Cut(num_clones=2, atom_rows=2,
+                                             num_workers=2))
   assert [(p.worker, p.atom) for p in atoms.pieces if p.penalty] == [(0, 0)]
 
 
 def test_atoms_are_whole_and_numbered_over_the_job():
-  layout = rows.step_layout(12, num_clones=2, atom_rows=4, num_workers=2)
+  layout = layouts.step_layout(12, layouts.Cut(num_clones=2, atom_rows=4,
+                                               num_workers=2))
   assert layout.clone_rows(0, 0) == (8, 4)  # 3 atoms: 2 and 1.
   assert [p.atom for p in layout.pieces] == list(range(6))
   assert {p.rows for p in layout.pieces} == {4}
@@ -77,8 +85,9 @@ def test_atoms_are_whole_and_numbered_over_the_job():
 
 
 def test_a_short_last_batch_leaves_empty_pieces():
-  layout = rows.step_layout(3, num_clones=4, accumulation_steps=2,
-                            num_microbatches=2, staged=True, partial=True)
+  layout = layouts.step_layout(3, layouts.Cut(
+      num_clones=4, accumulation_steps=2, num_microbatches=2, staged=True),
+                               partial=True)
   assert [layout.step_rows(0, k) for k in range(2)] == [2, 1]
   assert layout.clone_rows(0, 1) == (1, 0, 0, 0)
   assert layout.microbatch_rows(0, 0, 0) == (1,)  # Not an empty one.
@@ -88,8 +97,8 @@ def test_a_short_last_batch_leaves_empty_pieces():
 
 def test_one_layout_object_a_shape():
   # tf.function traces once a layout: equal arguments give the same object.
-  assert rows.step_layout(8, num_clones=2) is rows.step_layout(
-      8, num_clones=2)
+  assert layouts.step_layout(8, layouts.Cut(num_clones=2)) is (
+      layouts.step_layout(8, layouts.Cut(num_clones=2)))
 
 
 @pytest.mark.parametrize('kwargs, message', [
@@ -115,6 +124,45 @@ def test_one_layout_object_a_shape():
 ])
 def test_each_rule_refuses_in_one_line(kwargs, message):
   worker_rows = kwargs.pop('worker_rows')
+  partial = kwargs.pop('partial', False)
   with pytest.raises(errors.ConfigError, match=message) as refused:
-    rows.step_layout(worker_rows, **kwargs)
+    layouts.step_layout(worker_rows, layouts.Cut(**kwargs), partial)
   assert '\n' not in str(refused.value) and len(str(refused.value)) < 300
+
+
+def test_for_step_cuts_as_the_config_and_options_say():
+  """The one builder from (DeploymentConfig, StepOptions, rows): counts,
+  shares, stages and devices read from both records (duck-typed here, as
+  the layout knows no TensorFlow)."""
+  class Config:
+    num_clones, num_workers, num_stages = 2, 1, 1
+
+    def clone_devices(self):
+      return ['/device:CPU:0', '/device:CPU:1']
+  options = step_options.StepOptions(clone_shares=(3, 1),
+                                     accumulation_steps=2)
+  layout = layouts.for_step(Config(), options, 16)
+  assert layout.clone_rows(0, 1) == (6, 2)
+  assert layout.clone_device(0, 1) == '/device:CPU:1'
+  assert layouts.for_step(Config(), options, 16, shares=(1, 1)).clone_rows(
+      0, 0) == (4, 4)
+  assert not layouts.is_staged(Config(), options)
+
+
+def test_the_layout_module_imports_no_tensorflow():
+  tree = ast.parse(open(layouts.__file__).read())
+  imported = {alias.name.split('.')[0] for node in ast.walk(tree)
+              if isinstance(node, (ast.Import, ast.ImportFrom))
+              for alias in node.names} | {
+                  node.module.split('.')[0] for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module}
+  assert not imported & {'tensorflow', 'keras', 'numpy'}, imported
+
+
+def test_row_arithmetic_of_evaluation_workers_and_fit():
+  assert layouts.even_parts(7, 3) == [3, 2, 2]
+  assert layouts.worker_span(12, 2, 3) == (8, 4)
+  with pytest.raises(errors.ConfigError, match='does not split over 5'):
+    layouts.worker_span(12, 0, 5)
+  assert layouts.fit_batches(100, 32) == (100, 32, 4)
+  assert layouts.fit_batches(100, 32, validation_split=0.2) == (80, 32, 16)
