@@ -114,7 +114,7 @@ def split(tensors, sizes):
 
 
 def accumulate(step, images, labels, layout, *, worker=0, device=None,
-               gradient_devices=None, by_clone=False):
+               gradient_devices=None):
   """Gradient accumulation: the layout's accumulation steps, summed.
 
   Accumulation step k holds the consecutive rows the layout gives it.
@@ -129,42 +129,47 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None,
       a list of scalar tensors and a list of row-major tensors (may be
       empty). It runs the pieces of the layout's accumulation step `k` (a
       Python int), their offsets moved by `shift` rows (0, or a tensor in
-      the loop, which runs step 1's pieces again).
-    images, labels: nests of the batch of all accumulation steps; with
-      `by_clone`, tuples of the clones' shards (`Shards.parts`), each cut
-      into its accumulation steps on its clone's device, and `step` gets
-      tuples of the clones' rows of step k.
-    layout: the step's `StepLayout`.
+      the loop, which runs step 1's pieces again); `images` and `labels`
+      are tuples of the clones' rows of step k.
+    images, labels: tuples of the clones' shards (`Shards.parts`), each
+      cut into its accumulation steps on its clone's device.
+    layout: the step's `layouts.StepLayout`.
     worker: this worker's index in it.
     device: where the sums live.
     gradient_devices: where each gradient's sum lives (a list, one device
       a variable); None for `device`.
-    by_clone: `images` and `labels` come as the clones' shards.
 
   Returns:
     (summed gradients, summed scalars, concatenated outputs).
   """
-  steps = layout.accumulation_steps
-  if steps == 1:
+  if layout.accumulation_steps == 1:
     return step(images, labels, 0, 0)
   if not layout.equal_steps(worker):
-    parts = [_step_parts(nest, layout, worker, by_clone)
-             for nest in (images, labels)]
+    parts = [_step_parts(nest, layout, worker) for nest in (images, labels)]
     results = [step(x, y, k, 0) for k, (x, y) in enumerate(zip(*parts))]
     with tf.device(device), tf.name_scope('accumulate'):
       return _summed(results, gradient_devices)
-  rows = layout.step_rows(worker, 0)
-  images, labels = [_stacked_steps(nest, layout, worker, device, by_clone)
+  images, labels = [_stacked_steps(nest, layout, worker)
                     for nest in (images, labels)]
 
-  def part(nest, k):
-    if not by_clone:
-      return tf.nest.map_structure(lambda t: t[k], nest)
-    return tuple(  # Each clone's rows of step k, read on its device.
+  def run(k, cut_as, shift):
+    """Step `cut_as`'s pieces on each clone's rows of step k (a tensor
+    in the loop), read on its device."""
+    return step(*(tuple(
         devices.on(layout.clone_device(worker, c) or None,
                    tf.nest.map_structure, lambda t: t[k], shard)
-        for c, shard in enumerate(nest))
-  gradients, scalars, outputs = step(part(images, 0), part(labels, 0), 0, 0)
+        for c, shard in enumerate(nest)) for nest in (images, labels)),
+                cut_as, shift)
+  return _loop(run, layout.accumulation_steps,
+               layout.step_rows(worker, 0), device, gradient_devices)
+
+
+def _loop(run, steps, rows, device, gradient_devices):
+  """Accumulation step 0 by `run(0, 0, 0)`, then steps 1.. in a
+  `tf.while_loop`, each cut as step 1 with its offsets moved by
+  (k - 1) * rows, summed on `device` (each gradient on its place in
+  `gradient_devices`)."""
+  gradients, scalars, outputs = run(0, 0, 0)
   reached = [g is not None for g in gradients]
   places = [d for d, r in zip(gradient_devices or [device] * len(reached),
                               reached) if r]
@@ -172,8 +177,7 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None,
             .write(0, out) for out in outputs]
 
   def body(k, sums, totals, arrays):
-    grads, values, outs = step(part(images, k), part(labels, k), 1,
-                               (k - 1) * rows)
+    grads, values, outs = run(k, 1, (k - 1) * rows)
     with tf.device(device), tf.name_scope('accumulate'):
       grads = [g for g, r in zip(grads, reached) if r]
       sums = [devices.on(place, tf.add, a, g)
@@ -190,12 +194,10 @@ def accumulate(step, images, labels, layout, *, worker=0, device=None,
           [array.concat() for array in arrays])
 
 
-def _step_parts(nest, layout, worker, by_clone):
-  """Each accumulation step's rows of `nest` (a list, one a step); with
-  `by_clone`, each clone's shard cut on its own device."""
+def _step_parts(nest, layout, worker):
+  """Each accumulation step's rows of `nest` (a list, one a step), each
+  clone's shard cut on its own device."""
   steps = range(layout.accumulation_steps)
-  if not by_clone:
-    return split(nest, [layout.step_rows(worker, k) for k in steps])
   per_clone = [devices.on(
       layout.clone_device(worker, c) or None, split, shard,
       [layout.rows_of(worker=worker, accumulation_step=k, clone=c)
@@ -203,17 +205,14 @@ def _step_parts(nest, layout, worker, by_clone):
   return [tuple(parts[k] for parts in per_clone) for k in steps]
 
 
-def _stacked_steps(nest, layout, worker, device, by_clone):
-  """`nest` with its rows as [accumulation step, row]: on `device`, or,
-  `by_clone`, each clone's shard on its own device."""
+def _stacked_steps(nest, layout, worker):
+  """`nest`, the clones' shards, with each one's rows as [accumulation
+  step, row], on its clone's device."""
   steps = layout.accumulation_steps
 
   def stacked(tensors, rows):
     return tf.nest.map_structure(
         lambda t: tf.reshape(t, [steps, rows, *t.shape[1:]]), tensors)
-  if not by_clone:
-    with tf.device(device), tf.name_scope('accumulate'):
-      return stacked(nest, layout.step_rows(worker, 0))
   return tuple(devices.on(
       layout.clone_device(worker, c) or None, stacked, shard,
       layout.rows_of(worker=worker, accumulation_step=0, clone=c))

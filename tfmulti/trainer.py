@@ -40,13 +40,13 @@ class Trainer(abc.ABC):
   Attributes:
     model: the `keras.Model` being trained (checkpointed, evaluated).
     optimizer: its Keras optimizer (checkpointed with its slots).
-  Subclasses keep their compiled step in `self._step` (a `tf.function`), so
-  `trace_count` can tell a retrace.
+    step_function: the compiled step (a `tf.function`), whose traces
+      `trace_count` counts.
   """
 
   model: keras.Model
   optimizer: keras.optimizers.Optimizer
-  _step: tf.types.experimental.PolymorphicFunction
+  step_function: tf.types.experimental.PolymorphicFunction
 
   @abc.abstractmethod
   def distribute_dataset(self, dataset):
@@ -78,7 +78,14 @@ class Trainer(abc.ABC):
   @property
   def trace_count(self):
     """How many times the training step has been traced."""
-    return self._step.experimental_get_tracing_count()
+    return self.step_function.experimental_get_tracing_count()
+
+  @property
+  def clone_shares(self):
+    """Each clone's (or replica's) share of a step's rows, as the last
+    step cut them; None for equal shares. Read-only: a path sets its own
+    (from the step options, or measured)."""
+    return None
 
 
 def shard_loss(shard_mean, shard_rows, global_rows):

@@ -297,7 +297,7 @@ def test_bad_share_and_accumulation_flags_stop_with_one_line(run_train,
 
 def _loop_and_update_ops(run):
   """(loops, variable writes inside the step's loops, writes outside)."""
-  graph, = [f.graph for f in run._step._list_all_concrete_functions()]
+  graph, = [f.graph for f in run.step_function._list_all_concrete_functions()]
   inside, loops = [], 0
   for op in graph.get_operations():
     if op.type == 'While':

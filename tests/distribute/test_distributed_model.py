@@ -89,7 +89,7 @@ def test_lockstep_replicas_are_the_clone_devices():
       three, model_fn=lambda: mlp(batch_norm=True, synchronized=True),
       sync_batch_norm=True)
   assert [d.split('/device:')[-1]
-          for d in deployed.lockstep.extended.worker_devices] == [
+          for d in deployed.parts.runner.strategy.extended.worker_devices] == [
               'CPU:0', 'CPU:1', 'CPU:2']
   with pytest.raises(errors.UnsupportedError,
                      match='xla=True cannot be combined with '

@@ -65,7 +65,7 @@ class FakeTrainer(trainer.Trainer):
     self.rows = []  # Per step, the first feature of each row.
     self._losses = losses
     self._on_step = on_step or (lambda step: None)
-    self._step = tf.function(lambda: 0)
+    self.step_function = tf.function(lambda: 0)
 
   def distribute_dataset(self, dataset):
     return dataset

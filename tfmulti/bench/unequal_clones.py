@@ -110,13 +110,14 @@ def run(model_name='lenet', batch_size=64, slowdown=3.0, rounds=5, steps=10):
       towers, images, labels)
   splits = {'even': None, 'auto': auto_shares}
   rates = {name: [] for name in splits}
+  towers.balancer = pinned = balance.Pinned()  # The splits set by hand.
   for shares in splits.values():  # Traces each split once.
-    towers.clone_shares = shares
+    pinned.value = shares
     _rate(towers, images, labels, 2)
   for round_index in range(rounds):
     order = list(splits)[::1 if round_index % 2 == 0 else -1]
     for name in order:
-      towers.clone_shares = splits[name]
+      pinned.value = splits[name]
       rates[name].append(_rate(towers, images, labels, steps))
   ideal = sum(solo)
   report = {'environment': bench.environment(),
@@ -171,7 +172,8 @@ def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
   even = statistics.median(_rate(towers, images, labels, 1)
                            for _ in range(steps))
   balanced = balance.Balancer(every_steps)
-  shares = towers.clone_shares = balanced.rebalance(towers, images, labels)
+  towers.balancer = pinned = balance.Pinned()  # Measured apart from steps.
+  shares = pinned.value = balanced.rebalance(towers, images, labels)
   _rate(towers, images, labels, 1)  # Traces the balanced split.
   auto = statistics.median(_rate(towers, images, labels, 1)
                            for _ in range(steps))
@@ -180,7 +182,7 @@ def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
   after = []
   for step in range(1, 2 * every_steps + 1):
     if step % every_steps == 0:
-      towers.clone_shares = balanced.rebalance(towers, images, labels)
+      pinned.value = balanced.rebalance(towers, images, labels)
     after.append(_rate(towers, images, labels, 1))
   new_solo = balance.clone_throughputs(towers, images, labels)
   new_ideal = sum(new_solo)

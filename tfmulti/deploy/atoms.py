@@ -53,34 +53,37 @@ def check_devices(config):
         'device type.')
 
 
-def run_pieces(clone_fn, pieces, shift, trainable, non_trainable, images,
-               labels, loss_scale, *, stacked):
-  """`clone_fn` (as `clones.clone_step`) on a clone's pieces (its rows'
-  `layouts.Piece`s), each alone, offsets moved by `shift`.
+def run_pieces(body, clone_pieces, variables, images, labels, terms, *,
+               stacked):
+  """`body` (a `pieces.Body`) on a clone's pieces (its rows'
+  `layouts.Piece`s), each alone, from `variables` (trainable and
+  non-trainable values), under the step's `terms`.
 
-  Without `stacked` the clone has one piece, and this is `clone_fn`'s
-  result. With it (each piece an atom), the result is (outputs in row
-  order, the atoms' losses stacked, the sum of their regularization, each
-  gradient stacked over the atoms (None where no atom reaches it), one set
-  of new non-trainable values an atom).
+  Without `stacked` the clone has one piece, and this is `body`'s result
+  with its new non-trainable values in a list of one. With it (each piece
+  an atom), the result is (outputs in row order, the atoms' losses
+  stacked, the sum of their regularization, each gradient stacked over the
+  atoms (None where no atom reaches it), one set of new non-trainable
+  values an atom).
   """
-  live = [piece for piece in pieces if piece.rows]
+  live = [piece for piece in clone_pieces if piece.rows]
   if not stacked:
     (piece,) = live
-    return clone_fn(trainable, non_trainable, images, labels, piece.penalty,
-                    loss_scale, piece.offset + shift)
+    *result, state = body(*variables, images, labels, piece.penalty,
+                          piece.offset + terms.shift, terms)
+    return (*result, [state])
   sizes = [piece.rows for piece in live]
   results = []
   for k, (piece, x, y) in enumerate(zip(live, rows.split(images, sizes),
                                         rows.split(labels, sizes))):
     with tf.name_scope(f'atom_{k}'):
-      results.append(clone_fn(trainable, non_trainable, x, y, piece.penalty,
-                              loss_scale, piece.offset + shift))
+      results.append(body(*variables, x, y, piece.penalty,
+                          piece.offset + terms.shift, terms))
   outputs, losses, regularizations, gradients, states = zip(*results)
   return (tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0),
                                 *outputs),
           tf.stack(losses), tf.add_n(list(regularizations)),
-          stack(gradients), [state for (state,) in states])
+          stack(gradients), list(states))
 
 
 def stack(per_atom_gradients):

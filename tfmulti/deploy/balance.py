@@ -111,3 +111,20 @@ class Balancer:
       current = shares
     self.history.append((self._steps, current, tuple(throughputs)))
     return current
+
+
+class Pinned:
+  """A shares policy that measures nothing: the shares its `value` holds
+  (None for equal), set between steps by whoever compares splits (the
+  benchmark `bench.unequal_clones`). Give it as a `DeployedModel`'s
+  `balancer`; the step consults it as it would the `Balancer`."""
+
+  def __init__(self, value=None):
+    self.value = value
+    self.history = [(0, value, ())]  # Nothing to wait for before a cut.
+
+  def shares(self, towers, images, labels):
+    """`value`, whatever the batch."""
+    del towers, images, labels  # Pinned: nothing is measured.
+    return self.value
+

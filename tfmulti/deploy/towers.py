@@ -45,7 +45,6 @@ is `towers_in_strategy`.
 
 import contextlib
 import dataclasses
-import functools
 
 from absl import logging
 import tensorflow as tf
@@ -54,246 +53,123 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import layouts
+from tfmulti import pieces
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.deploy import atoms
 from tfmulti.deploy import balance
+from tfmulti.deploy import combiners
 from tfmulti.deploy import feeds
 from tfmulti.deploy import packs
+from tfmulti.deploy import runners
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy import xla_rule
-from tfmulti.deploy.batch_norm import combine_non_trainable
-from tfmulti.deploy.batch_norm import moments_of
-from tfmulti.deploy.clones import clone_step
 from tfmulti.deploy.clones import create_clones
 from tfmulti.deploy.clones import on_clone
-from tfmulti.deploy.clones import optimize_clones
 from tfmulti.deploy.clones import split_batch
 from tfmulti.deploy.clones import values_of
 from tfmulti.deploy.clones import worker_of
 from tfmulti.pipeline.stages import Stages
 
 
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """What a `DeployedModel`'s step is composed of, chosen once by
+  `deploy()` from the config and the options.
+
+  Attributes:
+    runner: how each clone runs its shard (`runners`).
+    combiner: how the clones' gradients meet (`combiners`).
+    balancer: with `clone_shares='auto'`, the `balance.Balancer` that
+      sets the shares; None for the options' own.
+    update_scope: the context the optimizer's update runs in (beside each
+      variable, where the variables are spread).
+    summaries: `summaries(grads_and_vars, scale)` -> {path: gradient}, or
+      nothing without `summarize_gradients`.
+  """
+  runner: object
+  combiner: object
+  balancer: object = None
+  update_scope: object = contextlib.nullcontext
+  summaries: object = lambda grads_and_vars, scale: {}
+
+
 class DeployedModel(trainer.Trainer):
   """A model deployed over clones, with its compiled training step.
 
   Slim's DeployedModel held a train_op and summary_op; in TF 2 it holds the
-  `tf.function` that runs one step. Attributes: `config`, `model`,
-  `loss_fn`, `optimizer`, `options` (the `StepOptions`), `lockstep` and
-  `stages` (see `create_clones`), `clone_shares`: each clone's share of
-  a step's rows, None for equal, settable between steps, and `balancer`:
-  with shares 'auto', the `balance.Balancer` that sets them.
+  `tf.function` that runs one step, composed of the `Parts` `deploy()`
+  chose. Attributes: `config`, `model`, `loss_fn`, `optimizer`, `options`
+  (the `StepOptions`), `parts`, `stages` (the `pipeline.Stages`, or None)
+  and `balancer` (with shares 'auto', the `balance.Balancer` that sets
+  them).
   """
 
-  def __init__(self, config, model, loss_fn, optimizer, options, *,
-               lockstep=None, stages=None, balancer=None):
+  def __init__(self, config, model, loss_fn, optimizer, options, parts):
     self.config = config
     self.model = model
     self.loss_fn = loss_fn
     self.optimizer = optimizer
     self.options = options
-    self.lockstep = lockstep
-    self.stages = stages
-    self.clone_shares = options.fixed_shares
-    self.balancer = balancer
-    self._moments = moments_of(model)
-    self._seeds = keras_internals.seed_indices(model)
-    # Where each variable's gradient sum, update or new value is made.
-    self._owners = [config.owner_device(devices.device_of(v))
-                    for v in model.trainable_variables]
-    self._state_owners = [config.owner_device(devices.device_of(v))
-                          for v in model.non_trainable_variables]
-    self._packs = packs.groups(model.trainable_variables, self._owners,
-                               options.gradient_packs)
+    self.parts = parts
+    self.stages = getattr(parts.runner, 'stages', None)
+    self.balancer = parts.balancer
+    self._shares = options.fixed_shares
     self._probes = {}  # Clone index -> its timing function.
     self._feeder = None  # A `feeds.Feeder`, made at the first feed.
-    self._step = tf.function(self.step_graph)
+    self.step_function = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
 
+  @property
+  def clone_shares(self):
+    """Each clone's share of a step's rows; None for equal. Read-only:
+    the options' own, or the balancer's latest with 'auto'."""
+    return self._shares
+
   def step_graph(self, images, labels, layout, with_outputs=False,
-                 by_clone=False):
+                 prefetched=False):
     """The step, untraced: for `tf.function`, or inside a replica context
     (each worker of a multi-worker job runs it; Keras's `apply_gradients`
     then all-reduces the workers' summed gradients before the update).
 
-    `images` and `labels` are nests of this worker's batch; `layout` is
-    the step's `layouts.StepLayout` (`layout_for`): which rows each clone,
-    accumulation step, micro-batch and atom runs. The accumulation steps'
-    gradients are summed on the optimizer device and applied once.
-    `with_outputs`: also return the clones' outputs, in row order.
-    `by_clone`: `images` and `labels` are tuples of the clones' shards cut
-    by `layout` (`rows.Shards.parts`), each read on its clone's device.
+    `images` and `labels` are nests of this worker's batch, cut here into
+    the clones' shards on the inputs device; or, `prefetched`, tuples of
+    the shards a feed cut and placed (`rows.Shards.parts`). `layout` is
+    the step's `layouts.StepLayout` (`layout_for`). `with_outputs`: also
+    return the clones' outputs, in row order.
     """
-    config, variables = self.config, self.model.trainable_variables
+    config = self.config
     loss_scale = trainer.loss_scale_of(self.optimizer)
     with tf.device(config.optimizer_device()):
       scale = 1.0 if loss_scale is None else tf.identity(loss_scale)
+    worker = worker_of(config, layout)
+    images, labels = ((nest if prefetched else split_batch(
+        config, nest, layout, worker)) for nest in (images, labels))
 
     def clones_of(images, labels, k, shift):
-      return create_clones(config, self.model, self.loss_fn, images, labels,
-                           layout=layout, accumulation_step=k, shift=shift,
-                           options=self.options, loss_scale=scale,
-                           lockstep=self.lockstep, stages=self.stages,
-                           packs=self._packs, by_clone=by_clone)
-
-    run = self._atoms_step if self.options.reproducible_rows else (
-        self._summed_step)
-    structure = []  # The outputs' nest, as traced.
-    gradients, (total_loss, regularization, *clone_losses), outputs = run(
-        clones_of, images, labels, layout, structure if with_outputs else None,
-        by_clone)
+      return create_clones(
+          config, self.parts.runner, images, labels, layout=layout,
+          accumulation_step=k,
+          terms=pieces.StepTerms(layout.global_rows, scale, shift))
+    structure = [] if with_outputs else None  # The outputs' nest.
+    gradients, (total, regularization, *clone_losses), outputs = (
+        self.parts.combiner(clones_of, images, labels, layout, structure))
     with tf.device(config.optimizer_device()):
-      grads_and_vars = [(g, v) for g, v in zip(gradients, variables)
-                        if g is not None]
-      summed = {}
-      if self.options.summarize_gradients:
-        summed = trainer.gradients_by_path(
-            grads_and_vars, None if loss_scale is None else scale)
-      if self.options.reproducible_rows and config.worker_index:
-        # Every worker folded the job's atoms alike; Keras's all-reduce
-        # then adds these zeros to worker 0's sums, which is exact. Each
-        # beside its variable, as worker 0's sums are: the all-reduce packs
-        # its tensors by device, alike on every worker.
-        owner = {id(v): o for v, o in zip(variables, self._owners)}
-        grads_and_vars = [(devices.on(owner[id(v)], tf.zeros_like, g), v)
-                          for g, v in grads_and_vars]
-        total_loss, regularization = tf.zeros_like(total_loss), (
-            tf.zeros_like(regularization))
+      grads_and_vars = [(g, v) for g, v in zip(
+          gradients, self.model.trainable_variables) if g is not None]
+      summed = self.parts.summaries(
+          grads_and_vars, None if loss_scale is None else scale)
+      grads_and_vars, total, regularization = (
+          self.parts.combiner.for_update(grads_and_vars, total,
+                                         regularization))
       # A LossScaleOptimizer divides by the scale, and skips the update
       # (halving the scale) when a gradient is not finite.
-      with (keras_internals.updates_beside_variables(self.optimizer)
-            if config.spread_variables else contextlib.nullcontext()):
+      with self.parts.update_scope(self.optimizer):
         self.optimizer.apply_gradients(grads_and_vars)
     return trainer.StepOutputs(
-        total_loss, regularization, clone_losses, summed,
+        total, regularization, clone_losses, summed,
         tf.nest.pack_sequence_as(structure[0], outputs) if outputs else None)
-
-  def _outputs(self, clones, structure):
-    """The clones' outputs in row order, flat (empty without a
-    `structure` list, which gets their nest)."""
-    if structure is None:
-      return []
-    structure[:] = [clones[0].outputs]
-    with tf.device(self.config.inputs_device()):
-      return [tf.concat(parts, axis=0) for parts in zip(
-          *(tf.nest.flatten(clone.outputs) for clone in clones))]
-
-  def _clone_losses(self, clones, layout, k, combine):
-    """Each clone's loss (0 for an empty clone of a short batch)."""
-    found = iter(clones)
-    return [combine(next(found).loss) if rows_ else tf.zeros([])
-            for rows_ in layout.clone_rows(worker_of(self.config, layout), k)]
-
-  def _summed_step(self, clones_of, images, labels, layout, structure,
-                   by_clone):
-    """The clones' gradients summed on the optimizer device, over clones
-    then accumulation steps: (gradients, scalars, outputs) as
-    `rows.accumulate` gives them."""
-    config, variables = self.config, self.model.trainable_variables
-    advanced = []  # The generators' states accumulation step 0 left.
-
-    def accumulation_step(images, labels, k, shift):
-      clones = clones_of(images, labels, k, shift)
-      with tf.device(config.optimizer_device()):
-        total_loss, grads_and_vars = optimize_clones(
-            clones, variables, self._owners, self._packs)
-        regularization = tf.add_n([c.regularization_loss for c in clones])
-      self._update_state(clones, advanced if k == 0 else None)
-      by_variable = {id(v): g for g, v in grads_and_vars}
-      return ([by_variable.get(id(v)) for v in variables],
-              [total_loss, regularization] +
-              self._clone_losses(clones, layout, k, tf.identity),
-              self._outputs(clones, structure))
-    summed = rows.accumulate(accumulation_step, images, labels, layout,
-                             worker=worker_of(self.config, layout),
-                             device=config.optimizer_device(),
-                             gradient_devices=self._owners, by_clone=by_clone)
-    self._assign_state(dict(zip(self._seeds, advanced)))
-    return summed
-
-  def _atoms_step(self, clones_of, images, labels, layout, structure,
-                  by_clone):
-    """`_summed_step` with `reproducible_rows`: every atom of the job kept
-    apart, then folded in atom order (`deploy.atoms`); the moving
-    statistics are the atoms' mean, assigned once."""
-    config, device = self.config, self.config.optimizer_device()
-    reached = []  # Which variables the atoms reach, as traced.
-
-    def accumulation_step(images, labels, k, shift):
-      clones = clones_of(images, labels, k, shift)
-      with tf.device(device), tf.name_scope('stack_atoms'):
-        gradients = self._stacked_gradients(clones)
-        reached[:] = [g is not None for g in gradients]
-        states = [devices.on(owner, tf.stack, values)
-                  for values, owner in zip(zip(
-                      *(values for c in clones for _, values in
-                        c.non_trainable)), self._state_owners)]
-        stacked = [tf.concat([c.loss for c in clones], axis=0)] + [
-            g for g in gradients if g is not None] + states
-        regularization = tf.add_n([c.regularization_loss for c in clones])
-      return ([], [regularization] +
-              self._clone_losses(clones, layout, k, tf.reduce_sum),
-              stacked + self._outputs(clones, structure))
-
-    _, scalars, parts = rows.accumulate(
-        accumulation_step, images, labels, layout,
-        worker=worker_of(self.config, layout), device=device,
-        by_clone=by_clone)
-    num_outputs = len(tf.nest.flatten(structure[0])) if structure else 0
-    split = len(parts) - num_outputs  # The outputs, if any, last.
-    stacked, outputs = parts[:split], parts[split:]
-    with tf.device(device), tf.name_scope('fold_atoms'):
-      if config.num_workers > 1:
-        stacked = atoms.gather(stacked)
-      num_states = len(self.model.non_trainable_variables)
-      folded = stacked[:len(stacked) - num_states]
-      places = [device] + [o for o, r in zip(self._owners, reached) if r]
-      total_loss, *sums = [devices.on(place, atoms.fold, [t])[0]
-                           for t, place in zip(folded, places)]
-      sums = iter(sums)
-      gradients = [next(sums) if r else None for r in reached]
-      self._assign_state(dict(enumerate(
-          devices.on(owner, atoms.mean_state, [values])[0]
-          for values, owner in zip(stacked[len(folded):],
-                                   self._state_owners))))
-    return gradients, [total_loss] + scalars, outputs
-
-  def _stacked_gradients(self, clones):
-    """Each variable's atoms' gradients, every clone's stacked on its
-    owner (atom first; packed on the way with `gradient_packs`)."""
-    stacked = {}
-    for group in self._packs:
-      parts = packs.sum_packed([c.gradients for c in clones], group,
-                               self._owners[group[0]], leading=1)
-      stacked.update(zip(group, parts or ()))
-    return [stacked[k] if k in stacked
-            else devices.on(owner, tf.concat, parts, axis=0)
-            if parts[0] is not None else None
-            for k, (parts, owner) in enumerate(zip(
-                zip(*(c.gradients for c in clones)), self._owners))]
-
-  def _update_state(self, clones, advanced=None):
-    """Assigns the non-trainable variables once, under the BN policy, all
-    but the random generators' states: every accumulation step reads them
-    unadvanced (its pieces' offsets differ) and the step assigns them once
-    at its end, from `advanced` (filled here when given)."""
-    with tf.name_scope('update_state'):
-      values = combine_non_trainable(
-          clones, self.options.batch_norm_policy, self._moments,
-          self._state_owners)
-      if advanced is not None:
-        advanced[:] = [values[i] for i in self._seeds]
-      self._assign_state({i: value for i, value in enumerate(values)
-                          if i not in self._seeds})
-
-  def _assign_state(self, values):
-    """Assigns the non-trainable variables at the keys of `values` (index
-    -> new value) theirs, each on its owner."""
-    every = self.model.non_trainable_variables
-    for i, value in values.items():
-      with tf.device(self._state_owners[i]):
-        every[i].assign(value)
 
   def distribute_dataset(self, dataset):
     """`dataset` itself: each step splits its batch over the clones; or,
@@ -316,13 +192,18 @@ class DeployedModel(trainer.Trainer):
                    self.config.inputs_device())
       return dataset
     if self.balancer is not None and not self.balancer.history:
-      with tf.device(self.config.inputs_device()):
-        self.clone_shares = self.balancer.shares(self,
-                                                 *feeds.stand_in(specs))
+      self.measure_shares(*feeds.stand_in(specs))
     if self._feeder is None:
       self._feeder = feeds.Feeder(self.config)
     layout = self.layout_for(*specs)
     return self._feeder.feed(dataset, layout, worker_of(self.config, layout))
+
+  def measure_shares(self, images, labels):
+    """With `clone_shares='auto'`, asks the balancer for the next step's
+    shares on this batch (measured again when due)."""
+    if self.balancer is not None:
+      with tf.device(self.config.inputs_device()):
+        self._shares = self.balancer.shares(self, images, labels)
 
   def layout_for(self, images, labels, partial=False):
     """The `layouts.StepLayout` of a step on this worker's batch (nests),
@@ -334,7 +215,16 @@ class DeployedModel(trainer.Trainer):
   def layout_for_rows(self, worker_rows, partial=False):
     """`layout_for` a batch of `worker_rows` rows on this worker."""
     return layouts.for_step(self.config, self.options, worker_rows,
-                            shares=self.clone_shares, partial=partial)
+                            shares=self._shares, partial=partial)
+
+  def _step_arguments(self, images, labels, partial=False):
+    """The compiled step's arguments for this batch, or for a feed's
+    `rows.Shards` (their own layout, each shard read on its clone)."""
+    if isinstance(images, rows.Shards):
+      return images.parts, labels.parts, images.layout
+    images, labels = [tf.nest.map_structure(tf.convert_to_tensor, nest)
+                      for nest in (images, labels)]
+    return images, labels, self.layout_for(images, labels, partial)
 
   def train_step_outputs(self, images, labels, *, partial=False,
                          with_outputs=False):
@@ -342,97 +232,62 @@ class DeployedModel(trainer.Trainer):
 
     `partial` takes a short last batch (see `layout_for`);
     `with_outputs` returns the training outputs too (for compiled metrics).
-    With `clone_shares='auto'` the shares are measured first, when due.
-    `images` and `labels` may be `rows.Shards` from a feed
-    (`distribute_dataset`): the step then runs their layout, each clone
-    reading its shard on its device.
+    With `clone_shares='auto'` the shares are measured first, when due
+    (for a feed's `rows.Shards`, on zeros shaped as a shard, for its next
+    cut). One trace per distinct layout: it is a frozen record of ints.
     """
-    if isinstance(images, rows.Shards):
-      if self.balancer is not None:  # For the next cut; timed on zeros.
-        with tf.device(self.config.inputs_device()):
-          self.clone_shares = self.balancer.shares(self, *(
-              feeds.stand_in(nest.parts[0], nest.layout.worker_rows())
-              for nest in (images, labels)))
-      return self._step(images.parts, labels.parts, images.layout,
-                        with_outputs, True)
-    images, labels = [tf.nest.map_structure(tf.convert_to_tensor, nest)
-                      for nest in (images, labels)]
-    if self.balancer is not None:
-      self.clone_shares = self.balancer.shares(self, images, labels)
-    # One trace per distinct layout: it is a frozen record of Python ints.
-    return self._step(images, labels,
-                      self.layout_for(images, labels, partial), with_outputs)
+    prefetched = isinstance(images, rows.Shards)
+    self.measure_shares(*(
+        (feeds.stand_in(nest.parts[0], nest.layout.worker_rows())
+         for nest in (images, labels)) if prefetched else (images, labels)))
+    return self.step_function(*self._step_arguments(images, labels, partial),
+                      with_outputs, prefetched)
 
   def traced_step(self, images, labels, with_outputs=False):
     """The step's concrete function on this batch, or on a feed's
     `rows.Shards` (its graph shows where each op runs)."""
-    if isinstance(images, rows.Shards):
-      return self._step.get_concrete_function(
-          images.parts, labels.parts, images.layout, with_outputs, True)
-    images, labels = [tf.nest.map_structure(tf.convert_to_tensor, nest)
-                      for nest in (images, labels)]
-    return self._step.get_concrete_function(
-        images, labels, self.layout_for(images, labels), with_outputs)
-
-  def _probe_graph(self, clone_index, images, labels):
-    """Clone `clone_index` alone: its forward and backward pass on its
-    device(s), reduced to one number so nothing is pruned."""
-    config, model = self.config, self.model
-    layout = layouts.step_layout(rows.batch_rows(images, labels), layouts.Cut(
-        num_microbatches=self.options.num_microbatches,
-        staged=self.stages is not None))
-    with on_clone(config, clone_index):
-      args = (values_of(model.trainable_variables),
-              values_of(model.non_trainable_variables))
-      if self.stages is None:
-        _, loss, _, gradients, _ = clone_step(
-            model, self.loss_fn, layout.global_rows, *args, images, labels,
-            0.0, 1.0)
-      else:
-        _, loss, _, gradients, _ = self.stages.clone_step(
-            config.chunk_devices(clone_index, self.options.virtual_stages),
-            self.loss_fn,
-            layout.global_rows, layout.pieces, 0, *args, images, labels, 1.0)
-      return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
-                              if g is not None])
+    return self.step_function.get_concrete_function(
+        *self._step_arguments(images, labels), with_outputs,
+        isinstance(images, rows.Shards))
 
   def probe(self, clone_index):
-    """A `tf.function(images, labels)` of clone `clone_index` alone, for
-    timing it (`balance.clone_throughputs`)."""
+    """A `tf.function(images, labels)` of clone `clone_index` alone (its
+    forward and backward pass on its device(s), reduced to one number so
+    nothing is pruned), for timing it (`balance.clone_throughputs`)."""
+    def probe_graph(images, labels):
+      layout = layouts.step_layout(rows.batch_rows(images, labels),
+                                   layouts.Cut(
+                                       num_microbatches=(
+                                           self.options.num_microbatches),
+                                       staged=self.stages is not None))
+      loss, gradients = self.parts.runner.probe(clone_index, images, labels,
+                                                layout)
+      return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
+                              if g is not None])
     if clone_index not in self._probes:
-      self._probes[clone_index] = tf.function(
-          functools.partial(self._probe_graph, clone_index))
+      self._probes[clone_index] = tf.function(probe_graph)
     return self._probes[clone_index]
 
   def _predict_graph(self, images, with_losses=False):
-    n, model = self.config.num_clones, self.model
+    config, model = self.config, self.model
     # Inference may see a short last batch: shards differ by one row at most,
     # and a batch of fewer rows than clones leaves the last clones idle.
     total = tf.nest.flatten(images)[0].shape[0]
-    sizes = layouts.even_parts(total, n)
-    shards = split_batch(self.config, images, sizes)
+    sizes = layouts.even_parts(total, config.num_clones)
+    with tf.device(config.inputs_device()), tf.name_scope('split_batch'):
+      shards = rows.split(images, sizes)
     outputs, regularization = [], []
-    for i in range(n):
-      if not sizes[i]:
-        continue
-      with on_clone(self.config, i):
-        variables = (values_of(model.trainable_variables),
-                     values_of(model.non_trainable_variables))
-        if self.stages is None:
-          output, _, losses = model.stateless_call(
-              *variables, shards[i], training=False, return_losses=True)
-          model_losses, penalties = keras_internals.split_losses(model,
-                                                                 losses)
-        else:
-          output, model_losses, penalties = self.stages.predict(
-              self.config.chunk_devices(i, self.options.virtual_stages),
-              shards[i], *variables)
+    for i in (i for i, size in enumerate(sizes) if size):
+      with on_clone(config, i):
+        output, model_losses, penalties = self.parts.runner.infer(
+            i, shards[i], (values_of(model.trainable_variables),
+                           values_of(model.non_trainable_variables)))
         outputs.append(output)
         # The weight penalties once; the add_loss terms by rows, as a step.
         regularization.append(
             trainer.penalty(penalties, float(not regularization)) +
             trainer.model_loss(model_losses, sizes[i], total))
-    with tf.device(self.config.inputs_device()):
+    with tf.device(config.inputs_device()):
       outputs = tf.nest.map_structure(
           lambda *parts: tf.concat(parts, axis=0), *outputs)
       return (outputs, tf.add_n(regularization)) if with_losses else outputs
@@ -483,15 +338,11 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   options = xla_rule.resolve(config, options)
   check_model(model)
   trainer.check_loss(loss_fn)
-  stages = None
-  if config.num_stages > 1 or options.num_microbatches > 1:
-    # Interleaved 1F1B cuts num_stages x virtual_stages chunks.
-    stages = Stages(model, config.num_stages * options.virtual_stages,
-                    options)
   devices.check_devices_exist(
       config.variable_devices() + [config.optimizer_device(),
                                    config.inputs_device()] +
       config.compute_devices())
+  parts = compose(config, model, loss_fn, options)
   if not optimizer.built:  # Keras puts each slot beside its variable.
     with tf.device(config.optimizer_variables_device()):
       optimizer.build(model.trainable_variables)
@@ -500,14 +351,40 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
                           [config.optimizer_variables_device()])
   if options.reproducible_rows:  # Atoms alone are not enough: kernels too.
     devices.same_kernels_everywhere()
-  lockstep = None
-  if options.sync_batch_norm:
-    lockstep = towers_in_strategy.lockstep_strategy(config)
-  balancer = None
-  if options.auto_shares:
-    balancer = balance.Balancer(options.rebalance_every_steps)
-  return DeployedModel(config, model, loss_fn, optimizer, options,
-                       lockstep=lockstep, stages=stages, balancer=balancer)
+  return DeployedModel(config, model, loss_fn, optimizer, options, parts)
+
+
+def compose(config, model, loss_fn, options):
+  """The `Parts` of the step these options ask for on `config`'s clones:
+  each choice made here, once (raises `ConfigError` for a stage cut that
+  cannot be made)."""
+  owners = [config.owner_device(devices.device_of(v))
+            for v in model.trainable_variables]
+  gradient_packs = packs.groups(model.trainable_variables, owners,
+                                options.gradient_packs)
+  if layouts.is_staged(config, options):
+    # Interleaved 1F1B cuts num_stages x virtual_stages chunks.
+    runner = runners.StagedClones(config, Stages(
+        model, config.num_stages * options.virtual_stages, options), loss_fn)
+  elif options.sync_batch_norm:
+    runner = runners.LockstepClones(
+        config, model, loss_fn, options,
+        towers_in_strategy.lockstep_strategy(config))
+  else:
+    runner = runners.WholeClones(config, model, loss_fn, options,
+                                 gradient_packs)
+  combine = (combiners.AtomFold if options.reproducible_rows
+             else combiners.Summed)
+  return Parts(
+      runner,
+      combine(config, model, combiners.States(
+          config, model, options.batch_norm_policy), gradient_packs),
+      balancer=(balance.Balancer(options.rebalance_every_steps)
+                if options.auto_shares else None),
+      update_scope=(keras_internals.updates_beside_variables
+                    if config.spread_variables else Parts.update_scope),
+      summaries=(trainer.gradients_by_path if options.summarize_gradients
+                 else Parts.summaries))
 
 
 def check_model(model):

@@ -40,20 +40,19 @@ def lockstep_strategy(config):
   return devices.collective_strategy(config)
 
 
-def run_clones_in_lockstep(lockstep, clone_fn, variables, shards, loss_scale):
-  """Runs clone i's `clone_fn` as replica i of `lockstep`, all at once.
+def run_clones_in_lockstep(lockstep, body, variables, shards, terms):
+  """Runs clone i's `body` as replica i of `lockstep`, all at once.
 
   Args:
     lockstep: a `tf.distribute.MirroredStrategy` over the clone devices.
-    clone_fn: `clone_fn(trainable, non_trainable, images, labels,
-      penalty_weight, loss_scale, offset)` -> a tuple of tensors.
+    body: a `pieces.Body`.
     variables: (trainable values, non-trainable values), read once.
     shards: per clone, (images, labels, penalty_weight, offset): its rows
       (nests) and its piece's part of the penalties and first row.
-    loss_scale: passed to every clone.
+    terms: the step's `pieces.StepTerms`, passed to every clone.
 
   Returns:
-    Per clone, `clone_fn`'s results.
+    Per clone, `body`'s results.
   """
   trainable, non_trainable = variables
   per_clone = lockstep.experimental_distribute_values_from_function(
@@ -62,8 +61,8 @@ def run_clones_in_lockstep(lockstep, clone_fn, variables, shards, loss_scale):
 
   def replica_fn(shard):
     images, labels, weight, offset = shard
-    return clone_fn(trainable, non_trainable, images, labels, weight,
-                    loss_scale, offset)
+    return body(trainable, non_trainable, images, labels, weight, offset,
+                terms)
   per_replica = lockstep.run(replica_fn, args=(per_clone,))
   num_clones = len(shards)
   columns = []
@@ -216,7 +215,7 @@ class WorkerTowers(trainer.Trainer):
     self.towers = towers
     self.model = towers.model
     self.optimizer = towers.optimizer
-    self._step = tf.function(self._train_step_graph)
+    self.step_function = tf.function(self._train_step_graph)
 
   @property
   def clone_shares(self):
@@ -250,7 +249,8 @@ class WorkerTowers(trainer.Trainer):
   def train_step_outputs(self, images, labels):
     """One step on this worker's rows; returns the job's `StepOutputs`."""
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    return self._step(images, labels, self.towers.layout_for(images, labels))
+    return self.step_function(images, labels,
+                              self.towers.layout_for(images, labels))
 
   def predict(self, images):
     """Inference outputs for `images`, over this worker's clones."""

@@ -185,10 +185,8 @@ class TowersModel(keras.Model):
     if self.strategy is not None:
       mine = rows.worker_part(mine, worker=self.config.worker_index,
                               num_workers=self.config.num_workers)
-    towers = self.towers
-    if towers.balancer is not None:
-      towers.clone_shares = towers.balancer.shares(towers, *mine)
-    layout = towers.layout_for(*mine, partial=rows_ < self._full_rows)
+    self.towers.measure_shares(*mine)
+    layout = self.towers.layout_for(*mine, partial=rows_ < self._full_rows)
     return self._train_function(*mine, layout, (images, targets))
 
   @tf.function

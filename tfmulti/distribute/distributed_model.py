@@ -22,6 +22,7 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import layouts
+from tfmulti import pieces
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
@@ -102,7 +103,8 @@ class DistributedModel(trainer.Trainer):
     with strategy.scope():
       if not optimizer.built:
         optimizer.build(model.trainable_variables)
-    self._step = tf.function(self._train_step_graph)
+    self._body = pieces.Body(model, loss_fn, 'replica')
+    self.step_function = tf.function(self._train_step_graph)
     self._predict = tf.function(self._predict_graph)
 
   @property
@@ -115,44 +117,31 @@ class DistributedModel(trainer.Trainer):
     """tf.distribute replicas in sync, over every worker."""
     return self.strategy.num_replicas_in_sync
 
-  def _accumulation_step(self, images, labels, first, global_rows, offset,
+  def _accumulation_step(self, images, labels, first, offset, terms,
                          advanced):
-    """One accumulation step of a replica: (gradients, [loss,
-    regularization], no outputs). The weight penalties count on the
-    `first` one only (the weights do not change between them); the model's
-    `add_loss` terms on every one, weighted by its rows. Random layers
-    draw from their generators folded with `offset` (a number no other
-    replica or accumulation step of the step has), so no two repeat a
-    mask; the `first` puts their states advanced from the unfolded one in
-    `advanced`, for the step to assign once. Replica 0 runs at the root name
-    scope, so it opens 'replica' (`trainer.off_the_root`)."""
+    """One accumulation step of a replica (`pieces.Body` on its rows):
+    (gradients, [loss, regularization], no outputs). The weight penalties
+    count on the `first` one only (the weights do not change between
+    them), a 1 / replicas part on each replica; the model's `add_loss`
+    terms on every one, weighted by its rows. Random layers draw from
+    their generators folded with `offset` (a number no other replica or
+    accumulation step of the step has), so no two repeat a mask; the
+    `first` puts their states advanced from the unfolded one in
+    `advanced`, for the step to assign once."""
     model = self.model
-    trainable = [tf.convert_to_tensor(v.value)
-                 for v in model.trainable_variables]
     non_trainable = [tf.convert_to_tensor(v.value)
                      for v in model.non_trainable_variables]
+    _, loss, regularization, gradients, new_values = self._body(
+        [tf.convert_to_tensor(v.value) for v in model.trainable_variables],
+        non_trainable, images, labels,
+        1.0 / self.num_replicas if first else 0, offset, terms)
     seeds = keras_internals.seed_indices(model)
-    folded = keras_internals.fold_seeds(non_trainable, seeds, offset)
-    with trainer.off_the_root('replica'), tf.GradientTape() as tape:
-      tape.watch(trainable)
-      outputs, new_values, losses = model.stateless_call(
-          trainable, folded, images, training=True, return_losses=True)
-      model_losses, penalties = keras_internals.split_losses(model, losses)
-      # Every replica adds its share; summed, the penalty counts once.
-      loss, regularization, scaled_loss = trainer.objective(
-          self.loss_fn, labels, outputs, global_rows=global_rows,
-          model_losses=model_losses, penalties=penalties,
-          penalty_weight=1.0 / self.num_replicas if first else 0,
-          loss_scale=trainer.loss_scale_of(self.optimizer))
-    gradients = tape.gradient(scaled_loss, trainable)
-    new_values = keras_internals.unfold_seeds(new_values, folded,
-                                              non_trainable, seeds)
     if first:
       advanced[:] = [new_values[i] for i in seeds]
     # As the layers' own calls would: what the step changed (BatchNorm's
     # statistics), assigned in the replica's context.
     for i, (variable, value, passed) in enumerate(zip(
-        model.non_trainable_variables, new_values, folded)):
+        model.non_trainable_variables, new_values, non_trainable)):
       if value is not passed and i not in seeds:
         variable.assign(value)
     return gradients, [loss, regularization], []
@@ -171,12 +160,13 @@ class DistributedModel(trainer.Trainer):
     advanced = []  # The generators' states, advanced once for the step.
     gradients, (loss, regularization), _ = rows.accumulate(
         lambda x, y, k, shift: self._accumulation_step(
-            x, y, k == 0, global_rows,
+            x[0], y[0], k == 0,
             # This replica's rows come after every row of the replicas
             # before it would, at most global_rows each.
             tf.cast(replica, tf.int64) * tf.cast(global_rows, tf.int64)
-            + first_rows[k] + tf.cast(shift, tf.int64), advanced),
-        images, labels, layout)
+            + first_rows[k] + tf.cast(shift, tf.int64),
+            pieces.StepTerms(global_rows, loss_scale), advanced),
+        (images,), (labels,), layout)
     for i, value in zip(keras_internals.seed_indices(model), advanced):
       model.non_trainable_variables[i].assign(value)
     # Keras all-reduces (sums) the replicas' gradients inside
@@ -238,7 +228,7 @@ class DistributedModel(trainer.Trainer):
           [tf.shape(shard)[0] for shard in
            self.strategy.experimental_local_results(labels)])
       global_rows = worker_rows * self.num_workers  # Equal rows a worker.
-      return self._step(images, labels, global_rows)
+      return self.step_function(images, labels, global_rows)
     images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
     steps = self.options.accumulation_steps
     layout = layouts.step_layout(rows.batch_rows(images, labels), layouts.Cut(
@@ -248,7 +238,7 @@ class DistributedModel(trainer.Trainer):
     # Replica i takes steps * sizes[i] consecutive rows: its part of each
     # accumulation step (the update sees every row of the batch once).
     sizes = [steps * size for size in sizes]
-    return self._step(self._shard(images, sizes),
+    return self.step_function(self._shard(images, sizes),
                       self._shard(labels, sizes), tf.shape(labels)[0])
 
   def _predict_graph(self, images):

@@ -52,6 +52,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti import pieces
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
@@ -227,22 +228,15 @@ class Stages:
     inputs from `values` (tensors by Keras tensor id) and adding its
     outputs there: its `_Result`; with `loss_part` (the last stage's last
     part), the micro-batch's part of the loss too."""
-    non_trainable = [context.non_trainable[i] for i in part.non_trainable]
-    seeds = keras_internals.seed_indices(part.model)
-    folded = keras_internals.fold_seeds(non_trainable, seeds, flight.offset)
-    outputs, new_non_trainable, losses = part.model.stateless_call(
-        [context.trainable[i] for i in part.trainable], folded,
-        [values[k] for k in part.input_keys],
-        training=True, return_losses=True)
-    new_non_trainable = keras_internals.unfold_seeds(
-        new_non_trainable, folded, non_trainable, seeds)
+    outputs, new_non_trainable, model_losses, penalties = pieces.forward(
+        part.model, [context.trainable[i] for i in part.trainable],
+        [context.non_trainable[i] for i in part.non_trainable],
+        [values[k] for k in part.input_keys], flight.offset)
     outputs = keras.tree.flatten(outputs)
     values.update(zip(part.output_keys, outputs))
     # In the variables' dtype (float64 models too), not the activations'.
     weights = part.trainable or range(len(context.trainable))
     dtype = context.trainable[weights[0]].dtype if weights else tf.float32
-    model_losses, penalties = keras_internals.split_losses(part.model,
-                                                           losses)
     penalty = (trainer.penalty(penalties, flight.weight, dtype) +
                trainer.model_loss(model_losses, flight.rows,
                                   context.global_rows, dtype))
@@ -297,31 +291,33 @@ class Stages:
         global_rows=context.global_rows)
     return loss
 
-  def clone_step(self, devices, loss_fn, global_rows, pieces, shift,
-                 trainable, non_trainable, images, labels, loss_scale):
+  def clone_step(self, devices, loss_fn, clone_pieces, variables, batch,
+                 terms):
     """One clone's forward and backward passes over its stages.
 
-    As `clones.clone_step`, on the clone's `pieces` (`layouts.Piece`s: its
-    micro-batches, whose rows, penalty weights and offsets it reads, the
-    offsets moved by `shift`), with `devices` the clone's stage devices;
-    the new non-trainable values come as a list, one a micro-batch, for
-    `batch_norm.combine_non_trainable`. With `reproducible_rows` each
-    micro-batch is an atom, and the losses and gradients come stacked over
-    them, as `deploy.atoms.run_pieces` gives them. Each stage runs its
-    passes in the order of `pipeline_schedule` (`schedules.passes`).
+    As `pieces.Body`, on the clone's `clone_pieces` (`layouts.Piece`s:
+    its micro-batches, whose rows, penalty weights and offsets it reads,
+    the offsets moved by `terms.shift`), with `devices` the clone's stage
+    devices, `variables` (trainable and non-trainable values) and `batch`
+    its (images, labels); the new non-trainable values come as a list,
+    one a micro-batch, for `batch_norm.combine_non_trainable`. With
+    `reproducible_rows` each micro-batch is an atom, and the losses and
+    gradients come stacked over them, as `deploy.atoms.run_pieces` gives
+    them. Each stage runs its passes in the order of `pipeline_schedule`
+    (`schedules.passes`).
     """
-    pieces = [piece for piece in pieces if piece.rows]
-    sizes = [piece.rows for piece in pieces]
+    trainable, non_trainable = variables
+    live = [piece for piece in clone_pieces if piece.rows]
+    sizes = [piece.rows for piece in live]
     with tf.device(devices[0]):
-      image_parts = rows.split(images, sizes)
-      label_parts = rows.split(labels, sizes)
-    context = _Context(loss_fn, global_rows, loss_scale, trainable,
-                       non_trainable,
+      image_parts, label_parts = (rows.split(nest, sizes) for nest in batch)
+    context = _Context(loss_fn, terms.global_rows, terms.loss_scale,
+                       trainable, non_trainable,
                        tf.get_current_name_scope())
     flights = [_Flight(dict(zip(self.input_keys, keras_internals.flat_inputs(
-        self.model, x))), y, piece, shift, len(self.stages),
+        self.model, x))), y, piece, terms.shift, len(self.stages),
                        list(non_trainable))
-               for piece, x, y in zip(pieces, image_parts, label_parts)]
+               for piece, x, y in zip(live, image_parts, label_parts)]
     num_devices = len(self.stages) // self.options.virtual_stages
     ends = [[] for _ in range(num_devices)]  # What each device last made.
     per_device = schedules.device_orders(

@@ -74,7 +74,7 @@ def collect(config, deploy_config, run, outcome, restored, started):
 
 def _shares(trainer):
   """The clones' shares at the end (measured ones with 'auto'), or None."""
-  shares = getattr(trainer, 'clone_shares', None)
+  shares = trainer.clone_shares
   return list(shares) if shares else None
 
 

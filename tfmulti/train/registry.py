@@ -65,12 +65,21 @@ def _towers(setup):
     model, optimizer = setup.build_model(deploy_config.variables_scope())
   deployed = towers.deploy(deploy_config, model, setup.loss_fn, optimizer,
                            setup.config.step_options)
-  stages = deployed.stages
-  for s, stage in enumerate(stages.stages if stages else ()):
-    logging.info('stage %d: from layer %r, on %s', s, stage.first_layer,
-                 [deploy_config.stage_device(c, s)
-                  for c in range(deploy_config.num_clones)])
+  _log_stages(deployed)
   return deployed
+
+
+def _log_stages(deployed):
+  """Where each stage (each chunk, under interleaved 1F1B) runs, a line
+  each: chunk c of clone i is on `chunk_devices(i, v)[c]`."""
+  config, stages = deployed.config, deployed.stages
+  if stages is None:
+    return
+  chunk_devices = [config.chunk_devices(c, stages.options.virtual_stages)
+                   for c in range(config.num_clones)]
+  for s, stage in enumerate(stages.stages):
+    logging.info('stage %d: from layer %r, on %s', s, stage.first_layer,
+                 [devices_of_clone[s] for devices_of_clone in chunk_devices])
 
 
 def _local_strategy(name):

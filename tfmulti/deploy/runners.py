@@ -1,0 +1,188 @@
+"""Piece runners: how a step's clones run their shards, chosen once.
+
+`deploy()` picks one runner from the config and the step options, and the
+step never asks again:
+
+  WholeClones     each clone whole on its device (slim's towers), its
+                  pieces (one, or its atoms) through `pieces.Body`
+  LockstepClones  the clones as the replicas of a MirroredStrategy over
+                  the clone devices, all at once, every BatchNorm
+                  synchronized (`sync_batch_norm`)
+  StagedClones    each clone cut into stages on their devices, fed with
+                  micro-batches in its schedule's order (`pipeline.Stages`)
+
+Every runner answers the same three calls: `run` (a step's clones on
+their shards, one result a clone, None for an empty one), `infer` (one
+clone's inference) and `probe` (one clone's forward and backward pass
+alone, for timing it).
+"""
+
+import tensorflow as tf
+
+from tfmulti import devices
+from tfmulti import keras_internals
+from tfmulti import pieces
+from tfmulti.deploy import atoms
+from tfmulti.deploy import packs as packs_lib
+from tfmulti.deploy import towers_in_strategy
+from tfmulti.deploy.clones import on_clone
+from tfmulti.deploy.clones import values_of
+
+
+class WholeClones:
+  """Each clone runs whole on its device; its gradients come back there.
+
+  With `reproducible_rows` each atom of a clone runs alone and the
+  results come stacked, atom first (`atoms.run_pieces`); with XLA, each
+  piece's pass is one compiled cluster on its clone's device (compiling
+  the whole step would fuse every clone into one cluster on one device).
+  """
+
+  def __init__(self, config, model, loss_fn, options, packs=()):
+    self.config = config
+    self.model = model
+    self.body = pieces.Body(model, loss_fn)
+    if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
+      self.body = tf.function(self.body, jit_compile=True)
+    self.stacked = bool(options.reproducible_rows)
+    self.packs = packs
+
+  def run(self, clone_pieces, images, labels, terms):
+    """Clone i's `pieces` on its shard `images[i]`, `labels[i]`.
+
+    Args:
+      clone_pieces: per clone, its `layouts.Piece`s of the accumulation
+        step.
+      images, labels: per clone, its rows of the step (nests).
+      terms: the step's `pieces.StepTerms`.
+
+    Returns:
+      Per clone, (outputs, loss, regularization, gradients, [new
+      non-trainable values, one set a piece]); None for a clone with no
+      rows.
+    """
+    reads = _packed_reads(self.config, self.model.trainable_variables,
+                          self.packs)
+    results = []
+    for i, (mine, x, y) in enumerate(zip(clone_pieces, images, labels)):
+      if not any(p.rows for p in mine):
+        results.append(None)
+        continue
+      with on_clone(self.config, i):
+        variables = (reads(self.config.clone_device(i)),
+                     values_of(self.model.non_trainable_variables))
+        results.append(atoms.run_pieces(self.body, mine, variables, x, y,
+                                        terms, stacked=self.stacked))
+    return results
+
+  def infer(self, clone_index, images, variables):
+    """Clone `clone_index`'s inference on `images`, from `variables`
+    (trainable and non-trainable values): (outputs, its `add_loss`
+    terms, its weight penalties). Call it on the clone's device."""
+    del clone_index  # The whole model, on the device it is called on.
+    output, _, losses = self.model.stateless_call(
+        *variables, images, training=False, return_losses=True)
+    return (output, *keras_internals.split_losses(self.model, losses))
+
+  def probe(self, clone_index, images, labels, layout):
+    """Clone `clone_index` alone on a batch cut by `layout` (one clone):
+    (loss, gradients), on its device."""
+    with on_clone(self.config, clone_index):
+      variables = (values_of(self.model.trainable_variables),
+                   values_of(self.model.non_trainable_variables))
+      result = atoms.run_pieces(self.body, layout.of(0, 0, 0), variables,
+                                images, labels,
+                                pieces.StepTerms(layout.global_rows),
+                                stacked=False)
+    return result[1], result[3]
+
+
+class LockstepClones(WholeClones):
+  """The clones as the replicas of `strategy` (a `MirroredStrategy` over
+  the clone devices), all at once, so Keras's synchronized BatchNorm
+  all-reduces its batch statistics between them
+  (`towers_in_strategy.run_clones_in_lockstep`); the variables, the sum
+  and the update stay the towers'. Each clone is one piece (equal shards,
+  checked by the layout)."""
+
+  def __init__(self, config, model, loss_fn, options, strategy):
+    super().__init__(config, model, loss_fn, options)
+    self.strategy = strategy
+
+  def run(self, clone_pieces, images, labels, terms):
+    with tf.device(self.config.optimizer_device()):
+      variables = (values_of(self.model.trainable_variables),
+                   values_of(self.model.non_trainable_variables))
+    with keras_internals.synchronized_batch_norms(self.model):
+      results = towers_in_strategy.run_clones_in_lockstep(
+          self.strategy, self.body, variables,
+          [(x, y, mine[0].penalty, mine[0].offset + terms.shift)
+           for x, y, mine in zip(images, labels, clone_pieces)], terms)
+    return [(*result[:-1], [result[-1]]) for result in results]
+
+
+class StagedClones:
+  """Each clone cut into stages (`pipeline.Stages`) on
+  `config.chunk_devices`, its shard fed through them in micro-batches in
+  the order of the schedule; the stages read the variables from their
+  owners whole (no packs)."""
+
+  def __init__(self, config, stages, loss_fn):
+    self.config = config
+    self.stages = stages
+    self.model = stages.model
+    self.loss_fn = loss_fn
+
+  def _devices(self, clone_index):
+    return self.config.chunk_devices(clone_index,
+                                     self.stages.options.virtual_stages)
+
+  def _variables(self):
+    return (values_of(self.model.trainable_variables),
+            values_of(self.model.non_trainable_variables))
+
+  def run(self, clone_pieces, images, labels, terms):
+    """As `WholeClones.run`, through each clone's stages."""
+    results = []
+    for i, (mine, x, y) in enumerate(zip(clone_pieces, images, labels)):
+      if not any(p.rows for p in mine):
+        results.append(None)
+        continue
+      with on_clone(self.config, i):
+        results.append(self.stages.clone_step(
+            self._devices(i), self.loss_fn, mine, self._variables(), (x, y),
+            terms))
+    return results
+
+  def infer(self, clone_index, images, variables):
+    """As `WholeClones.infer`, through the clone's stages."""
+    return self.stages.predict(self._devices(clone_index), images,
+                               *variables)
+
+  def probe(self, clone_index, images, labels, layout):
+    """As `WholeClones.probe`, through the clone's stages."""
+    with on_clone(self.config, clone_index):
+      result = self.stages.clone_step(
+          self._devices(clone_index), self.loss_fn, layout.of(0, 0, 0),
+          self._variables(), (images, labels),
+          pieces.StepTerms(layout.global_rows))
+    return result[1], result[3]
+
+
+def _packed_reads(config, variables, packs):
+  """`reads(device)`: the variables' values read on `device`, those of
+  each pack from another device as one tensor, packed once on its owner."""
+  owners = [config.owner_device(devices.device_of(v)) for v in variables]
+  packed = {group: packs_lib.read_packed(variables, group, owners[group[0]])
+            for group in packs}
+
+  def reads(device):
+    values = {}
+    for group, tensor in packed.items():
+      if not devices.same_device(owners[group[0]], device):
+        values.update(zip(group, packs_lib.unpack(
+            tensor, [variables[k].shape for k in group])))
+    return [values[k] if k in values else tf.convert_to_tensor(v)
+            for k, v in enumerate(variables)]
+  return reads
+
