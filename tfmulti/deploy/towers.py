@@ -127,8 +127,8 @@ class DeployedModel(trainer.Trainer):
     the options' own, or the balancer's latest with 'auto'."""
     return self._shares
 
-  def step_graph(self, images, labels, layout, with_outputs=False,
-                 prefetched=False):
+  def step_graph(self, images, labels, layout, prefetched=False,
+                 with_outputs=False):
     """The step, untraced: for `tf.function`, or inside a replica context
     (each worker of a multi-worker job runs it; Keras's `apply_gradients`
     then all-reduces the workers' summed gradients before the update).
@@ -217,38 +217,42 @@ class DeployedModel(trainer.Trainer):
     return layouts.for_step(self.config, self.options, worker_rows,
                             shares=self._shares, partial=partial)
 
-  def _step_arguments(self, images, labels, partial=False):
-    """The compiled step's arguments for this batch, or for a feed's
-    `rows.Shards` (their own layout, each shard read on its clone)."""
+  def _step_arguments(self, images, labels, partial=False, measure=False):
+    """The compiled step's (images, labels, layout, prefetched) for this
+    batch, or for a feed's `rows.Shards` (their own layout, each shard
+    read on its clone). `measure`: with `clone_shares='auto'`, the shares
+    are measured first, when due (for shards, on zeros shaped as a shard,
+    for the feed's next cut)."""
     if isinstance(images, rows.Shards):
-      return images.parts, labels.parts, images.layout
+      if measure:
+        self.measure_shares(*(
+            feeds.stand_in(nest.parts[0], nest.layout.worker_rows())
+            for nest in (images, labels)))
+      return images.parts, labels.parts, images.layout, True
     images, labels = [tf.nest.map_structure(tf.convert_to_tensor, nest)
                       for nest in (images, labels)]
-    return images, labels, self.layout_for(images, labels, partial)
+    if measure:
+      self.measure_shares(images, labels)
+    return images, labels, self.layout_for(images, labels, partial), False
 
   def train_step_outputs(self, images, labels, *, partial=False,
                          with_outputs=False):
-    """One step on this worker's batch; returns its `StepOutputs`.
+    """One step on this worker's batch, or on a feed's `rows.Shards`
+    (`distribute_dataset`); returns its `StepOutputs`.
 
     `partial` takes a short last batch (see `layout_for`);
     `with_outputs` returns the training outputs too (for compiled metrics).
-    With `clone_shares='auto'` the shares are measured first, when due
-    (for a feed's `rows.Shards`, on zeros shaped as a shard, for its next
-    cut). One trace per distinct layout: it is a frozen record of ints.
+    One trace per distinct layout: it is a frozen record of ints.
     """
-    prefetched = isinstance(images, rows.Shards)
-    self.measure_shares(*(
-        (feeds.stand_in(nest.parts[0], nest.layout.worker_rows())
-         for nest in (images, labels)) if prefetched else (images, labels)))
-    return self.step_function(*self._step_arguments(images, labels, partial),
-                      with_outputs, prefetched)
+    return self.step_function(
+        *self._step_arguments(images, labels, partial, measure=True),
+        with_outputs)
 
   def traced_step(self, images, labels, with_outputs=False):
     """The step's concrete function on this batch, or on a feed's
     `rows.Shards` (its graph shows where each op runs)."""
     return self.step_function.get_concrete_function(
-        *self._step_arguments(images, labels), with_outputs,
-        isinstance(images, rows.Shards))
+        *self._step_arguments(images, labels), with_outputs)
 
   def probe(self, clone_index):
     """A `tf.function(images, labels)` of clone `clone_index` alone (its
