@@ -29,6 +29,7 @@ from sklearn import datasets
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti.distribute import workers as workers_lib
+from tfmulti.fit import TowersModel
 
 _MODEL_DIR = flags.DEFINE_string('model_dir', '/tmp/fit_across_workers',
                                  "Where worker 0 writes the run's files.")
@@ -78,7 +79,7 @@ def fit(model_dir, epochs, callbacks=()):
   keras.utils.set_random_seed(0)  # The same weights and shuffles everywhere.
   with workers.scope(), config.variables_scope():
     model = make_model()
-  trained = model if _PLAIN.value else deploy.TowersModel(
+  trained = model if _PLAIN.value else TowersModel(
       model, config, workers=workers,
       reproducible_rows=_REPRODUCIBLE_ROWS.value)
   callbacks = [keras.callbacks.CSVLogger(

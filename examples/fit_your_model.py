@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfmulti import deploy
 from tfmulti import devices
+from tfmulti import fit
 
 _MODEL_DIR = flags.DEFINE_string('model_dir', '/tmp/fit_your_model',
                                  'Where the best model is checkpointed.')
@@ -62,7 +63,7 @@ def train(model_dir, epochs):
   for layer in model.layers:  # ImageNet's 0.999 needs thousands of steps
     if isinstance(layer, keras.layers.BatchNormalization):  # to settle.
       layer.momentum = _BATCH_NORM_MOMENTUM
-  towers = deploy.TowersModel(model, config)
+  towers = fit.TowersModel(model, config)
   towers.compile(optimizer=keras.optimizers.Adam(3e-3),
                  loss=keras.losses.SparseCategoricalCrossentropy(),
                  metrics=['accuracy'])

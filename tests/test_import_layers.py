@@ -1,6 +1,7 @@
 """The folders are the layers: every import points down, never across.
 
-  cli, bench/    the command line and the benchmarks
+  bench/         the benchmarks, which run both front doors
+  cli, fit/      the command line, Keras's door
   train/         the training job, the strategy registry, checkpoints
   deploy/ | distribute/   the towers | the tf.distribute paths
   pipeline/ | data/ | models/   stages | input pipelines | models
@@ -19,7 +20,8 @@ PACKAGE = os.path.join(REPO, 'tfmulti')
 # The floor of each folder (and of the command line); a module may import
 # its own folder and any lower floor.
 FLOORS = {'': 0, 'models': 1, 'pipeline': 1, 'data': 1, 'deploy': 2,
-          'distribute': 2, 'train': 3, 'cli': 4, 'launch': 4, 'bench': 4}
+          'distribute': 2, 'train': 3, 'cli': 4, 'launch': 4, 'fit': 4,
+          'bench': 5}
 
 
 def _part(module):
@@ -84,3 +86,24 @@ def test_the_layers_are_read_from_the_real_imports():
   assert 'tfmulti.train.registry' in set(_imports(job))
   assert _part('tfmulti.deploy.towers') == _part('tfmulti.deploy') == 'deploy'
   assert _part('tfmulti.errors') == '' and _part('tfmulti.cli') == 'cli'
+
+
+# The ground floor's own order: the errors, the layout (pure: no
+# TensorFlow), then the step options and the device strings, then what
+# reads Keras or cuts tensors, then the trainer contract, then the piece
+# body every path runs.
+GROUND = {'errors': 0, 'layouts': 1, 'native_logs': 1, 'stops': 1,
+          'digits': 1, 'step_options': 2, 'devices': 2,
+          'keras_internals': 3, 'rows': 3, 'trainer': 4, 'pieces': 5}
+
+
+def test_the_ground_floor_imports_in_its_order():
+  ground = {module: path for module, path in _modules()
+            if module.count('.') == 1 and _part(module) == ''
+            and module.split('.')[1] not in FLOORS}
+  assert set(m.split('.')[1] for m in ground) == set(GROUND)
+  sideways = [
+      f'{module} imports {imported}'
+      for module, path in ground.items() for imported in _imports(path)
+      if GROUND[imported.split('.')[1]] >= GROUND[module.split('.')[1]]]
+  assert not sideways, sideways

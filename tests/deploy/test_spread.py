@@ -13,6 +13,7 @@ from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti import fit
 from tfmulti.deploy import packs
 from tfmulti.deploy import traffic
 
@@ -279,7 +280,7 @@ def test_fit_with_spread_variables_trains_the_central_bits():
     config = _config(2, variables_device)
     with config.variables_scope():
       model = _bn_mlp()
-    towers = deploy.TowersModel(model, config, reproducible_rows=2,
+    towers = fit.TowersModel(model, config, reproducible_rows=2,
                                 gradient_packs='auto')
     towers.compile(optimizer=keras.optimizers.Adam(0.01),
                    loss=keras.losses.SparseCategoricalCrossentropy(
@@ -314,7 +315,7 @@ def test_models_a_user_brings_train_the_central_bits_spread(build, rows):
     images = rng.normal(size=(rows, *shape)).astype(np.float32)
     labels = rng.integers(0, 3, size=rows).astype(np.int32)
     rng = np.random.default_rng(0)
-    towers = deploy.TowersModel(model, config, reproducible_rows=2)
+    towers = fit.TowersModel(model, config, reproducible_rows=2)
     towers.compile(optimizer=keras.optimizers.SGD(0.01),
                    loss=keras.losses.SparseCategoricalCrossentropy(
                        from_logits=not model.name.startswith('mobilenet')))

@@ -17,6 +17,7 @@ from tests.helpers import make_loss
 from tfmulti import deploy
 from tfmulti import distribute
 from tfmulti import errors
+from tfmulti import fit
 
 ROWS = 34  # Batches of 8 and a last one of 2: fewer rows than 4 clones.
 BATCH = 8
@@ -113,7 +114,7 @@ def _towers(kind, num_clones, variables_device=None, **options):
                                    variables_device=variables_device)
   with config.variables_scope():
     model = BUILD[kind]()
-  return deploy.TowersModel(model, config, **options)
+  return fit.TowersModel(model, config, **options)
 
 
 @pytest.mark.parametrize('kind, num_clones, options', [
@@ -152,7 +153,7 @@ def test_class_weight_equals_one_device():
     if net is None:
       config = deploy.DeploymentConfig(num_clones=4, clone_on_cpu=True)
       with tf.device(config.variables_device()):
-        net = deploy.TowersModel(model(), config)
+        net = fit.TowersModel(model(), config)
     net.compile(optimizer='sgd',
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True))
@@ -189,7 +190,7 @@ def _masked_model():
 
 
 def _towers_model(model):
-  deploy.TowersModel(
+  fit.TowersModel(
       model, deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
 
 
@@ -219,7 +220,7 @@ class TestAsItsModel:
     keras.utils.set_random_seed(0)
     x = keras.Input((6,))
     model = keras.Model(x, keras.layers.Dense(3)(x))
-    return deploy.TowersModel(
+    return fit.TowersModel(
         model, deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
 
   def test_predict_before_compile(self):
@@ -285,7 +286,7 @@ def _underscored(seed=0):
 
 
 def test_a_layer_named_with_a_leading_underscore_trains_on_one_clone():
-  towers = deploy.TowersModel(_underscored(), deploy.DeploymentConfig(
+  towers = fit.TowersModel(_underscored(), deploy.DeploymentConfig(
       clone_on_cpu=True))
   towers.compile(optimizer='sgd', loss='mse')
   towers.fit(np.ones((4, 6), np.float32), np.ones((4, 3), np.float32),
@@ -344,7 +345,7 @@ def test_stages_take_several_inputs_and_give_several_outputs():
                                      clone_on_cpu=True)
     with tf.device(config.variables_device()):
       model = _two_headed()
-    towers = deploy.TowersModel(model, config, num_microbatches=2,
+    towers = fit.TowersModel(model, config, num_microbatches=2,
                                 stage_boundaries=('join',))
     got_metrics = _fit(towers, 'dict')
   finally:
@@ -361,5 +362,5 @@ def test_an_output_before_the_last_stage_is_refused_in_one_line():
     model = _two_headed()
   with pytest.raises(errors.ConfigError, match="output .* comes from stage 0 "
                      "of 2 .layer 'logits'.; the last stage gives every"):
-    deploy.TowersModel(model, config, stage_boundaries=('value',)).compile(
+    fit.TowersModel(model, config, stage_boundaries=('value',)).compile(
         optimizer='sgd', **_compile_args('dict'))

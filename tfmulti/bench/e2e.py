@@ -11,7 +11,7 @@ with XLA on; and the plain Keras equivalent (`compile` + `fit` with
 `validation_data`, the same model, data pipeline, global batch, optimizer
 and epochs) on one device with its defaults (`jit_compile='auto'`) and
 with `jit_compile=True`, under `MirroredStrategy` on the two logical CPUs,
-and as `deploy.TowersModel` (the towers behind `fit`) on them. Each job is
+and as `fit.TowersModel` (the towers behind `fit`) on them. Each job is
 timed whole (wall and process CPU seconds) and by phase: start-up to the
 first step, the first step (tracing), training after it, evaluation.
 `--variants` picks some.
@@ -33,9 +33,9 @@ import tensorflow as tf
 from tfmulti import data
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti import fit
 from tfmulti import step_options
 from tfmulti.deploy import placement
-from tfmulti.deploy import towers_model
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
 from tfmulti.train import job
@@ -158,7 +158,7 @@ def _fit(e2e, kind, jit_compile='auto'):
         placement.DeploymentConfig(), input_shape=loaded.input_shape,
         num_classes=loaded.num_classes, learning_rate=e2e.learning_rate)()
     if kind == 'towers':
-      model = towers_model.TowersModel(model, towers)
+      model = fit.TowersModel(model, towers)
     model.compile(optimizer=optimizer, loss=build.make_loss(),
                   metrics=['accuracy'], jit_compile=jit_compile)
   phases = _Phases(started)

@@ -1,6 +1,7 @@
 """Your own `fit` script on every worker: where it stands, and the strategy.
 
   from tfmulti import deploy
+from tfmulti import fit
   from tfmulti.distribute import workers as workers_lib
 
   workers = workers_lib.start()  # First: before TensorFlow runs an op.
@@ -9,7 +10,7 @@
                                    num_replicas=workers.num_workers)
   with workers.scope(), config.variables_scope():
     model = make_model()
-  towers = deploy.TowersModel(model, config, workers=workers)
+  towers = fit.TowersModel(model, config, workers=workers)
   towers.compile(...)
   towers.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, ...)
 

@@ -228,32 +228,12 @@ def honouring(option):
 def check(config, deploy_config):
   """Raises `UserError` if `config.strategy` cannot run this job.
 
-  The step options the strategy does not honour, the rules every path
-  shares, then the path's own; run before anything is built.
+  The step options the strategy does not run (`check_options`), the
+  layout's rules, the workers, then the path's own; run before anything
+  is built.
   """
   builder = get(config.strategy)
-  options = config.step_options
-  for option in options.in_use():
-    if option not in builder.honours:
-      shown = option if '=' in option else (
-          f'{option}={getattr(options, option)!r}')
-      raise errors.UnsupportedError(
-          f'{shown} is not available with strategy={config.strategy!r}; '
-          f'use --strategy={" or ".join(honouring(option))}, or drop it.')
-  if config.strategy != TOWERS and deploy_config.num_stages > 1:
-    raise errors.UnsupportedError(
-        f'strategy={config.strategy!r} runs whole model copies; stages '
-        f'(num_stages={deploy_config.num_stages}) run on '
-        f'--strategy={TOWERS}.')
-  if config.strategy not in (TOWERS, MULTI_WORKER) and (
-      deploy_config.spread_variables):
-    raise errors.UnsupportedError(
-        f'variables_device={placement.SPREAD!r} spreads the towers\' '
-        f'variables over their clones; strategy={config.strategy!r} places '
-        f'its own: use --strategy={TOWERS} (or {MULTI_WORKER}), or drop '
-        '--variables_device.')
-  if config.strategy in (TOWERS, MULTI_WORKER):
-    towers.check_options(deploy_config, options)
+  check_options(config.strategy, config.step_options, deploy_config)
   check_layout(config, deploy_config)
   if deploy_config.num_workers > 1 and not builder.multi_worker:
     raise errors.ConfigError(
@@ -261,6 +241,39 @@ def check(config, deploy_config):
         f'use --strategy={MULTI_WORKER} (or {MULTI_WORKER_MIRRORED}) with '
         'TF_CONFIG.')
   builder.check(config, deploy_config)
+
+
+def check_options(name, options, deploy_config):
+  """Raises `UserError` for step options strategy `name` does not run on
+  `deploy_config`'s devices: the one gate of both front doors (the
+  command line, and `TowersModel`, whose towers are `towers` in one
+  process and `multi_worker` across workers).
+
+  Options it does not honour (each in one line naming the strategies that
+  do), stages or spread variables on a path that runs whole copies or
+  places its own, then the towers' rules that need both records.
+  """
+  builder = get(name)
+  for option in options.in_use():
+    if option not in builder.honours:
+      shown = option if '=' in option else (
+          f'{option}={getattr(options, option)!r}')
+      raise errors.UnsupportedError(
+          f'{shown} is not available with strategy={name!r}; '
+          f'use --strategy={" or ".join(honouring(option))}, or drop it.')
+  if name != TOWERS and deploy_config.num_stages > 1:
+    raise errors.UnsupportedError(
+        f'strategy={name!r} runs whole model copies; stages '
+        f'(num_stages={deploy_config.num_stages}) run on '
+        f'--strategy={TOWERS}.')
+  if name not in (TOWERS, MULTI_WORKER) and deploy_config.spread_variables:
+    raise errors.UnsupportedError(
+        f'variables_device={placement.SPREAD!r} spreads the towers\' '
+        f'variables over their clones; strategy={name!r} places '
+        f'its own: use --strategy={TOWERS} (or {MULTI_WORKER}), or drop '
+        '--variables_device.')
+  if name in (TOWERS, MULTI_WORKER):
+    towers.check_options(deploy_config, options)
 
 
 def check_layout(config, deploy_config):

@@ -27,13 +27,14 @@ from tests.helpers import REPO
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti import fit
 from tfmulti import launch
 from tfmulti import rows
-from tfmulti.deploy import fit_backup
-from tfmulti.deploy import towers_in_strategy
 from tfmulti.distribute import cluster as cluster_lib
 from tfmulti.distribute import resolvers
 from tfmulti.distribute import workers as workers_lib
+from tfmulti.fit import across_workers
+from tfmulti.fit import backup
 
 _EXAMPLE = os.path.join('examples', 'fit_across_workers.py')
 _TIMEOUT_S = 600
@@ -122,10 +123,10 @@ def test_the_workers_must_match_the_config_and_hold_the_model():
     inside = mlp()
   with pytest.raises(errors.ConfigError, match='the DeploymentConfig has '
                      'num_replicas=1 workers and the strategy 2'):
-    deploy.TowersModel(inside, config, workers=workers)
+    fit.TowersModel(inside, config, workers=workers)
   with pytest.raises(errors.ConfigError, match=r"variables \(.*\) were made "
                      "outside the workers' strategy; build the model in"):
-    deploy.TowersModel(mlp(), two, workers=workers)
+    fit.TowersModel(mlp(), two, workers=workers)
 
 
 def test_fit_across_workers_refuses_input_the_workers_cannot_share():
@@ -135,7 +136,7 @@ def test_fit_across_workers_refuses_input_the_workers_cannot_share():
                                               clone_on_cpu=True))
   with workers.scope():
     model = mlp()
-  towers = deploy.TowersModel(model, config, workers=workers)
+  towers = fit.TowersModel(model, config, workers=workers)
   towers.compile(optimizer='sgd', loss='mse')
   before = [w.copy() for w in model.get_weights()]
   endless = tf.data.Dataset.from_tensors(
@@ -168,7 +169,7 @@ def test_only_the_chief_keeps_the_callbacks_that_write_files(tmp_path):
                                      num_replicas=2)
     with stand_in.scope():
       model = mlp()
-    towers = deploy.TowersModel(model, config, workers=stand_in)
+    towers = fit.TowersModel(model, config, workers=stand_in)
     towers.compile(optimizer='sgd', loss=keras.losses.
                    SparseCategoricalCrossentropy(from_logits=True))
     written = tmp_path / f'worker{index}'
@@ -196,11 +197,11 @@ def test_a_worker_evaluates_its_rows_and_gathers_everyones():
                                    num_replicas=2)
   with stand_in.scope():
     model = mlp()
-  towers = deploy.TowersModel(model, config, workers=stand_in)
+  towers = fit.TowersModel(model, config, workers=stand_in)
   towers.compile(optimizer='sgd', loss='mse')
   images = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32)
   outputs, regularization = tf.function(
-      lambda x: towers_in_strategy.evaluate_on_workers(
+      lambda x: across_workers.evaluate_on_workers(
           stand_in.strategy, towers.towers, x, worker=1, num_workers=2))(
               tf.constant(images))
   mine = model(images[3:], training=False)
@@ -230,7 +231,7 @@ def test_fit_across_workers_ends_a_lost_peer_with_one_line():
       stand_in.strategy)
   with workers.scope():
     model = mlp()
-  towers = deploy.TowersModel(model, config, workers=workers)
+  towers = fit.TowersModel(model, config, workers=workers)
   towers.compile(optimizer='sgd', loss='mse')
   x, y = np.zeros([8, 6], np.float32), np.zeros([8, 3], np.float32)
   with pytest.raises(SystemExit) as exited:
@@ -354,7 +355,7 @@ def test_fit_across_workers_with_spread_variables_trains_central_bits(
 def test_each_epoch_of_arrays_is_rebuilt_alone_in_its_order():
   arrays = (np.arange(10, dtype=np.float32), np.arange(10) * 10)
   whole = [tuple(t.numpy().tolist() for t in batch)
-           for batch in fit_backup.epochs_of_arrays(
+           for batch in backup.epochs_of_arrays(
                arrays, batch_size=4, shuffle=True, seed=7, first_epoch=0,
                epochs=3)]
   assert len(whole) == 9  # 3 epochs of batches of 4, 4 and 2 rows.
@@ -363,7 +364,7 @@ def test_each_epoch_of_arrays_is_rebuilt_alone_in_its_order():
   assert epochs == [list(range(10))] * 3  # Every row once an epoch.
   assert whole[0:3] != whole[3:6]  # Each epoch its own order.
   later = [tuple(t.numpy().tolist() for t in batch)
-           for batch in fit_backup.epochs_of_arrays(
+           for batch in backup.epochs_of_arrays(
                arrays, batch_size=4, shuffle=True, seed=7, first_epoch=1,
                epochs=3)]
   assert later == whole[3:]  # A restart rebuilds epoch 1 on.
@@ -476,7 +477,7 @@ def test_a_backup_refuses_an_input_it_cannot_rebuild(tmp_path, x, message):
       def __getitem__(self, index):
         return np.zeros([4, 8], np.float32), np.zeros([4, 4], np.float32)
     x = Batches()
-  towers = deploy.TowersModel(
+  towers = fit.TowersModel(
       mlp(), deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
   towers.compile(optimizer='sgd', loss='mse')
   backup = keras.callbacks.BackupAndRestore(str(tmp_path / 'backup'))
@@ -488,7 +489,7 @@ def test_a_backup_refuses_an_input_it_cannot_rebuild(tmp_path, x, message):
 def test_a_batch_fingerprint_follows_its_rows_and_their_order():
   images = tf.reshape(tf.range(24, dtype=tf.float32), [6, 2, 2])
   labels = tf.range(6)
-  fingerprint = towers_in_strategy.batch_fingerprint
+  fingerprint = across_workers.batch_fingerprint
   same = fingerprint((tf.identity(images), (labels, None)))
   assert same.dtype == tf.int64 and same.shape == []
   assert int(fingerprint((images, (labels, None)))) == int(same)
@@ -537,7 +538,7 @@ def test_workers_that_shuffle_alike_by_chance_stop_before_a_step(tmp_path):
   log = result.stdout + result.stderr
   assert result.returncode == 1, log[-3000:]
   for index in (0, 1):
-    assert (f'[worker {index}] error: {towers_in_strategy.BATCHES_DIFFER} '
+    assert (f'[worker {index}] error: {across_workers.BATCHES_DIFFER} '
             'at step 1, each taking its rows of its own: seed Keras alike '
             'on every worker before fit (keras.utils.set_random_seed(0))'
             ) in log, log[-3000:]

@@ -19,6 +19,7 @@ from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti import fit
 
 ROWS = 36  # 4 batches of 8 and a last one of 4 (Keras keeps it).
 BATCH = 8
@@ -52,7 +53,7 @@ def _towers_fit(optimizer, batch=BATCH, model_fn=mlp, epochs=2, **kwargs):
   config = deploy.DeploymentConfig(clone_on_cpu=True, **kwargs)
   with tf.device(config.variables_device()):
     model = model_fn()
-  towers = deploy.TowersModel(model, config, **options)
+  towers = fit.TowersModel(model, config, **options)
   towers.compile(optimizer=OPTIMIZERS[optimizer](), loss=_loss(),
                  metrics=['accuracy'])
   history = towers.fit(_data(batch=batch), epochs=epochs, verbose=0)
@@ -114,7 +115,7 @@ def test_a_last_batch_of_fewer_rows_than_clones_trains_as_plain_fit():
   config = deploy.DeploymentConfig(num_clones=3, clone_on_cpu=True)
   with tf.device(config.variables_device()):
     model = mlp()
-  towers = deploy.TowersModel(model, config)
+  towers = fit.TowersModel(model, config)
   towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
   towers.fit(data, epochs=1, verbose=0)
   for got, want in zip(weights(model), weights(plain)):
@@ -135,7 +136,7 @@ def test_a_last_batch_the_layout_refuses_stops_fit_before_a_step(options,
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   with tf.device(config.variables_device()):
     model = mlp()
-  towers = deploy.TowersModel(model, config, **options)
+  towers = fit.TowersModel(model, config, **options)
   towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
   before = weights(model)
   rows = 34 if 'reproducible_rows' in options else 35  # A last batch of 2, 3.
@@ -167,7 +168,7 @@ def test_compile_builds_the_slots_beside_the_variables_and_pins_clones():
                                    variables_device='/device:CPU:2')
   with tf.device(config.variables_device()):
     model = mlp()
-  towers = deploy.TowersModel(model, config)
+  towers = fit.TowersModel(model, config)
   towers.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                  loss=_loss())
   # Built in compile, before any step: Keras's fit would build them on the
@@ -183,7 +184,7 @@ def test_compile_builds_the_slots_beside_the_variables_and_pins_clones():
 
 def test_jit_compile_true_is_per_clone_xla():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  towers = deploy.TowersModel(mlp(), config)
+  towers = fit.TowersModel(mlp(), config)
   towers.compile(optimizer='sgd', loss=_loss(), jit_compile=True)
   assert towers.options.xla and not towers.jit_compile
   towers.compile(optimizer='sgd', loss=_loss())  # 'auto': no XLA asked.
@@ -194,7 +195,7 @@ class TestClearErrors:
 
   def _towers(self, model=None, **options):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-    return deploy.TowersModel(model or mlp(), config, **options)
+    return fit.TowersModel(model or mlp(), config, **options)
 
   def test_a_subclassed_model(self):
     class Subclassed(keras.Model):
@@ -235,7 +236,7 @@ class TestClearErrors:
   def test_a_model_built_outside_the_variables_device(self):
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
                                      variables_device='/device:CPU:2')
-    towers = deploy.TowersModel(mlp(), config)  # Built on CPU:0.
+    towers = fit.TowersModel(mlp(), config)  # Built on CPU:0.
     with pytest.raises(errors.DeviceError, match='not on the variables '
                        "device '/device:CPU:2'"):
       towers.compile(optimizer='sgd', loss=_loss())
@@ -288,7 +289,7 @@ class _StopMidEpoch(keras.callbacks.Callback):
 def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path):
   want, _ = _towers_fit('momentum', num_clones=2, epochs=3)
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  towers = deploy.TowersModel(mlp(), config)
+  towers = fit.TowersModel(mlp(), config)
   towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
   backup = keras.callbacks.BackupAndRestore(str(tmp_path / 'backup'))
   with pytest.raises(RuntimeError, match='interrupted'):
@@ -307,7 +308,7 @@ def test_reduce_lr_on_plateau_changes_the_rate_the_towers_use():
   model.fit(_data(), epochs=3, verbose=0,
             callbacks=[keras.callbacks.ReduceLROnPlateau(**plateau)])
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  towers = deploy.TowersModel(mlp(), config)
+  towers = fit.TowersModel(mlp(), config)
   towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
   towers.fit(_data(), epochs=3, verbose=0,
              callbacks=[keras.callbacks.ReduceLROnPlateau(**plateau)])
@@ -347,7 +348,7 @@ assert 'tfmulti' not in sys.modules
 def test_model_checkpoint_writes_what_plain_keras_loads_elsewhere(tmp_path):
   path = str(tmp_path / 'best.keras')
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  towers = deploy.TowersModel(mlp(), config)
+  towers = fit.TowersModel(mlp(), config)
   towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
   towers.fit(_data(), epochs=2, verbose=0,
              callbacks=[keras.callbacks.ModelCheckpoint(path)])
@@ -400,7 +401,7 @@ def _train_mobilenet_in_stages(images, labels):
     config = deploy.DeploymentConfig(clone_on_cpu=True, **layout)
     with tf.device(config.variables_device()):
       model = _mobilenet()
-    towers = deploy.TowersModel(model, config)
+    towers = fit.TowersModel(model, config)
     towers.compile(optimizer=keras.optimizers.SGD(0.01),
                    loss=keras.losses.SparseCategoricalCrossentropy())
     graph = towers.towers.traced_step(images[:8], (labels[:8],)).graph

@@ -11,7 +11,7 @@ validation data and compiled metrics. It follows Keras's guide
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   with config.variables_scope():
     model = build_my_functional_model()
-  towers = deploy.TowersModel(model, config)
+  towers = fit.TowersModel(model, config)
   towers.compile(optimizer='adam', loss=..., metrics=['accuracy'])
   towers.fit(train_ds, validation_data=test_ds, epochs=3)
 
@@ -35,10 +35,12 @@ How it differs from a plain Keras model:
     exports it; `predict` before `compile` runs it on one device.
 
 Across workers (`workers=`, from `tfmulti.distribute.workers.start()`,
-the same script on every worker): every worker reads the same global
-batches (the same data, the same seed; checked each step, one line if
-not) and trains on its rows of each (`rows.worker_part`); the workers'
-gradients meet in the strategy's all-reduce, one update. The metrics
+the same script on every worker; `across_workers`): every worker reads
+the same global batches (the same data, the same seed; checked each step,
+one line if not) and trains on its rows of each (`rows.worker_part`); the
+workers' gradients meet in the strategy's all-reduce, one update. It runs
+the step options the command line's `--strategy=multi_worker` runs, and
+refuses the others in one line (`train.registry`). The metrics
 `fit` logs are computed on every
 worker from the whole batch's outputs (gathered), so they equal one
 process's and every worker's; validation and `evaluate` split each batch
@@ -54,7 +56,7 @@ status 1), not TensorFlow's traceback.
 
 A `keras.callbacks.BackupAndRestore` among `fit`'s callbacks makes the run
 preemptible, exactly: a signal saves the step, the next run resumes at it
-(`fit_backup`), in one process or across workers.
+(`fit.backup`), in one process or across workers.
 """
 
 import contextlib
@@ -68,13 +70,13 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import keras_internals
-from tfmulti import layouts
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
-from tfmulti.deploy import fit_backup
 from tfmulti.deploy import towers as towers_lib
-from tfmulti.deploy import towers_in_strategy
+from tfmulti.fit import across_workers
+from tfmulti.fit import backup as backup_lib
+from tfmulti.train import registry
 
 
 class TowersModel(keras.Model):
@@ -103,7 +105,7 @@ class TowersModel(keras.Model):
         one, Keras shuffles arrays by each process's own generators: across
         workers, seed them alike (`keras.utils.set_random_seed`) on every
         worker; workers fed other batches stop at the step with one line
-        (`towers_in_strategy.step_on_workers`).
+        (`across_workers.step_on_workers`).
       **fields: `StepOptions` fields that replace those of `options`.
 
     Raises:
@@ -112,11 +114,15 @@ class TowersModel(keras.Model):
     """
     _check_no_strategy()
     towers_lib.check_model(model)
-    strategy = workers.strategy if workers is not None else None
-    towers_in_strategy.check_workers(strategy, config, model)
+    if workers is not None and workers.strategy is None:
+      workers = None  # `workers.start()` in one process.
+    across_workers.check_workers(workers and workers.strategy, config, model)
     options = dataclasses.replace(options or step_options.StepOptions(),
                                   **fields)
-    towers_lib.check_options(config, options)
+    # The command line's gate: what its towers (on every worker) run.
+    registry.check_options(
+        registry.MULTI_WORKER if workers else registry.TOWERS, options,
+        config)
     super().__init__(name=f'towers_{model.name}')
     self.model = model
     # Keras names the losses and metrics of a list of outputs by these, as
@@ -125,12 +131,12 @@ class TowersModel(keras.Model):
     self.config = config
     self.options = options
     self.workers = workers
-    self.strategy = strategy
     self.shuffle_seed = shuffle_seed
-    self._backup = None  # A `fit_backup.Backup` while a fit runs with one.
+    self._backup = None  # A `backup.Backup` while a fit runs with one.
     self._to_pass = 0  # Steps of a resumed epoch to pass over.
     self._passed = False  # Whether the last step was passed over.
     self.towers = None
+    self._steps = None  # `across_workers.Local` or `AcrossWorkers`.
     self._compile_args = {}
     self.built = True  # Its weights are the built model's.
 
@@ -163,6 +169,8 @@ class TowersModel(keras.Model):
       self.towers = towers_lib.deploy(self.config, self.model,
                                       _CompiledLoss(self), self.optimizer,
                                       self.options)
+    self._steps = (across_workers.AcrossWorkers(self.towers, self.workers)
+                   if self.workers else across_workers.Local(self.towers))
     self._full_rows = 0  # The most rows a batch had: fewer is a last one.
 
   def train_step(self, data):
@@ -181,10 +189,7 @@ class TowersModel(keras.Model):
     targets = _targets(labels, sample_weight)
     rows_ = rows.batch_rows(images, targets)
     self._full_rows = max(self._full_rows, rows_)
-    mine = (images, targets)  # This worker's rows of the global batch.
-    if self.strategy is not None:
-      mine = rows.worker_part(mine, worker=self.config.worker_index,
-                              num_workers=self.config.num_workers)
+    mine = self._steps.mine((images, targets))  # This worker's rows.
     self.towers.measure_shares(*mine)
     layout = self.towers.layout_for(*mine, partial=rows_ < self._full_rows)
     return self._train_function(*mine, layout, (images, targets))
@@ -196,13 +201,7 @@ class TowersModel(keras.Model):
     record of Python ints: one trace per layout, as the towers' own step.
     `whole`: the whole global batch (images, targets), which the workers
     check they share, and whose targets the metrics read."""
-    if self.strategy is None:
-      result = self.towers.step_graph(images, targets, layout,
-                                      with_outputs=True)
-      total, outputs = result.total, result.outputs
-    else:
-      total, outputs = towers_in_strategy.step_on_workers(
-          self.strategy, self.towers, images, targets, layout, whole)
+    total, outputs = self._steps.train(images, targets, layout, whole)
     all_targets = whole[1]
     labels, sample_weight = (*all_targets, None)[:2]
     keras_internals.loss_tracker(self).update_state(
@@ -225,13 +224,7 @@ class TowersModel(keras.Model):
     """The towers' inference and Keras's evaluation loss and metrics of it,
     one compiled call a batch. Across workers each runs its rows and the
     outputs are gathered, so every worker's metrics are the batch's."""
-    if self.strategy is None:
-      outputs, regularization = self.towers.evaluate_outputs(images)
-    else:
-      outputs, regularization = towers_in_strategy.evaluate_on_workers(
-          self.strategy, self.towers, images,
-          worker=self.config.worker_index,
-          num_workers=self.config.num_workers)
+    outputs, regularization = self._steps.evaluate(images)
     loss, output_losses = _CompiledLoss(self).with_output_losses(
         _targets(labels, sample_weight), outputs)
     keras_internals.track_output_losses(self, output_losses)
@@ -269,15 +262,15 @@ class TowersModel(keras.Model):
     arguments = _FIT.bind(self, *args, **kwargs).arguments
     del arguments['self']
     arguments.update(arguments.pop('kwargs', {}))
-    if self.strategy is not None:
-      _check_input(arguments, self.config.num_workers)
+    if self._steps is not None:
+      self._steps.check_input(arguments)
     self._check_batches(arguments)
     callbacks = list(arguments.get('callbacks') or ())
     originals = [c for c in callbacks
                  if isinstance(c, keras.callbacks.BackupAndRestore)]
     if originals:
-      self._backup = fit_backup.Backup(
-          originals[0], **fit_backup.fed(arguments, originals[0].backup_dir,
+      self._backup = backup_lib.Backup(
+          originals[0], **backup_lib.fed(arguments, originals[0].backup_dir,
                                          seed=self.shuffle_seed),
           is_chief=self.config.worker_index == 0,
           agreed_stop=self.workers and self.workers.agreed_stop())
@@ -288,9 +281,10 @@ class TowersModel(keras.Model):
       callbacks = [c for c in callbacks if not isinstance(c, _CHIEF_WRITES)]
     arguments['callbacks'] = callbacks
     try:
-      with self._lost_peers_as_errors():
+      with self._steps.guard(
+          lambda: int(self.optimizer.iterations.value.numpy()) + 1):
         return super().fit(**arguments)
-    except fit_backup.Preempted as e:
+    except backup_lib.Preempted as e:
       logging.warning('%s: the job saved it in %s; run the same script '
                       'again to resume.', e, self._backup.directory)
       sys.exit(e.stop.exit_code)
@@ -312,29 +306,16 @@ class TowersModel(keras.Model):
     step: a last batch the layout refuses (not whole atoms, clones in
     lockstep) would otherwise stop `fit` after a whole epoch."""
     x = arguments.get('x')
-    if self.towers is None or not fit_backup.are_arrays(x):
+    if self.towers is None or not backup_lib.are_arrays(x):
       return
-    _, full, last = _fit_batches(arguments)
+    _, full, last = across_workers.fit_batches(arguments)
     for batch, partial in ((full, False), (last, 0 < last < full)):
       if batch:
         self.towers.layout_for_rows(batch // self.config.num_workers,
                                     partial)
 
-  @contextlib.contextmanager
-  def _lost_peers_as_errors(self):
-    """Across workers, a collective that failed for want of a peer, or
-    workers that read different batches, becomes one `errors.ClusterError`
-    line."""
-    if self.workers is None:
-      yield
-      return
-    with self.workers.lost_peers_as_errors(), (
-        towers_in_strategy.batches_agreed(
-            lambda: int(self.optimizer.iterations.value.numpy()) + 1)):
-      yield
-
   def _workers_scope(self):
-    return (self.strategy.scope() if self.strategy is not None
+    return (self.workers.scope() if self.workers is not None
             else contextlib.nullcontext())
 
 
@@ -343,39 +324,6 @@ _FIT = inspect.signature(keras.Model.fit)
 # backup's writes are its own: every worker reads it).
 _CHIEF_WRITES = (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard,
                  keras.callbacks.CSVLogger)
-
-
-def _check_input(arguments, num_workers):
-  """Refuses, before training, an input the workers cannot share: one of
-  unknown length without `steps_per_epoch` (a worker whose epoch ended
-  first would leave the others in a collective), or arrays whose batches
-  (the last one too) do not split evenly over the workers."""
-  x, steps_per_epoch = arguments.get('x'), arguments.get('steps_per_epoch')
-  if isinstance(x, tf.data.Dataset):
-    known = int(x.cardinality()) >= 0
-  else:
-    known = x is None or hasattr(x, 'shape') or isinstance(
-        x, (list, tuple, dict))
-  if not known and steps_per_epoch is None:
-    raise errors.ConfigError(
-        f'fit across workers on {type(x).__name__} input of unknown length: '
-        'every worker must take as many steps; pass steps_per_epoch.')
-  if x is None or not known or isinstance(x, tf.data.Dataset):
-    return
-  trained, *full_and_last = _fit_batches(arguments)
-  for batch in full_and_last:
-    layouts.check_worker_split(
-        batch, num_workers, f' (fit with batch_size='
-        f'{arguments.get("batch_size") or 32} on {trained} rows)')
-
-
-def _fit_batches(arguments):
-  """(rows trained, the full batch's, the last batch's) of `fit` on its
-  array input (`layouts.fit_batches`, with Keras's defaults)."""
-  return layouts.fit_batches(
-      tf.nest.flatten(arguments.get('x'))[0].shape[0],
-      arguments.get('batch_size') or 32,
-      arguments.get('validation_split', 0.0))
 
 
 class _CompiledLoss:
