@@ -41,6 +41,14 @@ _REPRODUCIBLE_ROWS = flags.DEFINE_integer(
 _VARIABLES_DEVICE = flags.DEFINE_string(
     'variables_device', None, "Where each worker keeps its variables: its "
     "CPU (unset) or 'spread' over its clones by bytes.")
+_ACCUMULATION_STEPS = flags.DEFINE_integer(
+    'accumulation_steps', 1, 'Accumulation steps a global batch (one '
+    'update).')
+_BATCH_NORM = flags.DEFINE_bool(
+    'batch_norm', False, 'Put a BatchNormalization after the convolution.')
+_BATCH_NORM_POLICY = flags.DEFINE_enum(
+    'batch_norm_policy', 'clone_0', ['clone_0', 'mean', 'full_batch'],
+    "Which moving statistics a worker's clones keep.")
 _PLAIN = flags.DEFINE_bool('plain', False, 'Train with plain Keras fit on '
                            'one device instead: the reference.')
 _BACKUP_DIR = flags.DEFINE_string(
@@ -63,6 +71,8 @@ def digits():
 def make_model():
   inputs = keras.Input((8, 8, 1))
   x = keras.layers.Conv2D(16, 3, activation='relu')(inputs)
+  if _BATCH_NORM.value:
+    x = keras.layers.BatchNormalization(name='batch_norm')(x)
   x = keras.layers.Flatten()(x)
   x = keras.layers.Dense(32, activation='relu')(x)
   return keras.Model(inputs, keras.layers.Dense(10)(x), name='digits_cnn')
@@ -81,7 +91,9 @@ def fit(model_dir, epochs, callbacks=()):
     model = make_model()
   trained = model if _PLAIN.value else TowersModel(
       model, config, workers=workers,
-      reproducible_rows=_REPRODUCIBLE_ROWS.value)
+      reproducible_rows=_REPRODUCIBLE_ROWS.value,
+      accumulation_steps=_ACCUMULATION_STEPS.value,
+      batch_norm_policy=_BATCH_NORM_POLICY.value)
   callbacks = [keras.callbacks.CSVLogger(
       os.path.join(model_dir, 'history.csv')), *callbacks]
   if _BACKUP_DIR.value:

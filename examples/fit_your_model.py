@@ -56,7 +56,7 @@ def digits():
 def train(model_dir, epochs):
   """Fits MobileNetV2 over the towers; returns (towers, history)."""
   config = deploy.DeploymentConfig(num_clones=_NUM_CLONES, clone_on_cpu=True)
-  with tf.device(config.variables_device()):  # Variables on CPU:0.
+  with tf.device(config.optimizer_variables_device()):  # CPU:0 here.
     keras.utils.set_random_seed(0)
     model = keras.applications.MobileNetV2(
         weights=None, input_shape=(_SIDE, _SIDE, 3), classes=10, alpha=0.35)

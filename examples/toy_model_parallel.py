@@ -33,7 +33,7 @@ def toy_model():
 
 def train(config, steps=5, microbatches=1):
   """Trains `toy_model` over `config`; returns the step losses."""
-  with tf.device(config.variables_device()):
+  with tf.device(config.optimizer_variables_device()):
     model = toy_model()
     optimizer = keras.optimizers.SGD(0.001)
   # Stage 1 starts at net2: net1 and the ReLU run on stage 0's device.

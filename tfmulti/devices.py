@@ -239,7 +239,7 @@ def check_placement(variables, allowed):
     raise errors.DeviceError(
         f'variable {path!r} (on {where}){others} not on {where_wanted}; '
         'create the model in config.variables_scope() and the optimizer '
-        'under tf.device(config.optimizer_device()).')
+        'under tf.device(config.optimizer_variables_device()).')
 
 
 def same_kernels_everywhere():

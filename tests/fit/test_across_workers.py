@@ -129,6 +129,31 @@ def test_the_workers_must_match_the_config_and_hold_the_model():
     fit.TowersModel(mlp(), two, workers=workers)
 
 
+@pytest.mark.parametrize('option, message', [
+    (dict(num_microbatches=2), "num_microbatches=2 is not available with "
+     "strategy='multi_worker'; use --strategy=towers"),
+    (dict(clone_shares=(3, 1)), r"clone_shares=\(3, 1\) is not available "
+     "with strategy='multi_worker'"),
+    (dict(gradient_packs='auto'), "gradient_packs='auto' is not available "
+     "with strategy='multi_worker'"),
+    (dict(accumulation_steps=2, summarize_gradients=True),
+     'summarize_gradients=True: fit writes no gradient summaries'),
+])
+def test_fit_across_workers_refuses_what_the_command_line_refuses(
+    option, message):
+  """The command line's gate for --strategy=multi_worker, in one line,
+  before anything is built."""
+  stand_in = _stand_in(deploy.DeploymentConfig(num_clones=2,
+                                               clone_on_cpu=True))
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
+                                   replica_id=0, num_replicas=2)
+  with stand_in.scope():
+    model = mlp()
+  with pytest.raises(errors.UserError, match=message) as refused:
+    fit.TowersModel(model, config, workers=stand_in, **option)
+  assert '\n' not in str(refused.value)
+
+
 def test_fit_across_workers_refuses_input_the_workers_cannot_share():
   config = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=0,
                                    num_replicas=2)
@@ -321,11 +346,15 @@ def test_fit_across_two_workers_trains_as_plain_fit_on_one_device(tmp_path):
 
 
 @pytest.mark.slow
-def test_fit_across_workers_with_atoms_trains_one_process_bits(tmp_path):
+@pytest.mark.parametrize('options', [(), ('--accumulation_steps=2',)])
+def test_fit_across_workers_with_atoms_trains_one_process_bits(tmp_path,
+                                                               options):
+  """Reproducible rows (and accumulation steps, each step option fit runs
+  across workers): 2 workers end with one process's bits."""
   _, (one,) = _run(tmp_path / 'one', '--num_clones=2',
-                   '--reproducible_rows=8')
+                   '--reproducible_rows=8', *options)
   _, histories = _run(tmp_path / 'workers', '--reproducible_rows=8',
-                      workers=2)
+                      *options, workers=2)
   assert histories == [one, one]
   for got, want in zip(_weights(tmp_path / 'workers'),
                        _weights(tmp_path / 'one')):
@@ -351,6 +380,29 @@ def test_fit_across_workers_with_spread_variables_trains_central_bits(
   for got, want in zip(_weights(tmp_path / 'spread'),
                        _weights(tmp_path / 'central')):
     np.testing.assert_array_equal(got, want)
+
+@pytest.mark.slow
+def test_a_batch_norm_policy_across_workers_changes_only_the_statistics(
+    tmp_path):
+  """batch_norm_policy=mean on 2 workers x 2 clones: the trainable weights
+  of clone 0's policy bit for bit (a training step normalises by the batch,
+  not the moving statistics), and other moving statistics."""
+  flags = ('--num_clones=2', '--batch_norm', '--epochs=1')
+  _run(tmp_path / 'clone_0', *flags, workers=2)
+  _run(tmp_path / 'mean', *flags, '--batch_norm_policy=mean', workers=2)
+  with h5py.File(tmp_path / 'clone_0' / 'final.weights.h5') as f:
+    paths = []
+    f.visititems(lambda name, item: paths.append(name) if isinstance(
+        item, h5py.Dataset) else None)
+  moving = [i for i, path in enumerate(paths) if 'batch_norm' in path]
+  assert len(moving) == 4  # gamma, beta, moving mean and variance.
+  got, want = _weights(tmp_path / 'mean'), _weights(tmp_path / 'clone_0')
+  for i, (a, b) in enumerate(zip(got, want)):
+    if i in moving[2:]:
+      assert not np.array_equal(a, b), paths[i]
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=paths[i])
+
 
 def test_each_epoch_of_arrays_is_rebuilt_alone_in_its_order():
   arrays = (np.arange(10, dtype=np.float32), np.arange(10) * 10)

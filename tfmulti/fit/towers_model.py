@@ -123,6 +123,11 @@ class TowersModel(keras.Model):
     registry.check_options(
         registry.MULTI_WORKER if workers else registry.TOWERS, options,
         config)
+    if options.summarize_gradients:  # The step's gradients reach no file.
+      raise errors.UnsupportedError(
+          'summarize_gradients=True: fit writes no gradient summaries (the '
+          "command line's --summarize_gradients does); drop it, or log the "
+          'weights with keras.callbacks.TensorBoard(histogram_freq=1).')
     super().__init__(name=f'towers_{model.name}')
     self.model = model
     # Keras names the losses and metrics of a list of outputs by these, as
