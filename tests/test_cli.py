@@ -1,6 +1,7 @@
 """End-to-end tests of the command line: models, datasets, signals, flags."""
 
 import json
+import math
 import random
 import re
 import signal
@@ -48,6 +49,29 @@ def test_each_model_trains(run_train, model, num_clones):
                              ('model/', 'optimizer/_trainable_variables/'))
   assert sum(value.size for value in saved.values()) == models.get_model(
       model, input_shape=(28, 28, 1), num_classes=10).count_params()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('schedule, virtual_stages', [
+    ('1f1b', 1), ('gpipe', 1), ('zb_h1', 1), ('interleaved_1f1b', 2)])
+def test_every_pipeline_schedule_trains_through_the_command_line(
+    run_train, caplog, schedule, virtual_stages):
+  """2 clones x 2 stages x 4 micro-batches under each schedule; the log
+  places each stage (each chunk: 4 under interleaved 1F1B, chunk c of
+  clone i on stage device c mod 2 of that clone)."""
+  with caplog.at_level('INFO', logger='absl'):
+    metrics = run_train(num_clones=2, num_stages=2, num_microbatches=4,
+                        pipeline_schedule=schedule,
+                        virtual_stages=virtual_stages, batch_size=8)
+  assert (metrics['steps'], metrics['num_stages'],
+          metrics['num_microbatches']) == (2, 2, 4)
+  assert math.isfinite(metrics['train_loss'])
+  placed = re.findall(r"stage (\d+): from layer '\w+', on \[(.*)\]",
+                      caplog.text)
+  assert [int(s) for s, _ in placed] == list(range(2 * virtual_stages))
+  for chunk, devices_ in placed:
+    assert devices_ == (f"'/device:CPU:{int(chunk) % 2}', "
+                        f"'/device:CPU:{2 + int(chunk) % 2}'")
 
 
 @pytest.mark.parametrize('dataset, num_clones', [
