@@ -27,6 +27,7 @@ from tfmulti.deploy import packs as packs_lib
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy.clones import on_clone
 from tfmulti.deploy.clones import values_of
+from tfmulti.pipeline import stages as stages_lib
 
 
 class WholeClones:
@@ -156,8 +157,8 @@ class StagedClones:
 
   def infer(self, clone_index, images, variables):
     """As `WholeClones.infer`, through the clone's stages."""
-    return self.stages.predict(self._devices(clone_index), images,
-                               *variables)
+    return stages_lib.predict(self.stages, self._devices(clone_index),
+                              images, *variables)
 
   def probe(self, clone_index, images, labels, layout):
     """As `WholeClones.probe`, through the clone's stages."""

@@ -329,46 +329,7 @@ class Stages:
     for s, kind, m in schedules.build_order(per_device, len(self.stages)):
       d = s % num_devices  # Its passes chained per device, not per stage.
       ends[d] = run[kind](s, m, devices, context, flights[m], ends[d])
-    return self._clone_results(devices, context, flights, len(trainable))
-
-  def _clone_results(self, devices, context, flights, num_trainable):
-    """`clone_step`'s results from its micro-batches' flights."""
-    last = len(self.stages) - 1
-    losses, regularizations = [], []
-    for flight in flights:
-      loss = flight.kept[last].results[-1].loss
-      with tf.device(devices[last]):
-        # One sum over every layer's regularization (the stages' tapes
-        # take theirs apart), the same whatever the cut.
-        kept = [result.losses for s in range(last + 1)
-                for result in flight.kept[s].results]
-        regularization = trainer.penalty(
-            [x for _, penalties in kept for x in penalties], flight.weight,
-            loss.dtype) + trainer.model_loss(
-                [x for model_losses, _ in kept for x in model_losses],
-                flight.rows, context.global_rows, loss.dtype)
-      losses.append(loss + regularization)
-      regularizations.append(regularization)
-    # Summed over micro-batches on each stage's device; with atoms (each
-    # micro-batch one atom), stacked there instead, for the step's fold.
-    combine = tf.stack if self.options.reproducible_rows else tf.add_n
-    gradients = [None] * num_trainable
-    for s, stage in enumerate(self.stages):
-      with tf.device(devices[s]), tf.name_scope(f'stage_{s}_sum'):
-        for index in stage.trainable:
-          grads = [f.grads[index] for f in flights
-                   if f.grads.get(index) is not None]
-          if grads:
-            gradients[index] = combine(grads)
-    with tf.device(devices[-1]):
-      loss = combine(losses)
-      output = tf.nest.map_structure(
-          lambda *parts: tf.concat(parts, axis=0),
-          *(keras_internals.pack_outputs(
-              self.model, [f.kept[last].values[k] for k in self.output_keys])
-            for f in flights))
-    return (output, loss, tf.add_n(regularizations), gradients,
-            [f.new_non_trainable for f in flights])
+    return _clone_results(self, devices, context, flights, len(trainable))
 
   def _scope(self, context, m, s, suffix=''):
     """The absolute name scope of micro-batch m's pass on stage s (passes
@@ -481,26 +442,67 @@ class Stages:
     flight.pending[s] = None
     return made
 
-  def predict(self, devices, images, trainable, non_trainable):
-    """Inference through the stages on `devices`: (outputs, the layers'
-    add_loss terms, their weight penalties)."""
-    values = dict(zip(self.input_keys,
-                      keras_internals.flat_inputs(self.model, images)))
-    model_losses, penalties = [], []
-    for s, stage in enumerate(self.stages):
-      with tf.device(devices[s]):
-        outputs, _, losses = stage.model.stateless_call(
-            [trainable[i] for i in stage.trainable],
-            [non_trainable[i] for i in stage.non_trainable],
-            [values[k] for k in stage.input_keys], training=False,
-            return_losses=True)
-        values.update(zip(stage.output_keys, keras.tree.flatten(outputs)))
-        adds, weights = keras_internals.split_losses(stage.model, losses)
-        model_losses += adds
-        penalties += weights
-    return (keras_internals.pack_outputs(
-        self.model, [values[k] for k in self.output_keys]), model_losses,
-            penalties)
+
+def predict(stages, devices, images, trainable, non_trainable):
+  """Inference through `stages` (a `Stages`) on `devices`: (outputs, the
+  layers' add_loss terms, their weight penalties)."""
+  values = dict(zip(stages.input_keys,
+                    keras_internals.flat_inputs(stages.model, images)))
+  model_losses, penalties = [], []
+  for s, stage in enumerate(stages.stages):
+    with tf.device(devices[s]):
+      outputs, _, losses = stage.model.stateless_call(
+          [trainable[i] for i in stage.trainable],
+          [non_trainable[i] for i in stage.non_trainable],
+          [values[k] for k in stage.input_keys], training=False,
+          return_losses=True)
+      values.update(zip(stage.output_keys, keras.tree.flatten(outputs)))
+      adds, weights = keras_internals.split_losses(stage.model, losses)
+      model_losses += adds
+      penalties += weights
+  return (keras_internals.pack_outputs(
+      stages.model, [values[k] for k in stages.output_keys]), model_losses,
+          penalties)
+
+
+def _clone_results(stages, devices, context, flights, num_trainable):
+  """`Stages.clone_step`'s results from its micro-batches' flights."""
+  last = len(stages.stages) - 1
+  losses, regularizations = [], []
+  for flight in flights:
+    loss = flight.kept[last].results[-1].loss
+    with tf.device(devices[last]):
+      # One sum over every layer's regularization (the stages' tapes
+      # take theirs apart), the same whatever the cut.
+      kept = [result.losses for s in range(last + 1)
+              for result in flight.kept[s].results]
+      regularization = trainer.penalty(
+          [x for _, penalties in kept for x in penalties], flight.weight,
+          loss.dtype) + trainer.model_loss(
+              [x for model_losses, _ in kept for x in model_losses],
+              flight.rows, context.global_rows, loss.dtype)
+    losses.append(loss + regularization)
+    regularizations.append(regularization)
+  # Summed over micro-batches on each stage's device; with atoms (each
+  # micro-batch one atom), stacked there instead, for the step's fold.
+  combine = tf.stack if stages.options.reproducible_rows else tf.add_n
+  gradients = [None] * num_trainable
+  for s, stage in enumerate(stages.stages):
+    with tf.device(devices[s]), tf.name_scope(f'stage_{s}_sum'):
+      for index in stage.trainable:
+        grads = [f.grads[index] for f in flights
+                 if f.grads.get(index) is not None]
+        if grads:
+          gradients[index] = combine(grads)
+  with tf.device(devices[-1]):
+    loss = combine(losses)
+    output = tf.nest.map_structure(
+        lambda *parts: tf.concat(parts, axis=0),
+        *(keras_internals.pack_outputs(
+            stages.model, [f.kept[last].values[k] for k in stages.output_keys])
+          for f in flights))
+  return (output, loss, tf.add_n(regularizations), gradients,
+          [f.new_non_trainable for f in flights])
 
 
 def _gate(tensors, after, name='pass_gate'):

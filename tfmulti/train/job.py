@@ -17,7 +17,6 @@ import keras
 import tensorflow as tf
 
 from tfmulti import data
-from tfmulti import devices
 from tfmulti import errors
 from tfmulti import layouts
 from tfmulti.deploy import xla_rule
@@ -184,49 +183,25 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
   with run_dir.claimed(config.model_dir, lock=chief):
     workers = _start_workers(config, deploy_config, path, cluster_info)
     _log_deployment(config, deploy_config, path)
-    if config.step_options.reproducible_rows:
-      devices.same_kernels_everywhere()
-    elif config.deterministic:
+    if config.deterministic:  # reproducible_rows: `deploy()` sets its own.
       tf.config.experimental.enable_op_determinism()
     dataset = data_override or _load(config, deploy_config)
-    # Seeded after the data: preparing a data set the first time draws from
-    # the global generators, and the weights must not depend on whether
-    # this run prepared it.
+    # Seeded after the data (preparing it draws from the global generators).
     keras.utils.set_random_seed(config.seed)
-    batch = global_batch_size(config, deploy_config)
-    total_steps = config.train_steps or (
-        config.epochs * (dataset.train_examples // batch))
-    _check_profile_steps(config.profile_steps, total_steps)
-    if 'xla' in path.honours:  # The towers'.
-      config = dataclasses.replace(config, step_options=xla_rule.resolve(
-          deploy_config, config.step_options))
-    schedule = build.make_schedule(
-        config, deploy_config.num_clones * deploy_config.num_workers,
-        total_steps)
-    trainer = trainer_override or path.build(registry.Setup(
-        config, deploy_config, build.model_and_optimizer(
-            config, deploy_config, input_shape=dataset.input_shape,
-            num_classes=dataset.num_classes, learning_rate=schedule),
-        build.make_loss(), workers))
-    settings = _settings(config, deploy_config, total_steps)
-    if chief:  # Recorded once the trainer exists: a refused build (a bad
-      # cut, a strategy that cannot train the model) leaves no record.
-      run_dir.check_job(
-          config.model_dir, _job(config, deploy_config, dataset), settings,
-          resuming=bool(checkpoints.numbered_checkpoints(config.model_dir)))
-    if workers is not None:  # Before the first collective step.
-      cluster.check_agreement(workers, dict(
-          _job(config, deploy_config, dataset), total_steps=total_steps))
-    logging.info('%s: %d parameters; %s: %d train, %d test examples; %d '
-                 'steps of %d', config.model, trainer.model.count_params(),
-                 config.dataset, dataset.train_examples,
-                 dataset.test_examples, total_steps, batch)
+    plan = _plan(config, deploy_config, path, dataset)
+    config = plan.config
+    trainer = trainer_override or _build(plan, deploy_config, path,
+                                         dataset, workers)
+    settings = _settings(config, deploy_config, plan.total_steps)
+    _record_start(plan, deploy_config, dataset, settings,
+                  chief=chief, workers=workers)
+    _log_job(plan, deploy_config, trainer, dataset)
     out_dir = cluster.output_dir(config.model_dir, cluster_info)
     try:
       with cluster.lost_peers_as_errors(cluster_info):
         result = _train_into(config, deploy_config, started, _run(
-            config, deploy_config, trainer, dataset, schedule, total_steps,
-            out_dir, cluster_info), settings=settings if chief else None)
+            plan, deploy_config, trainer, dataset, out_dir, cluster_info),
+                             settings=settings if chief else None)
     finally:
       cluster.remove_output_dir(out_dir, config.model_dir)
     logging.info('final weights sha256 %s (every worker of a job logs the '
@@ -234,6 +209,63 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     if chief:
       return _record(config, trainer, result)
   return result
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What the job trains, worked out before the trainer is built: the
+  config (its `xla` resolved), the steps and the learning-rate schedule."""
+  config: object
+  total_steps: int
+  schedule: object
+
+
+def _plan(config, deploy_config, path, dataset):
+  """The `_Plan` of this job on `dataset`."""
+  total_steps = config.train_steps or (
+      config.epochs * (dataset.train_examples //
+                       global_batch_size(config, deploy_config)))
+  _check_profile_steps(config.profile_steps, total_steps)
+  if 'xla' in path.honours:  # The towers': recorded as it will run.
+    config = dataclasses.replace(config, step_options=xla_rule.resolve(
+        deploy_config, config.step_options))
+  return _Plan(config, total_steps, build.make_schedule(
+      config, deploy_config.num_clones * deploy_config.num_workers,
+      total_steps))
+
+
+def _build(plan, deploy_config, path, dataset, workers):
+  """The trainer of `path` (a `registry.StrategyBuilder`) for the plan."""
+  config = plan.config
+  return path.build(registry.Setup(
+      config, deploy_config, build.model_and_optimizer(
+          config, deploy_config, input_shape=dataset.input_shape,
+          num_classes=dataset.num_classes, learning_rate=plan.schedule),
+      build.make_loss(), workers))
+
+
+def _log_job(plan, deploy_config, trainer, dataset):
+  config = plan.config
+  logging.info('%s: %d parameters; %s: %d train, %d test examples; %d '
+               'steps of %d', config.model, trainer.model.count_params(),
+               config.dataset, dataset.train_examples, dataset.test_examples,
+               plan.total_steps, global_batch_size(config, deploy_config))
+
+
+def _record_start(plan, deploy_config, dataset, settings, *, chief,
+                  workers):
+  """Once the trainer exists (a refused build, a bad cut or a strategy
+  that cannot train the model, leaves no record): the chief records the
+  job, and the workers agree they run the same one before the first
+  collective step."""
+  config = plan.config
+  if chief:
+    run_dir.check_job(
+        config.model_dir, _job(config, deploy_config, dataset), settings,
+        resuming=bool(checkpoints.numbered_checkpoints(config.model_dir)))
+  if workers is not None:
+    cluster.check_agreement(workers, dict(
+        _job(config, deploy_config, dataset), total_steps=plan.total_steps))
 
 
 def _check_profile_steps(profile_steps, total_steps):
@@ -260,21 +292,20 @@ def _record(config, trainer, result):
   return result
 
 
-def _run(config, deploy_config, trainer, dataset, schedule, total_steps,
-         out_dir, cluster_info):
+def _run(plan, deploy_config, trainer, dataset, out_dir, cluster_info):
   """The loop's `Run`: it saves into `out_dir` and restores from the
   model_dir (the chief's, in a multi-worker job, whose workers stop after
   the same step)."""
-  device = deploy_config.summaries_device()
+  config, device = plan.config, deploy_config.summaries_device()
   return loop.Run(
       trainer=trainer, dataset=dataset, loss_fn=build.make_loss(),
-      schedule=schedule, checkpointer=checkpoints.Checkpointer(
+      schedule=plan.schedule, checkpointer=checkpoints.Checkpointer(
           out_dir, model=trainer.model, optimizer=trainer.optimizer,
           max_to_keep=config.keep_checkpoints, device=device,
           restore_directory=config.model_dir),
       summaries=summaries.Summaries(out_dir, device=device),
       global_batch_size=global_batch_size(config, deploy_config),
-      total_steps=total_steps, log_every_steps=config.log_every_steps,
+      total_steps=plan.total_steps, log_every_steps=config.log_every_steps,
       checkpoint_steps=config.checkpoint_steps,
       profile_steps=config.profile_steps, profile_dir=out_dir,
       agreed_stop=cluster_info and preemption.AgreedStop(
