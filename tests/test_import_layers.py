@@ -93,7 +93,7 @@ def test_the_layers_are_read_from_the_real_imports():
 # reads Keras or cuts tensors, then the trainer contract, then the piece
 # body every path runs.
 GROUND = {'errors': 0, 'layouts': 1, 'native_logs': 1, 'stops': 1,
-          'digits': 1, 'step_options': 2, 'devices': 2,
+          'digits': 1, 'tf_config': 1, 'step_options': 2, 'devices': 2,
           'keras_internals': 3, 'rows': 3, 'trainer': 4, 'pieces': 5}
 
 

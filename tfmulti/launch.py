@@ -23,7 +23,6 @@ The launcher imports no TensorFlow: it only starts, watches and stops.
 import argparse
 import ctypes
 import dataclasses
-import json
 import os
 import signal
 import socket
@@ -36,6 +35,7 @@ from absl import flags
 from absl import logging
 
 from tfmulti import errors
+from tfmulti import tf_config
 
 PROGRAM = 'python -m tfmulti.launch'
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
@@ -127,12 +127,6 @@ def free_ports(count):
       s.close()
 
 
-def tf_config(ports, index):
-  """The `TF_CONFIG` of worker `index` among loopback `ports`."""
-  return json.dumps({'cluster': {'worker': [f'localhost:{p}' for p in ports]},
-                     'task': {'type': 'worker', 'index': index}})
-
-
 def _die_with_parent():
   """In the child, before exec: SIGKILL when the launcher dies (Linux)."""
   if sys.platform.startswith('linux'):
@@ -171,7 +165,7 @@ def is_stop(returncode, forwarded):
   return forwarded and -returncode in _FORWARDED
 
 
-class Workers:
+class WorkerProcesses:
   """The started worker processes, their log streams and their fate."""
 
   def __init__(self, launch_config, ports):
@@ -181,7 +175,8 @@ class Workers:
     self.signalled = False  # A signal was passed on: they stop themselves.
     self.processes = []
     for index in range(launch_config.num_workers):
-      env = dict(os.environ, TF_CONFIG=tf_config(ports, index),
+      env = dict(os.environ, TF_CONFIG=tf_config.for_worker(
+          [f'localhost:{p}' for p in ports], index),
                  PYTHONUNBUFFERED='1')
       self.processes.append(subprocess.Popen(
           [sys.executable, *launch_config.command], env=env,
@@ -287,7 +282,7 @@ def main(argv=None):
            if launch_config.port else free_ports(launch_config.num_workers))
   logging.info('%d workers on %s', launch_config.num_workers,
                ', '.join(f'localhost:{p}' for p in ports))
-  sys.exit(supervise(Workers(launch_config, ports)))
+  sys.exit(supervise(WorkerProcesses(launch_config, ports)))
 
 
 if __name__ == '__main__':

@@ -30,6 +30,7 @@ from tfmulti import errors
 from tfmulti import fit
 from tfmulti import launch
 from tfmulti import rows
+from tfmulti import tf_config
 from tfmulti.distribute import cluster as cluster_lib
 from tfmulti.distribute import resolvers
 from tfmulti.distribute import workers as workers_lib
@@ -83,7 +84,7 @@ def test_start_in_a_slurm_step_takes_the_command_lines_port(monkeypatch):
   """A `fit` script in a Slurm step gives no port: the first is the one
   the command line's `--port` defaults to."""
   # No MultiWorkerMirroredStrategy in a test process (see the module).
-  monkeypatch.setattr(cluster_lib, 'make_strategy',
+  monkeypatch.setattr(cluster_lib, 'multi_worker_strategy',
                       lambda found, **kwargs: 'strategy')
   monkeypatch.setenv('TF_CONFIG', '')  # `start` writes one; undone after.
   for name, value in {'SLURM_PROCID': '1', 'SLURM_STEP_NUM_TASKS': '2',
@@ -280,7 +281,8 @@ def test_fit_across_workers_names_a_peer_lost_mid_run(tmp_path):
       workers.append(subprocess.Popen(
           [sys.executable, _EXAMPLE, f'--model_dir={tmp_path}',
            '--epochs=100'], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-          env=dict(os.environ, TF_CONFIG=launch.tf_config(ports, index))))
+          env=dict(os.environ, TF_CONFIG=tf_config.for_worker(
+              [f'localhost:{p}' for p in ports], index))))
   deadline = time.monotonic() + _TIMEOUT_S
   while 'Epoch 2/' not in logs[0].read_text():
     assert workers[0].poll() is None, logs[0].read_text()[-3000:]

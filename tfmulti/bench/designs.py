@@ -153,18 +153,22 @@ def peak_memory(variants, devices, steps=3):
   variant stays built, so the resident bytes (all variants' variables
   and slots) are left out: what remains is the step's own (activations,
   gradients, the copies of variables and gradients between devices)."""
+  return {variant.name: step_peak_bytes(
+      lambda variant=variant: _run_steps(variant, steps), devices)
+          for variant in (variants if devices else ())}
+
+
+def step_peak_bytes(run, devices):
+  """{device: bytes}: the most `run()` held on each device above what was
+  resident before it (the one measure every benchmark reports)."""
   memory = tf.config.experimental
-  peaks = {}
-  for variant in variants if devices else ():
-    resident = {}
-    for device in devices:
-      memory.reset_memory_stats(device)
-      resident[device] = memory.get_memory_info(device)['current']
-    _run_steps(variant, steps)
-    peaks[variant.name] = {
-        device: memory.get_memory_info(device)['peak'] - resident[device]
-        for device in devices}
-  return peaks
+  resident = {}
+  for device in devices:
+    memory.reset_memory_stats(device)
+    resident[device] = memory.get_memory_info(device)['current']
+  run()
+  return {device: memory.get_memory_info(device)['peak'] - resident[device]
+          for device in devices}
 
 
 def summarize(rates, first_step, xla, skipped):

@@ -263,15 +263,11 @@ def run(config):
 
 
 def peak_memory(design):
-  """{device: peak bytes} of 3 batches of `design` on each of its stage
-  devices (GPUs: `tf.config.experimental.get_memory_info`)."""
-  towers = design[0]
-  devices_used = towers.config.compute_devices()
-  for device in devices_used:
-    tf.config.experimental.reset_memory_stats(device)
-  _three_batches(design)
-  return {device: tf.config.experimental.get_memory_info(device)['peak']
-          for device in devices_used}
+  """{device: bytes} that 3 batches of `design` held on each of its stage
+  devices above the resident (`bench.step_peak_bytes`, as the design
+  benchmark; GPUs: `tf.config.experimental.get_memory_info`)."""
+  return bench.step_peak_bytes(lambda: _three_batches(design),
+                               design[0].config.compute_devices())
 
 
 def format_report(report):

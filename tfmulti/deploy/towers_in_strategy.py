@@ -73,8 +73,8 @@ def run_clones_in_lockstep(lockstep, body, variables, shards, terms):
 class WorkerTowers(trainer.Trainer):
   """Each worker's towers, with the workers' gradients all-reduced.
 
-  Runs a `deploy.DeployedModel` step in the one replica that a
-  `cluster.make_strategy(one_replica_per_worker=True)` strategy gives each
+  Runs a `deploy.DeployedModel` step in the one replica that
+  `cluster.multi_worker_strategy(one_replica_per_worker=True)` gives each
   worker: the worker's clones run on its devices and their gradients are
   summed on its optimizer device, then Keras's `apply_gradients` all-reduces
   the workers' sums (TF's collective ops) once before the update, which every

@@ -28,13 +28,14 @@ import dataclasses
 from absl import logging
 
 from tfmulti import keras_internals
+from tfmulti import layouts
 from tfmulti import step_options
 
 
 def why_not(config, options):
   """The first reason XLA stays off for `options` on `config`'s clones
   under the rule, or None when it goes on."""
-  if config.num_stages > 1 or options.num_microbatches > 1:
+  if layouts.is_staged(config, options):
     return 'the clones run in stages or micro-batches'
   if options.reproducible_rows:
     return 'reproducible_rows promises the bits of the ops as written'

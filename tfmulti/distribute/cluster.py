@@ -165,7 +165,7 @@ def start_watchdog(cluster, timeout_s):
                            *cluster.peers])
 
 
-def make_strategy(cluster, *, one_replica_per_worker, timeout_s):
+def multi_worker_strategy(cluster, *, one_replica_per_worker, timeout_s):
   """MultiWorkerMirroredStrategy over TF_CONFIG's cluster.
 
   Call it before TensorFlow runs its first op. `one_replica_per_worker`:

@@ -25,10 +25,10 @@ process's environment before the strategy is made.
 """
 
 import itertools
-import json
 import re
 
 from tfmulti import errors
+from tfmulti import tf_config as tf_config_lib
 from tfmulti.distribute import cluster as cluster_lib
 
 AUTO = 'auto'
@@ -82,8 +82,7 @@ def resolve_into(kind, environ, **flags):
 
 def tf_config(cluster):
   """The `TF_CONFIG` value that places this task in `cluster`."""
-  return json.dumps({'cluster': {'worker': list(cluster.workers)},
-                     'task': {'type': 'worker', 'index': cluster.index}})
+  return tf_config_lib.for_worker(cluster.workers, cluster.index)
 
 
 def slurm(environ, port):

@@ -104,5 +104,5 @@ def start(source=resolvers.AUTO, *, port=resolvers.DEFAULT_PORT,
                                  num_workers=num_workers)
   if found is None:
     return Workers(None, None, timeout_s)
-  return Workers(found, cluster_lib.make_strategy(
+  return Workers(found, cluster_lib.multi_worker_strategy(
       found, one_replica_per_worker=True, timeout_s=timeout_s), timeout_s)

@@ -14,15 +14,14 @@ from tfmulti import errors
 
 
 def check_speeds(speeds, num_stages):
-  """Raises `ConfigError` unless `speeds` has one positive factor a stage."""
+  """Raises `ConfigError` unless `speeds` has one factor a stage (each is
+  positive: `StepOptions` checks that)."""
   if speeds is None:
     return
   if len(speeds) != num_stages:
     raise errors.ConfigError(
         f'stage_speeds={",".join(map(str, speeds))}: give one factor per '
         f'stage ({num_stages}), e.g. {",".join(["1"] * num_stages)}.')
-  for speed in speeds:
-    errors.check_positive('stage_speeds', speed)
 
 
 def partition(costs, num_stages, speeds=None):

@@ -88,7 +88,7 @@ def _start_workers(config, deploy_config, path, cluster_info):
     return None
   # The towers place their own clones: one replica (the host) per worker;
   # on CPUs MultiWorkerMirroredStrategy has one replica per worker anyway.
-  return cluster.make_strategy(
+  return cluster.multi_worker_strategy(
       cluster_info, timeout_s=config.peer_timeout_s,
       one_replica_per_worker=(path.one_replica_per_worker
                               or deploy_config.clone_on_cpu))
