@@ -505,10 +505,9 @@ def test_a_preempted_fit_resumes_as_if_never_stopped(
   label = 'SIGTERM' if not workers else f'SIGTERM to worker {signalled}'
   assert log.count(f'{label} at step {saved}: the job saved it') == max(
       workers, 1)
-  position = json.loads((tmp_path / 'run_backup' / 'position.json')
-                        .read_text())
-  assert position == {'epoch': 1, 'steps': saved - 20,
-                      'checkpoint': f'backup-{saved}'}
+  epoch, steps, path = backup.read_position(str(tmp_path / 'run_backup'))
+  assert (epoch, steps, os.path.basename(path)) == (1, saved - 20,
+                                                    f'ckpt-{saved}')
   log = _signalling(tmp_path, 'run', *clones, workers=workers)
   assert log.count(f'epoch 2, {saved - 20} steps done in it') == max(
       workers, 1)

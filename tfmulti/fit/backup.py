@@ -16,16 +16,17 @@ module's `Backup` instead, in the same `backup_dir`:
   `distribute.preemption`) saves, after that step, the weights, the
   optimizer's state and the metrics' state, with the epoch and the steps
   done in it, and the process exits with the signal's status. The chief
-  alone writes; every worker reads. `save_freq` ('epoch' or N steps) saves
+  alone writes, through the command line's checkpoint writer
+  (`train.checkpoints.Writer`: `ckpt-<step>` written whole before the
+  index names it, the newest intact one found by a scan); every worker
+  reads. `save_freq` ('epoch' or N steps) saves
   on the way too; `delete_checkpoint` removes the backup when `fit` ends.
 * The next run restores them and passes over the steps already done
   (their batches read, nothing trained), so it ends with the weights of an
   uninterrupted run: bit for bit with `reproducible_rows`.
 """
 
-import json
 import math
-import os
 import shutil
 
 from absl import logging
@@ -34,20 +35,22 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import stops
+from tfmulti.train import checkpoints
 
-_POSITION = 'position.json'
-_PREFIX = 'backup'
+# Where the backup's checkpoint keeps the epoch and the steps done in it.
+_EPOCH = 'epoch/.ATTRIBUTES/VARIABLE_VALUE'
+_STEPS = 'steps/.ATTRIBUTES/VARIABLE_VALUE'
 
 
 def read_position(directory):
-  """(epoch, steps done in it, checkpoint prefix) of the backup, or None."""
-  path = os.path.join(directory, _POSITION)
-  if not os.path.exists(path):
+  """(epoch, steps done in it, checkpoint path) of the backup's newest
+  intact checkpoint, or None."""
+  found = checkpoints.latest_intact(directory)
+  if found is None:
     return None
-  with open(path) as f:
-    position = json.load(f)
-  return (position['epoch'], position['steps'],
-          os.path.join(directory, position['checkpoint']))
+  reader = tf.train.load_checkpoint(found[1])
+  return (int(reader.get_tensor(_EPOCH)), int(reader.get_tensor(_STEPS)),
+          found[1])
 
 
 def epochs_of_arrays(arrays, *, batch_size, shuffle, seed, first_epoch,
@@ -154,6 +157,10 @@ class Backup(keras.callbacks.Callback):
     self.agreed_stop = agreed_stop
     self.position = read_position(self.directory)
     self.signals = stops.StopSignals()
+    with tf.device('CPU:0'):  # Where the backup's position is kept.
+      self._position = (tf.Variable(0, dtype=tf.int64, trainable=False),
+                        tf.Variable(0, dtype=tf.int64, trainable=False))
+    self._writer = None  # The chief's `checkpoints.Writer`, at a save.
     self._epoch = 0
     self._pending = None  # The position to restore at the first step.
     self._open = False  # Between on_train_begin and close.
@@ -165,7 +172,7 @@ class Backup(keras.callbacks.Callback):
       return 0
     _, steps, prefix = self._pending
     self._pending = None
-    _state(self.model).read(prefix).assert_consumed()
+    self._state().restore(prefix).assert_existing_objects_matched()
     logging.info('restored %s: epoch %d, %d steps done in it', prefix,
                  self._epoch + 1, steps)
     return steps
@@ -213,29 +220,27 @@ class Backup(keras.callbacks.Callback):
     self.signals.__exit__(None, None, None)
 
   def _save(self, epoch, steps):
-    """The chief writes the state, then the position naming it, then
-    removes the older state: a kill at any moment leaves one whole."""
+    """The chief writes the state with its position (epoch, steps done in
+    it) through the writer, which keeps the newest whole checkpoint."""
     if not self.is_chief:
       return
-    os.makedirs(self.directory, exist_ok=True)
-    name = f'{_PREFIX}-{epoch * self.steps_per_epoch + steps}'
-    _state(self.model).write(os.path.join(self.directory, name))
-    path = os.path.join(self.directory, _POSITION)
-    with open(path + '.tmp', 'w') as f:
-      json.dump({'epoch': epoch, 'steps': steps, 'checkpoint': name}, f)
-    os.replace(path + '.tmp', path)
-    for old in os.listdir(self.directory):
-      if old.startswith(_PREFIX + '-') and not old.startswith(name + '.'):
-        os.remove(os.path.join(self.directory, old))
+    if self._writer is None:
+      self._writer = checkpoints.Writer(self.directory, self._state(),
+                                        max_to_keep=1)
+    for variable, value in zip(self._position, (epoch, steps)):
+      variable.assign(value)
+    self._writer.write(epoch * self.steps_per_epoch + steps)
 
-
-def _state(model):
-  """A `tf.train.Checkpoint` of everything a step changes: the weights, the
-  optimizer's variables and the metrics' (the epoch's running figures)."""
-  def values(variables):
-    return [v.value if isinstance(v, keras.Variable) else v
-            for v in variables]
-  return tf.train.Checkpoint(
-      weights=values(model.variables),
-      optimizer=values(model.optimizer.variables),
-      metrics=values(model.metrics_variables))
+  def _state(self):
+    """A `tf.train.Checkpoint` of everything a step changes: the weights,
+    the optimizer's variables and the metrics' (the epoch's running
+    figures), and where in the epochs it stands."""
+    def values(variables):
+      return [v.value if isinstance(v, keras.Variable) else v
+              for v in variables]
+    model = self.model
+    return tf.train.Checkpoint(
+        weights=values(model.variables),
+        optimizer=values(model.optimizer.variables),
+        metrics=values(model.metrics_variables),
+        epoch=self._position[0], steps=self._position[1])

@@ -127,6 +127,63 @@ def _all_finite(variables):
   return bool(tf.reduce_all(checks)) if checks else True
 
 
+class Writer:
+  """Numbered checkpoints of one `tf.train.Checkpoint` in a directory:
+  the files written whole before the index names them, so a kill leaves
+  the last whole; the newest intact one found by a scan (`latest_intact`),
+  not by trusting the index; partial writes removed and a damaged index
+  repaired. The command line's `Checkpointer` and `fit`'s backup
+  (`fit.backup`) both write through it.
+
+  Attributes:
+    manager: the `tf.train.CheckpointManager` over `directory`.
+    latest_intact: (step, path) of the newest intact checkpoint found when
+      it was made (in `restore_directory`), or None.
+  """
+
+  def __init__(self, directory, checkpoint, *, max_to_keep,
+               restore_directory=None):
+    """Finds the latest intact checkpoint in `restore_directory` (default:
+    `directory`); where the two are one, cleans and repairs it.
+
+    Raises:
+      errors.CheckpointDamagedError: checkpoints exist and none is readable.
+    """
+    restore_directory = restore_directory or directory
+    self.latest_intact = latest_intact(restore_directory)
+    if restore_directory == directory:
+      _remove_partial_writes(directory)
+      _repair_index(directory, self.latest_intact)
+    self.manager = tf.train.CheckpointManager(
+        checkpoint, directory, max_to_keep=max_to_keep,
+        checkpoint_name=CHECKPOINT_NAME)
+
+  @property
+  def latest(self):
+    """Path of the latest good checkpoint, or None."""
+    return self.manager.latest_checkpoint or (
+        self.latest_intact and self.latest_intact[1])
+
+  def describe_latest(self):
+    """The latest good checkpoint, for a message a user reads."""
+    return self.latest or 'none yet: the run starts from its initial weights'
+
+  def write(self, step):
+    """Writes checkpoint `ckpt-<step>`; returns its path.
+
+    Raises:
+      errors.CheckpointWriteError: the write failed (disk full, no access).
+    """
+    try:
+      return self.manager.save(checkpoint_number=step)
+    except (OSError, tf.errors.OpError) as e:
+      raise errors.CheckpointWriteError(
+          f'cannot write checkpoint {CHECKPOINT_NAME}-{step} in '
+          f'{self.manager.directory} ({errors.first_line(e)}); free some '
+          'space or fix the directory, then run the same command again: the '
+          f'latest good checkpoint is {self.describe_latest()}.') from e
+
+
 class Checkpointer:
   """Saves and restores a run through `tf.train.CheckpointManager`.
 
@@ -146,7 +203,6 @@ class Checkpointer:
     Raises:
       errors.CheckpointDamagedError: checkpoints exist and none is readable.
     """
-    self._restore_directory = restore_directory or directory
     with tf.device(device):
       self._step = tf.Variable(0, dtype=tf.int64, trainable=False)
       self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
@@ -158,24 +214,20 @@ class Checkpointer:
         model=model, optimizer=optimizer, step=self._step, epoch=self._epoch,
         epoch_examples=self._epoch_examples,
         random=keras_internals.seed_states(model))
-    self._latest_intact = latest_intact(self._restore_directory)
-    if self._restore_directory == directory:
-      _remove_partial_writes(directory)
-      _repair_index(directory, self._latest_intact)
-    self.manager = tf.train.CheckpointManager(
-        self._checkpoint, directory, max_to_keep=max_to_keep,
-        checkpoint_name=CHECKPOINT_NAME)
+    self._writer = Writer(directory, self._checkpoint,
+                          max_to_keep=max_to_keep,
+                          restore_directory=restore_directory)
+    self.manager = self._writer.manager
     self._saved_step = None  # Step of the checkpoint on disk, if known.
 
   @property
   def latest(self):
     """Path of the latest good checkpoint of this run, or None."""
-    return self.manager.latest_checkpoint or (
-        self._latest_intact and self._latest_intact[1])
+    return self._writer.latest
 
   def describe_latest(self):
     """The latest good checkpoint, for a message a user reads."""
-    return self.latest or 'none yet: the run starts from its initial weights'
+    return self._writer.describe_latest()
 
   def restore_latest(self):
     """Restores the latest intact checkpoint; returns its `Position` or None.
@@ -184,9 +236,9 @@ class Checkpointer:
       errors.CheckpointMismatchError: the checkpoint holds a different model
         or optimizer (another model, dataset or optimizer flag).
     """
-    if self._latest_intact is None:
+    if self._writer.latest_intact is None:
       return None
-    path = self._latest_intact[1]
+    path = self._writer.latest_intact[1]
     try:
       self._checkpoint.restore(path).assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
@@ -222,15 +274,7 @@ class Checkpointer:
     self._step.assign(position.step)
     self._epoch.assign(position.epoch)
     self._epoch_examples.assign(position.epoch_examples)
-    try:
-      path = self.manager.save(checkpoint_number=position.step)
-    except (OSError, tf.errors.OpError) as e:
-      raise errors.CheckpointWriteError(
-          f'cannot write checkpoint {CHECKPOINT_NAME}-{position.step} in '
-          f'{self.manager.directory} ({errors.first_line(e)}); free some '
-          'space or fix the directory, then run the same command again: the '
-          'latest '
-          f'good checkpoint is {self.describe_latest()}.') from e
+    path = self._writer.write(position.step)
     self._saved_step = position.step
     logging.info('saved %s', path)
     return path
