@@ -166,3 +166,12 @@ def test_row_arithmetic_of_evaluation_workers_and_fit():
     layouts.worker_span(12, 0, 5)
   assert layouts.fit_batches(100, 32) == (100, 32, 4)
   assert layouts.fit_batches(100, 32, validation_split=0.2) == (80, 32, 16)
+
+
+def test_a_clones_probe_and_a_replicas_piece_are_layout_arithmetic():
+  cut = layouts.Cut(num_clones=2, accumulation_steps=2)
+  assert layouts.clone_probe_rows(16, cut) == 4
+  piece = layouts.step_layout(8, layouts.Cut(accumulation_steps=2)).of(
+      0, 1)[0]
+  assert layouts.replica_terms(3, 4, 64, piece, first=False) == (196, 0)
+  assert layouts.replica_terms(0, 4, 64, piece, first=True) == (4, 0.25)

@@ -371,6 +371,23 @@ def worker_span(rows, worker, num_workers):
   return worker * part, part
 
 
+def clone_probe_rows(worker_rows, cut):
+  """Rows a clone is timed on alone (`deploy.balance`): an equal share of
+  one accumulation step of a worker's batch of `worker_rows`."""
+  return worker_rows // cut.accumulation_steps // cut.num_clones
+
+
+def replica_terms(replica, num_replicas, global_rows, piece, first):
+  """(first row, penalty weight) of a tf.distribute replica's piece: its
+  rows come after every row the replicas before it could hold (at most
+  `global_rows` each; `replica` may be a tensor, and so may the offset),
+  so no two replicas fold their random layers alike; each replica's
+  `first` accumulation step carries 1 / replicas of the weight penalties
+  (they count once over the job)."""
+  return (replica * global_rows + piece.offset,
+          1.0 / num_replicas if first else 0)
+
+
 def fit_batches(rows, batch_size, validation_split=0.0):
   """(rows trained, the full batch's rows, the last batch's rows) of `fit`
   on `rows` rows of arrays, as Keras cuts them (`validation_split` set

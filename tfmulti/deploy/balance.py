@@ -21,6 +21,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import layouts
 from tfmulti.layouts import split_rows
 from tfmulti.pipeline import costs
 
@@ -51,8 +52,9 @@ def predicted_step_seconds(rows, throughputs):
 def clone_throughputs(towers, images, labels):
   """Each clone's rows a second alone (forward and backward on its
   devices), on an equal share of an accumulation step of this batch."""
-  rows = (tf.nest.flatten(images)[0].shape[0] //
-          towers.options.accumulation_steps // towers.config.num_clones)
+  rows = layouts.clone_probe_rows(
+      tf.nest.flatten(images)[0].shape[0],
+      layouts.cut_of(towers.config, towers.options))
   images, labels = tf.nest.map_structure(lambda t: t[:rows], (images, labels))
   speeds = []
   for i in range(towers.config.num_clones):

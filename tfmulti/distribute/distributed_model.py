@@ -117,15 +117,14 @@ class DistributedModel(trainer.Trainer):
     """tf.distribute replicas in sync, over every worker."""
     return self.strategy.num_replicas_in_sync
 
-  def _accumulation_step(self, images, labels, first, offset, terms,
-                         advanced):
+  def _accumulation_step(self, images, labels, first, penalty, offset,
+                         terms, advanced):
     """One accumulation step of a replica (`pieces.Body` on its rows):
-    (gradients, [loss, regularization], no outputs). The weight penalties
-    count on the `first` one only (the weights do not change between
-    them), a 1 / replicas part on each replica; the model's `add_loss`
-    terms on every one, weighted by its rows. Random layers draw from
-    their generators folded with `offset` (a number no other replica or
-    accumulation step of the step has), so no two repeat a mask; the
+    (gradients, [loss, regularization], no outputs). `penalty` and
+    `offset` are its piece's (`layouts.replica_terms`): the weight
+    penalties count on each replica's `first` one only; random layers draw
+    from their generators folded with `offset`, which no other replica or
+    accumulation step of the step has, so no two repeat a mask. The
     `first` puts their states advanced from the unfolded one in
     `advanced`, for the step to assign once."""
     model = self.model
@@ -133,8 +132,7 @@ class DistributedModel(trainer.Trainer):
                      for v in model.non_trainable_variables]
     _, loss, regularization, gradients, new_values = self._body(
         [tf.convert_to_tensor(v.value) for v in model.trainable_variables],
-        non_trainable, images, labels,
-        1.0 / self.num_replicas if first else 0, offset, terms)
+        non_trainable, images, labels, penalty, offset, terms)
     seeds = keras_internals.seed_indices(model)
     if first:
       advanced[:] = [new_values[i] for i in seeds]
@@ -154,19 +152,20 @@ class DistributedModel(trainer.Trainer):
     layout = layouts.step_layout(
         rows.batch_rows(images, labels),
         layouts.Cut(accumulation_steps=self.options.accumulation_steps))
-    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-    first_rows = [layout.of(0, k)[0].offset
-                  for k in range(layout.accumulation_steps)]
+    replica = tf.cast(
+        tf.distribute.get_replica_context().replica_id_in_sync_group,
+        tf.int64)
     advanced = []  # The generators' states, advanced once for the step.
+
+    def accumulation_step(x, y, k, shift):
+      offset, penalty = layouts.replica_terms(
+          replica, self.num_replicas, tf.cast(global_rows, tf.int64),
+          layout.of(0, k)[0], k == 0)
+      return self._accumulation_step(
+          x[0], y[0], k == 0, penalty, offset + tf.cast(shift, tf.int64),
+          pieces.StepTerms(global_rows, loss_scale), advanced)
     gradients, (loss, regularization), _ = rows.accumulate(
-        lambda x, y, k, shift: self._accumulation_step(
-            x[0], y[0], k == 0,
-            # This replica's rows come after every row of the replicas
-            # before it would, at most global_rows each.
-            tf.cast(replica, tf.int64) * tf.cast(global_rows, tf.int64)
-            + first_rows[k] + tf.cast(shift, tf.int64),
-            pieces.StepTerms(global_rows, loss_scale), advanced),
-        (images,), (labels,), layout)
+        accumulation_step, (images,), (labels,), layout)
     for i, value in zip(keras_internals.seed_indices(model), advanced):
       model.non_trainable_variables[i].assign(value)
     # Keras all-reduces (sums) the replicas' gradients inside
