@@ -110,7 +110,7 @@ def run(model_name='lenet', batch_size=64, slowdown=3.0, rounds=5, steps=10):
       towers, images, labels)
   splits = {'even': None, 'auto': auto_shares}
   rates = {name: [] for name in splits}
-  towers.balancer = pinned = balance.Pinned()  # The splits set by hand.
+  towers.balancer = pinned = balance.Fixed()  # The splits set by hand.
   for shares in splits.values():  # Traces each split once.
     pinned.value = shares
     _rate(towers, images, labels, 2)
@@ -172,7 +172,7 @@ def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
   even = statistics.median(_rate(towers, images, labels, 1)
                            for _ in range(steps))
   balanced = balance.Balancer(every_steps)
-  towers.balancer = pinned = balance.Pinned()  # Measured apart from steps.
+  towers.balancer = pinned = balance.Fixed()  # Measured apart from steps.
   shares = pinned.value = balanced.rebalance(towers, images, labels)
   _rate(towers, images, labels, 1)  # Traces the balanced split.
   auto = statistics.median(_rate(towers, images, labels, 1)

@@ -115,11 +115,11 @@ class Balancer:
     return current
 
 
-class Pinned:
-  """A shares policy that measures nothing: the shares its `value` holds
-  (None for equal), set between steps by whoever compares splits (the
-  benchmark `bench.unequal_clones`). Give it as a `DeployedModel`'s
-  `balancer`; the step consults it as it would the `Balancer`."""
+class Fixed:
+  """The shares policy that measures nothing: the shares its `value` holds
+  (None for equal). `deploy()` gives it the options' own shares; whoever
+  compares splits (the benchmark `bench.unequal_clones`) sets it between
+  steps. The step consults it as it does the `Balancer`."""
 
   def __init__(self, value=None):
     self.value = value
@@ -127,6 +127,6 @@ class Pinned:
 
   def shares(self, towers, images, labels):
     """`value`, whatever the batch."""
-    del towers, images, labels  # Pinned: nothing is measured.
+    del towers, images, labels  # Fixed: nothing is measured.
     return self.value
 

@@ -81,8 +81,9 @@ class Parts:
   Attributes:
     runner: how each clone runs its shard (`runners`).
     combiner: how the clones' gradients meet (`combiners`).
-    balancer: with `clone_shares='auto'`, the `balance.Balancer` that
-      sets the shares; None for the options' own.
+    balancer: the shares policy: with `clone_shares='auto'`, the
+      `balance.Balancer` that measures them; else `balance.Fixed`, the
+      options' own.
     update_scope: the context the optimizer's update runs in (beside each
       variable, where the variables are spread).
     summaries: `summaries(grads_and_vars, scale)` -> {path: gradient}, or
@@ -90,7 +91,7 @@ class Parts:
   """
   runner: object
   combiner: object
-  balancer: object = None
+  balancer: object
   update_scope: object = contextlib.nullcontext
   summaries: object = lambda grads_and_vars, scale: {}
 
@@ -102,8 +103,8 @@ class DeployedModel(trainer.Trainer):
   `tf.function` that runs one step, composed of the `Parts` `deploy()`
   chose. Attributes: `config`, `model`, `loss_fn`, `optimizer`, `options`
   (the `StepOptions`), `parts`, `stages` (the `pipeline.Stages`, or None)
-  and `balancer` (with shares 'auto', the `balance.Balancer` that sets
-  them).
+  and `balancer` (the shares policy: `balance.Balancer` with 'auto',
+  else `balance.Fixed`).
   """
 
   def __init__(self, config, model, loss_fn, optimizer, options, parts):
@@ -191,7 +192,7 @@ class DeployedModel(trainer.Trainer):
                    'on %s, not prefetched to the clones.',
                    self.config.inputs_device())
       return dataset
-    if self.balancer is not None and not self.balancer.history:
+    if not self.balancer.history:  # The first cut waits for a measure.
       self.measure_shares(*feeds.stand_in(specs))
     if self._feeder is None:
       self._feeder = feeds.Feeder(self.config)
@@ -199,11 +200,10 @@ class DeployedModel(trainer.Trainer):
     return self._feeder.feed(dataset, layout, worker_of(self.config, layout))
 
   def measure_shares(self, images, labels):
-    """With `clone_shares='auto'`, asks the balancer for the next step's
-    shares on this batch (measured again when due)."""
-    if self.balancer is not None:
-      with tf.device(self.config.inputs_device()):
-        self._shares = self.balancer.shares(self, images, labels)
+    """Asks the shares policy for the next step's shares on this batch
+    (with `clone_shares='auto'`, measured again when due)."""
+    with tf.device(self.config.inputs_device()):
+      self._shares = self.balancer.shares(self, images, labels)
 
   def layout_for(self, images, labels, partial=False):
     """The `layouts.StepLayout` of a step on this worker's batch (nests),
@@ -384,7 +384,8 @@ def compose(config, model, loss_fn, options):
       combine(config, model, combiners.States(
           config, model, options.batch_norm_policy), gradient_packs),
       balancer=(balance.Balancer(options.rebalance_every_steps)
-                if options.auto_shares else None),
+                if options.auto_shares else balance.Fixed(
+                    options.fixed_shares)),
       update_scope=(keras_internals.updates_beside_variables
                     if config.spread_variables else Parts.update_scope),
       summaries=(trainer.gradients_by_path if options.summarize_gradients

@@ -1,6 +1,7 @@
 """How `TowersModel`'s steps run: in one process, or across workers.
 
-`TowersModel.compile` chooses one of two, once, and every step asks it:
+`TowersModel` chooses one of two, once, when it is made; `compile` hands
+it the towers (`bind`), and every step asks it:
 
 * `Local`: the towers' step and inference as `deploy()` built them.
 * `AcrossWorkers` (`TowersModel(..., workers=)`): each worker of a
@@ -18,18 +19,40 @@ not match the config's workers or a model made outside its scope.
 
 import contextlib
 
+import keras
 import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import layouts
 from tfmulti import rows
 
+# Callbacks that write files: the chief's alone across workers (the
+# backup's writes are its own: every worker reads it).
+CHIEF_WRITES = (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard,
+                keras.callbacks.CSVLogger)
+
 
 class Local:
   """`fit` in one process: the towers' own step and inference."""
 
-  def __init__(self, towers):
+  def __init__(self):
+    self.towers = None  # The `DeployedModel` `compile` builds.
+
+  def bind(self, towers):
+    """The towers `compile` built, which the steps run."""
     self.towers = towers
+
+  def scope(self):
+    """Where the optimizer and the towers are built: here."""
+    return contextlib.nullcontext()
+
+  def agreed_stop(self):
+    """Alone, a signal stops this process at its step: no agreement."""
+    return None
+
+  def for_this_worker(self, arguments):
+    """`fit`'s arguments (a dict) as this process runs them: as given."""
+    return arguments
 
   def mine(self, batch):
     """This process's rows of a global batch: all of them."""
@@ -60,11 +83,30 @@ class AcrossWorkers(Local):
   """`fit` on every worker of `workers` (what `workers.start()` gave):
   each takes its rows of the global batch; see the module."""
 
-  def __init__(self, towers, workers):
-    super().__init__(towers)
+  def __init__(self, workers, config):
+    super().__init__()
     self.workers = workers
     self.strategy = workers.strategy
-    self.config = towers.config
+    self.config = config
+
+  def scope(self):
+    """The workers' strategy's scope: the optimizer's variables are the
+    strategy's, as the model's."""
+    return self.workers.scope()
+
+  def agreed_stop(self):
+    """The workers' `preemption.AgreedStop`: every worker stops at one
+    step."""
+    return self.workers.agreed_stop()
+
+  def for_this_worker(self, arguments):
+    """Only the chief shows progress and keeps the callbacks that write
+    files; the others drop them, so nothing is written twice."""
+    if self.config.worker_index:
+      arguments['verbose'] = 0
+      arguments['callbacks'] = [c for c in arguments['callbacks']
+                                if not isinstance(c, CHIEF_WRITES)]
+    return arguments
 
   def mine(self, batch):
     """This worker's rows of a global batch (`rows.worker_part`)."""

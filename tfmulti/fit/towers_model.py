@@ -59,7 +59,6 @@ preemptible, exactly: a signal saves the step, the next run resumes at it
 (`fit.backup`), in one process or across workers.
 """
 
-import contextlib
 import dataclasses
 import inspect
 import sys
@@ -114,14 +113,14 @@ class TowersModel(keras.Model):
     """
     _check_no_strategy()
     towers_lib.check_model(model)
-    if workers is not None and workers.strategy is None:
-      workers = None  # `workers.start()` in one process.
-    across_workers.check_workers(workers and workers.strategy, config, model)
+    across = workers is not None and workers.strategy is not None
+    across_workers.check_workers(workers.strategy if across else None,
+                                 config, model)
     options = dataclasses.replace(options or step_options.StepOptions(),
                                   **fields)
     # The command line's gate: what its towers (on every worker) run.
     registry.check_options(
-        registry.MULTI_WORKER if workers else registry.TOWERS, options,
+        registry.MULTI_WORKER if across else registry.TOWERS, options,
         config)
     if options.summarize_gradients:  # The step's gradients reach no file.
       raise errors.UnsupportedError(
@@ -141,7 +140,9 @@ class TowersModel(keras.Model):
     self._to_pass = 0  # Steps of a resumed epoch to pass over.
     self._passed = False  # Whether the last step was passed over.
     self.towers = None
-    self._steps = None  # `across_workers.Local` or `AcrossWorkers`.
+    # How the steps run, chosen once: in one process, or across workers.
+    self._steps = (across_workers.AcrossWorkers(workers, config) if across
+                   else across_workers.Local())
     self._compile_args = {}
     self.built = True  # Its weights are the built model's.
 
@@ -165,17 +166,16 @@ class TowersModel(keras.Model):
     if jit_compile in (True, False):  # 'auto' leaves the rule to decide.
       self.options = dataclasses.replace(self.options, xla=jit_compile)
     with tf.device(self.config.optimizer_variables_device()):
-      with self._workers_scope():  # Its variables, the workers' too.
+      with self._steps.scope():  # Its variables, the workers' too.
         optimizer = _beside_the_variables(optimizer)
       super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                       jit_compile=False, run_eagerly=True, **kwargs)
     self._compile_args = dict(loss=loss, metrics=metrics, **kwargs)
-    with self._workers_scope():
+    with self._steps.scope():
       self.towers = towers_lib.deploy(self.config, self.model,
                                       _CompiledLoss(self), self.optimizer,
                                       self.options)
-    self._steps = (across_workers.AcrossWorkers(self.towers, self.workers)
-                   if self.workers else across_workers.Local(self.towers))
+    self._steps.bind(self.towers)
     self._full_rows = 0  # The most rows a batch had: fewer is a last one.
 
   def train_step(self, data):
@@ -267,8 +267,7 @@ class TowersModel(keras.Model):
     arguments = _FIT.bind(self, *args, **kwargs).arguments
     del arguments['self']
     arguments.update(arguments.pop('kwargs', {}))
-    if self._steps is not None:
-      self._steps.check_input(arguments)
+    self._steps.check_input(arguments)
     self._check_batches(arguments)
     callbacks = list(arguments.get('callbacks') or ())
     originals = [c for c in callbacks
@@ -278,17 +277,14 @@ class TowersModel(keras.Model):
           originals[0], **backup_lib.fed(arguments, originals[0].backup_dir,
                                          seed=self.shuffle_seed),
           is_chief=self.config.worker_index == 0,
-          agreed_stop=self.workers and self.workers.agreed_stop())
+          agreed_stop=self._steps.agreed_stop())
       callbacks = [self._backup if c is originals[0] else c
                    for c in callbacks]
-    if self.config.worker_index:
-      arguments['verbose'] = 0
-      callbacks = [c for c in callbacks if not isinstance(c, _CHIEF_WRITES)]
     arguments['callbacks'] = callbacks
     try:
       with self._steps.guard(
           lambda: int(self.optimizer.iterations.value.numpy()) + 1):
-        return super().fit(**arguments)
+        return super().fit(**self._steps.for_this_worker(arguments))
     except backup_lib.Preempted as e:
       logging.warning('%s: the job saved it in %s; run the same script '
                       'again to resume.', e, self._backup.directory)
@@ -319,16 +315,8 @@ class TowersModel(keras.Model):
         self.towers.layout_for_rows(batch // self.config.num_workers,
                                     partial)
 
-  def _workers_scope(self):
-    return (self.workers.scope() if self.workers is not None
-            else contextlib.nullcontext())
-
 
 _FIT = inspect.signature(keras.Model.fit)
-# Callbacks that write files: the chief's alone across workers (the
-# backup's writes are its own: every worker reads it).
-_CHIEF_WRITES = (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard,
-                 keras.callbacks.CSVLogger)
 
 
 class _CompiledLoss:
