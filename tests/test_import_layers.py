@@ -107,3 +107,17 @@ def test_the_ground_floor_imports_in_its_order():
       for module, path in ground.items() for imported in _imports(path)
       if GROUND[imported.split('.')[1]] >= GROUND[module.split('.')[1]]]
   assert not sideways, sideways
+
+
+def test_each_package_map_lists_every_module_of_its_folder():
+  """The maps in the folders' __init__ docstrings name what is there."""
+  unlisted = []
+  for folder in ('deploy', 'bench', 'pipeline', 'fit', 'train',
+                 'distribute'):
+    path = os.path.join(PACKAGE, folder)
+    doc = ast.get_docstring(ast.parse(open(os.path.join(
+        path, '__init__.py')).read()))
+    unlisted += [f'{folder}/{name}' for name in os.listdir(path)
+                 if name.endswith('.py') and name != '__init__.py'
+                 and name[:-3] not in doc and name != '__main__.py']
+  assert not unlisted, unlisted

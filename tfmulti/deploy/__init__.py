@@ -14,6 +14,7 @@ library's own modules import the module that defines a name.
   combiners           how the gradients meet: summed, or atoms folded
   atoms               reproducible rows: atoms run alone, folded in order
   packs               gradients and reads packed a transfer
+  traffic             each device's bytes held and moved, from the graph
   batch_norm          the moving statistics after a step of several clones
   balance             clone shares for unequal devices (measured, pinned)
   feeds               each clone's shard prefetched to its device

@@ -2,6 +2,8 @@
 
   stages     cut a functional model into stages; one clone's step through
              them in micro-batches
+  schedules  each schedule's order of passes (GPipe, 1F1B, ZB-H1,
+             interleaved 1F1B)
   partition  the optimal contiguous cut of the layers' costs
   costs      each layer's cost: estimated from shapes, or measured
 """
