@@ -363,7 +363,6 @@ def test_fit_across_workers_with_atoms_trains_one_process_bits(tmp_path,
     np.testing.assert_array_equal(got, want)
 
 
-
 @pytest.mark.slow
 def test_fit_across_workers_with_spread_variables_trains_central_bits(
     tmp_path):
@@ -382,6 +381,7 @@ def test_fit_across_workers_with_spread_variables_trains_central_bits(
   for got, want in zip(_weights(tmp_path / 'spread'),
                        _weights(tmp_path / 'central')):
     np.testing.assert_array_equal(got, want)
+
 
 @pytest.mark.slow
 def test_a_batch_norm_policy_across_workers_changes_only_the_statistics(

@@ -64,17 +64,13 @@ class WholeClones:
     """
     reads = _packed_reads(self.config, self.model.trainable_variables,
                           self.packs)
-    results = []
-    for i, (mine, x, y) in enumerate(zip(clone_pieces, images, labels)):
-      if not any(p.rows for p in mine):
-        results.append(None)
-        continue
-      with on_clone(self.config, i):
-        variables = (reads(self.config.clone_device(i)),
-                     values_of(self.model.non_trainable_variables))
-        results.append(atoms.run_pieces(self.body, mine, variables, x, y,
-                                        terms, stacked=self.stacked))
-    return results
+
+    def run_clone(i, mine, x, y):
+      variables = (reads(self.config.clone_device(i)),
+                   values_of(self.model.non_trainable_variables))
+      return atoms.run_pieces(self.body, mine, variables, x, y, terms,
+                              stacked=self.stacked)
+    return _each_clone(self.config, clone_pieces, images, labels, run_clone)
 
   def infer(self, clone_index, images, variables):
     """Clone `clone_index`'s inference on `images`, from `variables`
@@ -144,16 +140,11 @@ class StagedClones:
 
   def run(self, clone_pieces, images, labels, terms):
     """As `WholeClones.run`, through each clone's stages."""
-    results = []
-    for i, (mine, x, y) in enumerate(zip(clone_pieces, images, labels)):
-      if not any(p.rows for p in mine):
-        results.append(None)
-        continue
-      with on_clone(self.config, i):
-        results.append(self.stages.clone_step(
+    return _each_clone(
+        self.config, clone_pieces, images, labels,
+        lambda i, mine, x, y: self.stages.clone_step(
             self._devices(i), self.loss_fn, mine, self._variables(), (x, y),
             terms))
-    return results
 
   def infer(self, clone_index, images, variables):
     """As `WholeClones.infer`, through the clone's stages."""
@@ -168,6 +159,19 @@ class StagedClones:
           self._variables(), (images, labels),
           pieces.StepTerms(layout.global_rows))
     return result[1], result[3]
+
+
+def _each_clone(config, clone_pieces, images, labels, run_clone):
+  """`run_clone(i, pieces, images, labels)` for each clone with rows, on
+  its device under its scope; None for a clone with none."""
+  results = []
+  for i, (mine, x, y) in enumerate(zip(clone_pieces, images, labels)):
+    if not any(p.rows for p in mine):
+      results.append(None)
+      continue
+    with on_clone(config, i):
+      results.append(run_clone(i, mine, x, y))
+  return results
 
 
 def _packed_reads(config, variables, packs):
