@@ -4,6 +4,7 @@
              them in micro-batches
   schedules  each schedule's order of passes (GPipe, 1F1B, ZB-H1,
              interleaved 1F1B)
+  backward   a stage's backward pass and the loss: fused, or split (B, W)
   partition  the optimal contiguous cut of the layers' costs
   costs      each layer's cost: estimated from shapes, or measured
 """

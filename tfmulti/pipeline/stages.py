@@ -56,6 +56,7 @@ from tfmulti import pieces
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
+from tfmulti.pipeline import backward
 from tfmulti.pipeline import costs
 from tfmulti.pipeline import partition
 from tfmulti.pipeline import schedules
@@ -212,6 +213,7 @@ class Stages:
     # What a pass runs, under a tape each: the stage whole, or, where the
     # schedule splits the backward pass, the stage's `weight_parts`.
     self.split = schedules.splits_backward(options.pipeline_schedule)
+    self.backward = backward.Split() if self.split else backward.Fused()
     self.parts = (weight_parts(model, starts) if self.split
                   else [[stage] for stage in self.stages])
     # The trainable variables (their indices) whose gradients B takes.
@@ -241,7 +243,7 @@ class Stages:
                trainer.model_loss(model_losses, flight.rows,
                                   context.global_rows, dtype))
     # The penalty is kept apart, per part.
-    loss = self._loss(context, flight, values) if loss_part else None
+    loss = self.loss_of(context, flight, values) if loss_part else None
     return _Result(outputs, new_non_trainable, penalty, loss,
                    (model_losses, penalties))
 
@@ -265,24 +267,19 @@ class Stages:
         results.append(self._run_part(part, context, values, flight,
                                       loss_part))
         continue
-      # Persistent where B and W ask it apart. Split, the loss is taken
-      # on a tape of its own, so that W starts from the model outputs'
-      # gradients and does not walk the loss's again.
-      with tf.GradientTape(persistent=self.split) as tape:
+      with tf.GradientTape(persistent=self.backward.persistent) as tape:
         tape.watch([context.trainable[i] for i in part.trainable])
         tape.watch([values[k] for k in self._source_keys(s, j)])
-        results.append(self._run_part(part, context, values, flight,
-                                      loss_part and not self.split))
+        results.append(self._run_part(
+            part, context, values, flight,
+            self.backward.loss_on_part_tape(loss_part)))
       tapes.append(tape)
-      if loss_part and self.split:
-        with tf.GradientTape() as loss_tape:
-          loss_tape.watch([values[k] for k in self.output_keys])
-          results[-1] = results[-1]._replace(
-              loss=self._loss(context, flight, values))
-        tapes.append(loss_tape)
+      if loss_part:
+        self.backward.take_loss(self, context, flight, values, results,
+                                tapes)
     return _Kept(inputs, tapes if taped else None, results, values)
 
-  def _loss(self, context, flight, values):
+  def loss_of(self, context, flight, values):
     """The micro-batch's part of the loss, from the model outputs among
     `values`."""
     loss, _, _ = trainer.objective(
@@ -371,23 +368,15 @@ class Stages:
       scale = tf.cast(context.loss_scale, kept.results[0].penalty.dtype)
       if s == last:
         scales = _gate([scale, scale], after)
-        through = {}
-        if self.split:  # The loss's own tape: the model outputs' gradients.
-          outputs = [kept.values[k] for k in self.output_keys]
-          grads = kept.tapes[-1].gradient(kept.results[-1].loss, outputs,
-                                          output_gradients=scales[0])
-          for k, x, g in zip(self.output_keys, outputs, grads):
-            through[k] = tf.zeros_like(x) if g is None else g
+        through = self.backward.output_gradients(self, kept, scales[0])
       else:
         scales = [scale, scale]
         through = dict(zip(stage.output_keys, _gate(upstream, after)))
       made, flight.pending[s] = [], []
       for j in reversed(range(len(self.parts[s]))):
         part, result = self.parts[s][j], kept.results[j]
-        targets, output_gradients = [], []
-        if result.loss is not None and not self.split:
-          targets.append(result.loss)
-          output_gradients.append(scales[0])
+        targets, output_gradients = self.backward.loss_targets(result,
+                                                               scales[0])
         for k, output in zip(part.output_keys, result.outputs):
           if k in through:  # Else a model output: the loss's.
             targets.append(output)
@@ -408,8 +397,8 @@ class Stages:
           into = flight.upstream if k in stage.input_keys else through
           into[k] = into[k] + g if k in into else g
         made += [g for g in grads if g is not None]
-    made += [through[k] for k in self.output_keys if k in through] if (
-        s == last and self.split) else []
+    if s == last:
+      made += self.backward.handed_on(through, self.output_keys)
     # A B with no input gradients to give (a first stage whose weights wait
     # for W) hands the next pass the gradients it was given.
     return made or list(through.values()) + list(scales)
