@@ -371,10 +371,16 @@ def worker_span(rows, worker, num_workers):
   return worker * part, part
 
 
+def accumulation_step_rows(worker_rows, cut):
+  """Rows of one accumulation step of a worker's batch of `worker_rows`
+  (what the balancer splits by shares)."""
+  return worker_rows // cut.accumulation_steps
+
+
 def clone_probe_rows(worker_rows, cut):
   """Rows a clone is timed on alone (`deploy.balance`): an equal share of
   one accumulation step of a worker's batch of `worker_rows`."""
-  return worker_rows // cut.accumulation_steps // cut.num_clones
+  return accumulation_step_rows(worker_rows, cut) // cut.num_clones
 
 
 def replica_terms(replica, num_replicas, global_rows, piece, first):

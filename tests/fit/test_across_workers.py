@@ -323,6 +323,12 @@ def _weights(model_dir):
   return found
 
 
+def _assert_same_bits(got_dir, want_dir):
+  """The two runs' final weights, equal bit for bit."""
+  for got, want in zip(_weights(got_dir), _weights(want_dir)):
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.slow
 def test_fit_across_two_workers_trains_as_plain_fit_on_one_device(tmp_path):
   """2 workers (the launcher) equal one process of 2 clones and plain
@@ -358,9 +364,7 @@ def test_fit_across_workers_with_atoms_trains_one_process_bits(tmp_path,
   _, histories = _run(tmp_path / 'workers', '--reproducible_rows=8',
                       *options, workers=2)
   assert histories == [one, one]
-  for got, want in zip(_weights(tmp_path / 'workers'),
-                       _weights(tmp_path / 'one')):
-    np.testing.assert_array_equal(got, want)
+  _assert_same_bits(tmp_path / 'workers', tmp_path / 'one')
 
 
 @pytest.mark.slow
@@ -378,9 +382,7 @@ def test_fit_across_workers_with_spread_variables_trains_central_bits(
     assert f"variables and slots on ['{task}0']" in central_log
     assert f"variables and slots on ['{task}0', '{task}1']" in spread_log
   assert spread == central
-  for got, want in zip(_weights(tmp_path / 'spread'),
-                       _weights(tmp_path / 'central')):
-    np.testing.assert_array_equal(got, want)
+  _assert_same_bits(tmp_path / 'spread', tmp_path / 'central')
 
 
 @pytest.mark.slow

@@ -98,8 +98,9 @@ class Balancer:
     """Measures the clones; returns the shares to use (the current ones
     unless a new split predicts a step `MIN_GAIN` faster)."""
     throughputs = self.measure(towers, images, labels)
-    rows = (tf.nest.flatten(images)[0].shape[0] //
-            towers.options.accumulation_steps)
+    rows = layouts.accumulation_step_rows(
+        tf.nest.flatten(images)[0].shape[0],
+        layouts.cut_of(towers.config, towers.options))
     current = towers.clone_shares
     now = predicted_step_seconds(
         split_rows(rows, current or [1] * len(throughputs)), throughputs)

@@ -259,11 +259,9 @@ class DeployedModel(trainer.Trainer):
     forward and backward pass on its device(s), reduced to one number so
     nothing is pruned), for timing it (`balance.clone_throughputs`)."""
     def probe_graph(images, labels):
-      layout = layouts.step_layout(rows.batch_rows(images, labels),
-                                   layouts.Cut(
-                                       num_microbatches=(
-                                           self.options.num_microbatches),
-                                       staged=self.stages is not None))
+      layout = layouts.step_layout(rows.batch_rows(images, labels), layouts.Cut(
+          num_microbatches=self.options.num_microbatches,
+          staged=layouts.is_staged(self.config, self.options)))
       loss, gradients = self.parts.runner.probe(clone_index, images, labels,
                                                 layout)
       return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
