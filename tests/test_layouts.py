@@ -168,6 +168,12 @@ def test_row_arithmetic_of_evaluation_workers_and_fit():
   assert layouts.fit_batches(100, 32, validation_split=0.2) == (80, 32, 16)
 
 
+def test_the_workers_shards_tile_the_global_batch_in_worker_order():
+  spans = [layouts.worker_shard(48, w, 2, 3, k)
+           for w in range(2) for k in range(3)]
+  assert spans == [(8 * i, 8) for i in range(6)]
+
+
 def test_a_clones_probe_and_a_replicas_piece_are_layout_arithmetic():
   cut = layouts.Cut(num_clones=2, accumulation_steps=2)
   assert layouts.clone_probe_rows(16, cut) == 4

@@ -371,6 +371,15 @@ def worker_span(rows, worker, num_workers):
   return worker * part, part
 
 
+def worker_shard(rows, worker, num_workers, shards_per_worker, k):
+  """(first row, rows) of shard k of worker `worker`'s part of a global
+  batch of `rows`, cut into `num_workers` * `shards_per_worker` equal
+  shards, the workers' in worker order. Plain arithmetic: `rows` and `k`
+  may be tensors (a dataset's batch, read as it comes)."""
+  size = rows // (num_workers * shards_per_worker)
+  return (worker * shards_per_worker + k) * size, size
+
+
 def accumulation_step_rows(worker_rows, cut):
   """Rows of one accumulation step of a worker's batch of `worker_rows`
   (what the balancer splits by shares)."""

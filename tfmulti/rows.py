@@ -95,11 +95,10 @@ def worker_shards(dataset, *, worker, num_workers, shards_per_worker):
   process would, split as one process's clones would split it.
   """
   def shards(images, labels):
-    rows = tf.shape(labels)[0] // (num_workers * shards_per_worker)
-    first = worker * shards_per_worker * rows
-
     def shard(k):
-      start = first + tf.cast(k, tf.int32) * rows
+      start, rows = layouts.worker_shard(
+          tf.shape(labels)[0], worker, num_workers, shards_per_worker,
+          tf.cast(k, tf.int32))
       return images[start:start + rows], labels[start:start + rows]
     return tf.data.Dataset.range(shards_per_worker).map(shard)
   return dataset.flat_map(shards)

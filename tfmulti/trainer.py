@@ -170,15 +170,18 @@ def off_the_root(name):
 
 
 def loss_scale_of(optimizer):
-  """The dynamic loss scale of a `LossScaleOptimizer`; None for others."""
+  """The dynamic loss scale of a `LossScaleOptimizer`; 1.0 for others (a
+  product with it is exact), so a step scales its loss alike under both."""
   if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
     return optimizer.dynamic_scale
-  return None
+  return 1.0
 
 
-def gradients_by_path(grads_and_vars, scale=None):
-  """{variable path: gradient}, divided by the loss `scale` if given."""
-  return {variable.path: gradient if scale is None else gradient / scale
+def gradients_by_path(grads_and_vars, scale=1.0):
+  """{variable path: gradient}, divided by the loss `scale` (each
+  `IndexedSlices` made dense: a summary reads the whole gradient)."""
+  return {variable.path:
+          tf.convert_to_tensor(gradient) / tf.cast(scale, gradient.dtype)
           for gradient, variable in grads_and_vars}
 
 

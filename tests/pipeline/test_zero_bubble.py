@@ -20,8 +20,8 @@ from tests.pipeline.test_stages import _pipelined
 from tests.pipeline.test_stages import skip_mlp
 from tfmulti import deploy
 from tfmulti import models
+from tfmulti.pipeline import backward
 from tfmulti.pipeline import schedules
-from tfmulti.pipeline import stages as stages_lib
 
 ZB = schedules.ZB_H1
 
@@ -189,7 +189,7 @@ def _fused_activations(deployed, s):
       for part in stages.parts[s]
       if set(part.input_keys) - set(stages.input_keys)
       for layer in part.model.layers
-      if stages_lib.defers_weights(layer) and getattr(
+      if backward.defers_weights(layer) and getattr(
           layer, 'activation', None) not in (None, keras.activations.linear))
 
 

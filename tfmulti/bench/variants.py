@@ -152,8 +152,7 @@ def _plain_step(model, optimizer, loss_fn, xla):
       loss = loss_fn(labels, model(images, training=True))
       if model.losses:
         loss += tf.add_n(model.losses)
-      scale = trainer.loss_scale_of(optimizer)
-      scaled = loss if scale is None else loss * scale
+      scaled = loss * trainer.loss_scale_of(optimizer)
     gradients = tape.gradient(scaled, model.trainable_variables)
     optimizer.apply_gradients(zip(gradients, model.trainable_variables))
     return loss

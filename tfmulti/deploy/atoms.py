@@ -53,25 +53,23 @@ def check_devices(config):
         'device type.')
 
 
-def run_pieces(body, clone_pieces, variables, images, labels, terms, *,
-               stacked):
-  """`body` (a `pieces.Body`) on a clone's pieces (its rows'
-  `layouts.Piece`s), each alone, from `variables` (trainable and
-  non-trainable values), under the step's `terms`.
+def run_whole(body, clone_pieces, variables, images, labels, terms):
+  """`body` (a `pieces.Body`) on a clone's one live piece (its rows'
+  `layouts.Piece`), from `variables` (trainable and non-trainable values),
+  under the step's `terms`: `body`'s result with its new non-trainable
+  values in a list of one."""
+  (piece,) = [piece for piece in clone_pieces if piece.rows]
+  *result, state = body(*variables, images, labels, piece.penalty,
+                        piece.offset + terms.shift, terms)
+  return (*result, [state])
 
-  Without `stacked` the clone has one piece, and this is `body`'s result
-  with its new non-trainable values in a list of one. With it (each piece
-  an atom), the result is (outputs in row order, the atoms' losses
-  stacked, the sum of their regularization, each gradient stacked over the
-  atoms (None where no atom reaches it), one set of new non-trainable
-  values an atom).
-  """
+
+def run_atoms(body, clone_pieces, variables, images, labels, terms):
+  """As `run_whole`, on a clone's pieces each an atom, each alone: (outputs
+  in row order, the atoms' losses stacked, the sum of their
+  regularization, each gradient stacked over the atoms (None where no atom
+  reaches it), one set of new non-trainable values an atom)."""
   live = [piece for piece in clone_pieces if piece.rows]
-  if not stacked:
-    (piece,) = live
-    *result, state = body(*variables, images, labels, piece.penalty,
-                          piece.offset + terms.shift, terms)
-    return (*result, [state])
   sizes = [piece.rows for piece in live]
   results = []
   for k, (piece, x, y) in enumerate(zip(live, rows.split(images, sizes),

@@ -49,15 +49,16 @@ def split_batch(config, nest, layout, worker=0):
     return feeds.clone_parts(nest, layout, worker)
 
 
+def placed(config, nest, layout, worker):
+  """`nest` itself: the shards a feed already cut by `layout` and placed
+  on the clones (`split_batch`'s other half)."""
+  del config, layout, worker  # The feed applied them.
+  return nest
+
+
 def values_of(variables):
   """The variables' current values, read on the current device."""
   return [tf.convert_to_tensor(v) for v in variables]
-
-
-def worker_of(config, layout):
-  """This worker's index in `layout` (0 in a layout of one worker's batch
-  alone)."""
-  return config.worker_index if layout.num_workers > 1 else 0
 
 
 def create_clones(config, runner, images, labels, *, layout,
@@ -81,7 +82,7 @@ def create_clones(config, runner, images, labels, *, layout,
     A list of `Clone`, one per clone with rows (an empty clone of a short
     batch runs nothing and adds nothing).
   """
-  worker = worker_of(config, layout)
+  worker = config.worker_index
   clone_pieces = [layout.of(worker, accumulation_step, c)
                   for c in range(config.num_clones)]
   results = runner.run(clone_pieces, images, labels,

@@ -28,7 +28,6 @@ from tfmulti.deploy import packs as packs_lib
 from tfmulti.deploy.batch_norm import combine_non_trainable
 from tfmulti.deploy.batch_norm import moments_of
 from tfmulti.deploy.clones import optimize_clones
-from tfmulti.deploy.clones import worker_of
 
 
 class States:
@@ -65,9 +64,30 @@ class States:
         every[i].assign(value)
 
 
+def of(options):
+  """The combiner these step options ask for: `AtomFold` with
+  `reproducible_rows`, else `Summed`."""
+  return AtomFold if options.reproducible_rows else Summed
+
+
 class Summed:
   """The clones' gradients summed beside each variable's owner, over
-  clones then accumulation steps."""
+  clones then accumulation steps.
+
+  Its class attributes are what the runners ask of it: `run_pieces` (how a
+  clone runs its pieces) and `fold` (how a clone's micro-batches meet).
+  """
+  run_pieces = staticmethod(atoms.run_whole)
+  fold = staticmethod(tf.add_n)
+
+  @staticmethod
+  def check(config):
+    """Raises `UserError` for clones this combiner cannot combine."""
+    del config  # Sums combine any clones.
+
+  @staticmethod
+  def prepare():
+    """What the process needs before the first step: nothing."""
 
   def __init__(self, config, model, states, packs=()):
     self.config = config
@@ -95,7 +115,7 @@ class Summed:
               outputs_of(self.config, clones, structure))
     summed = rows.accumulate(
         accumulation_step, images, labels, layout,
-        worker=worker_of(self.config, layout), device=device,
+        worker=self.config.worker_index, device=device,
         gradient_devices=self.owners)
     self.states.assign(dict(zip(self.states.seeds, advanced)))
     return summed
@@ -110,6 +130,10 @@ class AtomFold(Summed):
   statistics kept apart (stacked in atom order, gathered from every
   worker), folded in atom order on the optimizer device; the moving
   statistics are the atoms' mean, assigned once."""
+  run_pieces = staticmethod(atoms.run_atoms)
+  fold = staticmethod(tf.stack)
+  check = staticmethod(atoms.check_devices)
+  prepare = staticmethod(devices.same_kernels_everywhere)  # Kernels too.
 
   def __call__(self, clones_of, images, labels, layout, structure):
     device = self.config.optimizer_device()
@@ -133,7 +157,7 @@ class AtomFold(Summed):
 
     _, scalars, parts = rows.accumulate(
         accumulation_step, images, labels, layout,
-        worker=worker_of(self.config, layout), device=device)
+        worker=self.config.worker_index, device=device)
     num_outputs = len(tf.nest.flatten(structure[0])) if structure else 0
     split = len(parts) - num_outputs  # The outputs, if any, last.
     total_loss, gradients = self._fold(parts[:split], reached)
@@ -144,8 +168,7 @@ class AtomFold(Summed):
     new statistics, the atoms' mean."""
     device = self.config.optimizer_device()
     with tf.device(device), tf.name_scope('fold_atoms'):
-      if self.config.num_workers > 1:
-        stacked = atoms.gather(stacked)
+      stacked = atoms.gather(stacked)  # One worker's: they themselves.
       num_states = len(self.states.owners)
       folded = stacked[:len(stacked) - num_states]
       places = [device] + [o for o, r in zip(self.owners, reached) if r]
@@ -201,4 +224,4 @@ def clone_losses(config, clones, layout, k, combine):
   an empty clone of a short batch)."""
   found = iter(clones)
   return [combine(next(found).loss) if rows_ else tf.zeros([])
-          for rows_ in layout.clone_rows(worker_of(config, layout), k)]
+          for rows_ in layout.clone_rows(config.worker_index, k)]

@@ -34,18 +34,21 @@ class WholeClones:
   """Each clone runs whole on its device; its gradients come back there.
 
   With `reproducible_rows` each atom of a clone runs alone and the
-  results come stacked, atom first (`atoms.run_pieces`); with XLA, each
+  results come stacked, atom first (`atoms.run_atoms`); with XLA, each
   piece's pass is one compiled cluster on its clone's device (compiling
   the whole step would fuse every clone into one cluster on one device).
   """
 
-  def __init__(self, config, model, loss_fn, options, packs=()):
+  def __init__(self, config, model, loss_fn, options, packs=(),
+               run_pieces=atoms.run_whole):
+    """`run_pieces`: how a clone runs its pieces, the combiner's choice
+    (`atoms.run_whole`, or `atoms.run_atoms`, each atom alone)."""
     self.config = config
     self.model = model
     self.body = pieces.Body(model, loss_fn)
     if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
       self.body = tf.function(self.body, jit_compile=True)
-    self.stacked = bool(options.reproducible_rows)
+    self.run_pieces = run_pieces
     self.packs = packs
 
   def run(self, clone_pieces, images, labels, terms):
@@ -68,8 +71,7 @@ class WholeClones:
     def run_clone(i, mine, x, y):
       variables = (reads(self.config.clone_device(i)),
                    values_of(self.model.non_trainable_variables))
-      return atoms.run_pieces(self.body, mine, variables, x, y, terms,
-                              stacked=self.stacked)
+      return self.run_pieces(self.body, mine, variables, x, y, terms)
     return _each_clone(self.config, clone_pieces, images, labels, run_clone)
 
   def infer(self, clone_index, images, variables):
@@ -87,10 +89,9 @@ class WholeClones:
     with on_clone(self.config, clone_index):
       variables = (values_of(self.model.trainable_variables),
                    values_of(self.model.non_trainable_variables))
-      result = atoms.run_pieces(self.body, layout.of(0, 0, 0), variables,
-                                images, labels,
-                                pieces.StepTerms(layout.global_rows),
-                                stacked=False)
+      result = atoms.run_whole(self.body, layout.of(0, 0, 0), variables,
+                               images, labels,
+                               pieces.StepTerms(layout.global_rows))
     return result[1], result[3]
 
 
@@ -124,9 +125,13 @@ class StagedClones:
   the order of the schedule; the stages read the variables from their
   owners whole (no packs)."""
 
-  def __init__(self, config, stages, loss_fn):
+  def __init__(self, config, stages, loss_fn, fold=tf.add_n):
+    """`fold`: how a clone's micro-batches' gradients and losses meet on
+    each stage's device, the combiner's choice (`tf.add_n`, or `tf.stack`
+    for its fold of the atoms)."""
     self.config = config
     self.stages = stages
+    self.fold = fold
     self.model = stages.model
     self.loss_fn = loss_fn
 
@@ -144,7 +149,7 @@ class StagedClones:
         self.config, clone_pieces, images, labels,
         lambda i, mine, x, y: self.stages.clone_step(
             self._devices(i), self.loss_fn, mine, self._variables(), (x, y),
-            terms))
+            terms, self.fold))
 
   def infer(self, clone_index, images, variables):
     """As `WholeClones.infer`, through the clone's stages."""
@@ -157,7 +162,7 @@ class StagedClones:
       result = self.stages.clone_step(
           self._devices(clone_index), self.loss_fn, layout.of(0, 0, 0),
           self._variables(), (images, labels),
-          pieces.StepTerms(layout.global_rows))
+          pieces.StepTerms(layout.global_rows), self.fold)
     return result[1], result[3]
 
 

@@ -43,7 +43,6 @@ the towers meet a strategy (clones in lockstep, for synchronized BatchNorm)
 is `towers_in_strategy`.
 """
 
-import contextlib
 import dataclasses
 
 from absl import logging
@@ -57,7 +56,6 @@ from tfmulti import pieces
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
-from tfmulti.deploy import atoms
 from tfmulti.deploy import balance
 from tfmulti.deploy import combiners
 from tfmulti.deploy import feeds
@@ -67,9 +65,9 @@ from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy import xla_rule
 from tfmulti.deploy.clones import create_clones
 from tfmulti.deploy.clones import on_clone
+from tfmulti.deploy.clones import placed
 from tfmulti.deploy.clones import split_batch
 from tfmulti.deploy.clones import values_of
-from tfmulti.deploy.clones import worker_of
 from tfmulti.pipeline.stages import Stages
 
 
@@ -84,15 +82,16 @@ class Parts:
     balancer: the shares policy: with `clone_shares='auto'`, the
       `balance.Balancer` that measures them; else `balance.Fixed`, the
       options' own.
-    update_scope: the context the optimizer's update runs in (beside each
-      variable, where the variables are spread).
+    update_scope: the context the optimizer's update runs in: beside each
+      variable (where the variables are spread, its owner; else the
+      variables device, where it would run anyway).
     summaries: `summaries(grads_and_vars, scale)` -> {path: gradient}, or
       nothing without `summarize_gradients`.
   """
   runner: object
   combiner: object
   balancer: object
-  update_scope: object = contextlib.nullcontext
+  update_scope: object = keras_internals.updates_beside_variables
   summaries: object = lambda grads_and_vars, scale: {}
 
 
@@ -128,25 +127,25 @@ class DeployedModel(trainer.Trainer):
     the options' own, or the balancer's latest with 'auto'."""
     return self._shares
 
-  def step_graph(self, images, labels, layout, prefetched=False,
+  def step_graph(self, images, labels, layout, cut=split_batch,
                  with_outputs=False):
     """The step, untraced: for `tf.function`, or inside a replica context
     (each worker of a multi-worker job runs it; Keras's `apply_gradients`
     then all-reduces the workers' summed gradients before the update).
 
-    `images` and `labels` are nests of this worker's batch, cut here into
-    the clones' shards on the inputs device; or, `prefetched`, tuples of
-    the shards a feed cut and placed (`rows.Shards.parts`). `layout` is
-    the step's `layouts.StepLayout` (`layout_for`). `with_outputs`: also
+    `images` and `labels` are nests of this worker's batch, and `cut`
+    `(config, nest, layout, worker)` cuts each into the clones' shards:
+    `clones.split_batch` on the inputs device, or `clones.placed` for the
+    shards a feed cut and placed (`rows.Shards.parts`). `layout` is the
+    step's `layouts.StepLayout` (`layout_for`). `with_outputs`: also
     return the clones' outputs, in row order.
     """
     config = self.config
-    loss_scale = trainer.loss_scale_of(self.optimizer)
     with tf.device(config.optimizer_device()):
-      scale = 1.0 if loss_scale is None else tf.identity(loss_scale)
-    worker = worker_of(config, layout)
-    images, labels = ((nest if prefetched else split_batch(
-        config, nest, layout, worker)) for nest in (images, labels))
+      scale = tf.identity(trainer.loss_scale_of(self.optimizer))
+    worker = config.worker_index
+    images, labels = (cut(config, nest, layout, worker)
+                      for nest in (images, labels))
 
     def clones_of(images, labels, k, shift):
       return create_clones(
@@ -159,8 +158,7 @@ class DeployedModel(trainer.Trainer):
     with tf.device(config.optimizer_device()):
       grads_and_vars = [(g, v) for g, v in zip(
           gradients, self.model.trainable_variables) if g is not None]
-      summed = self.parts.summaries(
-          grads_and_vars, None if loss_scale is None else scale)
+      summed = self.parts.summaries(grads_and_vars, scale)
       grads_and_vars, total, regularization = (
           self.parts.combiner.for_update(grads_and_vars, total,
                                          regularization))
@@ -197,7 +195,7 @@ class DeployedModel(trainer.Trainer):
     if self._feeder is None:
       self._feeder = feeds.Feeder(self.config)
     layout = self.layout_for(*specs)
-    return self._feeder.feed(dataset, layout, worker_of(self.config, layout))
+    return self._feeder.feed(dataset, layout, self.config.worker_index)
 
   def measure_shares(self, images, labels):
     """Asks the shares policy for the next step's shares on this batch
@@ -218,7 +216,7 @@ class DeployedModel(trainer.Trainer):
                             shares=self._shares, partial=partial)
 
   def _step_arguments(self, images, labels, partial=False, measure=False):
-    """The compiled step's (images, labels, layout, prefetched) for this
+    """The compiled step's (images, labels, layout, cut) for this
     batch, or for a feed's `rows.Shards` (their own layout, each shard
     read on its clone). `measure`: with `clone_shares='auto'`, the shares
     are measured first, when due (for shards, on zeros shaped as a shard,
@@ -228,12 +226,13 @@ class DeployedModel(trainer.Trainer):
         self.measure_shares(*(
             feeds.stand_in(nest.parts[0], nest.layout.worker_rows())
             for nest in (images, labels)))
-      return images.parts, labels.parts, images.layout, True
+      return images.parts, labels.parts, images.layout, placed
     images, labels = [tf.nest.map_structure(tf.convert_to_tensor, nest)
                       for nest in (images, labels)]
     if measure:
       self.measure_shares(images, labels)
-    return images, labels, self.layout_for(images, labels, partial), False
+    return (images, labels, self.layout_for(images, labels, partial),
+            split_batch)
 
   def train_step_outputs(self, images, labels, *, partial=False,
                          with_outputs=False):
@@ -351,8 +350,7 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   devices.check_placement(model.variables, config.variable_devices())
   devices.check_placement(optimizer.variables, config.variable_devices() +
                           [config.optimizer_variables_device()])
-  if options.reproducible_rows:  # Atoms alone are not enough: kernels too.
-    devices.same_kernels_everywhere()
+  parts.combiner.prepare()
   return DeployedModel(config, model, loss_fn, optimizer, options, parts)
 
 
@@ -364,19 +362,19 @@ def compose(config, model, loss_fn, options):
             for v in model.trainable_variables]
   gradient_packs = packs.groups(model.trainable_variables, owners,
                                 options.gradient_packs)
+  combine = combiners.of(options)
   if layouts.is_staged(config, options):
     # Interleaved 1F1B cuts num_stages x virtual_stages chunks.
     runner = runners.StagedClones(config, Stages(
-        model, config.num_stages * options.virtual_stages, options), loss_fn)
+        model, config.num_stages * options.virtual_stages, options), loss_fn,
+                                  combine.fold)
   elif options.sync_batch_norm:
     runner = runners.LockstepClones(
         config, model, loss_fn, options,
         towers_in_strategy.lockstep_strategy(config))
   else:
     runner = runners.WholeClones(config, model, loss_fn, options,
-                                 gradient_packs)
-  combine = (combiners.AtomFold if options.reproducible_rows
-             else combiners.Summed)
+                                 gradient_packs, combine.run_pieces)
   return Parts(
       runner,
       combine(config, model, combiners.States(
@@ -384,8 +382,6 @@ def compose(config, model, loss_fn, options):
       balancer=(balance.Balancer(options.rebalance_every_steps)
                 if options.auto_shares else balance.Fixed(
                     options.fixed_shares)),
-      update_scope=(keras_internals.updates_beside_variables
-                    if config.spread_variables else Parts.update_scope),
       summaries=(trainer.gradients_by_path if options.summarize_gradients
                  else Parts.summaries))
 
@@ -416,5 +412,4 @@ def check_options(config, options):
   rules that need both records (the one-record rules are `StepOptions`')."""
   options.check_stages(config.num_stages)
   layouts.check_share_count(options.fixed_shares, config.num_clones)
-  if options.reproducible_rows:
-    atoms.check_devices(config)
+  combiners.of(options).check(config)

@@ -25,6 +25,7 @@ import tensorflow as tf
 from tfmulti import errors
 from tfmulti import layouts
 from tfmulti import rows
+from tfmulti.train import registry
 
 # Callbacks that write files: the chief's alone across workers (the
 # backup's writes are its own: every worker reads it).
@@ -32,11 +33,30 @@ CHIEF_WRITES = (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard,
                 keras.callbacks.CSVLogger)
 
 
-class Local:
-  """`fit` in one process: the towers' own step and inference."""
+def steps_for(workers, config):
+  """How `fit`'s steps run, chosen once: `AcrossWorkers` on the workers
+  `workers.start()` gave (with a strategy), else `Local`."""
+  if workers is None or workers.strategy is None:
+    return Local(config)
+  return AcrossWorkers(workers, config)
 
-  def __init__(self):
+
+class Local:
+  """`fit` in one process: the towers' own step and inference.
+
+  `gate` names the command line's strategy whose step options it runs
+  (`registry.check_options`)."""
+  gate = registry.TOWERS
+  strategy = None
+
+  def __init__(self, config):
+    self.config = config
     self.towers = None  # The `DeployedModel` `compile` builds.
+
+  def check(self, model):
+    """Refuses a `config` or `model` these steps cannot run
+    (`check_workers`)."""
+    check_workers(self.strategy, self.config, model)
 
   def bind(self, towers):
     """The towers `compile` built, which the steps run."""
@@ -82,12 +102,12 @@ class Local:
 class AcrossWorkers(Local):
   """`fit` on every worker of `workers` (what `workers.start()` gave):
   each takes its rows of the global batch; see the module."""
+  gate = registry.MULTI_WORKER
 
   def __init__(self, workers, config):
-    super().__init__()
+    super().__init__(config)
     self.workers = workers
     self.strategy = workers.strategy
-    self.config = config
 
   def scope(self):
     """The workers' strategy's scope: the optimizer's variables are the

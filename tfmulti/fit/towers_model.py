@@ -113,15 +113,13 @@ class TowersModel(keras.Model):
     """
     _check_no_strategy()
     towers_lib.check_model(model)
-    across = workers is not None and workers.strategy is not None
-    across_workers.check_workers(workers.strategy if across else None,
-                                 config, model)
+    # How the steps run, chosen once: in one process, or across workers.
+    steps = across_workers.steps_for(workers, config)
+    steps.check(model)
     options = dataclasses.replace(options or step_options.StepOptions(),
                                   **fields)
     # The command line's gate: what its towers (on every worker) run.
-    registry.check_options(
-        registry.MULTI_WORKER if across else registry.TOWERS, options,
-        config)
+    registry.check_options(steps.gate, options, config)
     if options.summarize_gradients:  # The step's gradients reach no file.
       raise errors.UnsupportedError(
           'summarize_gradients=True: fit writes no gradient summaries (the '
@@ -140,9 +138,7 @@ class TowersModel(keras.Model):
     self._to_pass = 0  # Steps of a resumed epoch to pass over.
     self._passed = False  # Whether the last step was passed over.
     self.towers = None
-    # How the steps run, chosen once: in one process, or across workers.
-    self._steps = (across_workers.AcrossWorkers(workers, config) if across
-                   else across_workers.Local())
+    self._steps = steps
     self._compile_args = {}
     self.built = True  # Its weights are the built model's.
 

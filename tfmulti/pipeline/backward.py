@@ -12,13 +12,48 @@ passes ask it; they never ask the schedule:
          loss's again.
 """
 
+import keras
 import tensorflow as tf
+
+from tfmulti.pipeline import schedules
+
+# Layers whose weight gradients B takes even where W is split off: their
+# scale's and offset's gradients are the reductions (of the output gradient,
+# and of it times the normalised input) that their input gradient is made
+# of, so W would run them again.
+_NORMALIZATIONS = (keras.layers.BatchNormalization,
+                   keras.layers.LayerNormalization,
+                   keras.layers.GroupNormalization)
+
+
+def for_schedule(name):
+  """The backward pass schedule `name` runs: `Split` where it splits B
+  from W (`schedules.splits_backward`), else `Fused`."""
+  return Split() if schedules.splits_backward(name) else Fused()
+
+
+def defers_weights(operation):
+  """Whether a split backward pass leaves `operation`'s weight gradients
+  to W: a layer with trainable weights, not a normalization."""
+  return bool(operation.trainable_variables) and not isinstance(
+      operation, _NORMALIZATIONS)
 
 
 class Fused:
   """One backward pass a stage and micro-batch (see the module)."""
 
   persistent = False  # A part's tape is asked once.
+
+  def defers(self, operation):
+    """Whether W, not B, takes `operation`'s weight gradients: never."""
+    del operation
+    return False
+
+  def parts(self, stages, weight_parts):
+    """What each stage's passes run, each under a tape: the stage whole
+    (`weight_parts()` would cut it where W takes weights)."""
+    del weight_parts
+    return [[stage] for stage in stages]
 
   def loss_on_part_tape(self, loss_part):
     """Whether the part's own tape records the loss: the last part's."""
@@ -52,6 +87,12 @@ class Split(Fused):
   """B and W apart (see the module)."""
 
   persistent = True  # B and W ask a part's tape apart.
+  defers = staticmethod(defers_weights)
+
+  def parts(self, stages, weight_parts):
+    """The stages cut where W takes weights: `weight_parts()`."""
+    del stages
+    return weight_parts()
 
   def loss_on_part_tape(self, loss_part):
     del loss_part  # The loss goes on a tape of its own (`take_loss`).

@@ -114,3 +114,7 @@ def measured_costs(model, rows=8):
     found.append((op.name, median_seconds(
         lambda step=step, inputs=inputs: float(step(inputs)))))
   return found
+
+
+# Each `stage_costs` name's costs.
+BY_NAME = {ESTIMATED: estimated_costs, MEASURED: measured_costs}

@@ -90,8 +90,7 @@ def stage_starts(model, num_stages, options):
   names = [op.name for op, _ in costs.operations(model)]
   boundaries = options.stage_boundaries
   if boundaries is None:
-    measure = (costs.measured_costs if options.stage_costs == costs.MEASURED
-               else costs.estimated_costs)
+    measure = costs.BY_NAME[options.stage_costs]
     return partition.partition([cost for _, cost in measure(model)],
                                num_stages, options.stage_speeds)
   if len(boundaries) != num_stages - 1:
@@ -159,32 +158,17 @@ def split_model(model, starts, parts=False):
   return stages
 
 
-# Layers whose weight gradients B takes even where W is split off: their
-# scale's and offset's gradients are the reductions (of the output gradient,
-# and of it times the normalised input) that their input gradient is made
-# of, so W would run them again.
-_NORMALIZATIONS = (keras.layers.BatchNormalization,
-                   keras.layers.LayerNormalization,
-                   keras.layers.GroupNormalization)
-
-
-def defers_weights(operation):
-  """Whether a split backward pass leaves `operation`'s weight gradients
-  to W: a layer with trainable weights, not a normalization."""
-  return bool(operation.trainable_variables) and not isinstance(
-      operation, _NORMALIZATIONS)
-
-
 def weight_parts(model, starts):
   """Each stage's parts when its backward pass is split into B and W: the
   stage cut after each layer whose weight gradients W takes
-  (`defers_weights`), so that such a layer is its part's last. A part's own
-  tape then gives those gradients (W) from its outputs' gradients by
-  walking that layer alone, while B walks every part's tape once for the
-  input gradients. A list (one a stage) of lists of `Stage`s."""
+  (`backward.defers_weights`), so that such a layer is its part's last. A
+  part's own tape then gives those gradients (W) from its outputs'
+  gradients by walking that layer alone, while B walks every part's tape
+  once for the input gradients. A list (one a stage) of lists of
+  `Stage`s."""
   graph = costs.operations(model)
   cuts = set(starts) | {i + 1 for i, (op, _) in enumerate(graph[:-1])
-                        if defers_weights(op)}
+                        if backward.defers_weights(op)}
   part_starts = sorted(cuts)
   parts = split_model(model, part_starts, parts=True)
   grouped = [[] for _ in starts]
@@ -212,18 +196,22 @@ class Stages:
     self.stages = split_model(model, starts)
     # What a pass runs, under a tape each: the stage whole, or, where the
     # schedule splits the backward pass, the stage's `weight_parts`.
-    self.split = schedules.splits_backward(options.pipeline_schedule)
-    self.backward = backward.Split() if self.split else backward.Fused()
-    self.parts = (weight_parts(model, starts) if self.split
-                  else [[stage] for stage in self.stages])
+    self.backward = backward.for_schedule(options.pipeline_schedule)
+    self.parts = self.backward.parts(self.stages,
+                                     lambda: weight_parts(model, starts))
     # The trainable variables (their indices) whose gradients B takes.
     in_b = {id(v) for op, _ in costs.operations(model)
-            if not (self.split and defers_weights(op))
+            if not self.backward.defers(op)
             for v in op.trainable_variables}
     self.in_b = {i for i, v in enumerate(model.trainable_variables)
                  if id(v) in in_b}
     self.input_keys = tuple(id(t) for t in model.inputs)
     self.output_keys = tuple(id(t) for t in model.outputs)
+    # What each stage's forward pass keeps for its backward pass; the last
+    # stage's backward pass follows at once, so it always keeps its tapes.
+    last = len(self.stages) - 1
+    self.keepers = [_Recompute if options.recompute and s < last
+                    else _KeepTapes for s in range(last + 1)]
 
   def _run_part(self, part, context, values, flight, loss_part):
     """One part of a stage on one micro-batch (`flight`), reading its
@@ -254,19 +242,15 @@ class Stages:
     return [k for k in self.parts[s][j].input_keys
             if k not in self.input_keys]
 
-  def _forward(self, s, context, inputs, flight, taped):
+  def _forward(self, s, context, inputs, flight):
     """Stage s on one micro-batch, from its `inputs`, part by part, each
-    under a tape of its own when `taped` (nothing else records on it, so
-    its gradients walk that part alone): a `_Kept`."""
+    under a tape of its own (nothing else records on it, so its gradients
+    walk that part alone): a `_Kept`."""
     values = dict(zip(self.stages[s].input_keys, inputs))
     tapes, results = [], []
     parts = self.parts[s]
     for j, part in enumerate(parts):
       loss_part = s == len(self.stages) - 1 and j == len(parts) - 1
-      if not taped:
-        results.append(self._run_part(part, context, values, flight,
-                                      loss_part))
-        continue
       with tf.GradientTape(persistent=self.backward.persistent) as tape:
         tape.watch([context.trainable[i] for i in part.trainable])
         tape.watch([values[k] for k in self._source_keys(s, j)])
@@ -277,7 +261,7 @@ class Stages:
       if loss_part:
         self.backward.take_loss(self, context, flight, values, results,
                                 tapes)
-    return _Kept(inputs, tapes if taped else None, results, values)
+    return _Kept(inputs, tapes, results, values)
 
   def loss_of(self, context, flight, values):
     """The micro-batch's part of the loss, from the model outputs among
@@ -289,7 +273,7 @@ class Stages:
     return loss
 
   def clone_step(self, devices, loss_fn, clone_pieces, variables, batch,
-                 terms):
+                 terms, fold=tf.add_n):
     """One clone's forward and backward passes over its stages.
 
     As `pieces.Body`, on the clone's `clone_pieces` (`layouts.Piece`s:
@@ -297,11 +281,11 @@ class Stages:
     the offsets moved by `terms.shift`), with `devices` the clone's stage
     devices, `variables` (trainable and non-trainable values) and `batch`
     its (images, labels); the new non-trainable values come as a list,
-    one a micro-batch, for `batch_norm.combine_non_trainable`. With
-    `reproducible_rows` each micro-batch is an atom, and the losses and
-    gradients come stacked over them, as `deploy.atoms.run_pieces` gives
-    them. Each stage runs its passes in the order of `pipeline_schedule`
-    (`schedules.passes`).
+    one a micro-batch, for `batch_norm.combine_non_trainable`. The
+    micro-batches' losses and gradients meet by `fold`: summed, or, each
+    micro-batch an atom (`reproducible_rows`), `tf.stack`ed, as
+    `deploy.atoms.run_atoms` gives them. Each stage runs its passes in
+    the order of `pipeline_schedule` (`schedules.passes`).
     """
     trainable, non_trainable = variables
     live = [piece for piece in clone_pieces if piece.rows]
@@ -326,7 +310,8 @@ class Stages:
     for s, kind, m in schedules.build_order(per_device, len(self.stages)):
       d = s % num_devices  # Its passes chained per device, not per stage.
       ends[d] = run[kind](s, m, devices, context, flights[m], ends[d])
-    return _clone_results(self, devices, context, flights, len(trainable))
+    return _clone_results(self, devices, context, flights, len(trainable),
+                          fold)
 
   def _scope(self, context, m, s, suffix=''):
     """The absolute name scope of micro-batch m's pass on stage s (passes
@@ -340,8 +325,7 @@ class Stages:
     stage = self.stages[s]
     with tf.device(devices[s]), tf.name_scope(self._scope(context, m, s)):
       inputs = _gate([flight.values[k] for k in stage.input_keys], after)
-      taped = not (self.options.recompute and s < len(self.stages) - 1)
-      kept = self._forward(s, context, inputs, flight, taped)
+      kept = self.keepers[s].forward(self, s, context, inputs, flight)
       flight.values.update((k, kept.values[k]) for k in stage.output_keys)
       for part, result in zip(self.parts[s], kept.results):
         for i, value in zip(part.non_trainable, result.state):
@@ -362,10 +346,11 @@ class Stages:
         self._scope(context, m, s, '_backward')):
       upstream = [flight.upstream[k] for k in stage.output_keys] if (
           s < last) else []
-      if kept.tapes is None:  # Recompute, once the output gradients exist.
-        inputs = _gate(_gate(kept.inputs, after), upstream, 'await_gradients')
-        kept = self._forward(s, context, inputs, flight, taped=True)
-      scale = tf.cast(context.loss_scale, kept.results[0].penalty.dtype)
+      kept = self.keepers[s].taped(self, s, context, kept, flight,
+                                   (after, upstream))
+      # The pass's own copy of the scale: what it hands on is its own.
+      scale = tf.identity(tf.cast(context.loss_scale,
+                                  kept.results[0].penalty.dtype))
       if s == last:
         scales = _gate([scale, scale], after)
         through = self.backward.output_gradients(self, kept, scales[0])
@@ -454,7 +439,7 @@ def predict(stages, devices, images, trainable, non_trainable):
           penalties)
 
 
-def _clone_results(stages, devices, context, flights, num_trainable):
+def _clone_results(stages, devices, context, flights, num_trainable, fold):
   """`Stages.clone_step`'s results from its micro-batches' flights."""
   last = len(stages.stages) - 1
   losses, regularizations = [], []
@@ -472,9 +457,9 @@ def _clone_results(stages, devices, context, flights, num_trainable):
               flight.rows, context.global_rows, loss.dtype)
     losses.append(loss + regularization)
     regularizations.append(regularization)
-  # Summed over micro-batches on each stage's device; with atoms (each
-  # micro-batch one atom), stacked there instead, for the step's fold.
-  combine = tf.stack if stages.options.reproducible_rows else tf.add_n
+  # Folded over micro-batches on each stage's device: summed, or, each
+  # micro-batch an atom, stacked there for the step's fold.
+  combine = fold
   gradients = [None] * num_trainable
   for s, stage in enumerate(stages.stages):
     with tf.device(devices[s]), tf.name_scope(f'stage_{s}_sum'):
@@ -514,6 +499,43 @@ _Result = collections.namedtuple(
 # tensor it read or made, by Keras tensor id.
 _Kept = collections.namedtuple('_Kept',
                                ['inputs', 'tapes', 'results', 'values'])
+
+
+class _KeepTapes:
+  """A stage's forward pass keeps its parts' tapes for its backward pass."""
+
+  @staticmethod
+  def forward(stages, s, context, inputs, flight):
+    """Stage s's forward pass on a micro-batch, taped: a `_Kept`."""
+    return stages._forward(s, context, inputs, flight)
+
+  @staticmethod
+  def taped(stages, s, context, kept, flight, gates):
+    """What the backward pass walks: the tapes kept."""
+    del stages, s, context, flight, gates
+    return kept
+
+
+class _Recompute:
+  """With `recompute`, a stage's forward pass keeps only its inputs; its
+  backward pass runs it again, taped, once its output gradients exist."""
+
+  @staticmethod
+  def forward(stages, s, context, inputs, flight):
+    """Stage s's forward pass on a micro-batch, with no tape: a `_Kept`
+    whose tapes are None."""
+    values = dict(zip(stages.stages[s].input_keys, inputs))
+    results = [stages._run_part(part, context, values, flight, False)
+               for part in stages.parts[s]]
+    return _Kept(inputs, None, results, values)
+
+  @staticmethod
+  def taped(stages, s, context, kept, flight, gates):
+    """The forward pass again, taped, after the stage's previous pass and
+    the output gradients (`gates`)."""
+    after, upstream = gates
+    inputs = _gate(_gate(kept.inputs, after), upstream, 'await_gradients')
+    return stages._forward(s, context, inputs, flight)
 
 
 @dataclasses.dataclass(frozen=True)
