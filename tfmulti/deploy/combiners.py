@@ -168,7 +168,8 @@ class AtomFold(Summed):
     new statistics, the atoms' mean."""
     device = self.config.optimizer_device()
     with tf.device(device), tf.name_scope('fold_atoms'):
-      stacked = atoms.gather(stacked)  # One worker's: they themselves.
+      if self.config.num_workers > 1:
+        stacked = atoms.gather(stacked)
       num_states = len(self.states.owners)
       folded = stacked[:len(stacked) - num_states]
       places = [device] + [o for o, r in zip(self.owners, reached) if r]
