@@ -6,7 +6,9 @@ import os
 
 from absl.testing import flagsaver
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.helpers import assert_same_checkpoints
 from tfmulti import errors
@@ -36,6 +38,31 @@ def three_outputs(input_shape, num_classes):
   inputs = keras.Input(input_shape)
   return keras.Model(inputs, keras.layers.Dense(3)(
       keras.layers.Flatten()(inputs)))
+
+
+def sequential_cnn(input_shape, num_classes):
+  return keras.Sequential([
+      keras.Input(input_shape), keras.layers.Conv2D(4, 3, activation='relu'),
+      keras.layers.Flatten(), keras.layers.Dense(num_classes)])
+
+
+class _Cnn(keras.Model):
+  def __init__(self, num_classes, **kwargs):
+    super().__init__(**kwargs)
+    self.num_classes = num_classes
+    self.conv = keras.layers.Conv2D(4, 3, activation='relu')
+    self.flat = keras.layers.Flatten()
+    self.logits = keras.layers.Dense(num_classes)
+
+  def call(self, images):
+    return self.logits(self.flat(self.conv(images)))
+
+  def get_config(self):
+    return {**super().get_config(), 'num_classes': self.num_classes}
+
+
+def subclassed_cnn(input_shape, num_classes):
+  return _Cnn(num_classes)  # Unbuilt: tfmulti builds it on the images.
 
 
 def nothing(input_shape, num_classes):
@@ -74,7 +101,7 @@ def test_keras_applications_end_in_logits():
     ('{module}:with_softmax', 'ends in a softmax; return logits'),
     ('{module}:three_outputs', r'outputs \[\(None, 3\)\]; the data has 10 '
      'classes'),
-    ('{module}:nothing', 'returned NoneType, not a functional keras.Model'),
+    ('{module}:nothing', 'returned NoneType, not a keras.Model'),
     ('{module}:missing', "has no function 'missing'"),
     ('no_such.py:f', "there is no file 'no_such.py'"),
     ('no_such_module:f', "no module 'no_such_module' on PYTHONPATH"),
@@ -119,6 +146,25 @@ def test_a_users_model_trains_from_the_command_line_as_on_one_device(
   assert_same_checkpoints(got['checkpoint'], one['checkpoint'])
   with open(os.path.join(tmp_path, 'got', 'job.json')) as f:
     assert name in f.read()
+
+
+@pytest.mark.parametrize('function', [
+    'sequential_cnn', pytest.param('subclassed_cnn', marks=pytest.mark.slow)])
+def test_a_sequential_or_subclassed_model_trains_and_exports(
+    run_train, tmp_path, user_module, function):
+  """On 2 clones as on one device, then exported: the SavedModel serves
+  the trained weights (the two runs' logits agree)."""
+  common = dict(model=f'{user_module}:{function}', train_steps=3,
+                optimizer='adam', learning_rate=0.01, export=True)
+  one = run_train(model_dir=str(tmp_path / 'one'), batch_size=8, **common)
+  got = run_train(model_dir=str(tmp_path / 'got'), batch_size=4,
+                  num_clones=2, **common)
+  assert_same_checkpoints(got['checkpoint'], one['checkpoint'])
+  images = tf.random.stateless_uniform((2, 8, 8, 1), (1, 2))
+  logits = [tf.saved_model.load(run['export']).signatures['serving_default'](
+      images=images)['logits'] for run in (one, got)]
+  assert logits[0].shape == (2, 10)
+  np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -89,12 +89,13 @@ def test_the_layers_are_read_from_the_real_imports():
 
 
 # The ground floor's own order: the errors, the layout (pure: no
-# TensorFlow), then the step options and the device strings, then what
-# reads Keras or cuts tensors, then the trainer contract, then the piece
-# body every path runs.
+# TensorFlow), then the step options, the device strings and the sparse
+# gradients' rules, then what reads Keras or cuts tensors, then the trainer
+# contract, then the piece body every path runs.
 GROUND = {'errors': 0, 'layouts': 1, 'native_logs': 1, 'stops': 1,
           'digits': 1, 'tf_config': 1, 'step_options': 2, 'devices': 2,
-          'keras_internals': 3, 'rows': 3, 'trainer': 4, 'pieces': 5}
+          'slices': 2, 'keras_internals': 3, 'rows': 3, 'trainer': 4,
+          'pieces': 5}
 
 
 def test_the_ground_floor_imports_in_its_order():

@@ -17,6 +17,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import layouts
+from tfmulti import slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,30 +168,55 @@ def _loop(run, steps, rows, device, gradient_devices):
   """Accumulation step 0 by `run(0, 0, 0)`, then steps 1.. in a
   `tf.while_loop`, each cut as step 1 with its offsets moved by
   (k - 1) * rows, summed on `device` (each gradient on its place in
-  `gradient_devices`)."""
+  `gradient_devices`); `tf.IndexedSlices` gradients joined in step order
+  (`slices`), as the outputs are."""
   gradients, scalars, outputs = run(0, 0, 0)
   reached = [g is not None for g in gradients]
   places = [d for d, r in zip(gradient_devices or [device] * len(reached),
                               reached) if r]
-  arrays = [tf.TensorArray(out.dtype, size=steps, element_shape=out.shape)
-            .write(0, out) for out in outputs]
+  sums = [g for g in gradients if g is not None]
+  sparse = [slices.is_sparse(g) for g in sums]
+  joined = _Joined(steps, outputs + [g for g in sums if slices.is_sparse(g)])
 
   def body(k, sums, totals, arrays):
     grads, values, outs = run(k, 1, (k - 1) * rows)
     with tf.device(device), tf.name_scope('accumulate'):
       grads = [g for g, r in zip(grads, reached) if r]
-      sums = [devices.on(place, tf.add, a, g)
-              for a, g, place in zip(sums, grads, places)]
+      sums = [a if s else devices.on(place, tf.add, a, g)
+              for a, g, s, place in zip(sums, grads, sparse, places)]
       return (k + 1, sums,
               [a + v for a, v in zip(totals, values)],
-              [array.write(k, out) for array, out in zip(arrays, outs)])
+              joined.write(arrays, k, outs + [g for g, s in zip(grads, sparse)
+                                              if s]))
   _, sums, scalars, arrays = tf.while_loop(
       lambda k, *_: k < steps, body,
-      (tf.constant(1), [g for g in gradients if g is not None], scalars,
-       arrays))
-  sums = iter(sums)
-  return ([next(sums) if r else None for r in reached], scalars,
-          [array.concat() for array in arrays])
+      (tf.constant(1), [tf.zeros([]) if s else g
+                        for g, s in zip(sums, sparse)], scalars,
+       joined.arrays))
+  outputs = joined.read(arrays)
+  found = iter(outputs[len(outputs) - sum(sparse):])
+  outputs = outputs[:len(outputs) - sum(sparse)]
+  sums = iter([next(found) if s else g for g, s in zip(sums, sparse)])
+  return ([next(sums) if r else None for r in reached], scalars, outputs)
+
+
+class _Joined:
+  """Row-major tensors (or `tf.IndexedSlices`) of each accumulation step,
+  kept in `tf.TensorArray`s through the loop and joined in step order."""
+
+  def __init__(self, steps, firsts):
+    self.firsts = firsts
+    self.arrays = [tf.TensorArray(t.dtype, size=steps, element_shape=t.shape)
+                   .write(0, t) for t in slices.components(firsts)]
+
+  def write(self, arrays, k, tensors):
+    return [array.write(k, part)
+            for array, part in zip(arrays, slices.components(tensors))]
+
+  def read(self, arrays):
+    """The tensors of every step joined, in row order."""
+    return slices.from_components(self.firsts,
+                                  [array.concat() for array in arrays])
 
 
 def _step_parts(nest, layout, worker):
@@ -221,15 +247,16 @@ def _stacked_steps(nest, layout, worker):
 def _summed(results, gradient_devices=None):
   """(gradients, scalars, outputs) of several accumulation steps, summed
   (gradients None where no step reaches a variable; each on its device in
-  `gradient_devices`) and concatenated."""
+  `gradient_devices`; slices joined, `slices.add`) and concatenated."""
   gradients = []
   all_grads = list(zip(*(grads for grads, _, _ in results)))
   for parts, place in zip(all_grads,
                           gradient_devices or [None] * len(all_grads)):
     parts = [g for g in parts if g is not None]
-    gradients.append(devices.on(place, tf.add_n, parts) if parts else None)
+    gradients.append(devices.on(place, slices.add, parts) if parts else None)
   scalars = [tf.add_n(list(values))
              for values in zip(*(values for _, values, _ in results))]
-  outputs = [tf.concat(list(outs), axis=0)
+  outputs = [slices.concat(list(outs)) if slices.is_sparse(outs[0])
+             else tf.concat(list(outs), axis=0)
              for outs in zip(*(outs for _, _, outs in results))]
   return gradients, scalars, outputs

@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import rows
+from tfmulti import slices
 
 
 def check_devices(config):
@@ -88,14 +89,32 @@ def stack(per_atom_gradients):
   """Per variable, its gradients over the atoms stacked (atom first); None
   where every atom's gradient is None."""
   with tf.name_scope('stack_gradients'):
-    return [None if parts[0] is None else tf.stack(parts)
+    return [None if parts[0] is None else stacked(parts)
             for parts in zip(*per_atom_gradients)]
+
+
+def joined(parts):
+  """Several clones' stacked atoms of one tensor joined in clone order (the
+  job's atoms in row order): concatenated, or, `tf.IndexedSlices`, their
+  slices joined."""
+  return slices.concat(parts) if slices.is_sparse(parts[0]) else tf.concat(
+      parts, axis=0)
+
+
+def stacked(parts):
+  """The atoms' `parts` of one tensor stacked, atom first; the atoms'
+  `tf.IndexedSlices` joined in atom order instead, which is already their
+  exact fold (`slices`)."""
+  return slices.concat(parts) if slices.is_sparse(parts[0]) else tf.stack(
+      parts)
 
 
 def gather(tensors):
   """Every worker's atoms of `tensors` (atom first), in worker order: the
   job's atoms in row order. Call it in the worker's replica context."""
-  return tf.distribute.get_replica_context().all_gather(tensors, axis=0)
+  return slices.from_components(
+      tensors, tf.distribute.get_replica_context().all_gather(
+          slices.components(tensors), axis=0))
 
 
 def fold(stacked):
@@ -106,7 +125,8 @@ def fold(stacked):
   of its own, which depends on the graph around it), but not additions
   made in separate iterations of a loop.
   """
-  return [tf.foldl(lambda total, part: total + part, tensor)
+  return [tensor if slices.is_sparse(tensor) else
+          tf.foldl(lambda total, part: total + part, tensor)
           for tensor in stacked]
 
 

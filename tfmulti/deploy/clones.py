@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfmulti import devices
 from tfmulti import pieces
+from tfmulti import slices
 from tfmulti.deploy import feeds
 from tfmulti.deploy import packs as packs_lib
 
@@ -129,6 +130,6 @@ def optimize_clones(clones, variables, owners=None, packs=()):
         grads_and_vars.append((summed[k], variable))
       elif grads:
         grads_and_vars.append((devices.on(
-            owners[k] if owners else None, tf.add_n, grads,
+            owners[k] if owners else None, slices.add, grads,
             name='sum_gradients'), variable))
   return total_loss, grads_and_vars

@@ -23,6 +23,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import keras_internals
 from tfmulti import rows
+from tfmulti import slices
 from tfmulti.deploy import atoms
 from tfmulti.deploy import packs as packs_lib
 from tfmulti.deploy.batch_norm import combine_non_trainable
@@ -78,7 +79,7 @@ class Summed:
   clone runs its pieces) and `fold` (how a clone's micro-batches meet).
   """
   run_pieces = staticmethod(atoms.run_whole)
-  fold = staticmethod(tf.add_n)
+  fold = staticmethod(slices.add)
 
   @staticmethod
   def check(config):
@@ -131,7 +132,7 @@ class AtomFold(Summed):
   worker), folded in atom order on the optimizer device; the moving
   statistics are the atoms' mean, assigned once."""
   run_pieces = staticmethod(atoms.run_atoms)
-  fold = staticmethod(tf.stack)
+  fold = staticmethod(atoms.stacked)
   check = staticmethod(atoms.check_devices)
   prepare = staticmethod(devices.same_kernels_everywhere)  # Kernels too.
 
@@ -191,7 +192,7 @@ class AtomFold(Summed):
                                    self.owners[group[0]], leading=1)
       stacked.update(zip(group, parts or ()))
     return [stacked[k] if k in stacked
-            else devices.on(owner, tf.concat, parts, axis=0)
+            else devices.on(owner, atoms.joined, parts)
             if parts[0] is not None else None
             for k, (parts, owner) in enumerate(zip(
                 zip(*(c.gradients for c in clones)), self.owners))]
@@ -204,7 +205,7 @@ class AtomFold(Summed):
     if not self.config.worker_index:
       return grads_and_vars, total_loss, regularization
     owner = {id(v): o for v, o in zip(self.variables, self.owners)}
-    return ([(devices.on(owner[id(v)], tf.zeros_like, g), v)
+    return ([(devices.on(owner[id(v)], slices.none_like, g), v)
              for g, v in grads_and_vars], tf.zeros_like(total_loss),
             tf.zeros_like(regularization))
 

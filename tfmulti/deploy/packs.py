@@ -25,6 +25,7 @@ import math
 import tensorflow as tf
 
 from tfmulti import devices
+from tfmulti import slices
 from tfmulti import step_options
 
 
@@ -89,19 +90,31 @@ def sum_packed(gradients_by_clone, group, owner, leading=0):
   clone computed them, summed (or, with `leading`, concatenated along
   axis 0: stacked atoms) on `owner` as one tensor, and split there; None
   when some clone has no gradient for one of them or computes them on
-  several devices (then they go unpacked)."""
-  packed = []
-  for gradients in gradients_by_clone:
-    parts = [gradients[k] for k in group]
-    if any(g is None for g in parts) or len({g.device for g in parts}) > 1:
-      return None
-    with tf.device(parts[0].device), tf.name_scope('pack_gradients'):
-      packed.append(pack(parts, leading))
-  shapes = [gradients_by_clone[0][k].shape[leading:] for k in group]
-  with tf.device(owner), tf.name_scope('sum_gradients'):
-    total = (tf.add_n(packed) if not leading
-             else tf.concat(packed, axis=0))
-    return unpack(total, shapes, leading)
+  several devices (then they go unpacked). `tf.IndexedSlices` travel
+  beside the pack, joined on `owner` (`slices.add`)."""
+  if any(g is None for gradients in gradients_by_clone for g in
+         (gradients[k] for k in group)):
+    return None
+  sparse = [k for k in group if slices.is_sparse(gradients_by_clone[0][k])]
+  dense = [k for k in group if k not in sparse]
+  if any(len({gradients[k].device for k in dense}) > 1
+         for gradients in gradients_by_clone):
+    return None
+  joined = {k: devices.on(owner, slices.add,
+                          [gradients[k] for gradients in gradients_by_clone])
+            for k in sparse}
+  if dense:
+    packed = []
+    for gradients in gradients_by_clone:
+      parts = [gradients[k] for k in dense]
+      with tf.device(parts[0].device), tf.name_scope('pack_gradients'):
+        packed.append(pack(parts, leading))
+    shapes = [gradients_by_clone[0][k].shape[leading:] for k in dense]
+    with tf.device(owner), tf.name_scope('sum_gradients'):
+      total = (tf.add_n(packed) if not leading
+               else tf.concat(packed, axis=0))
+      joined.update(zip(dense, unpack(total, shapes, leading)))
+  return [joined[k] for k in group]
 
 
 def read_packed(variables, group, owner):

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import keras_internals
 from tfmulti import pieces
+from tfmulti import slices
 from tfmulti.deploy import atoms
 from tfmulti.deploy import packs as packs_lib
 from tfmulti.deploy import towers_in_strategy
@@ -125,9 +126,9 @@ class StagedClones:
   the order of the schedule; the stages read the variables from their
   owners whole (no packs)."""
 
-  def __init__(self, config, stages, loss_fn, fold=tf.add_n):
+  def __init__(self, config, stages, loss_fn, fold=slices.add):
     """`fold`: how a clone's micro-batches' gradients and losses meet on
-    each stage's device, the combiner's choice (`tf.add_n`, or `tf.stack`
+    each stage's device, the combiner's choice (`slices.add`, or `atoms.stacked`
     for its fold of the atoms)."""
     self.config = config
     self.stages = stages

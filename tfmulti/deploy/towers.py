@@ -388,18 +388,16 @@ def compose(config, model, loss_fn, options):
 
 def check_model(model):
   """Raises `ConfigError` for a model the towers cannot clone: not built,
-  not functional, nothing to train, or a loss over a Keras mask
-  (`trainer.check_no_mask`). Several inputs and outputs (lists or dicts)
-  are split by rows as one input is."""
+  nothing to train, or a loss over a Keras mask (`trainer.check_no_mask`).
+  Any Keras model class is cloned (functional, `keras.Sequential`,
+  subclassed: each clone runs `stateless_call`); only stages need the
+  layer graph (`pipeline.costs.operations`). Several inputs and outputs
+  (lists or dicts) are split by rows as one input is."""
   if not model.built:
     raise errors.ConfigError(
-        f'model {model.name!r} is not built; build a functional model '
-        '(keras.Input) under the variables device.')
-  if not getattr(model, 'inputs', None):
-    raise errors.ConfigError(
-        f'model {model.name!r} is a subclassed keras.Model: the towers need '
-        'a functional one (keras.Model(inputs, outputs), or a built '
-        'keras.Sequential), whose layers they can call and cut; build it so.')
+        f'model {model.name!r} is not built; build it under the variables '
+        'device: keras.Input for a functional or Sequential model, '
+        'model.build(input_shape) or a first call for a subclassed one.')
   if not model.trainable_variables:
     raise errors.ConfigError(
         f'model {model.name!r} has no trainable weights: there is nothing to '

@@ -173,8 +173,8 @@ class DistributedModel(trainer.Trainer):
     self.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
     if not self.options.summarize_gradients:
       gradients = []
-    elif loss_scale is not None:
-      gradients = [g / loss_scale for g in gradients]
+    else:  # Read whole, unscaled (a slice's rows made dense).
+      gradients = [tf.convert_to_tensor(g) / loss_scale for g in gradients]
     return loss, regularization, gradients
 
   def _train_step_graph(self, images, labels, global_rows):

@@ -1,7 +1,7 @@
 """The towers behind Keras's own `compile` / `fit` / `evaluate` / `predict`.
 
 `TowersModel(model, config, **options)` is a `keras.Model` that wraps a
-user's functional model: its `train_step` runs the towers' step
+user's Keras model: its `train_step` runs the towers' step
 (`deploy()`'s `DeployedModel`, the one implementation of the step the
 command line runs too), so clones, stages and micro-batches, clone shares
 and accumulation come to `fit`, with Keras's progress bar, callbacks,
@@ -10,7 +10,7 @@ validation data and compiled metrics. It follows Keras's guide
 
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   with config.variables_scope():
-    model = build_my_functional_model()
+    model = build_my_model()  # functional, Sequential or subclassed; built
   towers = fit.TowersModel(model, config)
   towers.compile(optimizer='adam', loss=..., metrics=['accuracy'])
   towers.fit(train_ds, validation_data=test_ds, epochs=3)
@@ -79,10 +79,10 @@ from tfmulti.train import registry
 
 
 class TowersModel(keras.Model):
-  """A user's functional model trained by the towers through Keras's `fit`.
+  """A user's Keras model trained by the towers through Keras's `fit`.
 
   Attributes:
-    model: the wrapped functional `keras.Model` (its weights are this
+    model: the wrapped `keras.Model` (its weights are this
       model's; save or export it as any Keras model).
     config: the `DeploymentConfig`.
     options: the `StepOptions`.
@@ -94,7 +94,8 @@ class TowersModel(keras.Model):
     """Wraps `model`, built in `config.variables_scope()`.
 
     Args:
-      model: a built functional `keras.Model` (any inputs and outputs).
+      model: a built `keras.Model`: functional, Sequential or subclassed
+        (any inputs and outputs; stages need a functional one).
       config: a `DeploymentConfig`.
       options: a `StepOptions`; None for the defaults.
       workers: across workers, what `workers.start()` gave (the model
@@ -128,8 +129,10 @@ class TowersModel(keras.Model):
     super().__init__(name=f'towers_{model.name}')
     self.model = model
     # Keras names the losses and metrics of a list of outputs by these, as
-    # on the model itself (`dense_1_loss`, not the loss's name).
-    self.output_names = model.output_names
+    # on the model itself (`dense_1_loss`, not the loss's name); a
+    # Sequential or subclassed model has none, and Keras names by position.
+    if hasattr(model, 'output_names'):
+      self.output_names = model.output_names
     self.config = config
     self.options = options
     self.workers = workers

@@ -9,8 +9,9 @@
   logits. A size below the model's minimum (MobileNetV2 takes 32x32 at
   least) is refused in one line.
 * `MODULE:FUNCTION`: the user's function, called as
-  `FUNCTION(input_shape, num_classes)`, returning a functional
-  `keras.Model` that ends in logits. `MODULE` is a dotted module on
+  `FUNCTION(input_shape, num_classes)`, returning a `keras.Model` that
+  ends in logits: functional, `keras.Sequential` or subclassed (built here
+  on the input shape if it is not; stages need a functional one). `MODULE` is a dotted module on
   `PYTHONPATH` or a path to a `.py` file. An exception raised inside the
   user's function keeps its traceback: it is their code.
 """
@@ -21,6 +22,7 @@ import os
 import sys
 
 import keras
+import tensorflow as tf
 
 from tfmulti import errors
 
@@ -55,7 +57,7 @@ def build(name, input_shape, num_classes, weights=None):
     model = _application(name, tuple(input_shape), num_classes, weights)
   else:
     model = _function(name)(tuple(input_shape), num_classes)
-  _check_model(name, model, num_classes)
+  _check_model(name, model, tuple(input_shape), num_classes)
   return model
 
 
@@ -92,18 +94,25 @@ def load_weights(name, model, path):
         "(Keras's NAME ..._notop.h5).") from e
 
 
-def _check_model(name, model, num_classes):
-  if not isinstance(model, keras.Model) or not hasattr(model, 'outputs'):
+def _check_model(name, model, input_shape, num_classes):
+  """Builds `model` on `input_shape` if it is not, and refuses one that
+  does not end in `num_classes` logits."""
+  if not isinstance(model, keras.Model):
     raise errors.ConfigError(
-        f'--model={name} returned {type(model).__name__}, not a functional '
-        'keras.Model; return keras.Model(inputs, logits).')
-  size = model.outputs[0].shape[-1] if len(model.outputs) == 1 else None
+        f'--model={name} returned {type(model).__name__}, not a '
+        'keras.Model; return keras.Model(inputs, logits), a '
+        'keras.Sequential or a keras.Model subclass.')
+  if not model.built:
+    model.build((None, *input_shape))
+  outputs = tf.nest.flatten(model.compute_output_spec(
+      keras.KerasTensor((None, *input_shape))))
+  size = outputs[0].shape[-1] if len(outputs) == 1 else None
   if size != num_classes:
     raise errors.ConfigError(
-        f'--model={name} outputs {[tuple(o.shape) for o in model.outputs]}; '
+        f'--model={name} outputs {[tuple(o.shape) for o in outputs]}; '
         f'the data has {num_classes} classes: return one output of '
         f'{num_classes} logits a row.')
-  if getattr(model.layers[-1], 'activation', None) is (
+  if model.layers and getattr(model.layers[-1], 'activation', None) is (
       keras.activations.softmax):
     raise errors.ConfigError(
         f'--model={name} ends in a softmax; return logits (drop the '

@@ -45,8 +45,10 @@ def operations(model):
   """
   if not keras_internals.is_functional(model):
     raise errors.ConfigError(
-        f'model {model.name!r}: stages cut a functional model '
-        '(keras.Model(inputs, outputs)); build it that way.')
+        f'model {model.name!r} ({type(model).__name__}) is no graph of '
+        'layers to cut into stages: build it functional (keras.Model('
+        'inputs, outputs)), or train it without stages (the towers clone '
+        'any Keras model).')
   found = []
   for operation in model.operations:
     if isinstance(operation, keras.layers.InputLayer):

@@ -54,6 +54,7 @@ from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import pieces
 from tfmulti import rows
+from tfmulti import slices
 from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.pipeline import backward
@@ -273,7 +274,7 @@ class Stages:
     return loss
 
   def clone_step(self, devices, loss_fn, clone_pieces, variables, batch,
-                 terms, fold=tf.add_n):
+                 terms, fold=slices.add):
     """One clone's forward and backward passes over its stages.
 
     As `pieces.Body`, on the clone's `clone_pieces` (`layouts.Piece`s:
@@ -283,7 +284,7 @@ class Stages:
     its (images, labels); the new non-trainable values come as a list,
     one a micro-batch, for `batch_norm.combine_non_trainable`. The
     micro-batches' losses and gradients meet by `fold`: summed, or, each
-    micro-batch an atom (`reproducible_rows`), `tf.stack`ed, as
+    micro-batch an atom (`reproducible_rows`), stacked, as
     `deploy.atoms.run_atoms` gives them. Each stage runs its passes in
     the order of `pipeline_schedule` (`schedules.passes`).
     """
@@ -572,4 +573,5 @@ class _Flight:
     """Adds the gradients of the trainable variables at `indices`."""
     for i, g in zip(indices, grads):
       if g is not None:
-        self.grads[i] = self.grads[i] + g if i in self.grads else g
+        self.grads[i] = slices.add([self.grads[i], g]) if (
+            i in self.grads) else g

@@ -37,15 +37,19 @@ KERAS_FILE = 'model.keras'
 SIGNATURE = 'serving_default'
 
 
-def one_device_copy(model):
-  """A copy of functional `model` with its weights, in no device scope."""
-  copy = keras.Model.from_config(model.get_config())
+def one_device_copy(model, input_shape):
+  """A copy of `model` with its weights, in no device scope: a functional
+  or Sequential model's graph of layers copied, a subclassed one made
+  again from its config and built on `input_shape` (one image's)."""
+  copy = keras.models.clone_model(model)
+  if not copy.built:
+    copy.build((None, *input_shape))
   copy.set_weights(model.get_weights())
   return copy
 
 
-def _write(model, directory):
-  copy = one_device_copy(model)
+def _write(model, directory, input_shape):
+  copy = one_device_copy(model, input_shape)
   archive = keras.export.ExportArchive()
   archive.track(copy)
 
@@ -53,13 +57,14 @@ def _write(model, directory):
     logits = tf.cast(copy(images, training=False), tf.float32)
     return {'logits': logits, 'probabilities': tf.nn.softmax(logits)}
   archive.add_endpoint(SIGNATURE, serve, input_signature=[tf.TensorSpec(
-      (None, *copy.input_shape[1:]), tf.float32, name='images')])
+      (None, *input_shape), tf.float32, name='images')])
   archive.write_out(directory, verbose=False)
   copy.save(os.path.join(directory, KERAS_FILE))
 
 
-def export(model, model_dir, step):
-  """Writes `<model_dir>/export/<step>/` atomically; returns its path.
+def export(model, model_dir, step, input_shape):
+  """Writes `<model_dir>/export/<step>/` atomically (the model takes
+  images of `input_shape`); returns its path.
 
   Raises:
     errors.RunDirError: it cannot be written.
@@ -72,7 +77,7 @@ def export(model, model_dir, step):
     raise errors.RunDirError(f'cannot write {final} ({e.strerror or e}); '
                              'free some space or fix the directory.') from e
   try:
-    _write(model, partial)
+    _write(model, partial, tuple(input_shape))
     if os.path.isdir(final):  # An earlier export of the same step.
       shutil.rmtree(final)
     os.replace(partial, final)
@@ -108,7 +113,7 @@ def export_latest(model_dir):
                            dtype_policy=job['dtype_policy'])
   tf.train.Checkpoint(model=model).restore(
       latest[1]).expect_partial().assert_existing_objects_matched()
-  return export(model, model_dir, latest[0])
+  return export(model, model_dir, latest[0], job['input_shape'])
 
 
 def main(argv=None):

@@ -207,7 +207,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     logging.info('final weights sha256 %s (every worker of a job logs the '
                  'same)', metrics.fingerprint(trainer.model))
     if chief:
-      return _record(config, trainer, result)
+      return _record(config, trainer, result, dataset.input_shape)
   return result
 
 
@@ -277,12 +277,12 @@ def _check_profile_steps(profile_steps, total_steps):
         'longer.')
 
 
-def _record(config, trainer, result):
+def _record(config, trainer, result, input_shape):
   """Exports and writes metrics.json, beside the weights they describe; a
   session that trained nothing keeps the figures of the one that did."""
   if config.export:
     result['export'] = export.export(trainer.model, config.model_dir,
-                                     result['steps'])
+                                     result['steps'], input_shape)
   kept = metrics.read(config.model_dir)
   if result['resumed_from_step'] == result['steps'] and kept:
     logging.info('nothing was trained: %s keeps the figures of the run that '

@@ -1,0 +1,178 @@
+"""The models Keras users bring train as plain `fit` trains them on one
+device: Sequential and subclassed models, and embeddings whose gradients
+are `tf.IndexedSlices` (under Adam, which applies each slice)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import L2
+from tfmulti import deploy
+from tfmulti import errors
+from tfmulti import fit
+
+ROWS, BATCH, VOCAB, TOKENS = 48, 16, 40, 6
+
+
+def _sequential(seed=0):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([
+      keras.Input((6,)),
+      keras.layers.Dense(16, activation='tanh',
+                         kernel_regularizer=keras.regularizers.L2(L2)),
+      keras.layers.Dense(3)])
+
+
+class _Classifier(keras.Model):
+  """A subclassed model, as Keras's guide writes one (a leading '_' in
+  its class name too)."""
+
+  def __init__(self):
+    super().__init__()
+    self.hidden = keras.layers.Dense(
+        16, activation='tanh', kernel_regularizer=keras.regularizers.L2(L2))
+    self.logits = keras.layers.Dense(3)
+
+  def call(self, inputs):
+    return self.logits(self.hidden(inputs))
+
+
+def _subclassed(seed=0):
+  keras.utils.set_random_seed(seed)
+  model = _Classifier()
+  model.build((None, 6))
+  return model
+
+
+def _embedding(seed=0):
+  """Token ids -> an Embedding (a sparse gradient: each looked-up row a
+  slice, the frequent ids looked up several times a batch) -> logits."""
+  keras.utils.set_random_seed(seed)
+  inputs = keras.Input((TOKENS,), dtype='int32')
+  x = keras.layers.Embedding(VOCAB, 8)(inputs)
+  x = keras.layers.GlobalAveragePooling1D()(x)
+  return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+
+def _features():
+  rng = np.random.default_rng(3)
+  return (rng.normal(size=(ROWS, 6)).astype(np.float32),
+          rng.integers(0, 3, size=ROWS).astype(np.int32))
+
+
+def _tokens():
+  rng = np.random.default_rng(4)
+  # Few ids: every batch looks some up several times.
+  return (rng.integers(0, 12, size=(ROWS, TOKENS)).astype(np.int32),
+          rng.integers(0, 3, size=ROWS).astype(np.int32))
+
+
+def _loss():
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _plain(model_fn, data, optimizer):
+  model = model_fn()
+  model.compile(optimizer=optimizer(), loss=_loss())
+  model.fit(*data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+  return model
+
+
+def _towers(model_fn, data, optimizer, num_clones=2, **options):
+  config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True)
+  with config.variables_scope():
+    model = model_fn()
+  towers = fit.TowersModel(model, config, **options)
+  towers.compile(optimizer=optimizer(), loss=_loss())
+  towers.fit(*data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+  return towers.model
+
+
+def _assert_same_weights(got, want):
+  for g, w in zip(got.get_weights(), want.get_weights()):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('model_fn', [_sequential, _subclassed])
+def test_sequential_and_subclassed_models_train_as_plain_fit(model_fn):
+  adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+  want = _plain(model_fn, _features(), adam)
+  got = _towers(model_fn, _features(), adam)
+  _assert_same_weights(got, want)
+  # The towers trained the user's own object, of the user's own class.
+  assert type(got) is type(model_fn())
+
+
+def test_a_subclassed_model_is_refused_stages_in_one_line():
+  config = deploy.DeploymentConfig(num_clones=1, num_stages=2,
+                                   clone_on_cpu=True)
+  with config.variables_scope():
+    model = _subclassed()
+  towers = fit.TowersModel(model, config, num_microbatches=2)
+  with pytest.raises(errors.ConfigError,
+                     match='no graph of layers to cut into stages'):
+    towers.compile(optimizer='sgd', loss=_loss())
+
+
+def test_an_unbuilt_subclassed_model_is_refused_in_one_line():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  with pytest.raises(errors.ConfigError, match=r'model.build\(input_shape\)'):
+    fit.TowersModel(_Classifier(), config)
+
+
+@pytest.mark.parametrize('optimizer', [
+    pytest.param(lambda: keras.optimizers.Adam(0.05), id='adam'),
+    pytest.param(lambda: keras.optimizers.SGD(0.5), id='sgd',
+                 marks=pytest.mark.slow),
+    pytest.param(lambda: keras.optimizers.RMSprop(0.01), id='rmsprop',
+                 marks=pytest.mark.slow),
+    pytest.param(lambda: keras.optimizers.Adagrad(0.1), id='adagrad',
+                 marks=pytest.mark.slow),
+    pytest.param(lambda: keras.optimizers.AdamW(0.05), id='adamw',
+                 marks=pytest.mark.slow)])
+def test_an_embedding_trains_as_plain_fit(optimizer):
+  """Keras applies an Embedding's gradient slice by slice; the towers hand
+  the optimizer the slices one device would (not their dense sum)."""
+  want = _plain(_embedding, _tokens(), optimizer)
+  got = _towers(_embedding, _tokens(), optimizer)
+  _assert_same_weights(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('options', [
+    dict(num_clones=4),
+    dict(num_clones=2, clone_shares=(3, 1)),
+    dict(num_clones=2, accumulation_steps=2),
+    dict(num_clones=2, reproducible_rows=True),
+    dict(num_clones=2, gradient_packs=1),
+], ids=lambda options: ','.join(f'{k}={v}' for k, v in options.items()))
+def test_an_embedding_trains_as_plain_fit_on_every_layout(options):
+  adam = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+  want = _plain(_embedding, _tokens(), adam)
+  got = _towers(_embedding, _tokens(), adam, **options)
+  _assert_same_weights(got, want)
+
+
+def test_the_optimizer_receives_an_embeddings_slices_not_a_dense_sum():
+  """What the step hands `apply_gradients`: the table's gradient as
+  slices, one a looked-up row of the whole batch, as on one device."""
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    model = _embedding()
+    optimizer = keras.optimizers.Adam(0.05)
+  towers = deploy.deploy(config, model, _loss(), optimizer)
+  seen = []
+  apply = optimizer.apply_gradients
+
+  def spy(grads_and_vars):
+    grads_and_vars = list(grads_and_vars)
+    seen.extend(grads_and_vars)
+    return apply(grads_and_vars)
+  optimizer.apply_gradients = spy
+  images, labels = _tokens()
+  towers.traced_step(images[:BATCH], labels[:BATCH])
+  table = model.layers[1].embeddings
+  gradient, = [g for g, v in seen if v is table]
+  assert isinstance(gradient, tf.IndexedSlices)
+  assert gradient.values.shape == (BATCH * TOKENS, 8)
