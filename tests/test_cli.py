@@ -354,8 +354,8 @@ BAD_INPUTS = {
         r'decode \(.+\); re-encode its image'),
     'function_returns_no_model': (
         _users_model('nothing'),
-        r'user_models.py:nothing returned NoneType, not a functional '
-        'keras.Model; return keras.Model'),
+        r'user_models.py:nothing returned NoneType, not a keras.Model; '
+        'return keras.Model'),
     'model_of_another_output_size': (
         _users_model('three_outputs'),
         r'outputs \[\(None, 3\)\]; the data has 2 classes: return one '

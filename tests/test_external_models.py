@@ -160,7 +160,7 @@ def test_a_sequential_or_subclassed_model_trains_and_exports(
   got = run_train(model_dir=str(tmp_path / 'got'), batch_size=4,
                   num_clones=2, **common)
   assert_same_checkpoints(got['checkpoint'], one['checkpoint'])
-  images = tf.random.stateless_uniform((2, 8, 8, 1), (1, 2))
+  images = tf.random.stateless_uniform((2, 28, 28, 1), (1, 2))  # Digits.
   logits = [tf.saved_model.load(run['export']).signatures['serving_default'](
       images=images)['logits'] for run in (one, got)]
   assert logits[0].shape == (2, 10)

@@ -16,7 +16,9 @@ The conventions read here:
   tf.distribute replica context (`scale_loss_for_distribution`).
 * A functional model's nodes (`_nodes`, a layer's `_inbound_nodes`), its
   inputs' and outputs' structures (`_inputs_struct`, `_outputs_struct`),
-  whether a layer takes `training` (`_call_has_training_arg`), a tensor's
+  whether a layer takes `training` (`_call_has_training_arg`), the call
+  context a layer's `__call__` reads `training` from when none is passed
+  (`current_call_ctx`, a `CallContext`, in Keras's global state), a tensor's
   Keras mask, a compiled model's loss (`_compile_loss`), metrics
   (`_compile_metrics`, `_symbolic_build`) and loss tracker
   (`_loss_tracker`).
@@ -135,6 +137,26 @@ def operation_nodes(model, operation):
 def takes_training(layer):
   """Whether `layer.call` takes a `training` argument."""
   return layer._call_has_training_arg
+
+
+def stateless_run(model, trainable, non_trainable, inputs, training):
+  """`model.stateless_call(trainable, non_trainable, inputs,
+  training=training, return_losses=True)` for any Keras model: a
+  subclassed model's `call` may take no `training`, and `stateless_call`
+  calls `call` itself, so its layers are called in a call context that
+  says `training`, as Keras's `__call__` would open one."""
+  from keras.src.backend.common import global_state
+  from keras.src.layers.layer import CallContext
+  kwargs = {'training': training} if takes_training(model) else {}
+  outer = global_state.get_global_attribute('current_call_ctx')
+  context = CallContext(entry_layer=model)
+  context.training = training
+  global_state.set_global_attribute('current_call_ctx', context)
+  try:
+    return model.stateless_call(trainable, non_trainable, inputs,
+                                return_losses=True, **kwargs)
+  finally:
+    global_state.set_global_attribute('current_call_ctx', outer)
 
 
 def is_functional(model):

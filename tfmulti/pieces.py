@@ -46,8 +46,8 @@ def forward(model, trainable, non_trainable, inputs, offset):
   """
   seeds = keras_internals.seed_indices(model)
   folded = keras_internals.fold_seeds(non_trainable, seeds, offset)
-  outputs, new_non_trainable, losses = model.stateless_call(
-      trainable, folded, inputs, training=True, return_losses=True)
+  outputs, new_non_trainable, losses = keras_internals.stateless_run(
+      model, trainable, folded, inputs, training=True)
   model_losses, penalties = keras_internals.split_losses(model, losses)
   return (outputs, keras_internals.unfold_seeds(
       new_non_trainable, folded, non_trainable, seeds), model_losses,

@@ -197,19 +197,6 @@ class TestClearErrors:
     config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
     return fit.TowersModel(model or mlp(), config, **options)
 
-  def test_a_subclassed_model(self):
-    class Subclassed(keras.Model):
-      def __init__(self):
-        super().__init__()
-        self.dense = keras.layers.Dense(3)
-
-      def call(self, inputs):
-        return self.dense(inputs)
-    model = Subclassed()
-    model(np.zeros((1, 6), np.float32))
-    with pytest.raises(errors.ConfigError, match='subclassed keras.Model'):
-      self._towers(model)
-
   @pytest.mark.parametrize('reduction', ['sum', None])
   def test_a_loss_that_is_not_a_mean(self, reduction):
     towers = self._towers()

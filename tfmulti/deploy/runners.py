@@ -80,8 +80,8 @@ class WholeClones:
     (trainable and non-trainable values): (outputs, its `add_loss`
     terms, its weight penalties). Call it on the clone's device."""
     del clone_index  # The whole model, on the device it is called on.
-    output, _, losses = self.model.stateless_call(
-        *variables, images, training=False, return_losses=True)
+    output, _, losses = keras_internals.stateless_run(
+        self.model, *variables, images, training=False)
     return (output, *keras_internals.split_losses(self.model, losses))
 
   def probe(self, clone_index, images, labels, layout):

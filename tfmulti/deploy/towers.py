@@ -396,8 +396,8 @@ def check_model(model):
   if not model.built:
     raise errors.ConfigError(
         f'model {model.name!r} is not built; build it under the variables '
-        'device: keras.Input for a functional or Sequential model, '
-        'model.build(input_shape) or a first call for a subclassed one.')
+        'device: keras.Input for a functional or Sequential model, a first '
+        'call on a batch (model(x)) for a subclassed one.')
   if not model.trainable_variables:
     raise errors.ConfigError(
         f'model {model.name!r} has no trainable weights: there is nothing to '

@@ -11,9 +11,10 @@
 * `MODULE:FUNCTION`: the user's function, called as
   `FUNCTION(input_shape, num_classes)`, returning a `keras.Model` that
   ends in logits: functional, `keras.Sequential` or subclassed (built here
-  on the input shape if it is not; stages need a functional one). `MODULE` is a dotted module on
-  `PYTHONPATH` or a path to a `.py` file. An exception raised inside the
-  user's function keeps its traceback: it is their code.
+  on the input shape if it is not; stages need a functional one).
+  `MODULE` is a dotted module on `PYTHONPATH` or a path to a `.py` file.
+  An exception raised inside the user's function keeps its traceback: it
+  is their code.
 """
 
 import importlib
@@ -102,10 +103,11 @@ def _check_model(name, model, input_shape, num_classes):
         f'--model={name} returned {type(model).__name__}, not a '
         'keras.Model; return keras.Model(inputs, logits), a '
         'keras.Sequential or a keras.Model subclass.')
-  if not model.built:
-    model.build((None, *input_shape))
-  outputs = tf.nest.flatten(model.compute_output_spec(
-      keras.KerasTensor((None, *input_shape))))
+  images = keras.KerasTensor((None, *input_shape))
+  # A symbolic call builds an unbuilt subclassed model's layers (its
+  # `build(shape)` would not), reading no weight.
+  outputs = tf.nest.flatten(model.compute_output_spec(images) if model.built
+                            else model(images))
   size = outputs[0].shape[-1] if len(outputs) == 1 else None
   if size != num_classes:
     raise errors.ConfigError(

@@ -42,8 +42,11 @@ def one_device_copy(model, input_shape):
   or Sequential model's graph of layers copied, a subclassed one made
   again from its config and built on `input_shape` (one image's)."""
   copy = keras.models.clone_model(model)
+  # A root scope name has no leading '_' (Keras names a class '_Net'
+  # '__net'), and saving traces the model at the root.
+  copy.name = copy.name.lstrip('_') or 'model'
   if not copy.built:
-    copy.build((None, *input_shape))
+    copy(keras.KerasTensor((None, *input_shape)))
   copy.set_weights(model.get_weights())
   return copy
 
