@@ -327,3 +327,26 @@ def test_models_a_user_brings_train_the_central_bits_spread(build, rows):
   for got, want in zip(weights(spread.model), weights(central.model),
                        strict=True):
     np.testing.assert_array_equal(got, want)
+
+
+def test_an_embeddings_gradient_moves_the_touched_rows_not_the_table():
+  """Each clone sends the table's gradient as slices: a value row and an
+  index a looked-up row, not the 2 MB a dense gradient would be."""
+  vocab, width, tokens = 32_768, 16, 5
+
+  def embedding():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((tokens,), dtype='int32')
+    x = keras.layers.Embedding(vocab, width)(inputs)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(3)(x))
+  config = _config(2, '/device:CPU:2')
+  deployed = make_deployed(config, model_fn=embedding)
+  rows = 8
+  ids = np.arange(rows * tokens, dtype=np.int32).reshape(rows, tokens)
+  table = traffic.step_traffic(deployed, ids, np.zeros(rows, np.int32))
+  head = (width * 3 + 3) * 4  # The Dense layer's dense gradients.
+  slices = (rows // 2) * tokens * (width * 4 + 4)  # Values and an int32 id.
+  received = table['/device:CPU:2'].received['gradients']
+  assert 2 * (slices + head) <= received <= 1.1 * 2 * (slices + head)
+  assert received < vocab * width * 4 / 100  # A dense gradient's bytes.

@@ -35,7 +35,7 @@ def for_schedule(name):
 def defers_weights(operation):
   """Whether a split backward pass leaves `operation`'s weight gradients
   to W: a layer with trainable weights, not a normalization."""
-  return bool(operation.trainable_variables) and not isinstance(
+  return bool(getattr(operation, 'trainable_variables', ())) and not isinstance(
       operation, _NORMALIZATIONS)
 
 

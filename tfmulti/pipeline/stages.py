@@ -203,7 +203,7 @@ class Stages:
     # The trainable variables (their indices) whose gradients B takes.
     in_b = {id(v) for op, _ in costs.operations(model)
             if not self.backward.defers(op)
-            for v in op.trainable_variables}
+            for v in getattr(op, 'trainable_variables', ())}
     self.in_b = {i for i, v in enumerate(model.trainable_variables)
                  if id(v) in in_b}
     self.input_keys = tuple(id(t) for t in model.inputs)
