@@ -290,3 +290,56 @@ def test_the_optimizer_receives_an_embeddings_slices_not_a_dense_sum():
   gradient, = [g for g, v in seen if v is table]
   assert isinstance(gradient, tf.IndexedSlices)
   assert gradient.values.shape == (BATCH * TOKENS, 8)
+
+
+class _CausalLM(keras.Model):
+  """A causal LM as Keras-Hub builds one: a functional backbone (dict
+  inputs: token ids and a padding mask) made in the subclass's
+  `__init__`, which ends in the functional constructor."""
+
+  def __init__(self, **kwargs):
+    ids = keras.Input((TOKENS,), dtype='int32', name='token_ids')
+    padding = keras.Input((TOKENS,), dtype='int32', name='padding_mask')
+    x = keras.layers.Embedding(VOCAB, 8)(ids)
+    causal = keras.ops.tril(keras.ops.ones((TOKENS, TOKENS), 'bool'))
+    mask = keras.ops.logical_and(
+        causal[None], keras.ops.cast(padding[:, None, :], 'bool'))
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(
+        x, x, attention_mask=mask)
+    x = keras.layers.LayerNormalization()(x + attended)
+    logits = keras.layers.Dense(VOCAB)(x)
+    super().__init__({'token_ids': ids, 'padding_mask': padding}, logits,
+                     **kwargs)
+
+
+def _causal_lm(seed=0):
+  keras.utils.set_random_seed(seed)
+  return _CausalLM(name='causal_lm')  # Keras's fit needs a root scope name.
+
+
+def _lm_data():
+  """Next-token labels a token, and per-token sample weights: 0 on the
+  padding each row ends with."""
+  rng = np.random.default_rng(6)
+  ids = rng.integers(1, 12, size=(ROWS, TOKENS + 1)).astype(np.int32)
+  lengths = rng.integers(2, TOKENS + 1, size=ROWS)
+  padding = (np.arange(TOKENS)[None] < lengths[:, None]).astype(np.int32)
+  return ({'token_ids': ids[:, :-1] * padding, 'padding_mask': padding},
+          ids[:, 1:], padding.astype(np.float32))
+
+
+def test_a_keras_hub_style_causal_lm_trains_as_plain_fit():
+  adam = lambda: keras.optimizers.Adam(0.02)  # noqa: E731
+  x, y, weights = _lm_data()
+  plain = _causal_lm()
+  plain.compile(optimizer=adam(), loss=_loss())
+  plain.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=2,
+            shuffle=False, verbose=0)
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  with config.variables_scope():
+    model = _causal_lm()
+  towers = fit.TowersModel(model, config)
+  towers.compile(optimizer=adam(), loss=_loss())
+  towers.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=2,
+             shuffle=False, verbose=0)
+  _assert_same_weights(towers.model, plain, x)
