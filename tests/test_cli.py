@@ -146,13 +146,23 @@ def test_batch_norm_model_learns_alike_on_every_path(run_train):
   assert max(accuracy.values()) - min(accuracy.values()) <= 0.04, accuracy
 
 
-def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog):
+def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog,
+                                                     tmp_path):
   """`python train.py` on a machine without a GPU: one clone, on CPU:0."""
   caplog.set_level('INFO', logger='absl')
-  metrics = run_train(clone_on_cpu=False, batch_size=64)
+  model_dir = str(tmp_path / 'plain')
+  metrics = run_train(clone_on_cpu=False, batch_size=64, model_dir=model_dir)
   assert metrics['clone_devices'] == ['/device:CPU:0']
   assert metrics['variables_device'] == '/device:CPU:0'
   assert 'no GPU found: the clone runs on the CPU (CPU:0)' in caplog.text
+  # The first step's tracing is announced, then timed, not silent.
+  lines = caplog.text.splitlines()
+  tracing = [i for i, line in enumerate(lines) if 'tracing the step' in line]
+  took = [i for i, line in enumerate(lines)
+          if re.search(r'the first step, traced and run, took \d+\.\d s',
+                       line)]
+  assert len(tracing) == len(took) == 1 and tracing[0] < took[0]
+  assert f'writing to {model_dir}' in caplog.text
 
 
 @pytest.mark.parametrize('values, message', [

@@ -3,6 +3,7 @@ and a function of the user's, through the registry and the command line."""
 
 import json
 import os
+import warnings
 
 from absl.testing import flagsaver
 import keras
@@ -192,12 +193,16 @@ def test_a_weights_file_of_the_same_model_is_its_start(user_module,
     assert (mine.numpy() == theirs.numpy()).all()
   assert any((w.numpy() != v.numpy()).any()
              for w, v in zip(loaded.weights, fresh.weights))
-  with pytest.raises(errors.ConfigError, match=r'--weights=.*small.weights.h5 '
-                     'does not fit --model=lenet .*give a file saved from '
-                     'this model') as refused:
+  with warnings.catch_warnings(record=True) as warned, pytest.raises(
+      errors.ConfigError, match=r'--weights=.*small.weights.h5 does not fit '
+      '--model=lenet .*give a file saved from this model') as refused:
+    warnings.simplefilter('always')
     models.get_model('lenet', input_shape=(28, 28, 1), num_classes=10,
                      weights=path)
   assert '\n' not in str(refused.value)
+  shown = [str(w.message)[:100] for w in warned  # What a user sees.
+           if not issubclass(w.category, DeprecationWarning)]
+  assert not shown, shown  # The refusal is the one line.
 
 
 def test_an_applications_backbone_file_starts_it_under_new_logits(tmp_path):

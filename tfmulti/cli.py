@@ -482,7 +482,6 @@ def main(argv):
              'written --name=value.')
   try:
     train_config, deploy_config, cluster_info = configs_from_flags()
-    logging.info('writing to %s', train_config.model_dir)
     job.train_and_evaluate(train_config, deploy_config,
                                  cluster_info=cluster_info)
   except loop.TrainingInterrupted as e:

@@ -509,6 +509,14 @@ def test_the_launcher_runs_the_command_line_on_two_workers(
   digests = {re.search(rf'\[worker {i}\] .*final weights sha256 (\w+)',
                        log).group(1) for i in range(2)}
   assert len(digests) == 1
+  # Each line once; each worker names the directory it really writes to.
+  lines = log.splitlines()
+  assert len(lines) == len(set(lines))
+  assert re.search(
+      rf'\[worker 0\] .*writing to {re.escape(str(tmp_path / "job"))}$',
+      log, re.M)
+  assert re.search(r'\[worker 1\] .*writing to \S*tfmulti-worker1-\S+ '
+                   r'\(worker files, removed at the end', log)
   metrics = json.loads((tmp_path / 'job' / 'metrics.json').read_text())
   assert metrics['num_workers'] == 2 and metrics['global_batch_size'] == 16
   assert_same_checkpoints(metrics['checkpoint'], one_process['checkpoint'],

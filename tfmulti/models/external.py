@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 
 import keras
 import tensorflow as tf
@@ -86,7 +87,11 @@ def load_weights(name, model, path):
   """`model` (of `--model=name`) given the weights of file `path`, or one
   line saying they do not fit."""
   try:
-    model.load_weights(path)
+    # A file of another model makes Keras warn once a layer before it
+    # fails; the one line below says it all.
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', UserWarning)
+      model.load_weights(path)
   except (ValueError, OSError, KeyError) as e:
     raise errors.ConfigError(
         f'--weights={path} does not fit --model={name} '

@@ -197,6 +197,9 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
                   chief=chief, workers=workers)
     _log_job(plan, deploy_config, trainer, dataset)
     out_dir = cluster.output_dir(config.model_dir, cluster_info)
+    logging.info('writing to %s%s', out_dir, '' if chief else (
+        f' (worker files, removed at the end; the chief writes '
+        f'{config.model_dir})'))
     try:
       with cluster.lost_peers_as_errors(cluster_info):
         result = _train_into(config, deploy_config, started, _run(

@@ -122,6 +122,8 @@ class Progress:
     if not self.steps_run:  # The first step traced the function: untimed.
       self._started = time.perf_counter()
       self.first_step_seconds = self._started - self.first_step_started
+      logging.info('the first step, traced and run, took %.1f s',
+                   self.first_step_seconds)
       timed -= 1
     self.steps_run += len(losses)
     self.timed_steps += timed
@@ -209,6 +211,8 @@ def _train_epoch(run, position, signals, progress, profiler):
   pending = []  # Total losses of the steps not yet read back.
   for images, labels in batches:
     if progress.first_step_started is None:
+      logging.info('tracing the step (its first call builds the graph; a '
+                   'large model takes a while)')
       progress.first_step_started = time.perf_counter()
     profiler.before(step + 1)
     outputs = run.trainer.train_step_outputs(images, labels)
