@@ -22,7 +22,8 @@ import keras
 
 def small_cnn(input_shape, num_classes):
   inputs = keras.Input(input_shape)
-  x = keras.layers.Conv2D(4, 3, activation='relu', name='conv')(inputs)
+  x = keras.layers.Rescaling(1 / 255)(inputs)  # As Keras's tutorials do.
+  x = keras.layers.Conv2D(4, 3, activation='relu', name='conv')(x)
   x = keras.layers.Flatten()(x)
   x = keras.layers.Dense(16, activation='relu', name='hidden')(x)
   return keras.Model(inputs, keras.layers.Dense(num_classes, name='logits')(x))
@@ -43,7 +44,8 @@ def three_outputs(input_shape, num_classes):
 
 def sequential_cnn(input_shape, num_classes):
   return keras.Sequential([
-      keras.Input(input_shape), keras.layers.Conv2D(4, 3, activation='relu'),
+      keras.Input(input_shape), keras.layers.Rescaling(1 / 255),
+      keras.layers.Conv2D(4, 3, activation='relu'),
       keras.layers.Flatten(), keras.layers.Dense(num_classes)])
 
 
@@ -56,7 +58,7 @@ class _Cnn(keras.Model):
     self.logits = keras.layers.Dense(num_classes)
 
   def call(self, images):
-    return self.logits(self.flat(self.conv(images)))
+    return self.logits(self.flat(self.conv(images / 255)))
 
   def get_config(self):
     return {**super().get_config(), 'num_classes': self.num_classes}

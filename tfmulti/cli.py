@@ -59,15 +59,23 @@ _BATCH_SIZE = flags.DEFINE_integer(
     'batch is batch_size * num_clones * workers.')
 _MODEL = flags.DEFINE_string(
     'model', 'lenet', f'One of the registry\'s ({", ".join(models.names())})'
-    ', keras.applications.NAME (weights=None, ending in logits) or '
-    'MODULE:FUNCTION: your function(input_shape, num_classes) returning a '
-    'functional keras.Model that ends in logits (MODULE dotted on '
-    'PYTHONPATH, or a .py path).')
+    ', keras.applications.NAME (weights=None, ending in logits, its '
+    "family's preprocess_input inside) or MODULE:FUNCTION: your "
+    'function(input_shape, num_classes) returning a keras.Model '
+    '(functional, Sequential or subclassed) that ends in logits (MODULE '
+    'dotted on PYTHONPATH, or a .py path). Every model receives float32 '
+    'pixels in [0, 255], as Keras\'s image loaders give them: scale inside '
+    'yours (keras.layers.Rescaling(1/255)).')
 _WEIGHTS = flags.DEFINE_string(
     'weights', None, 'A local weights file the model starts from: one '
     'saved from the same model (model.save_weights), or for '
     'keras.applications.NAME its backbone\'s (Keras\'s *_notop.h5), under '
     'a new layer of logits. A resume starts from its checkpoint.')
+_BATCH_NORM_MOMENTUM = flags.DEFINE_float(
+    'batch_norm_momentum', None, "Every BatchNormalization's momentum (its "
+    "moving statistics' decay, tf_cnn_benchmarks' --batch_norm_decay); "
+    "unset keeps each layer's own. keras.applications use 0.99-0.999, "
+    'slow for a model trained from scratch for a few epochs: try 0.9.')
 _IMAGE_SIZE = flags.DEFINE_list(
     'image_size', None, 'HEIGHT,WIDTH: resize every image to it (bilinear); '
     'unset keeps the data\'s own size.')
@@ -383,6 +391,7 @@ def _train_config():
   return config.TrainConfig(
       model=_MODEL.value, dataset=_DATASET.value,
       weights=_WEIGHTS.value and os.path.expanduser(_WEIGHTS.value),
+      batch_norm_momentum=_BATCH_NORM_MOMENTUM.value,
       input_options=_input_options(),
       model_dir=(os.path.expanduser(_MODEL_DIR.value) if _MODEL_DIR.value
                  is not None else default_model_dir(options)),
@@ -497,7 +506,8 @@ HELP_GROUPS = (
         'num_clones', 'clone_on_cpu', 'variables_device', 'num_stages',
         'strategy')),
     ('What trains, on what', (
-        'model', 'weights', 'dataset', 'data_dir', 'image_size', 'augment',
+        'model', 'weights', 'batch_norm_momentum', 'dataset', 'data_dir',
+        'image_size', 'augment',
         'validation_fraction', 'validation_glob', 'label_offset',
         'num_classes', 'shard_files', 'batch_size', 'mixed_precision')),
     ('Optimisation', (

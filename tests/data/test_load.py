@@ -26,7 +26,8 @@ def test_digits_is_real_and_offline(digits_dir):
   assert loaded.num_classes == 10
   images, labels = next(iter(loaded.train_epoch(0)))
   assert images.shape == (100, 28, 28, 1)
-  assert 0.0 <= float(np.min(images)) and float(np.max(images)) == 1.0
+  # Float pixels in [0, 255], as Keras's loaders give them.
+  assert 0.0 <= float(np.min(images)) and float(np.max(images)) == 255.0
   # The 24x24 digit sits in a 2-pixel frame of background, as in MNIST.
   assert float(np.max(images[:, :2])) == 0.0
   test_labels = _labels(loaded.test)
@@ -71,7 +72,7 @@ def test_downloadable_datasets_through_tfds(tmp_path, name, shape):
   assert loaded.input_shape == shape and loaded.num_classes == 10
   assert (loaded.train_examples, loaded.test_examples) == (24, 8)
   assert images.shape == (8, *shape) and images.dtype == np.float32
-  assert float(np.max(images)) <= 1.0
+  assert float(np.max(images)) <= 255.0
   assert labels.dtype == np.int32
 
 
@@ -154,7 +155,7 @@ def test_an_image_size_resizes_every_image(digits_dir):
   test_images, _ = next(iter(loaded.test))
   assert images.shape == (8, 16, 12, 1) and test_images.shape[1:] == (
       16, 12, 1)
-  assert 0.0 <= float(np.min(images)) and float(np.max(images)) <= 1.0
+  assert 0.0 <= float(np.min(images)) and float(np.max(images)) <= 255.0
   synthetic = data.load('synthetic', global_batch_size=8,
                         options=data.InputOptions(image_size=(8, 8)))
   assert synthetic.input_shape == (8, 8, 3)

@@ -56,7 +56,7 @@ def test_records_train_with_a_validation_glob_and_a_label_offset(tmp_path):
   assert len(train_labels) == 112  # 7 whole batches of 16.
   assert set(train_labels) <= set(labels) and min(train_labels) == 0
   images = np.concatenate([x for x, _ in loaded.test])
-  assert images.shape == (40, 8, 8, 1) and images.max() == 1.0
+  assert images.shape == (40, 8, 8, 1) and images.max() == 255.0
 
 
 def test_without_a_validation_glob_a_seeded_share_is_held_out(tmp_path):

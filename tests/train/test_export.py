@@ -15,7 +15,7 @@ from tfmulti.train import export
 
 # Loads each export in a process that imports only TensorFlow, Keras and
 # TFDS (for the prepared digits files), and prints each one's accuracy on the
-# test split, as the training run evaluated it: float images in [0, 1].
+# test split, as the training run evaluated it: float pixels in [0, 255].
 _LOAD_AND_EVALUATE = '''
 import json, sys
 import keras, numpy as np, tensorflow as tf, tensorflow_datasets as tfds
@@ -25,7 +25,7 @@ builder = tfds.builder_from_directory(digits_dir)
 images, labels = [], []
 for image, label in builder.as_dataset(split='test', as_supervised=True):
   images.append(image.numpy()); labels.append(label.numpy())
-images = np.stack(images).astype(np.float32) / 255.0
+images = np.stack(images).astype(np.float32)
 labels = np.array(labels)
 accuracies = []
 for export_dir in export_dirs:

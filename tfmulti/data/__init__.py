@@ -50,8 +50,8 @@ def _synthetic(global_batch_size, seed, image_size):
   shape = (*(image_size or SYNTHETIC_SHAPE[:2]), SYNTHETIC_SHAPE[2])
 
   def batch(stream):
-    images = tf.random.stateless_uniform(
-        (global_batch_size, *shape), seed=[seed, stream])
+    images = tf.random.stateless_uniform(  # Pixels in [0, 255].
+        (global_batch_size, *shape), seed=[seed, stream], maxval=255.0)
     labels = tf.random.stateless_uniform(
         (global_batch_size,), seed=[seed, stream + 1], maxval=SYNTHETIC_CLASSES,
         dtype=tf.int32)

@@ -2,7 +2,9 @@
 
 Every source (TFDS, a folder, TFRecords) gives a `Splits`: its train and
 evaluation examples in a fixed order, with their counts and classes.
-`batched` scales each image to [0, 1], resizes it when asked, caches the
+`batched` gives each image as float32 pixels in [0, 255] (as Keras's own
+loaders do; `models.pixels` says who scales them), resizes it when asked,
+caches the
 decoded split in memory when it fits (`CACHE_BYTES`; larger ones are
 decoded again each epoch, in parallel), shuffles epoch e with the seed
 (seed, e), augments training rows (`augment`), batches and prefetches.
@@ -21,7 +23,6 @@ import tensorflow as tf
 from tfmulti.data import augment as augment_lib
 
 _SHUFFLE_BUFFER = 10_000  # Examples; at least a whole epoch of digits/mnist.
-_PIXEL_MAX = 255.0
 CACHE_BYTES = 2 * 2**30  # Decoded float32 pixels of a split kept in memory.
 
 
@@ -86,10 +87,10 @@ def _private_threads(dataset):
 
 
 def _scaled(dataset, image_size):
-  """Images as float32 in [0, 1], resized to `image_size` if given; labels
-  as int32."""
+  """Images as float32 pixels in [0, 255], resized to `image_size` if
+  given; labels as int32."""
   def scale(image, label):
-    image = tf.cast(image, tf.float32) / _PIXEL_MAX
+    image = tf.cast(image, tf.float32)
     if image_size is not None:
       image = tf.image.resize(image, image_size)
     return image, tf.cast(label, tf.int32)

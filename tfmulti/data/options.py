@@ -22,9 +22,9 @@ class InputOptions:
   """How the images and labels of a dataset are read.
 
   Attributes:
-    image_size: (height, width) every image is resized to (bilinear, after
-      scaling to [0, 1]); None keeps the data's own, which must then be one
-      size.
+    image_size: (height, width) every image is resized to (bilinear, on
+      float pixels in [0, 255]); None keeps the data's own, which must
+      then be one size.
     validation_fraction: the share held out for evaluation when a source
       has no evaluation split of its own (a folder without `train` and
       `test` subfolders, a TFDS dataset with only a train split, TFRecords

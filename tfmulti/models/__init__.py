@@ -7,11 +7,13 @@ there. Besides the registry's names, `get_model` builds
 `keras.applications.NAME` and a user's `MODULE:FUNCTION` (`external`).
 """
 
+from absl import logging
 import keras
 
 from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti.models import external
+from tfmulti.models import pixels
 from tfmulti.models.lenet import lenet
 from tfmulti.models.resnet import resnet8_thin
 from tfmulti.models.resnet import resnet18
@@ -60,7 +62,7 @@ def check(name, *, sync_batch_norm=False):
 
 
 def get_model(name, *, input_shape, num_classes, dtype_policy=None,
-              sync_batch_norm=False, weights=None):
+              sync_batch_norm=False, weights=None, batch_norm_momentum=None):
   """Builds the registered model `name`.
 
   Args:
@@ -76,6 +78,8 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
     weights: a local weights file the model starts from: the whole model's
       (`model.save_weights`), or a `keras.applications` backbone's
       (`external`); None for fresh weights.
+    batch_norm_momentum: every BatchNormalization's momentum; None keeps
+      each layer's own.
 
   Returns:
     A functional `keras.Model`.
@@ -86,23 +90,12 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
       the data (`external.build`).
   """
   check(name, sync_batch_norm=sync_batch_norm)
-  options = {}
-  if sync_batch_norm and not external.is_external(name):
-    options['sync_batch_norm'] = True
   previous = keras.config.dtype_policy()
   try:
     if dtype_policy:
       keras.config.set_dtype_policy(dtype_policy)
-    if external.is_external(name):
-      model = external.build(name, input_shape, num_classes, weights)
-    else:
-      try:
-        model = _FACTORIES[name](tuple(input_shape), num_classes, **options)
-      except ValueError as e:  # A layer's output of size zero, say.
-        raise errors.ConfigError(
-            f'model={name!r} cannot take images of shape '
-            f'{tuple(input_shape)} ({errors.first_line(e)}); pass '
-            '--image_size=HEIGHT,WIDTH, e.g. 28,28 for lenet.') from e
+    model = _build(name, tuple(input_shape), num_classes, sync_batch_norm,
+                   weights)
   finally:
     keras.config.set_dtype_policy(previous)
   if weights is not None and not name.startswith(external.KERAS_APPLICATIONS):
@@ -114,11 +107,44 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
   if sync_batch_norm:  # An external model's, as the registry builds its own.
     for layer in keras_internals.batch_norms(model):
       layer.synchronized = True
+  _set_momentum(name, model, batch_norm_momentum)
+  logging.info('model %s receives float32 pixels in %s: %s', name,
+               pixels.RANGE, 'it scales them inside (Rescaling(1/255))'
+               if name in _FACTORIES else external.receives(
+                   name, input_shape[-1]))
   if model.compute_dtype != 'float32':
     outputs = keras.layers.Activation('linear', dtype='float32',
                                       name='logits_float32')(model.output)
     model = keras.Model(model.input, outputs, name=model.name)
   return model
+
+
+def _build(name, input_shape, num_classes, sync_batch_norm, weights):
+  """The model `name` names, under the current dtype policy."""
+  if external.is_external(name):
+    return external.build(name, input_shape, num_classes, weights)
+  options = {'sync_batch_norm': True} if sync_batch_norm else {}
+  try:
+    return _FACTORIES[name](input_shape, num_classes, **options)
+  except ValueError as e:  # A layer's output of size zero, say.
+    raise errors.ConfigError(
+        f'model={name!r} cannot take images of shape {input_shape} '
+        f'({errors.first_line(e)}); pass --image_size=HEIGHT,WIDTH, e.g. '
+        '28,28 for lenet.') from e
+
+
+def _set_momentum(name, model, momentum):
+  """Every BatchNormalization of `model` given `momentum` (None: kept);
+  Keras reads it when the layer is called, and its config keeps it."""
+  if momentum is None:
+    return
+  layers = keras_internals.batch_norms(model)
+  if not layers:
+    raise errors.ConfigError(
+        f'--batch_norm_momentum={momentum}: model {name!r} has no '
+        'BatchNormalization; drop it.')
+  for layer in layers:
+    layer.momentum = momentum
 
 
 def check_any(name):

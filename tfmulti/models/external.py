@@ -17,6 +17,7 @@
   is their code.
 """
 
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -24,6 +25,7 @@ import sys
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmulti import errors
@@ -63,24 +65,130 @@ def build(name, input_shape, num_classes, weights=None):
   return model
 
 
+def receives(name, channels):
+  """How `name`'s model takes the [0, 255] pixels it receives (for the
+  log): a `keras.applications` family's preprocessing, or the user's."""
+  if name.startswith(KERAS_APPLICATIONS):
+    return Preprocessing.of(getattr(
+        keras.applications, name[len(KERAS_APPLICATIONS):]),
+                            channels).description
+  return ('as they are: scale them inside the model, as Keras\'s tutorials '
+          'do (keras.layers.Rescaling(1/255))')
+
+
 def _application(name, input_shape, num_classes, weights):
-  """`keras.applications.NAME` ending in `num_classes` logits; with
-  `weights`, its backbone holding them and a new dense layer of logits."""
+  """`keras.applications.NAME` ending in `num_classes` logits, its family's
+  `preprocess_input` its first layer (`Preprocessing`); with `weights`,
+  its backbone holding them and a new dense layer of logits."""
   application = getattr(keras.applications, name[len(KERAS_APPLICATIONS):])
+  inputs = keras.Input(input_shape, name='images')
+  preprocessing = Preprocessing.of(application, input_shape[-1])
+  tensor = preprocessing.layer(inputs) if preprocessing.layer else inputs
   try:
     if weights is None:
-      return application(weights=None, input_shape=input_shape,
-                         classes=num_classes, classifier_activation=None)
+      return application(weights=None, input_tensor=tensor,
+                         input_shape=input_shape, classes=num_classes,
+                         classifier_activation=None)
     backbone = application(weights=None, include_top=False,
-                           input_shape=input_shape, pooling='avg')
+                           input_tensor=tensor, input_shape=input_shape,
+                           pooling='avg')
+    loaded = application(weights=None, include_top=False,
+                         input_shape=input_shape, pooling='avg')
   except ValueError as e:
     raise errors.ConfigError(
         f'--model={name} cannot take images of shape {input_shape}'
         f' ({errors.first_line(e)}); train it on a data set of larger '
         'images.') from e
-  load_weights(name, backbone, weights)
+  # The file fits the family's own backbone, whose layers with weights come
+  # in the same order in this one (the preprocessing holds none).
+  load_weights(name, loaded, weights)
+  for mine, theirs in zip(_weighted(backbone), _weighted(loaded)):
+    mine.set_weights(theirs.get_weights())
+  preprocessing.fit_first_kernel(_weighted(backbone)[0])
+  _as_imagenet_weights_expect(application, backbone)
   logits = keras.layers.Dense(num_classes, name='logits')(backbone.output)
-  return keras.Model(backbone.input, logits, name=backbone.name)
+  return keras.Model(inputs, logits, name=backbone.name)
+
+
+def _weighted(model):
+  """The layers of `model` that hold weights, in order."""
+  return [layer for layer in model.layers if layer.weights]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+  """What a `keras.applications` family's `preprocess_input` does to
+  [0, 255] pixels, as the model's own first layer.
+
+  Every family's is an affine map of each pixel's channels ('tf': x / 127.5
+  - 1; 'torch': x / 255, less the ImageNet mean, over its deviation;
+  'caffe': RGB to BGR, less the mean; EfficientNet's and ConvNeXt's: none,
+  their scaling is inside), read off the function itself (`of`). Its scale
+  and offset a channel are one weightless `Rescaling`. Where the map
+  reverses the channels (RGB to BGR), the pixels stay RGB and the scale
+  and offset follow them; a backbone given the family's weights then has
+  its first kernel's input channels reversed (`fit_first_kernel`), which
+  computes the same, and from scratch the order does not matter.
+
+  Attributes:
+    layer: the `Rescaling`, or None where the map does nothing or cannot
+      take these channels (its family expects RGB).
+    reverses: whether the family's map reverses the channels.
+    description: what the model receives, for the log.
+  """
+  layer: object
+  reverses: bool
+  description: str
+
+  @classmethod
+  def of(cls, application, channels):
+    """The preprocessing of `application`'s family on `channels`."""
+    module = importlib.import_module(application.__module__)
+    family = module.__name__.rsplit('.', 1)[-1]
+    basis = np.concatenate([np.zeros((1, channels)), np.eye(channels)])
+    try:
+      mapped = np.asarray(module.preprocess_input(
+          basis[None].astype(np.float32)))[0].astype(np.float64)
+    except Exception:  # noqa: BLE001 - whatever it raises, it cannot.
+      return cls(None, False, f"{family}'s preprocess_input takes RGB: "
+                 f'the {channels}-channel pixels arrive as they are')
+    offset, matrix = mapped[0], mapped[1:] - mapped[0]
+    reverses = not _diagonal(matrix) and _diagonal(matrix[:, ::-1])
+    scale = np.diag(matrix[:, ::-1] if reverses else matrix)
+    offset = offset[::-1] if reverses else offset
+    if not reverses and np.allclose(scale, 1) and np.allclose(offset, 0):
+      return cls(None, False, f"{family}'s preprocess_input is inside the "
+                 'model already')
+    return cls(keras.layers.Rescaling(scale.tolist(), offset.tolist(),
+                                      name='preprocess_input'), reverses,
+               f"{family}'s preprocess_input, as its first layer")
+
+  def fit_first_kernel(self, layer):
+    """Reverses the input channels of `layer`'s kernel (the backbone's
+    first with weights) where the family's map reverses the pixels'."""
+    if self.reverses:
+      kernel, *rest = layer.get_weights()
+      layer.set_weights([kernel[..., ::-1, :], *rest])
+
+
+def _diagonal(matrix):
+  return np.allclose(matrix, np.diag(np.diag(matrix)))
+
+
+def _as_imagenet_weights_expect(application, backbone):
+  """An EfficientNet made with `weights=None` lacks the scaling Keras adds
+  after its `Normalization` only for `weights='imagenet'` (1 / sqrt of
+  the ImageNet deviation a channel); given those weights from a file, its
+  `Normalization` divides by that too (its variance times the deviation),
+  which computes the same."""
+  if not application.__module__.endswith('.efficientnet'):
+    return
+  from keras.src.applications import efficientnet
+  for layer in backbone.layers:
+    if isinstance(layer, keras.layers.Normalization):
+      layer.adapt_variance.assign(layer.adapt_variance * np.array(
+          efficientnet.IMAGENET_STDDEV_RGB, np.float32))
+      layer.finalize_state()
 
 
 def load_weights(name, model, path):

@@ -2,6 +2,8 @@
 
 import keras
 
+from tfmulti.models import pixels
+
 
 def lenet(input_shape, num_classes, *, activation='relu'):
   """Two 5x5 convolutions with 2x2 average pooling, then dense 120 and 84.
@@ -19,7 +21,8 @@ def lenet(input_shape, num_classes, *, activation='relu'):
     A functional `keras.Model` mapping images to logits.
   """
   inputs = keras.Input(input_shape, name='images')
-  x = keras.layers.Conv2D(6, 5, padding='same', activation=activation)(inputs)
+  x = keras.layers.Conv2D(6, 5, padding='same', activation=activation)(
+      pixels.scaled(inputs))
   x = keras.layers.AveragePooling2D(2)(x)
   x = keras.layers.Conv2D(16, 5, activation=activation)(x)
   x = keras.layers.AveragePooling2D(2)(x)

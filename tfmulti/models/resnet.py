@@ -6,6 +6,7 @@ import keras
 from keras import layers
 
 from tfmulti import errors
+from tfmulti.models import pixels
 
 # BatchNorm's moving averages keep 0.9 of the old value per step: PyTorch's
 # default (momentum=0.1), which D2L and He et al.'s Torch code trained with.
@@ -48,7 +49,7 @@ def resnet18(input_shape, num_classes, *, sync_batch_norm=False):
   """
   batch_norm = _batch_norm(sync_batch_norm)
   inputs = keras.Input(input_shape, name='images')
-  x = layers.Conv2D(64, 3, padding='same')(inputs)
+  x = layers.Conv2D(64, 3, padding='same')(pixels.scaled(inputs))
   x = layers.ReLU()(batch_norm()(x))
   for stage, filters in enumerate((64, 128, 256, 512)):
     for block in range(2):
@@ -116,7 +117,7 @@ def cifar_resnet(input_shape, num_classes, *, depth=20, width=16,
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(width, 3, padding='same', use_bias=False,
                     kernel_initializer='he_normal',
-                    kernel_regularizer=regularizer)(inputs)
+                    kernel_regularizer=regularizer)(pixels.scaled(inputs))
   x = layers.ReLU()(batch_norm()(x))
   for stage in range(3):
     for block in range((depth - 2) // 6):
@@ -173,7 +174,7 @@ def resnet50(input_shape, num_classes, *, sync_batch_norm=False):
   batch_norm = _batch_norm(sync_batch_norm, epsilon=1e-5)
   inputs = keras.Input(input_shape, name='images')
   x = layers.Conv2D(64, 7, strides=2, padding='same', use_bias=False,
-                    name='stem_conv')(inputs)
+                    name='stem_conv')(pixels.scaled(inputs))
   x = layers.ReLU()(batch_norm()(x))
   x = layers.MaxPooling2D(3, strides=2, padding='same', name='stem_pool')(x)
   for layer, (planes, blocks) in enumerate(

@@ -68,7 +68,8 @@ def model_and_optimizer(config, deploy_config, *, input_shape, num_classes,
           config.model, input_shape=input_shape, num_classes=num_classes,
           dtype_policy=policy,
           sync_batch_norm=config.step_options.sync_batch_norm,
-          weights=config.weights)
+          weights=config.weights,
+          batch_norm_momentum=config.batch_norm_momentum)
     optimizer = make_optimizer(config.optimizer, learning_rate)
     if policy == MIXED_GPU:  # float16 gradients underflow without it.
       optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

@@ -30,6 +30,9 @@ class TrainConfig:
   Attributes:
     model: a name in `models.names()`, `keras.applications.NAME` or
       `MODULE:FUNCTION` (`models.external`).
+    batch_norm_momentum: the momentum of every BatchNormalization's moving
+      statistics (tf_cnn_benchmarks' `--batch_norm_decay`); None keeps
+      each layer's own.
     weights: a local weights file the model starts from (`model.save_weights`
       of the same model, or a `keras.applications` backbone's, such as
       Keras's `*_notop.h5`); None for fresh weights. A resume starts from
@@ -73,6 +76,7 @@ class TrainConfig:
   """
   model: str = 'lenet'
   weights: Optional[str] = None
+  batch_norm_momentum: Optional[float] = None  # None keeps the model's.
   dataset: str = 'digits'
   input_options: options_lib.InputOptions = options_lib.DEFAULTS
   model_dir: str = 'runs/default'
@@ -113,6 +117,11 @@ class TrainConfig:
           f'--shard_files shares files out over the workers of '
           f'--strategy={registry.MULTI_WORKER}; strategy={self.strategy!r} '
           'reads every row in each process: drop it.')
+    if self.batch_norm_momentum is not None and not (
+        0 <= self.batch_norm_momentum < 1):
+      raise errors.ConfigError(
+          f'--batch_norm_momentum={self.batch_norm_momentum}: give a '
+          'momentum in [0, 1), e.g. 0.9 for models trained from scratch.')
     if self.weights is not None and not os.path.isfile(self.weights):
       raise errors.ConfigError(
           f'--weights={self.weights}: no such file; give a local weights '

@@ -6,7 +6,8 @@ At the end of training (and on demand, from a model_dir's latest intact
 checkpoint) the model is written twice into `<model_dir>/export/<step>/`:
 
 * a SavedModel whose `serving_default` signature takes float `images`
-  `[batch, H, W, C]` in the training input's range ([0, 1]) and returns
+  `[batch, H, W, C]` in the training input's range (pixels in [0, 255],
+  `models.pixels`) and returns
   `logits` and class `probabilities`;
 * `model.keras`, the Keras model file.
 

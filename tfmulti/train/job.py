@@ -196,10 +196,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     _record_start(plan, deploy_config, dataset, settings,
                   chief=chief, workers=workers)
     _log_job(plan, deploy_config, trainer, dataset)
-    out_dir = cluster.output_dir(config.model_dir, cluster_info)
-    logging.info('writing to %s%s', out_dir, '' if chief else (
-        f' (worker files, removed at the end; the chief writes '
-        f'{config.model_dir})'))
+    out_dir = _output_dir(config, cluster_info, chief)
     try:
       with cluster.lost_peers_as_errors(cluster_info):
         result = _train_into(config, deploy_config, started, _run(
@@ -278,6 +275,15 @@ def _check_profile_steps(profile_steps, total_steps):
         f'profile_steps={profile_steps[0]},{profile_steps[1]}: the run ends '
         f'at step {total_steps}; profile steps up to {total_steps}, or train '
         'longer.')
+
+
+def _output_dir(config, cluster_info, chief):
+  """Where this worker writes (`cluster.output_dir`), logged as it is."""
+  out_dir = cluster.output_dir(config.model_dir, cluster_info)
+  logging.info('writing to %s%s', out_dir, '' if chief else (
+      f' (worker files, removed at the end; the chief writes '
+      f'{config.model_dir})'))
+  return out_dir
 
 
 def _record(config, trainer, result, input_shape):

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import keras_internals
 from tfmulti import stops
 from tfmulti import trainer as trainer_lib
 from tfmulti.data import batches as batches_lib
@@ -81,6 +82,7 @@ class Progress:
     self.log_every_steps = log_every_steps
     self.window = []  # Total losses since the last progress line.
     self.last_window_loss = float('nan')
+    self.first_window_loss = float('nan')  # This run's first logged one.
     self.train_seconds = 0.0
     self.timed_steps = 0
     self.steps_run = 0
@@ -130,6 +132,8 @@ class Progress:
     if step % self.log_every_steps and step != self.total_steps:
       return
     self.last_window_loss = float(np.mean(self.window))
+    if np.isnan(self.first_window_loss):
+      self.first_window_loss = self.last_window_loss
     self.window = []
     speed, eta = 'not timed yet (the first step traces)', '?'
     if self.timed_steps:
@@ -254,7 +258,22 @@ def _evaluate(run, step, progress):
   run.summaries.evaluation(step, evaluation)
   logging.info('step %d: eval accuracy %.4f, eval loss %.4f', step,
                evaluation['accuracy'], evaluation['loss'])
+  if _at_chance_while_learning(run, evaluation, progress):
+    logging.warning(
+        'eval accuracy %.4f is chance (%d classes) while the training loss '
+        'fell from %.4f to %.4f: the BatchNormalization moving statistics '
+        'lag the weights; a smaller --batch_norm_momentum (e.g. 0.9) lets '
+        'them follow', evaluation['accuracy'], run.dataset.num_classes,
+        progress.first_window_loss, progress.last_window_loss)
   return evaluation
+
+
+def _at_chance_while_learning(run, evaluation, progress):
+  """Whether evaluation sits at chance while training learns, on a model
+  with BatchNorm: its moving statistics, not its weights, are behind."""
+  return (evaluation['accuracy'] <= 1.5 / run.dataset.num_classes
+          and progress.last_window_loss < 0.7 * progress.first_window_loss
+          and bool(keras_internals.batch_norms(run.trainer.model)))
 
 
 def train(run, position):
