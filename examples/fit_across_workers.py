@@ -44,6 +44,11 @@ _VARIABLES_DEVICE = flags.DEFINE_string(
 _ACCUMULATION_STEPS = flags.DEFINE_integer(
     'accumulation_steps', 1, 'Accumulation steps a global batch (one '
     'update).')
+_MODEL = flags.DEFINE_enum(
+    'model', 'cnn', ['cnn', 'sequential', 'subclassed', 'embedding'],
+    'The model: a functional CNN, the same as a keras.Sequential or a '
+    'keras.Model subclass, or an Embedding of the pixels read as 17 token '
+    'ids (its gradient: sparse slices).')
 _BATCH_NORM = flags.DEFINE_bool(
     'batch_norm', False, 'Put a BatchNormalization after the convolution.')
 _BATCH_NORM_POLICY = flags.DEFINE_enum(
@@ -68,14 +73,46 @@ def digits():
           (images[_TRAIN_ROWS:], labels[_TRAIN_ROWS:]))
 
 
+def _cnn_layers():
+  return ([keras.layers.Conv2D(16, 3, activation='relu')] +
+          ([keras.layers.BatchNormalization(name='batch_norm')]
+           if _BATCH_NORM.value else []) +
+          [keras.layers.Flatten(), keras.layers.Dense(32, activation='relu'),
+           keras.layers.Dense(10)])
+
+
+class DigitsCnn(keras.Model):
+  """The CNN as a subclass, as Keras's guide writes one."""
+
+  def __init__(self):
+    super().__init__(name='digits_cnn')
+    self.stack = _cnn_layers()
+
+  def call(self, images):
+    for layer in self.stack:
+      images = layer(images)
+    return images
+
+
 def make_model():
+  """The `--model` this worker trains, built."""
   inputs = keras.Input((8, 8, 1))
-  x = keras.layers.Conv2D(16, 3, activation='relu')(inputs)
-  if _BATCH_NORM.value:
-    x = keras.layers.BatchNormalization(name='batch_norm')(x)
-  x = keras.layers.Flatten()(x)
-  x = keras.layers.Dense(32, activation='relu')(x)
-  return keras.Model(inputs, keras.layers.Dense(10)(x), name='digits_cnn')
+  if _MODEL.value == 'sequential':
+    return keras.Sequential([inputs, *_cnn_layers()], name='digits_cnn')
+  if _MODEL.value == 'subclassed':
+    model = DigitsCnn()
+    model(np.zeros((1, 8, 8, 1), np.float32))
+    return model
+  if _MODEL.value == 'embedding':  # Pixels 0..16 as token ids.
+    ids = keras.ops.cast(keras.ops.round(
+        keras.layers.Flatten()(inputs) * 16), 'int32')
+    x = keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Embedding(17, 8)(ids))
+    return keras.Model(inputs, keras.layers.Dense(10)(x), name='digits_ids')
+  x = inputs
+  for layer in _cnn_layers():
+    x = layer(x)
+  return keras.Model(inputs, x, name='digits_cnn')
 
 
 def fit(model_dir, epochs, callbacks=()):

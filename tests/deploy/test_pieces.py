@@ -389,3 +389,35 @@ def test_mirrored_replicas_draw_their_own_masks(options):
   replica_losses = mirrored.train_step_outputs(*_twin_batch()).clones
   assert not np.allclose(replica_losses[0], replica_losses[1])
   assert _generator_counter(model) == 1
+
+
+def _embedding_model():
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((5,), dtype='int32')
+  x = keras.layers.Embedding(30, 4)(inputs)
+  x = keras.layers.GlobalAveragePooling1D()(x)
+  return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+
+def _token_batches():
+  rng = np.random.default_rng(0)
+  return [(rng.integers(0, 8, size=(16, 5)).astype(np.int32),
+           rng.integers(0, 3, size=16).astype(np.int32)) for _ in range(3)]
+
+
+@pytest.mark.parametrize('config_fields, options', [
+    (dict(num_clones=2), {}),
+    pytest.param(dict(num_clones=4), {}, marks=pytest.mark.slow),
+    pytest.param(dict(num_clones=2), dict(accumulation_steps=2),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(num_clones=2, num_stages=2), dict(num_microbatches=2),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(num_clones=2, variables_device='spread'),
+                 dict(gradient_packs='auto'), marks=pytest.mark.slow),
+])
+def test_an_embedding_keeps_the_same_bits_on_every_layout(config_fields,
+                                                          options):
+  """An Embedding's slices are joined, never added: atoms keep their bits
+  on every layout."""
+  _assert_the_same_bits_as_one_clone(_embedding_model, 4, _token_batches(),
+                                     config_fields, options)

@@ -36,6 +36,45 @@ def _embedding():
   return keras.Model(inputs, keras.layers.Dense(3)(x))
 
 
+def _sequential():
+  keras.utils.set_random_seed(0)
+  return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, 'tanh'),
+                           keras.layers.Dense(3)])
+
+
+class _Subclassed(keras.Model):
+  def __init__(self):
+    super().__init__(name='subclassed')
+    self.hidden = keras.layers.Dense(8, activation='tanh')
+    self.out = keras.layers.Dense(3)
+
+  def call(self, inputs):
+    return self.out(self.hidden(inputs))
+
+
+def _subclassed():
+  keras.utils.set_random_seed(0)
+  model = _Subclassed()
+  model(np.zeros((1, 6), np.float32))
+  return model
+
+
+@pytest.mark.parametrize('model_fn', [_sequential, _subclassed])
+def test_sequential_and_subclassed_models_agree_on_every_path(model_fn):
+  batches = [make_batch(12, seed=s) for s in range(3)]
+  runs = {'towers': make_deployed(CLONES, model_fn=model_fn),
+          'mirrored': _distributed('mirrored', model_fn=model_fn),
+          'single': _distributed('single', model_fn=model_fn)}
+  for x, y in batches:
+    for run in runs.values():
+      run.train_step(x, y)
+  for name in ('towers', 'mirrored'):
+    for got, want in zip(weights(runs[name].model),
+                         weights(runs['single'].model)):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                 err_msg=name)
+
+
 def test_an_embedding_under_adam_agrees_on_every_path():
   """The table's gradient stays slices on every path (tf.distribute joins
   the replicas' slices), so Adam applies the slices one device would."""

@@ -354,6 +354,18 @@ def test_fit_across_two_workers_trains_as_plain_fit_on_one_device(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('model', ['sequential', 'subclassed', 'embedding'])
+def test_every_keras_model_class_across_workers_trains_one_process_bits(
+    tmp_path, model):
+  """A Sequential, a subclassed model and an Embedding (its slices joined
+  across the workers' atoms) on 2 workers: one process's bits."""
+  flags = (f'--model={model}', '--reproducible_rows=4', '--epochs=1')
+  _run(tmp_path / 'one', '--num_clones=2', *flags)
+  _run(tmp_path / 'workers', *flags, workers=2)
+  _assert_same_bits(tmp_path / 'workers', tmp_path / 'one')
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('options', [(), ('--accumulation_steps=2',)])
 def test_fit_across_workers_with_atoms_trains_one_process_bits(tmp_path,
                                                                options):

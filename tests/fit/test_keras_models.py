@@ -343,3 +343,34 @@ def test_a_keras_hub_style_causal_lm_trains_as_plain_fit():
   towers.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=2,
              shuffle=False, verbose=0)
   _assert_same_weights(towers.model, plain, x)
+
+
+class _WithBatchNorm(keras.Model):
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.hidden = keras.layers.Dense(16)
+    self.norm = keras.layers.BatchNormalization()
+    self.logits = keras.layers.Dense(3)
+
+  def call(self, inputs, training=None):
+    return self.logits(keras.activations.tanh(
+        self.norm(self.hidden(inputs), training=training)))
+
+
+def _subclassed_batch_norm():
+  keras.utils.set_random_seed(0)
+  model = _WithBatchNorm(name='with_batch_norm')
+  model(np.zeros((1, 6), np.float32))
+  return model
+
+
+def test_a_subclassed_models_batch_norm_synchronizes_as_one_device():
+  """Its BatchNormalization is reachable (a tracked attribute), so the
+  clones normalise by the whole batch's statistics: plain fit's. (SGD:
+  the bias before the BatchNorm has a true gradient of 0, which Adam would
+  turn into normalised round-off.)"""
+  sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+  want = _plain(_subclassed_batch_norm, _features(), sgd)
+  got = _towers(_subclassed_batch_norm, _features(), sgd,
+                sync_batch_norm=True)
+  _assert_same_weights(got, want)

@@ -191,3 +191,24 @@ def test_the_first_progress_line_says_the_speed_is_not_timed_yet(caplog):
     progress.record(1, [0.5], epoch=0)  # The traced step: untimed.
   assert 'not timed yet (the first step traces)' in caplog.text
   assert 'nan' not in caplog.text
+
+
+@pytest.mark.parametrize('accuracy, last_loss, batch_norm, hinted', [
+    (0.1, 0.5, True, True),    # Chance, learning, BatchNorm: the hint.
+    (0.6, 0.5, True, False),   # Evaluation learns too.
+    (0.1, 0.95, True, False),  # Training does not learn either.
+    (0.1, 0.5, False, False),  # No moving statistics to blame.
+])
+def test_evaluation_at_chance_while_training_learns_suggests_the_momentum(
+    accuracy, last_loss, batch_norm, hinted):
+  inputs = keras.Input((2,))
+  x = keras.layers.BatchNormalization()(inputs) if batch_norm else inputs
+  run = type('Run', (), {})()
+  run.dataset = type('Data', (), {'num_classes': 10})()
+  run.trainer = type('Trainer', (), {'model': keras.Model(
+      inputs, keras.layers.Dense(10)(x))})()
+  progress = loop.Progress(global_batch_size=2, total_steps=10,
+                           log_every_steps=1)
+  progress.first_window_loss, progress.last_window_loss = 1.0, last_loss
+  assert loop._at_chance_while_learning(
+      run, {'accuracy': accuracy}, progress) is hinted

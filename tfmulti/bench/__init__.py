@@ -6,6 +6,7 @@ two that hold what the others share:
   designs             `python -m tfmulti.bench`: each design's step cost
   variants            the variants `designs` times, built as training does
   e2e                 whole training runs against plain Keras `fit`
+  embedding_transfers an Embedding's gradient bytes a step: slices, not a table
   flops               a step's share of the device's matmul rate
   input               the input pipeline against data already on device
   pipeline            the model-parallel experiment (ResNet-50 in stages)
