@@ -31,6 +31,24 @@ def mlp(seed=0, batch_norm=False, dropout=False, synchronized=False,
   return keras.Model(inputs, outputs)
 
 
+def embedding_model(seed=0):
+  """Five token ids of 30 -> an Embedding (a sparse gradient) -> 3 logits."""
+  keras.utils.set_random_seed(seed)
+  inputs = keras.Input((5,), dtype='int32')
+  x = keras.layers.Embedding(30, 4)(inputs)
+  x = keras.layers.GlobalAveragePooling1D()(x)
+  return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+
+def token_batches(count=3, rows=16, seed=0):
+  """`count` batches of `rows` token ids for `embedding_model`: few ids,
+  so each batch looks some up several times."""
+  rng = np.random.default_rng(seed)
+  return [(rng.integers(0, 8, size=(rows, 5)).astype(np.int32),
+           rng.integers(0, 3, size=rows).astype(np.int32))
+          for _ in range(count)]
+
+
 def make_loss():
   return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

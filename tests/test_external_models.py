@@ -223,3 +223,13 @@ def test_an_applications_backbone_file_starts_it_under_new_logits(tmp_path):
   assert model.layers[-1].activation is keras.activations.linear
   assert len(model.weights) == len(backbone.weights) + 2
   assert all((w.numpy() == 0.25).all() for w in model.weights[:-2])
+
+
+def test_a_subclassed_model_under_mixed_precision_ends_in_float32(
+    user_module):
+  model = models.get_model(f'{user_module}:subclassed_cnn',
+                           input_shape=(8, 8, 1), num_classes=10,
+                           dtype_policy='mixed_bfloat16')
+  logits = model(np.zeros((2, 8, 8, 1), np.float32))
+  assert logits.dtype == 'float32' and logits.shape == (2, 10)
+  assert model.layers[-1].name == 'logits_float32'

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_same_steps
+from tests.helpers import embedding_model
 from tests.helpers import L2
 from tests.helpers import make_batch
 from tests.helpers import make_deployed
 from tests.helpers import make_loss
 from tests.helpers import mlp
 from tests.helpers import REPO
+from tests.helpers import token_batches
 from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import distribute
@@ -391,20 +393,6 @@ def test_mirrored_replicas_draw_their_own_masks(options):
   assert _generator_counter(model) == 1
 
 
-def _embedding_model():
-  keras.utils.set_random_seed(0)
-  inputs = keras.Input((5,), dtype='int32')
-  x = keras.layers.Embedding(30, 4)(inputs)
-  x = keras.layers.GlobalAveragePooling1D()(x)
-  return keras.Model(inputs, keras.layers.Dense(3)(x))
-
-
-def _token_batches():
-  rng = np.random.default_rng(0)
-  return [(rng.integers(0, 8, size=(16, 5)).astype(np.int32),
-           rng.integers(0, 3, size=16).astype(np.int32)) for _ in range(3)]
-
-
 @pytest.mark.parametrize('config_fields, options', [
     (dict(num_clones=2), {}),
     pytest.param(dict(num_clones=4), {}, marks=pytest.mark.slow),
@@ -419,5 +407,5 @@ def test_an_embedding_keeps_the_same_bits_on_every_layout(config_fields,
                                                           options):
   """An Embedding's slices are joined, never added: atoms keep their bits
   on every layout."""
-  _assert_the_same_bits_as_one_clone(_embedding_model, 4, _token_batches(),
+  _assert_the_same_bits_as_one_clone(embedding_model, 4, token_batches(),
                                      config_fields, options)

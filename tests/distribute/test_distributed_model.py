@@ -6,10 +6,12 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import assert_same_steps
+from tests.helpers import embedding_model
 from tests.helpers import make_batch
 from tests.helpers import make_deployed
 from tests.helpers import make_loss
 from tests.helpers import mlp
+from tests.helpers import token_batches
 from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import distribute
@@ -26,14 +28,6 @@ def _distributed(name, config=CLONES, model_fn=mlp, optimizer_fn=None):
     optimizer = (optimizer_fn or (
         lambda: keras.optimizers.SGD(0.1, momentum=0.9)))()
   return distribute.DistributedModel(strategy, model, make_loss(), optimizer)
-
-
-def _embedding():
-  keras.utils.set_random_seed(0)
-  inputs = keras.Input((5,), dtype='int32')
-  x = keras.layers.Embedding(30, 4)(inputs)
-  x = keras.layers.GlobalAveragePooling1D()(x)
-  return keras.Model(inputs, keras.layers.Dense(3)(x))
 
 
 def _sequential():
@@ -78,20 +72,16 @@ def test_sequential_and_subclassed_models_agree_on_every_path(model_fn):
 def test_an_embedding_under_adam_agrees_on_every_path():
   """The table's gradient stays slices on every path (tf.distribute joins
   the replicas' slices), so Adam applies the slices one device would."""
-  rng = np.random.default_rng(0)
-  batches = [(rng.integers(0, 8, size=(12, 5)).astype(np.int32),
-              rng.integers(0, 3, size=12).astype(np.int32))
-             for _ in range(3)]
   adam = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
-  runs = {'towers': make_deployed(CLONES, model_fn=_embedding,
+  runs = {'towers': make_deployed(CLONES, model_fn=embedding_model,
                                   optimizer_fn=adam),
-          'mirrored': _distributed('mirrored', model_fn=_embedding,
+          'mirrored': _distributed('mirrored', model_fn=embedding_model,
                                    optimizer_fn=adam),
-          'single': _distributed('single', model_fn=_embedding,
+          'single': _distributed('single', model_fn=embedding_model,
                                  optimizer_fn=adam)}
-  plain = _embedding()
+  plain = embedding_model()
   plain.compile(optimizer=adam(), loss=make_loss())
-  for x, y in batches:
+  for x, y in token_batches(rows=12):
     plain.train_on_batch(x, y)
     for run in runs.values():
       run.train_step(x, y)

@@ -113,10 +113,20 @@ def get_model(name, *, input_shape, num_classes, dtype_policy=None,
                if name in _FACTORIES else external.receives(
                    name, input_shape[-1]))
   if model.compute_dtype != 'float32':
-    outputs = keras.layers.Activation('linear', dtype='float32',
-                                      name='logits_float32')(model.output)
-    model = keras.Model(model.input, outputs, name=model.name)
+    model = _float32_logits(model, input_shape)
   return model
+
+
+def _float32_logits(model, input_shape):
+  """`model` ending in a float32 layer, so the softmax and the loss run in
+  float32: a graph of layers extended in place (its stages cut as
+  before), any other model called inside a functional one."""
+  inputs = (model.input if keras_internals.is_functional(model) else
+            keras.Input(tuple(input_shape), name='images'))
+  outputs = model.output if inputs is model.input else model(inputs)
+  outputs = keras.layers.Activation('linear', dtype='float32',
+                                    name='logits_float32')(outputs)
+  return keras.Model(inputs, outputs, name=model.name)
 
 
 def _build(name, input_shape, num_classes, sync_batch_norm, weights):
