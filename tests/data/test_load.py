@@ -3,12 +3,15 @@
 import errno
 import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
 from tests.data import tfds_store
+from tests.helpers import REPO
 from tfmulti import data
 from tfmulti import digits
 from tfmulti import errors
@@ -120,6 +123,26 @@ def test_a_dataset_that_cannot_be_prepared_says_so(tmp_path, monkeypatch):
                      'left on device\\); free some space or pass another '
                      '--data_dir'):
     data.load('digits', global_batch_size=8, data_dir=str(tmp_path))
+
+
+_PREPARE = (
+    'import sys; from tfmulti import data; '
+    "loaded = data.load('digits', global_batch_size=8, data_dir=sys.argv[1]); "
+    'print(loaded.train_examples)')
+
+
+@pytest.mark.slow
+def test_workers_starting_together_prepare_a_dataset_once(tmp_path):
+  """Two processes (a job's workers, started together) on one empty
+  data_dir: the first prepares digits, the other waits and reads it."""
+  starts = [subprocess.Popen(
+      [sys.executable, '-c', _PREPARE, str(tmp_path)], cwd=REPO,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+  for start in starts:
+    out, err = start.communicate(timeout=240)
+    assert start.returncode == 0, err[-2000:]
+    assert out.split()[-1] == str(1797 - digits.TEST_EXAMPLES)  # TFDS talks.
 
 
 @pytest.mark.parametrize('num_workers, shards_per_worker', [(2, 1), (4, 2)])

@@ -9,6 +9,9 @@ or its one `Image` and one `ClassLabel` feature. Evaluation reads its
 `validation_fraction` of rows.
 """
 
+import contextlib
+import fcntl
+import os
 import socket
 from urllib import parse
 
@@ -52,18 +55,48 @@ def _builder(name, data_dir):
   if builder.is_prepared():
     return builder
   _check_reachable(name, builder)
+  with _one_preparer(name, data_dir):
+    builder = tfds.builder(name, data_dir=data_dir)  # Read again, locked.
+    if not builder.is_prepared():  # Else another process just prepared it.
+      _prepare(name, data_dir, builder)
+  return builder
+
+
+@contextlib.contextmanager
+def _one_preparer(name, data_dir):
+  """Holds `data_dir`'s lock for `name`: the workers of a job start
+  together on one machine (or one shared disk), and two that prepared the
+  same dataset at once would both write it; the others wait, then read
+  what the first prepared."""
+  root = os.path.expanduser(data_dir or '~/tensorflow_datasets')
+  try:
+    os.makedirs(root, exist_ok=True)
+    lock = open(os.path.join(root, f'.{name.replace("/", "_")}.lock'), 'w')
+  except OSError as e:
+    raise _cannot_prepare(name, data_dir, e) from e
+  with lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file closes.
+    yield
+
+
+def _prepare(name, data_dir, builder):
+  """Downloads and prepares `name` with `builder`."""
   try:
     builder.download_and_prepare()
   except OSError as e:  # Disk full, or the directory vanished or is locked.
-    raise errors.DatasetUnavailableError(
-        f'dataset {name!r} cannot be prepared in '
-        f'{data_dir or "~/tensorflow_datasets"} ({e.strerror or e}); free '
-        'some space or pass another --data_dir.') from e
+    raise _cannot_prepare(name, data_dir, e) from e
   except AssertionError as e:  # A manual download TFDS cannot make.
     raise errors.DatasetUnavailableError(
         f'dataset {name!r} cannot be prepared here: '
         f'{errors.first_line(e)}') from e
-  return builder
+
+
+def _cannot_prepare(name, data_dir, error):
+  """The one line for a data_dir that cannot hold `name` (an `OSError`)."""
+  return errors.DatasetUnavailableError(
+      f'dataset {name!r} cannot be prepared in '
+      f'{data_dir or "~/tensorflow_datasets"} ({error.strerror or error}); '
+      'free some space or pass another --data_dir.')
 
 
 def _image_and_label(name, info):
