@@ -253,6 +253,10 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog,
      '--dataset=tfrecord:/data/imagenet/train-\\*'),
     (dict(dataset='tfrecord:/nonexistent/train-*'),
      r'--dataset=tfrecord:/nonexistent/train-\*: no file matches'),
+    (dict(batch_norm_momentum=1.5, model='resnet8_thin'),
+     r'--batch_norm_momentum=1.5: give a momentum in \[0, 1\)'),
+    (dict(batch_norm_momentum=0.9),
+     "--batch_norm_momentum=0.9: model 'lenet' has no BatchNormalization"),
 ])
 def test_bad_flags_stop_with_one_line(tmp_path, values, message):
   values = dict(dict(model_dir=str(tmp_path / 'run')), **values)
@@ -667,3 +671,24 @@ def test_module_commands_start_as_quietly_as_the_main_one(module, tmp_path):
   assert result.returncode != 0
   assert not any(chatter in result.stderr for chatter in CHATTER), (
       result.stderr)
+
+
+def test_batch_norm_momentum_sets_the_moving_statistics_decay(run_train,
+                                                              tmp_path):
+  """--batch_norm_momentum reaches every BatchNormalization of the job's
+  model: the same weights as at the model's own momentum (training
+  normalises by the batch's statistics), other moving statistics; the
+  job's record says which momentum trained."""
+  runs = {momentum: run_train(model_dir=str(tmp_path / str(momentum)),
+                              model='resnet8_thin', image_size=['8', '8'],
+                              batch_norm_momentum=momentum)
+          for momentum in (None, 0.5)}
+  tensors = {momentum: checkpoint_tensors(metrics['checkpoint'])
+             for momentum, metrics in runs.items()}
+  for key, value in tensors[None].items():
+    if key.startswith('optimizer/_trainable_variables/'):
+      np.testing.assert_array_equal(tensors[0.5][key], value, err_msg=key)
+  assert any(not np.array_equal(tensors[0.5][key], value)
+             for key, value in tensors[None].items()
+             if key.startswith('model/'))
+  assert runs[0.5]['stretches'][0]['settings']['batch_norm_momentum'] == 0.5

@@ -43,10 +43,10 @@ def has_batch_norm(name):
   return name in _WITH_BATCH_NORM
 
 
-def check(name, *, sync_batch_norm=False):
+def check(name, *, sync_batch_norm=False, batch_norm_momentum=None):
   """Raises `ConfigError` for an unknown name, or synchronized BatchNorm
-  asked of a registered model without BatchNorm (an external model's
-  BatchNorm is counted when it is built)."""
+  or a BatchNorm momentum asked of a registered model without BatchNorm
+  (an external model's BatchNorm is counted when it is built)."""
   if external.is_external(name):
     external.check(name)
     return
@@ -59,6 +59,8 @@ def check(name, *, sync_batch_norm=False):
         f'model={name!r} has no BatchNorm to synchronize; drop '
         f'--sync_batch_norm or pick one of '
         f'{_WITH_BATCH_NORM}.')
+  if batch_norm_momentum is not None and not has_batch_norm(name):
+    raise _no_batch_norm_for(name, batch_norm_momentum)
 
 
 def get_model(name, *, input_shape, num_classes, dtype_policy=None,
@@ -150,11 +152,15 @@ def _set_momentum(name, model, momentum):
     return
   layers = keras_internals.batch_norms(model)
   if not layers:
-    raise errors.ConfigError(
-        f'--batch_norm_momentum={momentum}: model {name!r} has no '
-        'BatchNormalization; drop it.')
+    raise _no_batch_norm_for(name, momentum)
   for layer in layers:
     layer.momentum = momentum
+
+
+def _no_batch_norm_for(name, momentum):
+  return errors.ConfigError(
+      f'--batch_norm_momentum={momentum}: model {name!r} has no '
+      'BatchNormalization; drop it.')
 
 
 def check_any(name):

@@ -110,7 +110,8 @@ class TrainConfig:
     for name, allowed in choices:
       errors.check_choice(name, getattr(self, name), allowed)
     models.check(self.model,
-                 sync_batch_norm=self.step_options.sync_batch_norm)
+                 sync_batch_norm=self.step_options.sync_batch_norm,
+                 batch_norm_momentum=self.batch_norm_momentum)
     if self.input_options.shard_files and self.strategy != (
         registry.MULTI_WORKER):
       raise errors.ConfigError(

@@ -112,7 +112,9 @@ def _job(config, deploy_config, dataset):
 def _settings(config, deploy_config, total_steps):
   """What may change on resume (logged when it does, and recorded for each
   stretch of steps it trained)."""
-  return {'weights': config.weights, 'learning_rate': config.learning_rate,
+  return {'weights': config.weights,
+          'batch_norm_momentum': config.batch_norm_momentum,
+          'learning_rate': config.learning_rate,
           'lr_scaling': config.lr_scaling, 'lr_schedule': config.lr_schedule,
           'warmup_steps': config.warmup_steps, 'total_steps': total_steps,
           'strategy': config.strategy,
