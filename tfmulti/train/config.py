@@ -109,6 +109,11 @@ class TrainConfig:
                ('lr_schedule', learning_rates.LR_SCHEDULES)]
     for name, allowed in choices:
       errors.check_choice(name, getattr(self, name), allowed)
+    if self.batch_norm_momentum is not None and not (
+        0 <= self.batch_norm_momentum < 1):
+      raise errors.ConfigError(
+          f'--batch_norm_momentum={self.batch_norm_momentum}: give a '
+          'momentum in [0, 1), e.g. 0.9 for models trained from scratch.')
     models.check(self.model,
                  sync_batch_norm=self.step_options.sync_batch_norm,
                  batch_norm_momentum=self.batch_norm_momentum)
@@ -118,11 +123,6 @@ class TrainConfig:
           f'--shard_files shares files out over the workers of '
           f'--strategy={registry.MULTI_WORKER}; strategy={self.strategy!r} '
           'reads every row in each process: drop it.')
-    if self.batch_norm_momentum is not None and not (
-        0 <= self.batch_norm_momentum < 1):
-      raise errors.ConfigError(
-          f'--batch_norm_momentum={self.batch_norm_momentum}: give a '
-          'momentum in [0, 1), e.g. 0.9 for models trained from scratch.')
     if self.weights is not None and not os.path.isfile(self.weights):
       raise errors.ConfigError(
           f'--weights={self.weights}: no such file; give a local weights '
