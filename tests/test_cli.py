@@ -18,6 +18,7 @@ import tensorflow_datasets as tfds
 
 from tests.data import tfds_store
 from tests.data.test_tfrecords import write_records
+from tests.helpers import assert_same_checkpoints
 from tests.helpers import checkpoint_tensors
 from tests.helpers import REPO
 from tfmulti import cli
@@ -52,13 +53,14 @@ def test_each_model_trains(run_train, model, num_clones):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('schedule, virtual_stages', [
-    ('1f1b', 1), ('gpipe', 1), ('zb_h1', 1), ('interleaved_1f1b', 2)])
+@pytest.mark.parametrize('schedule, virtual_stages, chunk_devices', [
+    ('1f1b', 1, [0, 1]), ('gpipe', 1, [0, 1]), ('zb_h1', 1, [0, 1]),
+    ('interleaved_1f1b', 2, [0, 1, 0, 1]), ('zb_v', 1, [0, 1, 1, 0])])
 def test_every_pipeline_schedule_trains_through_the_command_line(
-    run_train, caplog, schedule, virtual_stages):
+    run_train, caplog, schedule, virtual_stages, chunk_devices):
   """2 clones x 2 stages x 4 micro-batches under each schedule; the log
   places each stage (each chunk: 4 under interleaved 1F1B, chunk c of
-  clone i on stage device c mod 2 of that clone)."""
+  clone i on stage device c mod 2 of that clone; 4 in a V under ZB-V)."""
   with caplog.at_level('INFO', logger='absl'):
     metrics = run_train(num_clones=2, num_stages=2, num_microbatches=4,
                         pipeline_schedule=schedule,
@@ -68,10 +70,22 @@ def test_every_pipeline_schedule_trains_through_the_command_line(
   assert math.isfinite(metrics['train_loss'])
   placed = re.findall(r"stage (\d+): from layer '\w+', on \[(.*)\]",
                       caplog.text)
-  assert [int(s) for s, _ in placed] == list(range(2 * virtual_stages))
+  assert [int(s) for s, _ in placed] == list(range(len(chunk_devices)))
   for chunk, devices_ in placed:
-    assert devices_ == (f"'/device:CPU:{int(chunk) % 2}', "
-                        f"'/device:CPU:{2 + int(chunk) % 2}'")
+    d = chunk_devices[int(chunk)]
+    assert devices_ == f"'/device:CPU:{d}', '/device:CPU:{2 + d}'"
+
+
+@pytest.mark.slow
+def test_zb_v_through_the_command_line_equals_one_device(run_train):
+  """2 clones x 2 stage devices x 4 chunks of LeNet in a V, 4 micro-batches:
+  the checkpoint of 3 steps equals one device's on the same 16 rows a step
+  (to 1e-5)."""
+  got = run_train(num_clones=2, num_stages=2, num_microbatches=4,
+                  pipeline_schedule='zb_v', batch_size=8, train_steps=3)
+  one = run_train(batch_size=16, train_steps=3)
+  assert got['global_batch_size'] == one['global_batch_size'] == 16
+  assert_same_checkpoints(got['checkpoint'], one['checkpoint'])
 
 
 @pytest.mark.parametrize('dataset, num_clones', [

@@ -228,11 +228,13 @@ _PIPELINE_SCHEDULE = flags.DEFINE_enum(
     step_options.PIPELINE_SCHEDULES, "The order of each stage's forward and "
     'backward passes over the micro-batches: 1f1b (one forward, one '
     'backward in turn: less activation memory), gpipe (all forwards, then '
-    'all backwards) or zb_h1 (1f1b with each backward pass split into input '
+    'all backwards), zb_h1 (1f1b with each backward pass split into input '
     'and weight gradients, the weight half filling the bubble: a third of '
-    "1f1b's idle time when the three passes take equal time) or "
+    "1f1b's idle time when the three passes take equal time), "
     'interleaved_1f1b (each stage device runs --virtual_stages chunks of '
-    'the model: (K - 1) / (v M) of the ideal step idle).')
+    'the model: (K - 1) / (v M) of the ideal step idle) or zb_v (2 chunks '
+    'a stage device in a V, split as zb_h1: no bubble but the first '
+    "forward passes', at 1f1b's activation memory in the paper).")
 _VIRTUAL_STAGES = flags.DEFINE_integer(
     'virtual_stages', 1, 'With --pipeline_schedule=interleaved_1f1b: v, '
     'the chunks of the model on each stage device (num_stages x v chunks, '

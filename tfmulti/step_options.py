@@ -31,7 +31,8 @@ GPIPE = 'gpipe'
 ONE_F_ONE_B = '1f1b'
 ZB_H1 = 'zb_h1'
 INTERLEAVED_1F1B = 'interleaved_1f1b'
-PIPELINE_SCHEDULES = (ONE_F_ONE_B, GPIPE, ZB_H1, INTERLEAVED_1F1B)
+ZB_V = 'zb_v'
+PIPELINE_SCHEDULES = (ONE_F_ONE_B, GPIPE, ZB_H1, INTERLEAVED_1F1B, ZB_V)
 # clone_shares=auto: measured and balanced (`deploy.balance`); xla=auto:
 # on where `deploy.xla_rule` says.
 AUTO = 'auto'
@@ -65,8 +66,10 @@ class StepOptions:
     pipeline_schedule: the order of each stage's forward and backward
       passes over the micro-batches: '1f1b', 'gpipe', 'zb_h1' (each
       backward pass split into input and weight gradients, the weight
-      half deferred into the bubble) or 'interleaved_1f1b' (each device
-      runs `virtual_stages` chunks of the model; `pipeline.schedules`).
+      half deferred into the bubble), 'interleaved_1f1b' (each device
+      runs `virtual_stages` chunks of the model) or 'zb_v' (2 chunks a
+      device in a V, the backward pass split as under 'zb_h1';
+      `pipeline.schedules`).
     virtual_stages: v, with 'interleaved_1f1b': the model is cut into
       num_stages x v chunks, chunk c on stage device c mod num_stages
       (`DeploymentConfig.chunk_devices`).
@@ -137,8 +140,8 @@ class StepOptions:
       raise errors.ConfigError(
           f'virtual_stages={self.virtual_stages} gives each device several '
           'chunks of the model, which only '
-          f'pipeline_schedule={INTERLEAVED_1F1B!r} runs; set it, or drop '
-          'virtual_stages.')
+          f'pipeline_schedule={INTERLEAVED_1F1B!r} runs ({ZB_V!r} runs 2, '
+          'always); set it, or drop virtual_stages.')
     if interleaved and self.virtual_stages < 2:
       raise errors.ConfigError(
           f'pipeline_schedule={INTERLEAVED_1F1B!r} runs virtual_stages '

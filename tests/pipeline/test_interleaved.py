@@ -88,22 +88,24 @@ def test_every_pass_once_and_the_papers_bubble(k, v):
     np.testing.assert_allclose((span - ideal) / ideal, (k - 1) / (v * m))
 
 
-def _device_orders_in(graph, num_devices):
+def _device_orders_in(graph, num_devices, device_of=None):
   """Each device's passes (chunk, kind, micro-batch) in the order the
-  traced graph imposes, read from the gates' control inputs."""
+  traced graph imposes, read from the gates' control inputs; chunk c on
+  device `device_of[c]` (default: c mod `num_devices`)."""
+  device_of = device_of or [c % num_devices for c in range(64)]
   previous = {}
   for op in graph.get_operations():
     if re.search(r'/pass_gate(_\d+)?$', op.name):
       this = _pass_of(op.name)
       before = {_pass_of(c.name) for c in op.control_inputs}
       assert len(before) <= 1, (op.name, before)
-      assert all(p[0] % num_devices == this[0] % num_devices
+      assert all(device_of[p[0]] == device_of[this[0]]
                  for p in before)  # The same device, another chunk maybe.
       previous.setdefault(this, set()).update(before)
   chains = []
   for d in range(num_devices):
     after = {next(iter(b), None): this for this, b in previous.items()
-             if this[0] % num_devices == d}
+             if device_of[this[0]] == d}
     chain, current = [], None
     while current in after:
       current = after[current]

@@ -26,9 +26,10 @@ from tfmulti.pipeline import schedules
 ZB = schedules.ZB_H1
 
 
-def test_the_order_is_megatron_deepspeeds():
-  """K - s - 1 forwards; [F, B] with W deferred s times; [F, B, W] while
-  forwards remain; [B, W]; the s deferred W last."""
+def test_the_order_is_the_papers():
+  """K - s - 1 forwards; then 1F1B's [F, B] in turn, each W s micro-batches
+  after its B (Qi et al.'s W "starting points" moved by the warm-up, as
+  PyTorch's ZB1P lags them); the last s W passes end the step."""
   first, *_, last = schedules.passes(ZB, 4, 8)
   assert first == [('F', 0), ('F', 1), ('F', 2), ('F', 3)] + [
       pass_ for i in range(4) for pass_ in (
@@ -36,8 +37,8 @@ def test_the_order_is_megatron_deepspeeds():
               pass_ for i in range(4, 8) for pass_ in (('B', i), ('W', i))]
   assert last == [pass_ for i in range(3) for pass_ in (
       ('F', i), ('B', i))] + [pass_ for i in range(3, 8) for pass_ in (
-          ('F', i), ('B', i), ('W', i))] + [('W', 0), ('W', 1), ('W', 2)]
-  # Fewer micro-batches than the stages after: only M are deferred.
+          ('F', i), ('B', i), ('W', i - 3))] + [('W', 5), ('W', 6), ('W', 7)]
+  # Fewer micro-batches than the lag: every W at the end.
   assert schedules.passes(ZB, 4, 2)[3] == [
       ('F', 0), ('B', 0), ('F', 1), ('B', 1), ('W', 0), ('W', 1)]
 

@@ -168,14 +168,13 @@ class DeploymentConfig:
     """The devices of clone `clone_index`'s stages, in stage order."""
     return [self.stage_device(clone_index, s) for s in range(self.num_stages)]
 
-  def chunk_devices(self, clone_index, virtual_stages):
-    """The devices of clone `clone_index`'s num_stages x `virtual_stages`
-    chunks of the model (interleaved 1F1B), in model order: chunk c on
-    its stage device c mod num_stages, so each device holds
-    `virtual_stages` chunks, one in each num_stages consecutive."""
+  def chunk_devices(self, clone_index, stage_of_chunk):
+    """The devices of clone `clone_index`'s chunks of the model (several a
+    stage device: interleaved 1F1B, ZB-V), in model order: chunk c on the
+    clone's stage device `stage_of_chunk[c]` (the schedule's placement,
+    `pipeline.schedules.chunk_devices`)."""
     devices = self.stage_devices(clone_index)
-    return [devices[c % self.num_stages]
-            for c in range(self.num_stages * virtual_stages)]
+    return [devices[s] for s in stage_of_chunk]
 
   def compute_devices(self):
     """Every device a clone or stage runs on: num_clones * num_stages."""

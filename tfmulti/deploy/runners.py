@@ -137,8 +137,7 @@ class StagedClones:
     self.loss_fn = loss_fn
 
   def _devices(self, clone_index):
-    return self.config.chunk_devices(clone_index,
-                                     self.stages.options.virtual_stages)
+    return self.config.chunk_devices(clone_index, self.stages.chunk_devices)
 
   def _variables(self):
     return (values_of(self.model.trainable_variables),

@@ -68,6 +68,7 @@ from tfmulti.deploy.clones import on_clone
 from tfmulti.deploy.clones import placed
 from tfmulti.deploy.clones import split_batch
 from tfmulti.deploy.clones import values_of
+from tfmulti.pipeline import schedules
 from tfmulti.pipeline.stages import Stages
 
 
@@ -364,10 +365,11 @@ def compose(config, model, loss_fn, options):
                                 options.gradient_packs)
   combine = combiners.of(options)
   if layouts.is_staged(config, options):
-    # Interleaved 1F1B cuts num_stages x virtual_stages chunks.
-    runner = runners.StagedClones(config, Stages(
-        model, config.num_stages * options.virtual_stages, options), loss_fn,
-                                  combine.fold)
+    # Interleaved 1F1B and ZB-V cut several chunks a stage device.
+    chunks = config.num_stages * schedules.chunks_per_device(
+        options.pipeline_schedule, options.virtual_stages)
+    runner = runners.StagedClones(config, Stages(model, chunks, options),
+                                  loss_fn, combine.fold)
   elif options.sync_batch_norm:
     runner = runners.LockstepClones(
         config, model, loss_fn, options,

@@ -17,14 +17,14 @@ With K stages:
          remaining backward passes. Stage s holds at most min(K - s, M)
          micro-batches' activations.
   zb_h1  (ZB-H1, Qi et al., ICLR 2024, the handcrafted schedule of
-         "Zero Bubble Pipeline Parallelism"): 1F1B's order with each
-         backward pass split into B and W. Stage s's first min(s, M) W
-         passes are deferred to the end of its step, where it would wait
-         for the last micro-batch's B from the s stages after it; every
-         other W follows its B at once. With K - s - 1 = w warm-up
-         forwards: F x w; then [F, B] with W deferred (the first s), then
-         [F, B, W] while forwards remain; [B, W] for the rest; the s
-         deferred W last. When M < s, only M are deferred.
+         "Zero Bubble Pipeline Parallelism"; PyTorch's ZB1P): 1F1B's order
+         with each backward pass split into B and W, stage s's W passes
+         each s micro-batches late: W of micro-batch i follows B of
+         i + s, and the last min(s, M) W passes end the step, where the
+         stage would wait for the last B from the s stages after it. Every
+         stage then holds K micro-batches at most (the paper's "same number
+         of in-flight micro-batches"), s of them only for W: what W reads
+         (`Split`), not the whole forward pass.
   interleaved_1f1b  (Narayanan et al. 2021; Megatron-LM's interleaved
          schedule, PyTorch's ScheduleInterleaved1F1B): the model cut into
          K x v chunks, chunk c on device c mod K, so each device runs v
@@ -35,11 +35,27 @@ With K stages:
          backward in turn. M must be a multiple of K; a short last batch
          whose micro-batches are not runs every forward pass first.
 
+  zb_v  (ZB-V, Qi et al. 2024, section 6; PyTorch's ScheduleZBVZeroBubble):
+         the model cut into 2K chunks in a V, chunks d and 2K - 1 - d on
+         device d (the last device runs the two middle chunks, so the
+         first chunk's device also runs the last, and the loss). Device
+         d: 2(K - d) - 1 forward passes of its first chunk; d pairs
+         (forward of its second chunk, forward of its first); K - d
+         triples (F, B, W) of its second chunk; then, while forward passes
+         remain, F (while its first chunk has any), B and W of its first
+         chunk, and F, B and W of its second; then d pairs of B (first
+         chunk, second chunk), K - d pairs (B, W) of its first chunk, and
+         the W passes left, the second chunk's first. The order is cut for
+         2K - 1 micro-batches or more; with fewer, the passes of the
+         micro-batches that do not exist are left out.
+
 With F, B and W the seconds of one pass (B + W a fused backward pass),
 GPipe and 1F1B leave each stage idle (K - 1)(F + B + W) seconds a step,
 (K - 1) / (M + K - 1) of it; ZB-H1 leaves (K - 1)(F + B - W), a third of
 that when F = B = W; interleaved 1F1B (K - 1)(F + B + W) / v, (K - 1) /
-(v M) of the ideal step M(F + B + W) (`idle_theory`).
+(v M) of the ideal step M(F + B + W); ZB-V, when F = B = W and M >= 2K - 1,
+only the (K - 1) F / 2 before the last device's first pass (each chunk
+half a stage), (K - 1) / (6M + K - 1) of the step (`idle_theory`).
 """
 
 from tfmulti import errors
@@ -48,21 +64,40 @@ from tfmulti.step_options import INTERLEAVED_1F1B
 from tfmulti.step_options import ONE_F_ONE_B  # noqa: F401
 from tfmulti.step_options import PIPELINE_SCHEDULES as SCHEDULES
 from tfmulti.step_options import ZB_H1
+from tfmulti.step_options import ZB_V
 
 FORWARD, BACKWARD, WEIGHTS = 'F', 'B', 'W'
 
 
 def splits_backward(schedule):
   """Whether `schedule` runs each backward pass as a B and a later W."""
-  return schedule == ZB_H1
+  return schedule in (ZB_H1, ZB_V)
+
+
+def chunks_per_device(schedule, virtual_stages=1):
+  """The model's chunks each device runs under `schedule`: v under
+  interleaved 1F1B, 2 under ZB-V, else 1 (a stage a device)."""
+  if schedule == INTERLEAVED_1F1B:
+    return virtual_stages
+  return 2 if schedule == ZB_V else 1
+
+
+def chunk_devices(schedule, num_devices, virtual_stages=1):
+  """The device (an index among `num_devices`) of each chunk of the model,
+  in model order: chunk c on c mod K (interleaved 1F1B: one chunk in each
+  K consecutive), or, under ZB-V, in a V: c, then 2K - 1 - c."""
+  chunks = num_devices * chunks_per_device(schedule, virtual_stages)
+  if schedule == ZB_V:
+    return [min(c, chunks - 1 - c) for c in range(chunks)]
+  return [c % num_devices for c in range(chunks)]
 
 
 def passes(schedule, num_stages, num_microbatches):
   """Each stage's passes in order, for a schedule of one chunk a device
-  (all but 'interleaved_1f1b'): a list (one a stage) of lists of
-  (FORWARD, BACKWARD or WEIGHTS, micro-batch index)."""
+  (all but 'interleaved_1f1b' and 'zb_v'): a list (one a stage) of lists
+  of (FORWARD, BACKWARD or WEIGHTS, micro-batch index)."""
   errors.check_choice('pipeline_schedule', schedule, SCHEDULES)
-  if schedule == INTERLEAVED_1F1B:
+  if chunks_per_device(schedule, 2) > 1:
     raise ValueError(f'{schedule} orders devices, not stages: see '
                      'device_orders.')
   m = num_microbatches
@@ -72,15 +107,16 @@ def passes(schedule, num_stages, num_microbatches):
     backwards = list(range(m))
     if schedule == GPIPE:
       backwards.reverse()
-    deferred = min(s, m) if splits_backward(schedule) else 0
+    lag = s if splits_backward(schedule) else None  # Of each W after its B.
     stage = [(FORWARD, i) for i in range(warmup)]
     for n, i in enumerate(backwards):
       if warmup + n < m:  # One forward, one backward in turn.
         stage.append((FORWARD, warmup + n))
       stage.append((BACKWARD, i))
-      if splits_backward(schedule) and n >= deferred:
-        stage.append((WEIGHTS, i))
-    stage += [(WEIGHTS, i) for i in backwards[:deferred]]
+      if lag is not None and n >= lag:
+        stage.append((WEIGHTS, backwards[n - lag]))
+    if lag is not None:
+      stage += [(WEIGHTS, i) for i in backwards[max(0, m - lag):]]
     order.append(stage)
   return order
 
@@ -88,8 +124,11 @@ def passes(schedule, num_stages, num_microbatches):
 def device_orders(schedule, num_devices, num_microbatches,
                   virtual_stages=1):
   """Each device's passes in order: a list (one a device) of lists of
-  (stage, kind, micro-batch), stage c running on device c mod
-  `num_devices`; with one chunk a device, `passes` with its stages."""
+  (chunk, kind, micro-batch), chunk c on its `chunk_devices` device; with
+  one chunk a device, `passes` with its stages."""
+  if schedule == ZB_V:
+    return [_zb_v(num_devices, num_microbatches, d)
+            for d in range(num_devices)]
   if schedule != INTERLEAVED_1F1B:
     return [[(s, kind, m) for kind, m in stage] for s, stage in enumerate(
         passes(schedule, num_devices, num_microbatches))]
@@ -109,6 +148,41 @@ def device_orders(schedule, num_devices, num_microbatches,
       order += [forwards[warmup + n], backwards[n]]
     orders.append(order + backwards[total - warmup:])
   return orders
+
+
+def _zb_v(k, m, d):
+  """Device d's passes under ZB-V (see the module): its chunks d (first)
+  and 2k - 1 - d (second), cut for max(m, 2k - 1) micro-batches."""
+  first, second = d, 2 * k - 1 - d
+  count = max(m, 2 * k - 1)
+  made = {(c, kind): 0 for c in (first, second) for kind in 'FBW'}
+
+  def run(chunk, *kinds):
+    passes = []
+    for kind in kinds:
+      passes.append((chunk, kind, made[chunk, kind]))
+      made[chunk, kind] += 1
+    return passes
+
+  order = run(first, *[FORWARD] * (2 * (k - d) - 1))
+  for _ in range(d):
+    order += run(second, FORWARD) + run(first, FORWARD)
+  for _ in range(k - d):
+    order += run(second, FORWARD, BACKWARD, WEIGHTS)
+  while made[first, FORWARD] < count or (
+      made[second, FORWARD] < made[first, FORWARD]):
+    if made[first, FORWARD] < count:
+      order += run(first, FORWARD)
+    order += run(first, BACKWARD, WEIGHTS)
+    order += run(second, FORWARD, BACKWARD, WEIGHTS)
+  for _ in range(d):
+    order += run(first, BACKWARD) + run(second, BACKWARD)
+  for _ in range(k - d):
+    order += run(first, BACKWARD, WEIGHTS)
+  for chunk in (second, first):
+    order += run(chunk, *[WEIGHTS] * (made[chunk, BACKWARD] -
+                                      made[chunk, WEIGHTS]))
+  return [this for this in order if this[2] < m]
 
 
 def _needs(s, kind, m, num_stages):
@@ -159,6 +233,11 @@ def peak_in_flight(stage_passes):
   return peak
 
 
+def devices_of(per_device):
+  """{chunk: the device (index) whose order runs it}."""
+  return {c: d for d, device in enumerate(per_device) for c, _, _ in device}
+
+
 def timeline(per_device, seconds, num_stages):
   """When each pass runs if each starts as soon as what it reads and its
   device's previous pass are done: {(stage, kind, m): (start, end)}, with
@@ -171,9 +250,10 @@ def timeline(per_device, seconds, num_stages):
   duration = {kind: t / chunks for kind, t in seconds.items()}
   if not split:
     duration[BACKWARD] += duration[WEIGHTS]
+  device_of = devices_of(per_device)
   times, free = {}, [0.0] * len(per_device)
   for this in build_order(per_device, num_stages):
-    d = this[0] % len(per_device)
+    d = device_of[this[0]]
     start = max([free[d]] + [times[need][1]
                              for need in _needs(*this, num_stages)])
     times[this] = (start, start + duration[this[1]])
@@ -192,11 +272,12 @@ def idle_theory(schedule, num_devices, num_microbatches, seconds,
   K."""
   per_device = device_orders(schedule, num_devices, num_microbatches,
                              virtual_stages)
-  times = timeline(per_device, seconds, num_devices * virtual_stages)
+  device_of = devices_of(per_device)
+  times = timeline(per_device, seconds, len(device_of))
   span = max(end for _, end in times.values())
   idle = []
   for d in range(num_devices):
     busy = sum(end - start for this, (start, end) in times.items()
-               if this[0] % num_devices == d)
+               if device_of[this[0]] == d)
     idle.append(1 - busy / span)
   return idle

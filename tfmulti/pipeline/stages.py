@@ -186,13 +186,21 @@ class Stages:
     recomputation); raises `ConfigError` for a cut that cannot be made."""
     self.options = options
     self.model = model
-    chunks = options.virtual_stages
+    schedule = options.pipeline_schedule
+    chunks = schedules.chunks_per_device(schedule, options.virtual_stages)
     layers = len(costs.operations(model))
     if chunks > 1 and num_stages > layers:
+      interleaved = schedule == step_options.INTERLEAVED_1F1B
       raise errors.ConfigError(
-          f'virtual_stages={chunks}: {num_stages // chunks} stages of '
-          f'{chunks} chunks cut {model.name!r} into {num_stages} chunks, and '
-          f'it has {layers} layers: use fewer virtual_stages or stages.')
+          f'{"virtual_stages" if interleaved else "pipeline_schedule"}='
+          f'{chunks if interleaved else repr(schedule)}: '
+          f'{num_stages // chunks} stages of {chunks} chunks cut '
+          f'{model.name!r} into {num_stages} chunks, and it has {layers} '
+          f'layers: use fewer {"virtual_stages or " if interleaved else ""}'
+          'stages.')
+    # The stage device (an index) of each chunk.
+    self.chunk_devices = schedules.chunk_devices(
+        schedule, num_stages // chunks, options.virtual_stages)
     starts = stage_starts(model, num_stages, options)
     self.stages = split_model(model, starts)
     # What a pass runs, under a tape each: the stage whole, or, where the
@@ -300,7 +308,7 @@ class Stages:
         self.model, x))), y, piece, terms.shift, len(self.stages),
                        list(non_trainable))
                for piece, x, y in zip(live, image_parts, label_parts)]
-    num_devices = len(self.stages) // self.options.virtual_stages
+    num_devices = max(self.chunk_devices) + 1
     ends = [[] for _ in range(num_devices)]  # What each device last made.
     per_device = schedules.device_orders(
         self.options.pipeline_schedule, num_devices, len(sizes),
@@ -309,7 +317,8 @@ class Stages:
            schedules.BACKWARD: self._backward_pass,
            schedules.WEIGHTS: self._weights_pass}
     for s, kind, m in schedules.build_order(per_device, len(self.stages)):
-      d = s % num_devices  # Its passes chained per device, not per stage.
+      # Its passes chained per device, not per chunk.
+      d = self.chunk_devices[s]
       ends[d] = run[kind](s, m, devices, context, flights[m], ends[d])
     return _clone_results(self, devices, context, flights, len(trainable),
                           fold)

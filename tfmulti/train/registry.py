@@ -70,12 +70,12 @@ def _towers(setup):
 
 
 def _log_stages(deployed):
-  """Where each stage (each chunk, under interleaved 1F1B) runs, a line
-  each: chunk c of clone i is on `chunk_devices(i, v)[c]`."""
+  """Where each stage (each chunk, under interleaved 1F1B and ZB-V) runs,
+  a line each: chunk c of clone i is on `chunk_devices(i, ...)[c]`."""
   config, stages = deployed.config, deployed.stages
   if stages is None:
     return
-  chunk_devices = [config.chunk_devices(c, stages.options.virtual_stages)
+  chunk_devices = [config.chunk_devices(c, stages.chunk_devices)
                    for c in range(config.num_clones)]
   for s, stage in enumerate(stages.stages):
     logging.info('stage %d: from layer %r, on %s', s, stage.first_layer,
