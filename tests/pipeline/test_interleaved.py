@@ -13,6 +13,7 @@ from tests.helpers import assert_same_steps
 from tests.helpers import L2
 from tests.helpers import make_batch
 from tests.helpers import make_deployed
+from tests.pipeline.test_schedules import _PASS
 from tests.pipeline.test_schedules import _pass_of
 from tfmulti import deploy
 from tfmulti import errors
@@ -98,6 +99,10 @@ def _device_orders_in(graph, num_devices, device_of=None):
     if re.search(r'/pass_gate(_\d+)?$', op.name):
       this = _pass_of(op.name)
       before = {_pass_of(c.name) for c in op.control_inputs}
+      if not before:  # The previous pass made the gate's very input.
+        before = {p for p in (_pass_of(t.op.name) for t in op.inputs
+                              if _PASS.search(t.op.name))
+                  if device_of[p[0]] == device_of[this[0]]}
       assert len(before) <= 1, (op.name, before)
       assert all(device_of[p[0]] == device_of[this[0]]
                  for p in before)  # The same device, another chunk maybe.

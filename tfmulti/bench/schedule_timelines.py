@@ -6,8 +6,12 @@ fixed time a row, F; its backward pass B for the input gradients and W for
 the weight gradients, B + W before the input gradient where they are
 fused, apart under ZB-H1; by default F = B = W, as Qi et al. time them;
 under interleaved 1F1B each of a device's v chunks waits 1 / v of it),
-with M micro-batches, under each `--pipeline_schedule`. For each schedule and
-(K, M) it reports:
+with M micro-batches, under each `--pipeline_schedule`. A stage is 3 Dense
+layers (`--stage_block=dense`: W reads each layer's input and output
+gradient, twice what the forward pass keeps for B) or an attention block
+(`--stage_block=attention`: the forward pass also keeps the attention's
+probabilities, which W does not read, as in the transformers Qi et al.
+measure). For each schedule and (K, M) it reports:
 
   * the step's pipeline time (first pass start to last pass end) against
     the schedule's makespan, from `schedules.timeline` (every pass as soon
@@ -29,6 +33,7 @@ schedule, not a device's speed.
 
 import argparse
 import dataclasses
+import math
 import os
 import resource
 import statistics
@@ -51,7 +56,10 @@ from tfmulti.deploy import towers as towers_lib
 from tfmulti.pipeline import schedules
 
 WIDTH = 64  # Features through every stage.
-LAYERS_PER_STAGE = 3
+LAYERS_PER_BLOCK = 3
+# The attention block: 16 positions of 16 features, 4 heads.
+SEQUENCE, HEADS, ATTENTION_WIDTH = 16, 4, 16
+BLOCKS = ('dense', 'attention')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,7 @@ class ScheduleBenchConfig:
     microbatches: the micro-batch counts M.
     schedules: the `--pipeline_schedule`s.
     virtual_stages: the chunks a device under 'interleaved_1f1b'.
+    stage_block: what each stage computes, one of `BLOCKS`.
     rows: rows of each step's batch (one clone's).
     forward_ms_per_row: each stage's forward wait a row (F).
     backward_ms_per_row: its input gradients' wait a row (B); None: F.
@@ -78,8 +87,10 @@ class ScheduleBenchConfig:
   backward_ms_per_row: Optional[float] = None
   weights_ms_per_row: Optional[float] = None
   steps: int = 3
+  stage_block: str = 'dense'
 
   def __post_init__(self):
+    errors.check_choice('stage_block', self.stage_block, BLOCKS)
     for count in self.stages + self.microbatches:
       errors.check_count('stages and microbatches', count, 1)
     for name in self.schedules:
@@ -104,34 +115,67 @@ class ScheduleBenchConfig:
         ('W', self.weights_ms_per_row))}
 
 
-def build_model(num_stages, seconds_per_row, log, width=WIDTH):
-  """A chain of `num_stages` stages (or chunks) of Dense layers, each
-  ending in an `EmulatedPass`; returns (model, the first layer of stages
-  1..K-1)."""
+def _dense_block(x, s, width):
+  for j in range(LAYERS_PER_BLOCK):
+    x = keras.layers.Dense(width, activation='tanh',
+                           name=f'block{s}_dense{j}')(x)
+  return x
+
+
+def _attention_block(x, s, width):
+  """Self-attention over the positions: query, key, value and output
+  projections (Dense layers, whose W passes are deferred) around the
+  scores' softmax (Keras ops: no weights, all in B)."""
+  ops = keras.ops
+  split = lambda t: ops.reshape(t, (-1, SEQUENCE, HEADS, width // HEADS))  # noqa: E731
+  q, k, v = (split(keras.layers.Dense(width, name=f'block{s}_{n}')(x))
+             for n in ('query', 'key', 'value'))
+  scores = ops.einsum('bqhd,bkhd->bhqk', q, k) / (width // HEADS) ** 0.5
+  mixed = ops.einsum('bhqk,bkhd->bqhd', ops.softmax(scores, axis=-1), v)
+  return keras.layers.Dense(width, activation='tanh', name=f'block{s}_out')(
+      ops.reshape(mixed, (-1, SEQUENCE, width)))
+
+
+def input_shape(block, width=WIDTH):
+  """One row's shape under `block`."""
+  return (width,) if block == 'dense' else (SEQUENCE, ATTENTION_WIDTH)
+
+
+def build_model(num_stages, seconds_per_row, log, width=WIDTH,
+                block='dense', blocks_per_stage=1):
+  """A chain of `num_stages` stages (or chunks) of `blocks_per_stage`
+  `block`s, each stage ending in an `EmulatedPass`; returns (model, the
+  first layer of stages 1..K-1)."""
   keras.utils.set_random_seed(0)
-  inputs = x = keras.Input((width,))
+  inputs = x = keras.Input(input_shape(block, width))
+  run = _dense_block if block == 'dense' else _attention_block
   firsts = []
   for s in range(num_stages):
-    for j in range(LAYERS_PER_STAGE):
-      name = f'stage{s}_dense{j}'
-      if j == 0 and s:
-        firsts.append(name)
-      x = keras.layers.Dense(width, activation='tanh', name=name)(x)
+    for b in range(s * blocks_per_stage, (s + 1) * blocks_per_stage):
+      x = run(x, b, width if block == 'dense' else ATTENTION_WIDTH)
     x = emulated.EmulatedPass(
         s, seconds_per_row['F'], seconds_per_row['B'], log,
         weights_s_per_row=seconds_per_row['W'], name=f'stage{s}_emulated')(x)
+    first = s * blocks_per_stage
+    if s:
+      firsts.append(f'block{first}_{"dense0" if block == "dense" else "query"}')
+  if block != 'dense':
+    x = keras.layers.Flatten(name='flatten')(x)
   outputs = keras.layers.Dense(10, name='logits')(x)
   return keras.Model(inputs, outputs), tuple(firsts)
 
 
 def deploy_stages(num_stages, num_microbatches, schedule, log,
                   seconds_per_row, recompute=False, width=WIDTH,
-                  virtual_stages=1):
+                  virtual_stages=1, block='dense'):
   """One clone in `num_stages` stages on logical CPUs, emulated
   (`seconds_per_row`: {'F', 'B', 'W': seconds} of a stage, shared by its
-  `virtual_stages` chunks under interleaved 1F1B)."""
+  chunks under interleaved 1F1B, `virtual_stages` of them, and ZB-V). Every
+  schedule cuts the same model: lcm(2, `virtual_stages`) blocks a device,
+  so that the activations held compare."""
   config = placement.DeploymentConfig(clone_on_cpu=True, num_stages=num_stages)
-  chunks = virtual_stages if schedule == schedules.INTERLEAVED_1F1B else 1
+  chunks = schedules.chunks_per_device(schedule, virtual_stages)
+  blocks = math.lcm(2, virtual_stages) // chunks
   waits = dict(seconds_per_row)
   if not schedules.splits_backward(schedule):
     # A fused backward pass hands on its input gradient after B + W, as the
@@ -141,30 +185,31 @@ def deploy_stages(num_stages, num_microbatches, schedule, log,
   with tf.device(config.variables_device()):
     model, firsts = build_model(
         num_stages * chunks, {kind: t / chunks for kind, t in waits.items()},
-        log, width)
+        log, width, block, blocks)
     optimizer = keras.optimizers.SGD(0.01)
   return towers_lib.deploy(
       config, model,
       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       optimizer, num_microbatches=num_microbatches,
       stage_boundaries=firsts or None, pipeline_schedule=schedule,
-      virtual_stages=chunks, recompute=recompute)
+      virtual_stages=(virtual_stages if schedule == schedules.INTERLEAVED_1F1B
+                      else 1), recompute=recompute)
 
 
-def batch(rows, width=WIDTH):
+def batch(rows, width=WIDTH, block='dense'):
   rng = np.random.default_rng(0)
-  return (rng.normal(size=(rows, width)).astype(np.float32),
-          rng.integers(0, 10, size=rows).astype(np.int32))
+  return (rng.normal(size=(rows, *input_shape(block, width))).astype(
+      np.float32), rng.integers(0, 10, size=rows).astype(np.int32))
 
 
-def idle_fractions(records, num_stages):
+def idle_fractions(records, device_of):
   """(pipeline seconds, each stage device's idle fraction) of one step's
-  waits (logged by stage, or chunk c on device c mod `num_stages`); raises
+  waits (logged by chunk c, on device `device_of[c]`); raises
   `RuntimeError` if two passes of a device overlapped."""
   span = max(r[3] for r in records) - min(r[2] for r in records)
   idle = []
-  for s in range(num_stages):
-    mine = sorted((r[2], r[3]) for r in records if r[0] % num_stages == s)
+  for s in range(max(device_of) + 1):
+    mine = sorted((r[2], r[3]) for r in records if device_of[r[0]] == s)
     for (_, end), (start, _) in zip(mine, mine[1:]):
       if start < end - 1e-4:
         raise RuntimeError(f'stage {s} ran two passes at once.')
@@ -187,16 +232,35 @@ def _reachable(graph):
 
 
 def _descendants(ops, among):
-  """The names of the ops (in `among`) that read, at any depth, `ops`."""
+  """The names of the ops (in `among`) that read, at any depth, `ops`: by
+  their outputs, or by waiting on them (control inputs: the ops W's gate
+  releases, `pipeline.backward.release`)."""
+  waiting = {}
+  for op in ops[0].graph.get_operations() if ops else ():
+    for control in op.control_inputs:
+      waiting.setdefault(control.name, []).append(op)
   seen, todo = set(), list(ops)
   while todo:
     op = todo.pop()
-    for tensor in op.outputs:
-      for reader in tensor.consumers():
-        if reader.name in among and reader.name not in seen:
-          seen.add(reader.name)
-          todo.append(reader)
+    readers = [r for t in op.outputs for r in t.consumers()]
+    for reader in readers + waiting.get(op.name, []):
+      if reader.name in among and reader.name not in seen:
+        seen.add(reader.name)
+        todo.append(reader)
   return seen
+
+
+# Ops whose output is their input's buffer, seen another way: a tensor and
+# its views are held once.
+_VIEWS = ('Identity', 'Reshape', 'Squeeze', 'ExpandDims')
+
+
+def _buffer(tensor):
+  """The tensor whose buffer `tensor` is (through views on one device)."""
+  while (tensor.op.type in _VIEWS and tensor.op.inputs and
+         tensor.op.inputs[0].op.device == tensor.op.device):
+    tensor = tensor.op.inputs[0]
+  return tensor.name
 
 
 def activation_bytes(graph, num_stages):
@@ -206,15 +270,16 @@ def activation_bytes(graph, num_stages):
   forward pass made (its inputs too) that B or W reads. From B to W: the
   tensors W reads that F or B made (the deferred layers' inputs and their
   output gradients; under recomputation, B's forward tensors). W's ops are
-  those that follow its gates; B's the stage's other reachable backward
-  ops."""
+  those that follow its gates (the ops it releases and what reads them);
+  B's the stage's other reachable backward ops. A buffer is counted once,
+  whatever views of it are read (`_VIEWS`)."""
   live = _reachable(graph)
   held = []
   for s in range(num_stages):
     gates = [op for op in graph.get_operations()
              if f'microbatch_0/stage_{s}_weights/pass_gate' in op.name]
     reads_in_w = _descendants(gates, live) | {op.name for op in gates}
-    to_b = to_w = 0
+    to_b, to_w = {}, {}
     for op in graph.get_operations():
       made_in = _pass_of(op.name, s)
       if made_in is None or op.name not in live or op.name in reads_in_w:
@@ -223,13 +288,14 @@ def activation_bytes(graph, num_stages):
         if not tensor.shape.is_fully_defined():
           continue
         readers = {c.name for c in tensor.consumers()} & live
-        size = tensor.shape.num_elements() * tensor.dtype.size
+        size = {_buffer(tensor): tensor.shape.num_elements() *
+                tensor.dtype.size}
         if readers & reads_in_w:
-          to_w += size
-          to_b += size if made_in == 'F' else 0
+          to_w.update(size)
+          to_b.update(size if made_in == 'F' else {})
         elif made_in == 'F' and any(_pass_of(r, s) == 'B' for r in readers):
-          to_b += size
-    held.append((to_b, to_w))
+          to_b.update(size)
+    held.append((sum(to_b.values()), sum(to_w.values())))
   return held
 
 
@@ -259,11 +325,14 @@ def peak_bytes(device_passes, held):
 def measure(config, num_stages, num_microbatches, schedule, log):
   """One (K, M, schedule): the timings and memory counts, as a dict."""
   per_row = config.seconds_per_row()
-  chunks = (config.virtual_stages
-            if schedule == schedules.INTERLEAVED_1F1B else 1)
+  chunks = schedules.chunks_per_device(schedule, config.virtual_stages)
+  device_of = schedules.chunk_devices(schedule, num_stages,
+                                      config.virtual_stages)
+  block = config.stage_block
   deployed = deploy_stages(num_stages, num_microbatches, schedule, log,
-                           per_row, virtual_stages=chunks)
-  images, labels = batch(config.rows)
+                           per_row, virtual_stages=config.virtual_stages,
+                           block=block)
+  images, labels = batch(config.rows, block=block)
   deployed.train_step(images, labels)  # Traces; not timed.
   spans, idles, walls, traces = [], [], [], []
   for _ in range(config.steps):
@@ -272,7 +341,7 @@ def measure(config, num_stages, num_microbatches, schedule, log):
     deployed.train_step(images, labels)
     walls.append(time.perf_counter() - started)
     traces.append(list(log.records))
-    span, idle = idle_fractions(log.records, num_stages)
+    span, idle = idle_fractions(log.records, device_of)
     spans.append(span)
     idles.append(idle)
   rows = config.rows // num_microbatches
@@ -280,18 +349,8 @@ def measure(config, num_stages, num_microbatches, schedule, log):
   per_device = schedules.device_orders(schedule, num_stages,
                                        num_microbatches, chunks)
   timeline = schedules.timeline(per_device, seconds, num_stages * chunks)
-  memory = {}
-  for recompute in (False, True):
-    stages = deploy_stages(num_stages, num_microbatches, schedule, log,
-                           per_row, recompute, virtual_stages=chunks
-                           ) if recompute else deployed
-    graph = stages.traced_step(images, labels).graph
-    held = activation_bytes(graph, num_stages * chunks)
-    memory['recompute' if recompute else 'plain'] = [
-        {'held_per_stage': [held[c] for c in range(d, len(held),
-                                                   num_stages)],
-         'peak_bytes': peak_bytes(device, held)}
-        for d, device in enumerate(per_device)]
+  memory = _memory(deployed, (num_stages, num_microbatches, schedule, log,
+                              per_row, config), per_device, device_of)
   pipeline = statistics.median(spans)
   idle = [statistics.median(i[s] for i in idles) for s in range(num_stages)]
   return {
@@ -308,6 +367,28 @@ def measure(config, num_stages, num_microbatches, schedule, log):
       'memory': memory,
       'passes': traces[len(traces) // 2],
   }
+
+
+def _memory(deployed, setting, per_device, device_of):
+  """{'plain', 'recompute': each device's chunks' held bytes (`activation_
+  bytes`) and its peak (`peak_bytes`)}: the deployed step's, and again
+  with recomputation."""
+  num_stages, num_microbatches, schedule, log, per_row, config = setting
+  images, labels = batch(config.rows, block=config.stage_block)
+  memory = {}
+  for recompute in (False, True):
+    stages = deploy_stages(
+        num_stages, num_microbatches, schedule, log, per_row, recompute,
+        virtual_stages=config.virtual_stages, block=config.stage_block
+    ) if recompute else deployed
+    graph = stages.traced_step(images, labels).graph
+    held = activation_bytes(graph, len(device_of))
+    memory['recompute' if recompute else 'plain'] = [
+        {'held_per_stage': [held[c] for c, on in enumerate(device_of)
+                            if on == d],
+         'peak_bytes': peak_bytes(device, held)}
+        for d, device in enumerate(per_device)]
+  return memory
 
 
 def run(config):
@@ -327,7 +408,8 @@ def run(config):
 
 
 def format_report(report):
-  lines = ['EMULATED devices (waits, not compute): pipeline schedules',
+  lines = ['EMULATED devices (waits, not compute): pipeline schedules, '
+           f'{report["config"]["stage_block"]} stages',
            f'{"schedule":9} {"K":>2} {"M":>2} {"pipeline s":>10} '
            f'{"makespan s":>10} {"idle s":>7}  idle per stage: measured '
            '(theory)  |  peak activations held (KiB), busiest stage: '
@@ -361,9 +443,10 @@ def write_charts(report, directory):
     figure, axes = pyplot.subplots(figsize=(10, 0.6 * k + 1))
     start = min(p[2] for p in r['passes'])
     split = schedules.splits_backward(r['schedule'])
+    device_of = schedules.chunk_devices(r['schedule'], k, r['virtual_stages'])
     for s, device in enumerate(schedules.device_orders(
         r['schedule'], k, m, r['virtual_stages'])):
-      mine = sorted((p for p in r['passes'] if p[0] % k == s),
+      mine = sorted((p for p in r['passes'] if device_of[p[0]] == s),
                     key=lambda p: p[2])
       # A fused backward pass logs its B and W waits; each gets its index.
       indices = [i for _, kind, i in device for _ in (
@@ -432,6 +515,10 @@ def _parse(argv):
   parser.add_argument('--steps', type=int, default=3)
   parser.add_argument('--virtual_stages', type=int, default=2,
                       help="each device's chunks under interleaved_1f1b")
+  parser.add_argument('--schedules', default=','.join(schedules.SCHEDULES),
+                      help='the --pipeline_schedule values to run')
+  parser.add_argument('--stage_block', default='dense',
+                      help='what each stage computes: ' + ', '.join(BLOCKS))
   parser.add_argument('--output', help='write the report here as JSON')
   parser.add_argument('--chart_dir', help='draw each schedule here (PNG)')
   parser.add_argument('--rss', action='store_true',
@@ -463,7 +550,9 @@ def main(argv=None):
         rows=args.rows, forward_ms_per_row=args.forward_ms_per_row,
         backward_ms_per_row=args.backward_ms_per_row,
         weights_ms_per_row=args.weights_ms_per_row,
-        virtual_stages=args.virtual_stages, steps=args.steps)
+        virtual_stages=args.virtual_stages, steps=args.steps,
+        schedules=tuple(args.schedules.split(',')),
+        stage_block=args.stage_block)
     emulated.use_threads(8 * max(config.stages))
     devices.create_logical_cpus(max(config.stages))
   except errors.UserError as e:

@@ -3,24 +3,30 @@
 `Stages` picks one when it cuts the model, from the schedule, and its
 passes ask it; they never ask the schedule:
 
-  Fused  (GPipe, 1F1B, interleaved 1F1B) the last part's tape records the
+  Fused  (GPipe, 1F1B, interleaved 1F1B) the last stage's tape records the
          loss too, and one backward pass takes the input and the weight
          gradients together.
-  Split  (ZB-H1) the loss is taken on a tape of its own, so that B starts
-         from the model outputs' gradients and W, later, walks each part's
-         tape (kept: persistent) for the weight gradients alone, never the
-         loss's again.
+  Split  (ZB-H1, ZB-V) the loss is taken on a tape of its own, so that B
+         starts from the model outputs' gradients. B asks the stage's tape
+         for every gradient at once, and the ops that only the deferred
+         weights' gradients need (`held_back`: a Dense layer's
+         MatMul(input, output gradient), its BiasAddGrad) wait for W's
+         turn (`release`). No gradient op is built twice, and from B to W
+         a stage keeps just what those ops read: each deferred layer's
+         input and the gradient of its output (before its activation,
+         whose gradient B took).
 """
 
 import keras
 import tensorflow as tf
 
+from tfmulti import slices
 from tfmulti.pipeline import schedules
 
 # Layers whose weight gradients B takes even where W is split off: their
 # scale's and offset's gradients are the reductions (of the output gradient,
 # and of it times the normalised input) that their input gradient is made
-# of, so W would run them again.
+# of, so there is nothing of them to hold back.
 _NORMALIZATIONS = (keras.layers.BatchNormalization,
                    keras.layers.LayerNormalization,
                    keras.layers.GroupNormalization)
@@ -39,39 +45,74 @@ def defers_weights(operation):
       operation, _NORMALIZATIONS)
 
 
+def mark():
+  """Where the graph being traced stands: the ops made after it are new to
+  `held_back` (None when running eagerly: nothing can wait then)."""
+  if tf.executing_eagerly():
+    return None
+  return len(tf.compat.v1.get_default_graph().get_operations())
+
+
+def held_back(start, later, others):
+  """The ops to hold until W among those made since `start` (`mark`): the
+  first of those that the gradients `later` need and `others` do not (the
+  rest follow them). [] when eager."""
+  if start is None:
+    return []
+  new = tf.compat.v1.get_default_graph().get_operations()[start:]
+  new_names = {op.name for op in new}
+
+  def upstream(gradients):
+    seen, todo = set(), [t.op for t in slices.components(
+        [g for g in gradients if g is not None])]
+    while todo:
+      op = todo.pop()
+      if op.name in new_names and op.name not in seen:
+        seen.add(op.name)
+        todo += [t.op for t in op.inputs] + list(op.control_inputs)
+    return seen
+  only_w = upstream(later) - upstream(others)
+  return [op for op in new if op.name in only_w and not any(
+      t.op.name in only_w for t in op.inputs) and not any(
+          c.name in only_w for c in op.control_inputs)]
+
+
+def release(held, after):
+  """Lets the `held` ops (`held_back`) run once the ops making `after`
+  (the device's previous pass) are done: a gate they wait on."""
+  with tf.control_dependencies(after):
+    gate = tf.no_op(name='pass_gate')
+  for op in held:
+    op._add_control_input(gate)  # pylint: disable=protected-access
+
+
 class Fused:
   """One backward pass a stage and micro-batch (see the module)."""
-
-  persistent = False  # A part's tape is asked once.
 
   def defers(self, operation):
     """Whether W, not B, takes `operation`'s weight gradients: never."""
     del operation
     return False
 
-  def parts(self, stages, weight_parts):
-    """What each stage's passes run, each under a tape: the stage whole
-    (`weight_parts()` would cut it where W takes weights)."""
-    del weight_parts
-    return [[stage] for stage in stages]
+  def loss_on_stage_tape(self, last):
+    """Whether the stage's own tape records the loss: the last stage's."""
+    return last
 
-  def loss_on_part_tape(self, loss_part):
-    """Whether the part's own tape records the loss: the last part's."""
-    return loss_part
-
-  def take_loss(self, stages, context, flight, values, results, tapes):
-    """Nothing more: the last part's tape holds the loss already."""
-    del stages, context, flight, values, results, tapes
+  def take_loss(self, stages, context, flight, values, result):
+    """The last stage's (result, loss tape): its tape holds the loss
+    already, and there is no other."""
+    del stages, context, flight, values
+    return result, None
 
   def output_gradients(self, stages, kept, scale):
     """The model outputs' gradients the last stage starts from: none, its
-    last part's tape starts from the loss."""
+    tape starts from the loss."""
     del stages, kept, scale
     return {}
 
   def loss_targets(self, result, scale):
-    """(targets, output gradients) a part's backward pass adds for the
-    loss: the loss itself, scaled, where the part computed it."""
+    """(targets, output gradients) a backward pass adds for the loss: the
+    loss itself, scaled, where the stage computed it."""
     if result.loss is None:
       return [], []
     return [result.loss], [scale]
@@ -86,32 +127,25 @@ class Fused:
 class Split(Fused):
   """B and W apart (see the module)."""
 
-  persistent = True  # B and W ask a part's tape apart.
   defers = staticmethod(defers_weights)
 
-  def parts(self, stages, weight_parts):
-    """The stages cut where W takes weights: `weight_parts()`."""
-    del stages
-    return weight_parts()
-
-  def loss_on_part_tape(self, loss_part):
-    del loss_part  # The loss goes on a tape of its own (`take_loss`).
+  def loss_on_stage_tape(self, last):
+    del last  # The loss goes on a tape of its own (`take_loss`).
     return False
 
-  def take_loss(self, stages, context, flight, values, results, tapes):
+  def take_loss(self, stages, context, flight, values, result):
     """The micro-batch's loss on a tape of its own, from the model outputs
-    among `values`, set on the last part's result."""
+    among `values`: (the last stage's result with it, that tape)."""
     with tf.GradientTape() as loss_tape:
       loss_tape.watch([values[k] for k in stages.output_keys])
-      results[-1] = results[-1]._replace(
-          loss=stages.loss_of(context, flight, values))
-    tapes.append(loss_tape)
+      result = result._replace(loss=stages.loss_of(context, flight, values))
+    return result, loss_tape
 
   def output_gradients(self, stages, kept, scale):
     """The model outputs' gradients, from the loss's own tape (zeros for
     an output the loss does not read)."""
     outputs = [kept.values[k] for k in stages.output_keys]
-    grads = kept.tapes[-1].gradient(kept.results[-1].loss, outputs,
+    grads = kept.loss_tape.gradient(kept.result.loss, outputs,
                                     output_gradients=scale)
     return {k: tf.zeros_like(x) if g is None else g
             for k, x, g in zip(stages.output_keys, outputs, grads)}

@@ -119,10 +119,8 @@ def _indices(variables, among):
   return tuple(where[id(v)] for v in variables)
 
 
-def split_model(model, starts, parts=False):
-  """The `Stage`s of `model` that begin at the layers `starts`; with
-  `parts`, the pieces of stages (`weight_parts`), any of which may give a
-  model output."""
+def split_model(model, starts):
+  """The `Stage`s of `model` that begin at the layers `starts`."""
   graph = costs.operations(model)
   ends = list(starts[1:]) + [len(graph)]
   output_keys = {id(t): t for t in model.outputs}
@@ -143,39 +141,20 @@ def split_model(model, starts, parts=False):
         later = any(r > s for r in stage_of_reader.get(id(tensor), ()))
         if later or id(tensor) in output_keys:
           outputs.append(tensor)
-        if id(tensor) in output_keys and s < len(starts) - 1 and not parts:
+        if id(tensor) in output_keys and s < len(starts) - 1:
           raise errors.ConfigError(
               f'model {model.name!r}: its output {tensor.name!r} comes from '
               f'stage {s} of {len(starts)} (layer {op.name!r}); '
               'the last stage gives every output: cut after that layer '
               '(stage_boundaries), or use fewer stages.')
     sub = keras.Model(list(inputs.values()), outputs,
-                      name=f'{model.name}_{"part" if parts else "stage"}_{s}')
+                      name=f'{model.name}_stage_{s}')
     stages.append(Stage(
         sub, tuple(inputs), tuple(id(t) for t in outputs),
         _indices(sub.trainable_variables, model.trainable_variables),
         _indices(sub.non_trainable_variables, model.non_trainable_variables),
         graph[a][0].name))
   return stages
-
-
-def weight_parts(model, starts):
-  """Each stage's parts when its backward pass is split into B and W: the
-  stage cut after each layer whose weight gradients W takes
-  (`backward.defers_weights`), so that such a layer is its part's last. A
-  part's own tape then gives those gradients (W) from its outputs'
-  gradients by walking that layer alone, while B walks every part's tape
-  once for the input gradients. A list (one a stage) of lists of
-  `Stage`s."""
-  graph = costs.operations(model)
-  cuts = set(starts) | {i + 1 for i, (op, _) in enumerate(graph[:-1])
-                        if backward.defers_weights(op)}
-  part_starts = sorted(cuts)
-  parts = split_model(model, part_starts, parts=True)
-  grouped = [[] for _ in starts]
-  for start, part in zip(part_starts, parts):
-    grouped[sum(1 for first in starts if first <= start) - 1].append(part)
-  return grouped
 
 
 class Stages:
@@ -203,11 +182,7 @@ class Stages:
         schedule, num_stages // chunks, options.virtual_stages)
     starts = stage_starts(model, num_stages, options)
     self.stages = split_model(model, starts)
-    # What a pass runs, under a tape each: the stage whole, or, where the
-    # schedule splits the backward pass, the stage's `weight_parts`.
     self.backward = backward.for_schedule(options.pipeline_schedule)
-    self.parts = self.backward.parts(self.stages,
-                                     lambda: weight_parts(model, starts))
     # The trainable variables (their indices) whose gradients B takes.
     in_b = {id(v) for op, _ in costs.operations(model)
             if not self.backward.defers(op)
@@ -222,55 +197,49 @@ class Stages:
     self.keepers = [_Recompute if options.recompute and s < last
                     else _KeepTapes for s in range(last + 1)]
 
-  def _run_part(self, part, context, values, flight, loss_part):
-    """One part of a stage on one micro-batch (`flight`), reading its
-    inputs from `values` (tensors by Keras tensor id) and adding its
-    outputs there: its `_Result`; with `loss_part` (the last stage's last
-    part), the micro-batch's part of the loss too."""
+  def _run_stage(self, s, context, values, flight, with_loss):
+    """Stage s on one micro-batch (`flight`), reading its inputs from
+    `values` (tensors by Keras tensor id) and adding its outputs there: its
+    `_Result`; `with_loss` (the last stage's, where its tape records the
+    loss) the micro-batch's part of the loss too."""
+    stage = self.stages[s]
     outputs, new_non_trainable, model_losses, penalties = pieces.forward(
-        part.model, [context.trainable[i] for i in part.trainable],
-        [context.non_trainable[i] for i in part.non_trainable],
-        [values[k] for k in part.input_keys], flight.offset)
+        stage.model, [context.trainable[i] for i in stage.trainable],
+        [context.non_trainable[i] for i in stage.non_trainable],
+        [values[k] for k in stage.input_keys], flight.offset)
     outputs = keras.tree.flatten(outputs)
-    values.update(zip(part.output_keys, outputs))
+    values.update(zip(stage.output_keys, outputs))
     # In the variables' dtype (float64 models too), not the activations'.
-    weights = part.trainable or range(len(context.trainable))
+    weights = stage.trainable or range(len(context.trainable))
     dtype = context.trainable[weights[0]].dtype if weights else tf.float32
     penalty = (trainer.penalty(penalties, flight.weight, dtype) +
                trainer.model_loss(model_losses, flight.rows,
                                   context.global_rows, dtype))
-    # The penalty is kept apart, per part.
-    loss = self.loss_of(context, flight, values) if loss_part else None
+    # The penalty is kept apart, per stage.
+    loss = self.loss_of(context, flight, values) if with_loss else None
     return _Result(outputs, new_non_trainable, penalty, loss,
                    (model_losses, penalties))
 
-  def _source_keys(self, s, j):
-    """The tensors whose gradients part j of stage s gives its backward
-    pass: what it reads that is not a model input (stage 0 reads only
-    those, and watches just its weights)."""
-    return [k for k in self.parts[s][j].input_keys
-            if k not in self.input_keys]
+  def _source_keys(self, s):
+    """The tensors whose gradients stage s gives its backward pass: what
+    it reads that is not a model input (stage 0 reads only those, and
+    watches just its weights)."""
+    return [k for k in self.stages[s].input_keys if k not in self.input_keys]
 
   def _forward(self, s, context, inputs, flight):
-    """Stage s on one micro-batch, from its `inputs`, part by part, each
-    under a tape of its own (nothing else records on it, so its gradients
-    walk that part alone): a `_Kept`."""
+    """Stage s on one micro-batch, from its `inputs`, under a tape of its
+    own (nothing else records on it, so its gradients walk that stage
+    alone): a `_Kept`."""
     values = dict(zip(self.stages[s].input_keys, inputs))
-    tapes, results = [], []
-    parts = self.parts[s]
-    for j, part in enumerate(parts):
-      loss_part = s == len(self.stages) - 1 and j == len(parts) - 1
-      with tf.GradientTape(persistent=self.backward.persistent) as tape:
-        tape.watch([context.trainable[i] for i in part.trainable])
-        tape.watch([values[k] for k in self._source_keys(s, j)])
-        results.append(self._run_part(
-            part, context, values, flight,
-            self.backward.loss_on_part_tape(loss_part)))
-      tapes.append(tape)
-      if loss_part:
-        self.backward.take_loss(self, context, flight, values, results,
-                                tapes)
-    return _Kept(inputs, tapes, results, values)
+    last = s == len(self.stages) - 1
+    with tf.GradientTape() as tape:
+      tape.watch([context.trainable[i] for i in self.stages[s].trainable])
+      tape.watch([values[k] for k in self._source_keys(s)])
+      result = self._run_stage(s, context, values, flight,
+                               self.backward.loss_on_stage_tape(last))
+    result, loss_tape = self.backward.take_loss(
+        self, context, flight, values, result) if last else (result, None)
+    return _Kept(inputs, tape, loss_tape, result, values)
 
   def loss_of(self, context, flight, values):
     """The micro-batch's part of the loss, from the model outputs among
@@ -337,92 +306,90 @@ class Stages:
       inputs = _gate([flight.values[k] for k in stage.input_keys], after)
       kept = self.keepers[s].forward(self, s, context, inputs, flight)
       flight.values.update((k, kept.values[k]) for k in stage.output_keys)
-      for part, result in zip(self.parts[s], kept.results):
-        for i, value in zip(part.non_trainable, result.state):
-          flight.new_non_trainable[i] = value
+      for i, value in zip(stage.non_trainable, kept.result.state):
+        flight.new_non_trainable[i] = value
       flight.kept[s] = kept
-    return [t for r in kept.results for t in list(r.outputs) + [r.penalty] + (
-        [] if r.loss is None else [r.loss])]
+    result = kept.result
+    return list(result.outputs) + [result.penalty] + (
+        [] if result.loss is None else [result.loss])
 
   def _backward_pass(self, s, m, devices, context, flight, after):
     """Micro-batch m's backward pass through stage s, from the gradients
     of its outputs, once the stage's previous pass (`after`) is done: the
-    gradients of the tensors it read and, unless the schedule defers them
-    to a W pass, of its variables. Part by part, last first, each from its
-    own tape; returns what it made."""
+    gradients of the tensors it read and of its variables, those a W pass
+    takes held back for it (`backward.held_back`). Returns what it made."""
     stage, last = self.stages[s], len(self.stages) - 1
-    kept = flight.kept[s]
     with tf.device(devices[s]), tf.name_scope(
         self._scope(context, m, s, '_backward')):
       upstream = [flight.upstream[k] for k in stage.output_keys] if (
           s < last) else []
-      kept = self.keepers[s].taped(self, s, context, kept, flight,
+      kept = self.keepers[s].taped(self, s, context, flight.kept[s], flight,
                                    (after, upstream))
       # The pass's own copy of the scale: what it hands on is its own.
       scale = tf.identity(tf.cast(context.loss_scale,
-                                  kept.results[0].penalty.dtype))
+                                  kept.result.penalty.dtype))
       if s == last:
         scales = _gate([scale, scale], after)
         through = self.backward.output_gradients(self, kept, scales[0])
       else:
         scales = [scale, scale]
         through = dict(zip(stage.output_keys, _gate(upstream, after)))
-      made, flight.pending[s] = [], []
-      for j in reversed(range(len(self.parts[s]))):
-        part, result = self.parts[s][j], kept.results[j]
-        targets, output_gradients = self.backward.loss_targets(result,
-                                                               scales[0])
-        for k, output in zip(part.output_keys, result.outputs):
-          if k in through:  # Else a model output: the loss's.
-            targets.append(output)
-            output_gradients.append(through[k])
-        targets.append(result.penalty)
-        output_gradients.append(scales[1])
-        keys = self._source_keys(s, j)
-        indices = [i for i in part.trainable if i in self.in_b]
-        weights = [context.trainable[i] for i in indices]
-        grads = kept.tapes[j].gradient(
-            targets, weights + [kept.values[k] for k in keys],
-            output_gradients=output_gradients)
-        flight.add_grads(indices, grads[:len(weights)])
-        flight.pending[s].insert(0, (kept.tapes[j], targets,
-                                     output_gradients))
-        for k, g in zip(keys, grads[len(weights):]):
-          g = tf.zeros_like(kept.values[k]) if g is None else g
-          into = flight.upstream if k in stage.input_keys else through
-          into[k] = into[k] + g if k in into else g
-        made += [g for g in grads if g is not None]
+      targets, output_gradients = self.backward.loss_targets(kept.result,
+                                                             scales[0])
+      for k, output in zip(stage.output_keys, kept.result.outputs):
+        if k in through:  # Else a model output: the loss's.
+          targets.append(output)
+          output_gradients.append(through[k])
+      targets.append(kept.result.penalty)
+      output_gradients.append(scales[1])
+      made = self._gradients(s, context, flight, kept,
+                             (targets, output_gradients))
     if s == last:
       made += self.backward.handed_on(through, self.output_keys)
     # A B with no input gradients to give (a first stage whose weights wait
     # for W) hands the next pass the gradients it was given.
     return made or list(through.values()) + list(scales)
 
+  def _gradients(self, s, context, flight, kept, walk):
+    """Stage s's gradients from its tape, walked once from `walk`'s
+    (targets, output gradients): the input gradients handed upstream and
+    the weights' in the flight; those W takes (not `in_b`) are kept in
+    `flight.pending[s]`, their own ops held back. Returns B's gradients."""
+    keys = self._source_keys(s)
+    trainable = self.stages[s].trainable
+    now = [i for i in trainable if i in self.in_b]
+    later = [i for i in trainable if i not in self.in_b]
+    start = backward.mark()
+    grads = kept.tape.gradient(
+        walk[0], [context.trainable[i] for i in now + later] +
+        [kept.values[k] for k in keys], output_gradients=walk[1])
+    deferred = grads[len(now):len(now) + len(later)]
+    grads = grads[:len(now)] + grads[len(now) + len(later):]
+    flight.add_grads(now, grads[:len(now)])
+    flight.pending[s] = (later, deferred, backward.held_back(
+        start, deferred, grads))
+    for k, g in zip(keys, grads[len(now):]):
+      g = tf.zeros_like(kept.values[k]) if g is None else g
+      flight.upstream[k] = flight.upstream[k] + g if (
+          k in flight.upstream) else g
+    return [g for g in grads if g is not None]
+
   def _weights_pass(self, s, m, devices, context, flight, after):
     """Micro-batch m's W pass on stage s (schedules that split the
-    backward pass): each part's weight gradients from its own tape and the
-    output gradients its B pass used, once the stage's previous pass
-    (`after`) is done. B asked those tapes for input gradients only, and W
-    for weight gradients only: in the traced step each half of a layer's
-    gradient is reachable from one of them (`Conv2DBackpropInput` from B,
-    `Conv2DBackpropFilter` from W), so each runs once. Returns what it
-    made."""
+    backward pass): its deferred weight gradients, whose ops B built and
+    held back (`backward.held_back`), released once the stage's previous
+    pass (`after`) is done. In the traced step each half of a layer's
+    gradient is built once: `Conv2DBackpropInput` runs in B,
+    `Conv2DBackpropFilter` in W. Returns what it made."""
     made = []
     with tf.device(devices[s]), tf.name_scope(
         self._scope(context, m, s, '_weights')):
-      for part, (tape, targets, output_gradients) in zip(
-          self.parts[s], flight.pending[s]):
-        indices = [i for i in part.trainable if i not in self.in_b]
-        if not indices:
-          continue
-        grads = tape.gradient(
-            targets, [context.trainable[i] for i in indices],
-            output_gradients=_gate(output_gradients, after))
-        flight.add_grads(indices, grads)
-        # Named in this pass's scope (the tape names its ops after the
-        # forward pass's), so the traced order can be read back.
-        made += [tf.identity(g, name='weights_done') for g in grads
-                 if g is not None]
+      indices, grads, held = flight.pending[s]
+      backward.release(held, after)
+      flight.add_grads(indices, grads)
+      # Named in this pass's scope, so the traced order can be read back.
+      made += [tf.identity(g, name='weights_done') for g in grads
+               if g is not None]
     flight.pending[s] = None
     return made
 
@@ -454,12 +421,11 @@ def _clone_results(stages, devices, context, flights, num_trainable, fold):
   last = len(stages.stages) - 1
   losses, regularizations = [], []
   for flight in flights:
-    loss = flight.kept[last].results[-1].loss
+    loss = flight.kept[last].result.loss
     with tf.device(devices[last]):
       # One sum over every layer's regularization (the stages' tapes
       # take theirs apart), the same whatever the cut.
-      kept = [result.losses for s in range(last + 1)
-              for result in flight.kept[s].results]
+      kept = [flight.kept[s].result.losses for s in range(last + 1)]
       regularization = trainer.penalty(
           [x for _, penalties in kept for x in penalties], flight.weight,
           loss.dtype) + trainer.model_loss(
@@ -496,23 +462,24 @@ def _gate(tensors, after, name='pass_gate'):
     return [tf.identity(t, name=name) for t in tensors]
 
 
-# A part's forward pass on one micro-batch: its outputs, the new
+# A stage's forward pass on one micro-batch: its outputs, the new
 # non-trainable values, its part of the regularization (penalties times the
 # weight, add_loss terms by rows), the micro-batch's part of the loss (the
-# last stage's last part; else None), and its layers' (add_loss terms,
+# last stage's; else None), and its layers' (add_loss terms,
 # penalties).
 _Result = collections.namedtuple(
     '_Result', ['outputs', 'state', 'penalty', 'loss', 'losses'])
 
-# A stage's forward pass on one micro-batch: its inputs, its parts' tapes
-# (None when the backward pass recomputes them) and `_Result`s, and every
-# tensor it read or made, by Keras tensor id.
-_Kept = collections.namedtuple('_Kept',
-                               ['inputs', 'tapes', 'results', 'values'])
+# A stage's forward pass on one micro-batch: its inputs, its tape (None
+# when the backward pass recomputes it), the loss's own tape (the last
+# stage's, where the backward pass is split; else None), its `_Result`, and
+# every tensor it read or made, by Keras tensor id.
+_Kept = collections.namedtuple(
+    '_Kept', ['inputs', 'tape', 'loss_tape', 'result', 'values'])
 
 
 class _KeepTapes:
-  """A stage's forward pass keeps its parts' tapes for its backward pass."""
+  """A stage's forward pass keeps its tape for its backward pass."""
 
   @staticmethod
   def forward(stages, s, context, inputs, flight):
@@ -521,7 +488,7 @@ class _KeepTapes:
 
   @staticmethod
   def taped(stages, s, context, kept, flight, gates):
-    """What the backward pass walks: the tapes kept."""
+    """What the backward pass walks: the tape kept."""
     del stages, s, context, flight, gates
     return kept
 
@@ -533,11 +500,10 @@ class _Recompute:
   @staticmethod
   def forward(stages, s, context, inputs, flight):
     """Stage s's forward pass on a micro-batch, with no tape: a `_Kept`
-    whose tapes are None."""
+    whose tape is None."""
     values = dict(zip(stages.stages[s].input_keys, inputs))
-    results = [stages._run_part(part, context, values, flight, False)
-               for part in stages.parts[s]]
-    return _Kept(inputs, None, results, values)
+    result = stages._run_stage(s, context, values, flight, False)
+    return _Kept(inputs, None, None, result, values)
 
   @staticmethod
   def taped(stages, s, context, kept, flight, gates):
@@ -572,8 +538,8 @@ class _Flight:
     self.offset = piece.offset + shift  # Its first row, for its seeds.
     self.kept = [None] * num_stages  # Each stage's `_Kept`.
     self.upstream = {}  # Gradients of the tensors the later stages read.
-    # Each stage's parts' (tape, targets, output gradients) between its B
-    # and W passes.
+    # Each stage's deferred weight gradients between its B and W passes:
+    # (their indices, the gradients, the ops held back until W).
     self.pending = [None] * num_stages
     self.grads = {}  # Index among the trainable variables -> gradient.
     self.new_non_trainable = non_trainable
