@@ -233,8 +233,9 @@ _PIPELINE_SCHEDULE = flags.DEFINE_enum(
     "1f1b's idle time when the three passes take equal time), "
     'interleaved_1f1b (each stage device runs --virtual_stages chunks of '
     'the model: (K - 1) / (v M) of the ideal step idle) or zb_v (2 chunks '
-    'a stage device in a V, split as zb_h1: no bubble but the first '
-    "forward passes', at 1f1b's activation memory in the paper).")
+    'a stage device in a V, split as zb_h1: idle only while the first '
+    "forward passes fill the pipeline, at 1f1b's activation memory where "
+    'W reads less than the forward pass keeps).')
 _VIRTUAL_STAGES = flags.DEFINE_integer(
     'virtual_stages', 1, 'With --pipeline_schedule=interleaved_1f1b: v, '
     'the chunks of the model on each stage device (num_stages x v chunks, '

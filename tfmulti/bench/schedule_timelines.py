@@ -1,31 +1,34 @@
 """Pipeline schedules measured on emulated devices.
 
 `python -m tfmulti.bench.schedule_timelines` trains one clone cut into K
-stages, on emulated devices (`bench.emulated`: each stage's forward pass waits a
-fixed time a row, F; its backward pass B for the input gradients and W for
-the weight gradients, B + W before the input gradient where they are
-fused, apart under ZB-H1; by default F = B = W, as Qi et al. time them;
-under interleaved 1F1B each of a device's v chunks waits 1 / v of it),
-with M micro-batches, under each `--pipeline_schedule`. A stage is 3 Dense
-layers (`--stage_block=dense`: W reads each layer's input and output
-gradient, twice what the forward pass keeps for B) or an attention block
-(`--stage_block=attention`: the forward pass also keeps the attention's
-probabilities, which W does not read, as in the transformers Qi et al.
-measure). For each schedule and (K, M) it reports:
+stages, on emulated devices (`bench.emulated`: each stage's forward pass
+waits a fixed time a row, F; its backward pass B for the input gradients
+and W for the weight gradients, B + W before the input gradient where they
+are fused, apart under ZB-H1 and ZB-V; by default F = B = W, as Qi et al.
+time them; where a device runs several chunks, interleaved 1F1B's v or
+ZB-V's 2, each waits its share), with M micro-batches, under each
+`--pipeline_schedule`. Every schedule cuts the same model: lcm(2, v)
+blocks a device. A block is 3 Dense layers (`--stage_block=dense`: W
+reads each layer's input and output gradient, twice what the forward pass
+keeps for B) or an attention block (`--stage_block=attention`: the
+forward pass also keeps the attention's probabilities, which W does not
+read, as in the transformers Qi et al. measure). For each schedule and
+(K, M) it reports:
 
   * the step's pipeline time (first pass start to last pass end) against
     the schedule's makespan, from `schedules.timeline` (every pass as soon
     as what it reads is there; (M + K - 1)(F + B + W) for GPipe and 1F1B,
     M(F + B + W) + (K - 1)(F + B - W) for ZB-H1);
-  * each stage's idle fraction (1 - its waits' time / the pipeline time)
+  * each device's idle fraction (1 - its waits' time / the pipeline time)
     and idle seconds against theory (`schedules.idle_theory`);
-  * each stage's peak activation memory, counted from the traced graph:
+  * each device's peak activation memory, counted from the traced graph:
     the bytes of micro-batch 0's forward tensors that its backward passes
-    read, held from its F to its last backward pass, and, under ZB-H1,
-    those only its W reads held from B to W, at the most micro-batches the
-    stage's order holds at once; without and with recomputation.
+    read, held from its F to its last backward pass, and, where W is
+    split off, those W reads held from B to W, at the most micro-batches
+    the device's order holds at once (a buffer once, whatever its views);
+    without and with recomputation.
 
-`--chart_dir` draws each schedule's passes (stage x time, as the papers
+`--chart_dir` draws each schedule's passes (device x time, as the papers
 draw them) from the logged waits at the largest K and M. Every figure here
 is emulated: it shows the order and overlap the executor gives the
 schedule, not a device's speed.
@@ -457,7 +460,7 @@ def write_charts(report, directory):
         axes.text((begin + end) / 2 - start, k - 0.6 - s,
                   f'{kind}{index}', ha='center', va='center', fontsize=7)
     axes.set(yticks=[k - 0.6 - s for s in range(k)],
-             yticklabels=[f'stage {s}' for s in range(k)],
+             yticklabels=[f'device {s}' for s in range(k)],
              xlabel='seconds (emulated devices)',
              title=f'{r["schedule"]}, K={k}, M={m}: idle '
              f'{statistics.mean(r["idle_measured"]):.3f} (theory '
