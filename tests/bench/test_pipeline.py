@@ -58,6 +58,21 @@ def test_a_tiny_run_reports_every_design(tmp_path):
   assert 'pipelined_2' in bench_pipeline.format_report(report)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('schedule', ['interleaved_1f1b', 'zb_v'])
+def test_schedules_of_several_chunks_a_device_run_every_design(schedule):
+  """The model-parallel design (one micro-batch) runs the plain cut; the
+  pipelined one the schedule's 4 chunks, each with its busy fraction."""
+  config = bench_pipeline.PipelineBenchConfig(
+      model='lenet', image_size=28, batch_size=8, microbatches=(2,),
+      rounds=1, clone_on_cpu=True, pipeline_schedule=schedule)
+  report = bench_pipeline.run(config)
+  rows = {row['design']: row for row in report['rows']}
+  assert list(rows) == ['one_device', 'model_parallel', 'one_device_2',
+                        'pipelined_2']
+  assert set(rows['pipelined_2']['busy_measured']) == {0, 1, 2, 3}
+
+
 def test_bad_microbatches_stop_with_one_line():
   with pytest.raises(SystemExit, match='--microbatches=a,b: give counts'):
     bench_pipeline.main(['--microbatches=a,b', '--clone_on_cpu'])

@@ -101,7 +101,11 @@ class PipelineBenchConfig:
 
 
 def _design(config, num_stages, num_microbatches):
-  """(trainer, images, labels) of one design, built as train.py builds it."""
+  """(trainer, images, labels) of one design, built as train.py builds it.
+  The schedule orders micro-batches: the model-parallel design (one) runs
+  the plain cut."""
+  schedule = (config.pipeline_schedule if num_stages > 1 and
+              num_microbatches > 1 else step_options.ONE_F_ONE_B)
   train_config = config_lib.TrainConfig(
       model=config.model, dataset='synthetic', optimizer='sgd',
       batch_size=config.batch_size, step_options=step_options.StepOptions(
@@ -109,11 +113,9 @@ def _design(config, num_stages, num_microbatches):
           stage_boundaries=config.boundaries if num_stages > 1 else None,
           stage_costs=(config.stage_costs if num_stages > 1
                        else step_options.ESTIMATED),
-          pipeline_schedule=(config.pipeline_schedule if num_stages > 1
-                             else step_options.ONE_F_ONE_B),
-          virtual_stages=(config.virtual_stages if num_stages > 1 and (
-              config.pipeline_schedule == step_options.INTERLEAVED_1F1B)
-                          else 1)))
+          pipeline_schedule=schedule,
+          virtual_stages=(config.virtual_stages if
+                          schedule == step_options.INTERLEAVED_1F1B else 1)))
   deploy_config = placement.DeploymentConfig(clone_on_cpu=config.clone_on_cpu,
                                              num_stages=num_stages)
   shape = (config.image_size, config.image_size, 3)
