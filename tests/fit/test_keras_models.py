@@ -147,8 +147,10 @@ def _plain(model_fn, data, optimizer):
   return model
 
 
-def _towers(model_fn, data, optimizer, num_clones=2, **options):
-  config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True)
+def _towers(model_fn, data, optimizer, num_clones=2, num_stages=1,
+            **options):
+  config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True,
+                                   num_stages=num_stages)
   with config.variables_scope():
     model = model_fn()
   towers = fit.TowersModel(model, config, **options)
@@ -268,9 +270,13 @@ def test_text_and_recommender_models_train_as_plain_fit(model_fn, data):
 @pytest.mark.slow
 @pytest.mark.parametrize('config_fields, options', [
     (dict(num_clones=2, num_stages=2), dict(num_microbatches=2)),
+    (dict(num_clones=2, num_stages=2),
+     dict(num_microbatches=2, pipeline_schedule='zb_h1')),
+    (dict(num_clones=2, num_stages=2),
+     dict(num_microbatches=4, pipeline_schedule='zb_v')),
     (dict(num_clones=2, variables_device='spread'), {}),
     (dict(num_clones=2), dict(reproducible_rows=4, accumulation_steps=2)),
-], ids=['stages', 'spread', 'reproducible-accumulation'])
+], ids=['stages', 'zb_h1', 'zb_v', 'spread', 'reproducible-accumulation'])
 def test_a_transformer_trains_as_plain_fit_on_every_layout(config_fields,
                                                            options):
   adam = lambda: keras.optimizers.Adam(0.02)  # noqa: E731
@@ -283,6 +289,21 @@ def test_a_transformer_trains_as_plain_fit_on_every_layout(config_fields,
   towers.fit(*_tokens(), batch_size=BATCH, epochs=2, shuffle=False,
              verbose=0)
   _assert_same_weights(towers.model, want, _tokens()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('model_fn, data', [
+    (_gru, _tokens), (_tied, _next_tokens)], ids=['gru', 'tied'])
+def test_a_split_backward_pass_trains_loops_and_tied_tables_as_plain_fit(
+    model_fn, data):
+  """Under ZB-H1, B holds back for W only the ops that the weights'
+  gradients alone need: a GRU's backward loop (one op for its input and
+  weight gradients) stays in B, a table read twice gets both reads."""
+  adam = lambda: keras.optimizers.Adam(0.02)  # noqa: E731
+  want = _plain(model_fn, data(), adam)
+  got = _towers(model_fn, data(), adam, num_clones=1, num_stages=2,
+                num_microbatches=2, pipeline_schedule='zb_h1')
+  _assert_same_weights(got, want, data()[0])
 
 
 @pytest.mark.slow
