@@ -1,7 +1,7 @@
 """One piece's pass: the body every path runs on its rows of a step.
 
-A piece (a clone's shard, an atom, a tf.distribute replica's rows, a stage
-part's micro-batch) runs the model with `stateless_call`, so nothing is
+A piece (a clone's shard, an atom, a tf.distribute replica's rows, a stage's
+micro-batch) runs the model with `stateless_call`, so nothing is
 assigned while the step is traced: its random layers' generators folded
 with the piece's first row (no two pieces repeat a mask, and a piece draws
 the same wherever it runs) and handed back advanced from the unfolded

@@ -116,7 +116,7 @@ def test_idle_fractions_of_logged_waits():
   records = [(0, 'F', 0.0, 1.0), (1, 'F', 1.0, 2.0), (0, 'B', 2.0, 3.0),
              (1, 'B', 3.0, 4.0)]
   assert bench.idle_fractions(records, [0, 1]) == (4.0, [0.5, 0.5])
-  with pytest.raises(RuntimeError, match='stage 0 ran two passes at once'):
+  with pytest.raises(RuntimeError, match='device 0 ran two passes at once'):
     bench.idle_fractions(records + [(0, 'F', 0.5, 1.5)], [0, 1])
 
 

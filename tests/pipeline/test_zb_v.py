@@ -131,6 +131,22 @@ def test_each_device_runs_its_chunks_in_the_order():
   assert placed == {0: {'CPU:0'}, 1: {'CPU:1'}, 2: {'CPU:1'}, 3: {'CPU:0'}}
 
 
+def test_a_chunk_without_weights_keeps_its_order():
+  """Chunk 2 holds only the skip's Add: its W passes have nothing to take,
+  and still hold the device's next pass back (read from the traced step);
+  exact against one device."""
+  deployed = _zb_v(2, 4, stage_boundaries=('d5', 'skip', 'out'))
+  assert [s.first_layer for s in deployed.stages.stages] == [
+      'd0', 'd5', 'skip', 'out']
+  assert not deployed.stages.stages[2].trainable
+  graph = deployed.traced_step(*make_batch(8)).graph
+  assert _device_orders_in(
+      graph, 2, schedules.chunk_devices(ZB_V, 2)) == schedules.device_orders(
+          ZB_V, 2, 4)
+  _assert_equals_one_device(
+      _zb_v(2, 4, stage_boundaries=('d5', 'skip', 'out')), rows=8)
+
+
 _QUICK = ((2, 4), (3, 3))
 
 

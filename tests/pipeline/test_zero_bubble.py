@@ -120,9 +120,7 @@ HALVES = ('Conv2DBackpropInput', 'Conv2DBackpropFilter', 'MatMul',
 
 def reachable_gradient_ops(deployed, batch):
   """{device: [gradient ops]} of the ops the traced step's outputs (and
-  stateful updates) need: what the runtime runs, as it prunes the rest
-  (the traced graph holds both halves of each split gradient twice, one
-  of them dead)."""
+  stateful updates) need: what the runtime runs, as it prunes the rest."""
   graph = deployed.traced_step(*batch).graph
   seen, todo = set(), [t.op for t in graph.outputs] + list(
       graph.control_outputs)

@@ -53,10 +53,10 @@ class EmulatedPass(keras.layers.Layer):
   `forward_s_per_row` a row, and whose gradient waits `backward_s_per_row`
   a row for its input's half (B) and `weights_s_per_row` for its weight's
   (W), logged as stage `stage`'s. Put one in each stage of a model cut
-  into stages. The two halves are separate ops, so a schedule that asks
-  for them apart (ZB-H1) runs each in its own pass; one fused backward
-  pass runs both, one after the other, as one device would: the waits of
-  one layer hold a lock."""
+  into stages. The two halves are separate ops, so a schedule that splits
+  them (ZB-H1, ZB-V) runs each in its own pass; one fused backward pass
+  runs both, one after the other, as one device would: the waits of one
+  layer hold a lock."""
 
   def __init__(self, stage, forward_s_per_row, backward_s_per_row, log,
                weights_s_per_row=0.0, **kwargs):
@@ -83,9 +83,9 @@ class EmulatedPass(keras.layers.Layer):
 
     The wait is declared stateless: a stateful op would be chained to every
     other one in the step by tf.function's automatic control dependencies,
-    and the stages' waits would run one after another (and the half of a
-    gradient that no result needs would still run). It reads the tensor
-    itself, so nothing folds it away before the step runs.
+    and the stages' waits would run one after another (and a W wait could
+    not be held back from B to W). It reads the tensor itself, so nothing
+    folds it away before the step runs.
     """
     zero = tf.numpy_function(lambda values: self._wait(kind, values),
                              [tensor], tf.float32, stateful=False)

@@ -18,7 +18,8 @@ read, as in the transformers Qi et al. measure). For each schedule and
   * the step's pipeline time (first pass start to last pass end) against
     the schedule's makespan, from `schedules.timeline` (every pass as soon
     as what it reads is there; (M + K - 1)(F + B + W) for GPipe and 1F1B,
-    M(F + B + W) + (K - 1)(F + B - W) for ZB-H1);
+    M(F + B + W) + (K - 1)(F + B - W) for ZB-H1, M(F + B + W) + (K - 1)F/2
+    for ZB-V when F = B = W and M >= 2K - 1);
   * each device's idle fraction (1 - its waits' time / the pipeline time)
     and idle seconds against theory (`schedules.idle_theory`);
   * each device's peak activation memory, counted from the traced graph:
@@ -215,15 +216,14 @@ def idle_fractions(records, device_of):
     mine = sorted((r[2], r[3]) for r in records if device_of[r[0]] == s)
     for (_, end), (start, _) in zip(mine, mine[1:]):
       if start < end - 1e-4:
-        raise RuntimeError(f'stage {s} ran two passes at once.')
+        raise RuntimeError(f'device {s} ran two passes at once.')
     idle.append(1.0 - sum(end - start for start, end in mine) / span)
   return span, idle
 
 
 def _reachable(graph):
   """The names of the ops the step's outputs and updates need: what the
-  runtime runs (it prunes the rest, such as the half of a split gradient
-  that no result reads)."""
+  runtime runs (it prunes the rest: ops no result reads)."""
   seen, todo = set(), [t.op for t in graph.outputs] + list(
       graph.control_outputs)
   while todo:
@@ -414,7 +414,7 @@ def format_report(report):
   lines = ['EMULATED devices (waits, not compute): pipeline schedules, '
            f'{report["config"]["stage_block"]} stages',
            f'{"schedule":9} {"K":>2} {"M":>2} {"pipeline s":>10} '
-           f'{"makespan s":>10} {"idle s":>7}  idle per stage: measured '
+           f'{"makespan s":>10} {"idle s":>7}  idle per device: measured '
            '(theory)  |  peak activations held (KiB), busiest stage: '
            'plain, recompute']
   for r in report['results']:
@@ -434,7 +434,7 @@ _COLOURS = {'F': '#9ecae1', 'B': '#3182bd', 'W': '#08519c'}
 
 
 def write_charts(report, directory):
-  """One PNG a schedule: its passes at the largest (K, M), stage x time
+  """One PNG a schedule: its passes at the largest (K, M), device x time
   (`designs.pyplot_for` says what is missing without matplotlib)."""
   pyplot = bench.pyplot_for('--chart_dir')
   k, m = max(report['config']['stages']), max(

@@ -56,14 +56,16 @@ def mark():
 def held_back(start, later, others):
   """The ops to hold until W among those made since `start` (`mark`): the
   first of those that the gradients `later` need and `others` do not (the
-  rest follow them). [] when eager."""
+  rest follow them). Stateful ops and what they read stay in B:
+  tf.function chains stateful ops in the order they were made, and one
+  held until W would hold the passes between. [] when eager."""
   if start is None:
     return []
   new = tf.compat.v1.get_default_graph().get_operations()[start:]
   new_names = {op.name for op in new}
 
-  def upstream(gradients):
-    seen, todo = set(), [t.op for t in slices.components(
+  def upstream(gradients, ops=()):
+    seen, todo = set(), list(ops) + [t.op for t in slices.components(
         [g for g in gradients if g is not None])]
     while todo:
       op = todo.pop()
@@ -71,7 +73,8 @@ def held_back(start, later, others):
         seen.add(op.name)
         todo += [t.op for t in op.inputs] + list(op.control_inputs)
     return seen
-  only_w = upstream(later) - upstream(others)
+  only_w = upstream(later) - upstream(
+      others, [op for op in new if op.op_def.is_stateful])
   return [op for op in new if op.name in only_w and not any(
       t.op.name in only_w for t in op.inputs) and not any(
           c.name in only_w for c in op.control_inputs)]
@@ -79,11 +82,13 @@ def held_back(start, later, others):
 
 def release(held, after):
   """Lets the `held` ops (`held_back`) run once the ops making `after`
-  (the device's previous pass) are done: a gate they wait on."""
+  (the device's previous pass) are done; returns the gate they wait on
+  (what W's pass made waits on it too, whatever B held)."""
   with tf.control_dependencies(after):
     gate = tf.no_op(name='pass_gate')
   for op in held:
     op._add_control_input(gate)  # pylint: disable=protected-access
+  return gate
 
 
 class Fused:

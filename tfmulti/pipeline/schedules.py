@@ -158,11 +158,11 @@ def _zb_v(k, m, d):
   made = {(c, kind): 0 for c in (first, second) for kind in 'FBW'}
 
   def run(chunk, *kinds):
-    passes = []
+    these = []
     for kind in kinds:
-      passes.append((chunk, kind, made[chunk, kind]))
+      these.append((chunk, kind, made[chunk, kind]))
       made[chunk, kind] += 1
-    return passes
+    return these
 
   order = run(first, *[FORWARD] * (2 * (k - d) - 1))
   for _ in range(d):
@@ -269,7 +269,8 @@ def idle_theory(schedule, num_devices, num_microbatches, seconds,
   / (M(F+B+W) + (K-1)(F+B-W)) for ZB-H1 (Qi et al. 2024, section 2), for
   M >= K; for interleaved 1F1B an idle time of (K-1)/(v M) of the ideal
   step M(F+B+W) (Narayanan et al. 2021, section 2.2), for M a multiple of
-  K."""
+  K; for ZB-V (K-1) / (6M+K-1) of the step when F = B = W and M >= 2K-1
+  (the half-stage forward passes before the last device starts)."""
   per_device = device_orders(schedule, num_devices, num_microbatches,
                              virtual_stages)
   device_of = devices_of(per_device)

@@ -9,17 +9,19 @@ and runs one clone's shard of a step through them, cut into micro-batches
     stage 0     F0  F1      B0  F2  B1  F3  B2      B3
     stage 1         F0  B0  F1  B1  F2  B2  F3  B3
 
-Stage s of clone c runs on `DeploymentConfig.stage_device(c, s)`. The step
-is one TensorFlow graph, whose executor runs an op as soon as its inputs
-exist, so stage 1 works on micro-batch 0 while stage 0 works on
-micro-batch 1. The order of each stage's passes is the
-`pipeline_schedule`'s (`schedules`: 1F1B or GPipe), imposed with control
-dependencies: a pass's inputs go through `pass_gate` identities that wait
-for what the stage's previous pass made. Each stage's backward pass runs
-on its own device, from the gradient of its outputs (computed by the next
-stage) to the gradients of its inputs and variables (`tf.GradientTape` per
-stage and micro-batch, with `output_gradients`). A tensor that several
-stages read (a skip connection across a boundary) is sent from its
+Stage (chunk) s of clone c runs on `DeploymentConfig.chunk_devices(c,
+...)[s]` (one stage a device, or the schedule's chunks placed by
+`schedules.chunk_devices`). The step is one TensorFlow graph, whose
+executor runs an op as soon as its inputs exist, so stage 1 works on
+micro-batch 0 while stage 0 works on micro-batch 1. The order of each
+device's passes is the `pipeline_schedule`'s (`schedules`), imposed with
+control dependencies: a pass's inputs go through `pass_gate` identities
+that wait for what its device's previous pass made. Each stage's backward
+pass runs on its own device, from the gradient of its outputs (computed by
+the next stage) to the gradients of its inputs and variables
+(`tf.GradientTape` per stage and micro-batch, with `output_gradients`;
+`backward` splits it into B and W where the schedule asks). A tensor that
+several stages read (a skip connection across a boundary) is sent from its
 producer to each reader, and the gradients that come back are summed on
 the producer's side.
 
@@ -167,6 +169,10 @@ class Stages:
     self.model = model
     schedule = options.pipeline_schedule
     chunks = schedules.chunks_per_device(schedule, options.virtual_stages)
+    if num_stages % chunks:
+      raise errors.ConfigError(
+          f'{num_stages} stages: pipeline_schedule={schedule!r} runs '
+          f'{chunks} chunks a device; cut a multiple of {chunks}.')
     layers = len(costs.operations(model))
     if chunks > 1 and num_stages > layers:
       interleaved = schedule == step_options.INTERLEAVED_1F1B
@@ -262,8 +268,8 @@ class Stages:
     one a micro-batch, for `batch_norm.combine_non_trainable`. The
     micro-batches' losses and gradients meet by `fold`: summed, or, each
     micro-batch an atom (`reproducible_rows`), stacked, as
-    `deploy.atoms.run_atoms` gives them. Each stage runs its passes in
-    the order of `pipeline_schedule` (`schedules.passes`).
+    `deploy.atoms.run_atoms` gives them. Each device runs its passes in
+    the order of `pipeline_schedule` (`schedules.device_orders`).
     """
     trainable, non_trainable = variables
     live = [piece for piece in clone_pieces if piece.rows]
@@ -385,13 +391,16 @@ class Stages:
     with tf.device(devices[s]), tf.name_scope(
         self._scope(context, m, s, '_weights')):
       indices, grads, held = flight.pending[s]
-      backward.release(held, after)
+      gate = backward.release(held, after)
       flight.add_grads(indices, grads)
-      # Named in this pass's scope, so the traced order can be read back.
-      made += [tf.identity(g, name='weights_done') for g in grads
-               if g is not None]
+      # Named in this pass's scope, so the traced order can be read back;
+      # after the gate, so the next pass waits for this one even where B
+      # held nothing back (a stage without deferred weights).
+      with tf.control_dependencies([gate]):
+        made += [tf.identity(g, name='weights_done') for g in grads
+                 if g is not None]
     flight.pending[s] = None
-    return made
+    return made + [gate]
 
 
 def predict(stages, devices, images, trainable, non_trainable):

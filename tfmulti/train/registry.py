@@ -75,8 +75,8 @@ def _log_stages(deployed):
   config, stages = deployed.config, deployed.stages
   if stages is None:
     return
-  chunk_devices = [config.chunk_devices(c, stages.chunk_devices)
-                   for c in range(config.num_clones)]
+  chunk_devices = [config.chunk_devices(i, stages.chunk_devices)
+                   for i in range(config.num_clones)]
   for s, stage in enumerate(stages.stages):
     logging.info('stage %d: from layer %r, on %s', s, stage.first_layer,
                  [devices_of_clone[s] for devices_of_clone in chunk_devices])
