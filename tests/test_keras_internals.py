@@ -3,6 +3,7 @@ releases they were tested on: a Keras that moves one fails here."""
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfmulti import keras_internals
 
@@ -18,6 +19,20 @@ def _model():
 
 def test_the_keras_release_is_a_tested_one():
   assert keras.__version__.rsplit('.', 1)[0] in keras_internals.TESTED_KERAS
+
+
+def test_an_op_built_earlier_waits_for_a_gate_made_later():
+  seen = {}
+
+  @tf.function
+  def step(x):
+    doubled = x * 2.0
+    gate = tf.no_op(name='gate')
+    keras_internals.wait_for(doubled.op, gate)
+    seen['control_inputs'] = [op.name for op in doubled.op.control_inputs]
+    return doubled
+  assert float(step(tf.constant(3.0))) == 6.0
+  assert seen['control_inputs'] == ['gate']
 
 
 def test_stateless_losses_are_add_loss_terms_then_penalties():

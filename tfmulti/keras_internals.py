@@ -35,6 +35,10 @@ The conventions read here:
 * Whether TensorFlow's op determinism is on: TF's private
   `config.is_op_determinism_enabled`, which Keras's own
   `jit_compile='auto'` reads too.
+* An op of a graph being traced can be made to wait for another after it
+  was built: TF's private `Operation._add_control_input`
+  (`pipeline.backward.release` holds the ops of a split backward pass's
+  weight gradients, built in B, until W's turn).
 """
 
 import contextlib
@@ -47,6 +51,11 @@ from tfmulti import devices
 
 # The Keras releases this module was tested on (setup.cfg pins the range).
 TESTED_KERAS = ('3.15',)
+
+
+def wait_for(op, gate):
+  """Makes `op`, already in the graph being traced, run after `gate`."""
+  op._add_control_input(gate)  # pylint: disable=protected-access
 
 
 def flat_layers(model):

@@ -1,9 +1,10 @@
 """Benchmarks: what each design costs, measured side by side.
 
 Every module is a command (`python -m tfmulti.bench.NAME`), but for the
-two that hold what the others share:
+three that hold what the others share:
 
   designs             `python -m tfmulti.bench`: each design's step cost
+  activations         (shared) a pipelined step's activations, from the graph
   variants            the variants `designs` times, built as training does
   e2e                 whole training runs against plain Keras `fit`
   embedding_transfers an Embedding's gradient bytes a step: slices, not a table

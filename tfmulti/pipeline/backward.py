@@ -20,6 +20,7 @@ passes ask it; they never ask the schedule:
 import keras
 import tensorflow as tf
 
+from tfmulti import keras_internals
 from tfmulti import slices
 from tfmulti.pipeline import schedules
 
@@ -87,7 +88,7 @@ def release(held, after):
   with tf.control_dependencies(after):
     gate = tf.no_op(name='pass_gate')
   for op in held:
-    op._add_control_input(gate)  # pylint: disable=protected-access
+    keras_internals.wait_for(op, gate)
   return gate
 
 
