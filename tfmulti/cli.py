@@ -39,6 +39,7 @@ from tfmulti.train import job  # noqa: E402
 from tfmulti.train import learning_rates  # noqa: E402
 from tfmulti.train import loop  # noqa: E402
 from tfmulti.train import registry  # noqa: E402
+from tfmulti.train import step_calls  # noqa: E402
 
 PROGRAM = 'train.py'
 
@@ -149,6 +150,13 @@ _MODEL_DIR = flags.DEFINE_string(
     'step never does.')
 _LOG_EVERY_STEPS = flags.DEFINE_integer(
     'log_every_steps', 10, 'Steps between progress lines and summaries.')
+_STEPS_PER_LOOP = flags.DEFINE_string(
+    'steps_per_loop', step_calls.AUTO, 'Steps one compiled call runs (a '
+    "tf.while_loop over the input): N, or 'auto': enough for about 50 ms a "
+    'call, timed at the start, at most --log_every_steps (1 with '
+    '--clone_shares=auto or several workers). Progress lines, checkpoints, '
+    'signals and the non-finite stop act between calls, at the same steps; '
+    'the weights are the same.')
 _CHECKPOINT_STEPS = flags.DEFINE_integer(
     'checkpoint_steps', 500, 'Global steps between checkpoints; one is also '
     'written at the end and on SIGTERM or Ctrl-C.')
@@ -406,6 +414,7 @@ def _train_config():
       train_steps=_TRAIN_STEPS.value, seed=_SEED.value,
       deterministic=_DETERMINISTIC.value,
       log_every_steps=_LOG_EVERY_STEPS.value,
+      steps_per_loop=_steps_per_loop(_STEPS_PER_LOOP.value),
       checkpoint_steps=_CHECKPOINT_STEPS.value,
       keep_checkpoints=_KEEP_CHECKPOINTS.value,
       mixed_precision=_MIXED_PRECISION.value,
@@ -413,6 +422,18 @@ def _train_config():
       export=_EXPORT.value,
       profile_steps=_profile_steps(_PROFILE_STEPS.value),
       step_options=options)
+
+
+def _steps_per_loop(value):
+  """N or 'auto' of --steps_per_loop (`TrainConfig` checks N's range)."""
+  if value == step_calls.AUTO:
+    return value
+  try:
+    return int(value)
+  except ValueError:
+    raise errors.ConfigError(
+        f"--steps_per_loop={value}: give a number of steps, e.g. 20, or "
+        f"'{step_calls.AUTO}'.") from None
 
 
 def _input_options():
@@ -523,7 +544,7 @@ HELP_GROUPS = (
         'rebalance_every_steps', 'accumulation_steps', 'summarize_gradients',
         'reproducible_rows', 'gradient_packs')),
     ('Output', (
-        'model_dir', 'log_every_steps', 'checkpoint_steps',
+        'model_dir', 'log_every_steps', 'steps_per_loop', 'checkpoint_steps',
         'keep_checkpoints', 'export', 'profile_steps')),
     ('Several workers (TF_CONFIG, Slurm, Kubernetes)', (
         'num_workers', 'worker_index', 'cluster', 'port', 'worker_hosts',

@@ -75,6 +75,17 @@ class Trainer(abc.ABC):
     """One step; returns the total loss (a scalar tensor)."""
     return self.train_step_outputs(images, labels).total
 
+  def loop_iterator(self, batches):
+    """An iterator over `batches` (`distribute_dataset`'s) that a compiled
+    loop of steps reads (`train.step_calls.InALoop`)."""
+    return iter(batches)
+
+  def loop_step(self, element):
+    """One step on an element of `loop_iterator`, inside a compiled loop:
+    a call of `step_function` (traced once for every loop), returning its
+    `StepOutputs`."""
+    return self.train_step_outputs(*element)
+
   @property
   def trace_count(self):
     """How many times the training step has been traced."""

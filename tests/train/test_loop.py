@@ -163,7 +163,8 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path):
 def test_train_and_evaluate_takes_its_data_and_trainer(tmp_path):
   """The job around the loop: resume, metrics.json; no flags, no model."""
   train_config = config.TrainConfig(model_dir=str(tmp_path), batch_size=BATCH,
-                                    train_steps=7, log_every_steps=1)
+                                    train_steps=7, log_every_steps=1,
+                                    steps_per_loop=1)  # A Python fake.
   one_clone = deploy.DeploymentConfig(clone_on_cpu=True)
   first = FakeTrainer()
   metrics = job.train_and_evaluate(
@@ -177,7 +178,8 @@ def test_train_and_evaluate_takes_its_data_and_trainer(tmp_path):
   rest = FakeTrainer()
   metrics = job.train_and_evaluate(
       config.TrainConfig(model_dir=str(tmp_path), batch_size=BATCH,
-                         train_steps=12, log_every_steps=1),
+                         train_steps=12, log_every_steps=1,
+                         steps_per_loop=1),
       one_clone, data_override=_tiny_data(), trainer_override=rest)
   assert (metrics['steps'], metrics['resumed_from_step']) == (12, 7)
   assert first.rows + rest.rows == _expected_rows(12)

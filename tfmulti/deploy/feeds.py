@@ -4,7 +4,7 @@ Without a feed, a step gets the global batch on the inputs device (the
 host), splits it there, and each clone's rows cross to its device inside
 the step, which waits for them. With one (`DeploymentConfig.
 prefetches_to_clones()`: on for GPU clones), `DeployedModel.
-distribute_dataset` hands the loop a `Feeder.feed`: the input pipeline
+distribute_dataset` hands the loop a `Feeder.feed` (a `Fed`): the input pipeline
 cuts every global batch into the clones' shards by the step's
 `layouts.StepLayout` (a clone's shard holds its rows of every accumulation
 step, `StepLayout.clone_spans`) and copies each to its clone's device,
@@ -53,8 +53,9 @@ class Feeder:
       layout: the `layouts.StepLayout` to cut them by; each step runs it.
       worker: this worker's index in `layout`.
 
-    Yields:
-      (inputs, targets), each a `rows.Shards` of `layout`.
+    Returns:
+      A `Fed`: its elements are (inputs, targets), each a `rows.Shards` of
+      `layout`.
     """
     def cut(images, labels):
       shards = [tf.data.Dataset.from_tensors(shard) for shard in
@@ -63,12 +64,37 @@ class Feeder:
     options = tf.distribute.InputOptions(
         experimental_fetch_to_device=True,
         experimental_per_replica_buffer_size=BUFFER_STEPS)
-    distributed = self._strategy.distribute_datasets_from_function(
-        lambda _: dataset.flat_map(cut), options)
-    for element in distributed:
-      parts = self._strategy.experimental_local_results(element)
-      yield tuple(rows.Shards(tuple(part[k] for part in parts), layout)
-                  for k in range(2))
+    return Fed(self._strategy.distribute_datasets_from_function(
+        lambda _: dataset.flat_map(cut), options), layout, self._strategy)
+
+
+class Fed:
+  """A feed's steps: iterated in Python, each a pair of `rows.Shards`; or
+  read inside a compiled loop of steps (`iterator`, then `shards` of each
+  element, which works on the traced element as on the eager one).
+
+  Attributes:
+    layout: the `layouts.StepLayout` its batches were cut by.
+  """
+
+  def __init__(self, distributed, layout, strategy):
+    self._distributed = distributed
+    self.layout = layout
+    self._strategy = strategy
+
+  def __iter__(self):
+    for element in self._distributed:
+      yield self.shards(element)
+
+  def iterator(self):
+    """The multi-device iterator itself, for a compiled loop to read."""
+    return iter(self._distributed)
+
+  def shards(self, element):
+    """(inputs, targets) `rows.Shards` of one element of `iterator`."""
+    parts = self._strategy.experimental_local_results(element)
+    return tuple(rows.Shards(tuple(part[k] for part in parts), self.layout)
+                 for k in range(2))
 
 
 def clone_parts(nest, layout, worker=0):

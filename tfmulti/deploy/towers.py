@@ -119,6 +119,7 @@ class DeployedModel(trainer.Trainer):
     self._shares = options.fixed_shares
     self._probes = {}  # Clone index -> its timing function.
     self._feeder = None  # A `feeds.Feeder`, made at the first feed.
+    self._fed = None  # The `feeds.Fed` a compiled loop reads, if any.
     self.step_function = tf.function(self.step_graph)
     self._predict = tf.function(self._predict_graph)
 
@@ -247,6 +248,21 @@ class DeployedModel(trainer.Trainer):
     return self.step_function(
         *self._step_arguments(images, labels, partial, measure=True),
         with_outputs)
+
+  def loop_iterator(self, batches):
+    """An iterator over `batches` for a compiled loop of steps: a feed's
+    multi-device iterator (its elements cut into `rows.Shards` in the
+    loop, `loop_step`), or the batches' own."""
+    self._fed = batches if isinstance(batches, feeds.Fed) else None
+    return self._fed.iterator() if self._fed else iter(batches)
+
+  def loop_step(self, element):
+    """One step of a compiled loop on an element of `loop_iterator`: the
+    compiled step at the clones' current shares (measured between loops,
+    not in them)."""
+    if self._fed is not None:
+      element = self._fed.shards(element)
+    return self.step_function(*self._step_arguments(*element), False)
 
   def traced_step(self, images, labels, with_outputs=False):
     """The step's concrete function on this batch, or on a feed's

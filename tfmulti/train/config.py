@@ -9,7 +9,7 @@ in `StepOptions`, a strategy's in `registry`.
 
 import dataclasses
 import os
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 from tfmulti import data
 from tfmulti import errors
@@ -19,6 +19,7 @@ from tfmulti.data import options as options_lib
 from tfmulti.train import build
 from tfmulti.train import learning_rates
 from tfmulti.train import registry
+from tfmulti.train import step_calls
 
 _SEED_LIMIT = 2**32  # NumPy's seeds are unsigned 32-bit integers.
 
@@ -58,6 +59,10 @@ class TrainConfig:
     seed: seeds weights, dropout and shuffling.
     deterministic: also make every op deterministic (bit-identical reruns).
     log_every_steps: steps between progress lines and summaries.
+    steps_per_loop: steps one compiled call runs (`train.step_calls`): N,
+      or 'auto': N for about 50 ms a call, timed at the start, at most
+      `log_every_steps` (1 where every guarantee does not hold with more:
+      `resolved_steps_per_loop`).
     checkpoint_steps: global steps between checkpoints (and one at the end).
     keep_checkpoints: how many recent checkpoints to keep.
     mixed_precision: compute in float16 on GPUs (with loss scaling) or
@@ -92,6 +97,7 @@ class TrainConfig:
   seed: int = 0
   deterministic: bool = False
   log_every_steps: int = 10
+  steps_per_loop: Union[int, str] = step_calls.AUTO
   checkpoint_steps: int = 500
   keep_checkpoints: int = 5
   mixed_precision: bool = False
@@ -132,6 +138,7 @@ class TrainConfig:
       errors.check_count(name, getattr(self, name), 1)
     if self.train_steps is not None:
       errors.check_count('train_steps', self.train_steps, 1)
+    self._check_steps_per_loop()
     errors.check_count('warmup_steps', self.warmup_steps, 0)
     errors.check_count('seed', self.seed, 0)
     if self.seed >= _SEED_LIMIT:
@@ -148,3 +155,25 @@ class TrainConfig:
             'first, e.g. --profile_steps=5,7.')
     if not self.model_dir:
       raise errors.ConfigError("model_dir='': name an output directory.")
+
+  def _check_steps_per_loop(self):
+    if self.steps_per_loop != step_calls.AUTO:
+      errors.check_count('steps_per_loop', self.steps_per_loop, 1)
+    if self.step_options.auto_shares and self.steps_per_loop not in (
+        1, step_calls.AUTO):
+      raise errors.ConfigError(
+          f'steps_per_loop={self.steps_per_loop} with --clone_shares=auto: '
+          'the balancer times the clones between steps, one step a call; '
+          'drop --steps_per_loop, or give fixed --clone_shares.')
+
+  def resolved_steps_per_loop(self):
+    """`steps_per_loop`, with 'auto' made 1 where a call of many steps
+    would break a guarantee: measured clone shares (the balancer times
+    the clones between steps) and several workers (their calls must end
+    at the same steps, so that a signal stops them all at one: give them
+    an N)."""
+    several_workers = registry.get(self.strategy).multi_worker
+    if self.steps_per_loop == step_calls.AUTO and (
+        self.step_options.auto_shares or several_workers):
+      return 1
+    return self.steps_per_loop

@@ -319,6 +319,7 @@ def _run(plan, deploy_config, trainer, dataset, out_dir, cluster_info):
       total_steps=plan.total_steps, log_every_steps=config.log_every_steps,
       checkpoint_steps=config.checkpoint_steps,
       profile_steps=config.profile_steps, profile_dir=out_dir,
+      steps_per_loop=config.resolved_steps_per_loop(),
       agreed_stop=cluster_info and preemption.AgreedStop(
           cluster_info, timeout_s=config.peer_timeout_s))
 

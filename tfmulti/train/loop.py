@@ -12,7 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from absl import logging
 import numpy as np
@@ -26,12 +26,14 @@ from tfmulti.data import batches as batches_lib
 from tfmulti.distribute import preemption
 from tfmulti.train import checkpoints
 from tfmulti.train import profiling
+from tfmulti.train import step_calls
 from tfmulti.train import summaries as summaries_lib
 
 # What `train` ends with: the final `checkpoints.Position`, the last
-# evaluation ({'accuracy', 'loss'}) and the run's `Progress` (timing).
-Outcome = collections.namedtuple('Outcome',
-                                 ['position', 'evaluation', 'progress'])
+# evaluation ({'accuracy', 'loss'}), the run's `Progress` (timing)
+# and the steps a call it ran (`step_calls`: N, or 'auto' if it never chose).
+Outcome = collections.namedtuple(
+    'Outcome', ['position', 'evaluation', 'progress', 'steps_per_loop'])
 
 
 class TrainingInterrupted(Exception):
@@ -166,6 +168,9 @@ class Run:
     agreed_stop: a multi-worker job's `preemption.AgreedStop`: a signal to
       any worker stops every worker after the same step. None: a signal
       stops this process after the current step.
+    steps_per_loop: steps a compiled call runs (`step_calls`): N, or
+      'auto'. Progress lines, summaries, checkpoints, the non-finite stop
+      and signals act between calls, at the steps they act at with 1.
   """
   trainer: trainer_lib.Trainer
   dataset: batches_lib.Data
@@ -180,11 +185,13 @@ class Run:
   profile_steps: Optional[tuple] = None
   profile_dir: Optional[str] = None
   agreed_stop: Optional[preemption.AgreedStop] = None
+  steps_per_loop: Union[int, str] = 1
 
 
 def _read_losses(run, last_step, pending):
   """The pending steps' total losses as floats; raises at the first NaN."""
-  losses = [float(v) for v in tf.stack(pending).numpy()]  # One host read.
+  losses = [float(v) for v in tf.concat(  # One host read.
+      [tf.reshape(totals, [-1]) for totals in pending], 0).numpy()]
   for offset, loss in enumerate(losses):
     if not np.isfinite(loss):
       step = last_step - len(losses) + 1 + offset
@@ -204,26 +211,56 @@ def _stop_after(run, signals, step):
   return signals.stop()
 
 
-def _train_epoch(run, position, signals, progress, profiler):
+def _to_next_event(run, step, last):
+  """Steps from `step` to the next one the host acts after (a progress
+  line, a checkpoint, the epoch's `last` step, a profile's bounds): a
+  call of many steps ends there."""
+  events = [last, step + run.log_every_steps - step % run.log_every_steps,
+            step + run.checkpoint_steps - step % run.checkpoint_steps]
+  if run.profile_steps:
+    events += [s for s in (run.profile_steps[0] - 1, run.profile_steps[1])
+               if s > step]
+  return min(events) - step
+
+
+def _call(calls, iterator, steps, progress):
+  """Runs the next call's steps (one, while the first traces or 'auto'
+  times): (their total losses, the last step's `StepOutputs`, steps)."""
+  if progress.steps_run == 0 or calls.plan.timing(progress.steps_run):
+    totals, outputs, seconds = step_calls.timed_call(calls.runner, iterator,
+                                                     1)
+    if progress.steps_run:
+      calls.plan.record(seconds)
+    return totals, outputs, 1
+  count = calls.plan.count(steps)
+  return (*calls.runner.run(iterator, count), count)
+
+
+def _train_epoch(run, position, signals, progress, profiler, calls):
   """Trains on the rest of epoch `position.epoch`; returns the new position."""
   step, epoch, examples = position
+  steps_per_epoch = run.dataset.train_examples // run.global_batch_size
+  last = step + min(run.total_steps - step,
+                    steps_per_epoch - examples // run.global_batch_size)
   batches = run.dataset.train_epoch(
       epoch, skip_batches=examples // run.global_batch_size).take(
           run.total_steps - step)
   if not run.dataset.per_worker:  # Else it holds this worker's rows only.
     batches = run.trainer.distribute_dataset(batches)
+  iterator = calls.runner.iterator(batches)
   pending = []  # Total losses of the steps not yet read back.
-  for images, labels in batches:
+  while step < last:
     if progress.first_step_started is None:
       logging.info('tracing the step (its first call builds the graph; a '
                    'large model takes a while)')
       progress.first_step_started = time.perf_counter()
     profiler.before(step + 1)
-    outputs = run.trainer.train_step_outputs(images, labels)
-    step += 1
+    totals, outputs, count = _call(calls, iterator,
+                                   _to_next_event(run, step, last), progress)
+    step += count
     profiler.after(step, outputs)
-    examples += run.global_batch_size
-    pending.append(outputs.total)
+    examples += count * run.global_batch_size
+    pending.extend(totals)
     stop = _stop_after(run, signals, step)
     log = step % run.log_every_steps == 0 or step == run.total_steps
     save = step % run.checkpoint_steps == 0 or stop
@@ -246,7 +283,6 @@ def _train_epoch(run, position, signals, progress, profiler):
                                 stop.exit_code)
   if pending:
     progress.record(step, _read_losses(run, step, pending), epoch)
-  steps_per_epoch = run.dataset.train_examples // run.global_batch_size
   if examples >= steps_per_epoch * run.global_batch_size:
     return checkpoints.Position(step, epoch + 1, 0)
   return checkpoints.Position(step, epoch, examples)
@@ -279,8 +315,9 @@ def _at_chance_while_learning(run, evaluation, progress):
 def train(run, position):
   """Trains from `position` to `run.total_steps`, evaluating every epoch.
 
-  SIGTERM or SIGINT stops it after the current step with a checkpoint (in
-  a multi-worker job, every worker after the same step: `run.agreed_stop`).
+  SIGTERM or SIGINT stops it after the current call (a step, or a loop of
+  `run.steps_per_loop`) with a checkpoint (in a multi-worker job, every
+  worker after the same step: `run.agreed_stop`).
 
   Returns:
     An `Outcome`.
@@ -293,15 +330,19 @@ def train(run, position):
   progress = Progress(run.total_steps, run.global_batch_size,
                       run.log_every_steps)
   profiler = profiling.StepProfiler(run.profile_steps, run.profile_dir)
+  calls = step_calls.calls(run.trainer, run.steps_per_loop,
+                           run.log_every_steps)
   evaluation = None
   with stops.StopSignals() as signals, (
       run.agreed_stop or contextlib.nullcontext()):
     try:
       while position.step < run.total_steps:
-        position = _train_epoch(run, position, signals, progress, profiler)
+        position = _train_epoch(run, position, signals, progress, profiler,
+                                calls)
         evaluation = _evaluate(run, position.step, progress)
     finally:
       profiler.close()
   run.checkpointer.save(position)
   return Outcome(position, evaluation or _evaluate(run, position.step,
-                                                   progress), progress)
+                                                   progress), progress,
+                 calls.plan.steps_per_loop)

@@ -58,6 +58,8 @@ def collect(config, deploy_config, run, outcome, restored, started):
       'num_stages': deploy_config.num_stages,
       'num_microbatches': config.step_options.num_microbatches,
       'accumulation_steps': config.step_options.accumulation_steps,
+      # Steps a compiled call ran: N, or 'auto' where it chose none.
+      'steps_per_loop': outcome.steps_per_loop,
       'clone_shares': _shares(run.trainer),
       'model': config.model,
       'dataset': config.dataset,
