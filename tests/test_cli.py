@@ -76,6 +76,18 @@ def test_every_pipeline_schedule_trains_through_the_command_line(
     assert devices_ == f"'/device:CPU:{d}', '/device:CPU:{2 + d}'"
 
 
+def test_steps_per_loop_trains_the_bits_of_one_step_a_call(run_train):
+  """7 steps, a progress line every 5: calls of 1, 3 and 1 steps to the
+  line, then 2; the checkpoint equals one step a call's, bit for bit, and
+  metrics.json records N."""
+  looped = run_train(steps_per_loop='3', train_steps=7, log_every_steps=5)
+  one = run_train(steps_per_loop='1', train_steps=7, log_every_steps=5)
+  assert (looped['steps_per_loop'], one['steps_per_loop']) == (3, 1)
+  assert looped['steps'] == 7
+  assert_same_checkpoints(looped['checkpoint'], one['checkpoint'],
+                          exact=True)
+
+
 @pytest.mark.slow
 def test_zb_v_through_the_command_line_equals_one_device(run_train):
   """2 clones x 2 stage devices x 4 chunks of LeNet in a V, 4 micro-batches:
@@ -271,6 +283,11 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog,
      r'--batch_norm_momentum=1.5: give a momentum in \[0, 1\)'),
     (dict(batch_norm_momentum=0.9),
      "--batch_norm_momentum=0.9: model 'lenet' has no BatchNormalization"),
+    (dict(steps_per_loop='many'), "--steps_per_loop=many: give a number of "
+     "steps, e.g. 20, or 'auto'"),
+    (dict(steps_per_loop='0'), 'steps_per_loop=0: must be an integer >= 1'),
+    (dict(steps_per_loop='4', clone_shares=['auto']),
+     'steps_per_loop=4 with --clone_shares=auto: the balancer times'),
 ])
 def test_bad_flags_stop_with_one_line(tmp_path, values, message):
   values = dict(dict(model_dir=str(tmp_path / 'run')), **values)

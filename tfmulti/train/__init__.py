@@ -5,6 +5,7 @@
   config       TrainConfig: what to train, for how long, where to write
   build        the model, optimizer, loss and schedule every path trains
   loop         the training loop over any trainer
+  step_calls   one step a call, or many (--steps_per_loop)
   checkpoints, run_dir, metrics, summaries, profiling, learning_rates,
                export
 """
