@@ -186,9 +186,12 @@ def test_profile_steps_trace_every_clone(run_train, tmp_path):
   space.ParseFromString(traces[0].read_bytes())
   ops = {metadata.name for plane in space.planes
          for metadata in plane.event_metadata.values()}
-  for clone in ('clone_0/', 'clone_1/'):  # Each clone's forward ops.
-    assert any(name.startswith(clone) and 'MatMul' in name for name in ops)
-  assert any(name.startswith('optimize_clones/') for name in ops)
+  # Names as the step scopes them, under the loop's call of the step
+  # (`StatefulPartitionedCall/`) where a call runs many (--steps_per_loop).
+  scopes = [name.split('/') for name in ops]
+  for clone in ('clone_0', 'clone_1'):  # Each clone's forward ops.
+    assert any(clone in scope and 'MatMul' in scope[-1] for scope in scopes)
+  assert any('optimize_clones' in scope for scope in scopes)
 
 
 @pytest.mark.parametrize('steps, message', [

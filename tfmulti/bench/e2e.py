@@ -7,7 +7,8 @@ round), the same work several ways: tfmulti's main job (`train_and_evaluate`:
 input pipeline, evaluation every epoch, summaries, checkpoints; the export
 at the end is off, as the `model.fit` script has none) with 2 clones on
 logical CPUs and with 1 clone, each with `--xla`'s default (`auto`) and
-with XLA on; and the plain Keras equivalent (`compile` + `fit` with
+with XLA on, and with `--steps_per_loop`'s default (`auto`) and one step
+a call; and the plain Keras equivalent (`compile` + `fit` with
 `validation_data`, the same model, data pipeline, global batch, optimizer
 and epochs) on one device with its defaults (`jit_compile='auto'`) and
 with `jit_compile=True`, under `MirroredStrategy` on the two logical CPUs,
@@ -39,13 +40,15 @@ from tfmulti.deploy import placement
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
 from tfmulti.train import job
+from tfmulti.train import step_calls
 
 NUM_LOGICAL_CPUS = 2
 FIT_VARIANTS = ('fit_one_device', 'fit_one_device_jit', 'fit_mirrored',
                 'towers_fit_2clones')
 TFMULTI_VARIANTS = ('tfmulti_2clones', 'tfmulti_1clone',
                     'tfmulti_2clones_xla', 'tfmulti_1clone_xla',
-                    'tfmulti_2clones_no_xla', 'tfmulti_1clone_no_xla')
+                    'tfmulti_2clones_no_xla', 'tfmulti_1clone_no_xla',
+                    'tfmulti_2clones_one_a_call', 'tfmulti_1clone_one_a_call')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +88,10 @@ def _timed(job):
   return result, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _tfmulti(e2e, num_clones, xla=step_options.AUTO):
-  """The main job, with `xla` its step option; returns its phases."""
+def _tfmulti(e2e, num_clones, xla=step_options.AUTO,
+             steps_per_loop=step_calls.AUTO):
+  """The main job, with `xla` its step option and `steps_per_loop` its
+  steps a call; returns its phases."""
   model_dir = tempfile.mkdtemp(prefix='tfmulti-e2e-')
   try:
     metrics = job.train_and_evaluate(
@@ -95,6 +100,7 @@ def _tfmulti(e2e, num_clones, xla=step_options.AUTO):
             batch_size=e2e.global_batch_size // num_clones,
             epochs=e2e.epochs, optimizer=e2e.optimizer,
             learning_rate=e2e.learning_rate, export=False,
+            steps_per_loop=steps_per_loop,
             step_options=step_options.StepOptions(xla=xla)),
         placement.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True))
   finally:
@@ -104,7 +110,8 @@ def _tfmulti(e2e, num_clones, xla=step_options.AUTO):
           'train_after_first_step': phases['train_after_first_step'],
           'evaluation': phases['evaluation'],
           'images_per_sec': metrics['images_per_sec'],
-          'eval_accuracy': metrics['eval_accuracy']}
+          'eval_accuracy': metrics['eval_accuracy'],
+          'steps_per_loop': metrics['steps_per_loop']}
 
 
 class _Phases(keras.callbacks.Callback):
@@ -179,6 +186,10 @@ def run(e2e, variants=TFMULTI_VARIANTS + FIT_VARIANTS):
           'tfmulti_1clone_xla': lambda: _tfmulti(e2e, 1, xla=True),
           'tfmulti_2clones_no_xla': lambda: _tfmulti(e2e, 2, xla=False),
           'tfmulti_1clone_no_xla': lambda: _tfmulti(e2e, 1, xla=False),
+          'tfmulti_2clones_one_a_call': lambda: _tfmulti(
+              e2e, 2, steps_per_loop=1),
+          'tfmulti_1clone_one_a_call': lambda: _tfmulti(
+              e2e, 1, steps_per_loop=1),
           'fit_one_device': lambda: _fit(e2e, 'one_device'),
           'fit_one_device_jit': lambda: _fit(e2e, 'one_device', True),
           'fit_mirrored': lambda: _fit(e2e, 'mirrored'),

@@ -6,6 +6,7 @@
   build        the model, optimizer, loss and schedule every path trains
   loop         the training loop over any trainer
   step_calls   one step a call, or many (--steps_per_loop)
+  epochs       several epochs' batches through one iterator
   checkpoints, run_dir, metrics, summaries, profiling, learning_rates,
                export
 """

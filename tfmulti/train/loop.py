@@ -25,6 +25,7 @@ from tfmulti import trainer as trainer_lib
 from tfmulti.data import batches as batches_lib
 from tfmulti.distribute import preemption
 from tfmulti.train import checkpoints
+from tfmulti.train import epochs
 from tfmulti.train import profiling
 from tfmulti.train import step_calls
 from tfmulti.train import summaries as summaries_lib
@@ -53,21 +54,34 @@ class TrainingInterrupted(Exception):
     self.exit_code = exit_code
 
 
-def evaluate(trainer, dataset, loss_fn):
+class Evaluation:
   """{'accuracy', 'loss'} of `trainer.predict` over every test example.
 
-  The sums stay tensors until the end: one host read, not two per batch.
+  Each batch is one compiled call (the prediction, its loss and its
+  correct rows, traced once a batch shape: the full one and the last); the
+  sums stay tensors until the end: one host read, not two a batch.
   """
-  correct, loss_sum, count = 0, 0.0, 0
-  for images, labels in dataset:
-    logits = trainer.predict(images)
-    rows = int(labels.shape[0])
-    loss_sum += loss_fn(labels, logits) * rows
-    correct += tf.reduce_sum(tf.cast(
+
+  def __init__(self, trainer, loss_fn):
+    self._trainer = trainer
+    self._loss_fn = loss_fn
+    self._batch = tf.function(self._batch_graph)
+
+  def _batch_graph(self, images, labels):
+    logits = self._trainer.predict(images)
+    rows = tf.shape(labels)[0]
+    loss_sum = self._loss_fn(labels, logits) * tf.cast(rows, tf.float32)
+    correct = tf.reduce_sum(tf.cast(
         tf.argmax(logits, axis=-1, output_type=tf.int32) == labels,
         tf.int32))
-    count += rows
-  return {'accuracy': int(correct) / count, 'loss': float(loss_sum) / count}
+    return loss_sum, correct, rows
+
+  def __call__(self, dataset):
+    sums = [self._batch(images, labels) for images, labels in dataset]
+    loss_sum, correct, count = (float(tf.add_n([tf.cast(s[k], tf.float64)
+                                                for s in sums]))
+                                for k in range(3))
+    return {'accuracy': correct / count, 'loss': loss_sum / count}
 
 
 class Progress:
@@ -236,18 +250,14 @@ def _call(calls, iterator, steps, progress):
   return (*calls.runner.run(iterator, count), count)
 
 
-def _train_epoch(run, position, signals, progress, profiler, calls):
-  """Trains on the rest of epoch `position.epoch`; returns the new position."""
+def _train_epoch(run, position, signals, progress, profiler, calls,
+                 iterator):
+  """Trains on the rest of epoch `position.epoch`, read from `iterator`
+  (`epochs.chain`'s); returns the new position."""
   step, epoch, examples = position
   steps_per_epoch = run.dataset.train_examples // run.global_batch_size
   last = step + min(run.total_steps - step,
                     steps_per_epoch - examples // run.global_batch_size)
-  batches = run.dataset.train_epoch(
-      epoch, skip_batches=examples // run.global_batch_size).take(
-          run.total_steps - step)
-  if not run.dataset.per_worker:  # Else it holds this worker's rows only.
-    batches = run.trainer.distribute_dataset(batches)
-  iterator = calls.runner.iterator(batches)
   pending = []  # Total losses of the steps not yet read back.
   while step < last:
     if progress.first_step_started is None:
@@ -288,9 +298,9 @@ def _train_epoch(run, position, signals, progress, profiler, calls):
   return checkpoints.Position(step, epoch, examples)
 
 
-def _evaluate(run, step, progress):
+def _evaluate(run, step, progress, evaluate):
   with progress.paused():
-    evaluation = evaluate(run.trainer, run.dataset.test, run.loss_fn)
+    evaluation = evaluate(run.dataset.test)
   run.summaries.evaluation(step, evaluation)
   logging.info('step %d: eval accuracy %.4f, eval loss %.4f', step,
                evaluation['accuracy'], evaluation['loss'])
@@ -332,17 +342,21 @@ def train(run, position):
   profiler = profiling.StepProfiler(run.profile_steps, run.profile_dir)
   calls = step_calls.calls(run.trainer, run.steps_per_loop,
                            run.log_every_steps)
-  evaluation = None
+  evaluate = Evaluation(run.trainer, run.loss_fn)
+  evaluation = chained = None
   with stops.StopSignals() as signals, (
       run.agreed_stop or contextlib.nullcontext()):
     try:
       while position.step < run.total_steps:
+        if chained is None or not chained.serves(position.epoch,
+                                                 run.trainer):
+          chained = epochs.chain(run, position, calls.runner)
         position = _train_epoch(run, position, signals, progress, profiler,
-                                calls)
-        evaluation = _evaluate(run, position.step, progress)
+                                calls, chained.iterator)
+        evaluation = _evaluate(run, position.step, progress, evaluate)
     finally:
       profiler.close()
   run.checkpointer.save(position)
-  return Outcome(position, evaluation or _evaluate(run, position.step,
-                                                   progress), progress,
+  return Outcome(position, evaluation or _evaluate(
+      run, position.step, progress, evaluate), progress,
                  calls.plan.steps_per_loop)

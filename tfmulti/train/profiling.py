@@ -5,7 +5,9 @@ Profile tab finds it (`pip install -e '.[profile]'` installs the plugin,
 then `tensorboard --logdir <model_dir>`). The trace viewer shows each op of
 the step under its clone's name scope (`clone_0/...`, `clone_1/...`) and,
 on GPUs, one lane per device; the step's gradient sum and update appear
-under `optimize_clones/` on the optimizer device.
+under `optimize_clones/` on the optimizer device. Where a call runs many
+steps (`--steps_per_loop`), the names sit under the loop's call of the
+step (`StatefulPartitionedCall/clone_0/...`).
 """
 
 import importlib.util

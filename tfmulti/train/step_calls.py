@@ -63,7 +63,17 @@ class InALoop:
     self.function = tf.function(self._graph, autograph=False)
 
   def iterator(self, batches):
-    return self._trainer.loop_iterator(batches)
+    """The trainer's `loop_iterator`: a tf.data or tf.distribute iterator,
+    which the compiled loop reads (a Python iterator it cannot)."""
+    iterator = self._trainer.loop_iterator(batches)
+    if not isinstance(iterator, (tf.data.Iterator,
+                                 tf.distribute.DistributedIterator)):
+      raise TypeError(
+          f'{type(self._trainer).__name__}.loop_iterator gave a '
+          f'{type(iterator).__name__}, which a compiled loop cannot read; '
+          'give a tf.data or tf.distribute iterator, or run one step a call '
+          '(steps_per_loop=1).')
+    return iterator
 
   def run(self, iterator, num_steps):
     totals, (total, regularization, clones, gradients) = self.function(
