@@ -146,36 +146,46 @@ def _loop_run(tmp_path, trainer, total_steps, steps_per_loop, data):
       checkpoint_steps=100, steps_per_loop=steps_per_loop)
 
 
-def _data(signal_at_step=None):
-  """12 steps of `_batches` an epoch; reading step `signal_at_step`'s
-  batch sends this process SIGTERM (from the input pipeline, which a call
-  of many steps reads inside the call)."""
-  def send(step):
-    if int(step) == signal_at_step:
-      os.kill(os.getpid(), signal.SIGTERM)
-    return 0.0
-
+def _data():
+  """12 steps of `_batches` an epoch, each epoch its own seed."""
   def train_epoch(epoch, skip_batches=0):
-    def signalling(index, batch):
-      images, labels = batch
-      sent = tf.py_function(send, [index + 1 + 12 * epoch], tf.float32)
-      sent.set_shape([])
-      return images + 0.0 * sent, labels  # Read, so never pruned.
-    options = tf.data.Options()  # Each batch read when the step asks.
-    options.experimental_optimization.inject_prefetch = False
-    return _batches(12, seed=epoch).enumerate().map(signalling).skip(
-        skip_batches).with_options(options)
+    return _batches(12, seed=epoch).skip(skip_batches)
   return data.Data(train_epoch=train_epoch, test=_batches(1),
                    input_shape=(6,), num_classes=3,
                    train_examples=12 * ROWS, test_examples=ROWS)
 
 
+def _signalling(signal_at_step=None):
+  """Towers on 2 clones whose loss sends this process one SIGTERM in step
+  `signal_at_step` (inside the compiled call running it), and adds
+  nothing to the loss (0 times what it returns)."""
+  config_ = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  sent = []
+  with tf.device(config_.optimizer_variables_device()):
+    with config_.variables_scope():
+      model = mlp()
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+  base = make_loss()
+
+  def send(iterations):
+    if int(iterations) + 1 == signal_at_step and not sent:
+      sent.append(True)
+      os.kill(os.getpid(), signal.SIGTERM)
+    return 0.0
+
+  def loss(labels, logits):
+    sent_ = tf.py_function(send, [optimizer.iterations], tf.float32)
+    sent_.set_shape([])
+    return base(labels, logits) + 0.0 * sent_
+  return deploy.deploy(config_, model, loss, optimizer)
+
+
 def _interrupted_then_resumed(tmp_path):
-  run = _loop_run(tmp_path, _towers()(), 12, 4, _data(signal_at_step=6))
+  run = _loop_run(tmp_path, _signalling(6), 12, 4, _data())
   with pytest.raises(loop.TrainingInterrupted) as raised:
     loop.train(run, checkpoints.Position(0, 0, 0))
   run.summaries.close()
-  resumed = _towers()()
+  resumed = _signalling()
   run = _loop_run(tmp_path, resumed, 12, 4, _data())
   restored = run.checkpointer.restore_latest()
   outcome = loop.train(run, restored)
@@ -184,14 +194,14 @@ def _interrupted_then_resumed(tmp_path):
 
 
 def test_a_signal_in_a_call_stops_after_it_and_resumes_exactly(tmp_path):
-  """SIGTERM while step 6's batch is read, in the call of steps 6-9 (the
-  calls: 1, 2-5, 6-9, 10-12): the call finishes, step 9 is saved, and the
-  resumed run ends with the weights of a run never stopped."""
+  """SIGTERM in step 6, inside the call of steps 6-9 (the calls: 1, 2-5,
+  6-9, 10-12): the call finishes, step 9 is saved, and the resumed run
+  ends with the weights of a run never stopped."""
   stopped, restored, outcome, resumed = _interrupted_then_resumed(
       tmp_path / 'stopped')
   assert (stopped.signal_name, stopped.step) == ('SIGTERM', 9)
   assert restored.step == 9 and outcome.position.step == 12
-  whole = _towers()()
+  whole = _signalling()
   run = _loop_run(tmp_path / 'whole', whole, 12, 4, _data())
   loop.train(run, checkpoints.Position(0, 0, 0))
   run.summaries.close()
