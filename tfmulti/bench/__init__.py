@@ -7,6 +7,8 @@ three that hold what the others share:
   activations         (shared) a pipelined step's activations, from the graph
   variants            the variants `designs` times, built as training does
   e2e                 whole training runs against plain Keras `fit`
+  processes           train.py against a Keras script, as whole processes
+  fit_script          the plain Keras script `processes` times
   embedding_transfers an Embedding's gradient bytes a step: slices, not a table
   flops               a step's share of the device's matmul rate
   input               the input pipeline against data already on device

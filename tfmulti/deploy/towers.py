@@ -120,8 +120,8 @@ class DeployedModel(trainer.Trainer):
     self._probes = {}  # Clone index -> its timing function.
     self._feeder = None  # A `feeds.Feeder`, made at the first feed.
     self._fed = None  # The `feeds.Fed` a compiled loop reads, if any.
-    self.step_function = tf.function(self.step_graph)
-    self._predict = tf.function(self._predict_graph)
+    self.step_function = tf.function(self.step_graph, autograph=False)
+    self._predict = tf.function(self._predict_graph, autograph=False)
 
   @property
   def clone_shares(self):
@@ -283,7 +283,7 @@ class DeployedModel(trainer.Trainer):
       return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
                               if g is not None])
     if clone_index not in self._probes:
-      self._probes[clone_index] = tf.function(probe_graph)
+      self._probes[clone_index] = tf.function(probe_graph, autograph=False)
     return self._probes[clone_index]
 
   def _predict_graph(self, images, with_losses=False):

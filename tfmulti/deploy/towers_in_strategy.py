@@ -88,7 +88,8 @@ class WorkerTowers(trainer.Trainer):
     self.towers = towers
     self.model = towers.model
     self.optimizer = towers.optimizer
-    self.step_function = tf.function(self._train_step_graph)
+    self.step_function = tf.function(self._train_step_graph,
+                                     autograph=False)
 
   @property
   def clone_shares(self):

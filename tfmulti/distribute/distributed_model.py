@@ -104,8 +104,9 @@ class DistributedModel(trainer.Trainer):
       if not optimizer.built:
         optimizer.build(model.trainable_variables)
     self._body = pieces.Body(model, loss_fn, 'replica')
-    self.step_function = tf.function(self._train_step_graph)
-    self._predict = tf.function(self._predict_graph)
+    self.step_function = tf.function(self._train_step_graph,
+                                     autograph=False)
+    self._predict = tf.function(self._predict_graph, autograph=False)
 
   @property
   def clone_shares(self):

@@ -198,7 +198,7 @@ class TowersModel(keras.Model):
     layout = self.towers.layout_for(*mine, partial=rows_ < self._full_rows)
     return self._train_function(*mine, layout, (images, targets))
 
-  @tf.function
+  @tf.function(autograph=False)  # As Keras traces its own steps.
   def _train_function(self, images, targets, layout, whole):
     """The towers' step and the metrics, one compiled call a step (eager,
     the metrics cost more than a small model's step). `layout` is a frozen
@@ -223,7 +223,7 @@ class TowersModel(keras.Model):
     keras_internals.build_compiled(self, (images, labels, sample_weight))
     return self._test_function(images, labels, sample_weight)
 
-  @tf.function
+  @tf.function(autograph=False)  # As Keras traces its own steps.
   def _test_function(self, images, labels, sample_weight):
     """The towers' inference and Keras's evaluation loss and metrics of it,
     one compiled call a batch. Across workers each runs its rows and the

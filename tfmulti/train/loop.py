@@ -65,7 +65,7 @@ class Evaluation:
   def __init__(self, trainer, loss_fn):
     self._trainer = trainer
     self._loss_fn = loss_fn
-    self._batch = tf.function(self._batch_graph)
+    self._batch = tf.function(self._batch_graph, autograph=False)
 
   def _batch_graph(self, images, labels):
     logits = self._trainer.predict(images)
