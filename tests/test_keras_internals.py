@@ -35,6 +35,23 @@ def test_an_op_built_earlier_waits_for_a_gate_made_later():
   assert seen['control_inputs'] == ['gate']
 
 
+def test_an_empty_optional_carries_a_loop_bodys_value():
+  @tf.function(autograph=False)
+  def last_of(n):
+    empty = tf.experimental.Optional.empty(None)
+
+    def body(i, _):
+      value = tf.experimental.Optional.from_value((i * 2, {'i': i}))
+      keras_internals.set_element_spec(empty, value.element_spec)
+      return i + 1, value
+    _, carried = tf.while_loop(lambda i, _: i < n, body,
+                               (tf.constant(0), empty))
+    keras_internals.set_element_spec(carried, empty.element_spec)
+    return carried.get_value()
+  doubled, named = last_of(tf.constant(3))
+  assert (int(doubled), int(named['i'])) == (4, 2)
+
+
 def test_stateless_losses_are_add_loss_terms_then_penalties():
   model = _model()
   values = ([v.value for v in model.trainable_variables],

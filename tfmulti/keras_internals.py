@@ -35,6 +35,9 @@ The conventions read here:
 * Whether TensorFlow's op determinism is on: TF's private
   `config.is_op_determinism_enabled`, which Keras's own
   `jit_compile='auto'` reads too.
+* A `tf.experimental.Optional` made empty takes the structure of the
+  value a loop gives it: TF's private `Optional._element_spec`, which
+  Keras's own `steps_per_execution` loop sets (`set_element_spec`).
 * An op of a graph being traced can be made to wait for another after it
   was built: TF's private `Operation._add_control_input`
   (`pipeline.backward.release` holds the ops of a split backward pass's
@@ -56,6 +59,13 @@ TESTED_KERAS = ('3.15',)
 def wait_for(op, gate):
   """Makes `op`, already in the graph being traced, run after `gate`."""
   op._add_control_input(gate)  # pylint: disable=protected-access
+
+
+def set_element_spec(optional, spec):
+  """Gives `optional` (a `tf.experimental.Optional`, empty when made, as a
+  loop variable) the structure its loop body's value has: Keras's own
+  multi-step loop (`TensorFlowTrainer._make_function`) does the same."""
+  optional._element_spec = spec  # pylint: disable=protected-access
 
 
 def flat_layers(model):

@@ -23,6 +23,7 @@ import time
 from absl import logging
 import tensorflow as tf
 
+from tfmulti import keras_internals
 from tfmulti import trainer as trainer_lib
 
 AUTO = 'auto'
@@ -85,19 +86,21 @@ class InALoop:
   def _graph(self, iterator, num_steps, shares):
     del shares  # Only keys the trace.
     step = self._trainer.loop_step
-
-    def carried(outputs):  # What the loop hands on: all but `outputs`.
-      return tuple(outputs)[:4]
-    first = carried(step(next(iterator)))  # Fixes the carried structure.
-    totals = tf.TensorArray(first[0].dtype, size=num_steps)
+    # The last step's outputs ride the loop in an Optional whose structure
+    # the body's one trace of the step gives (Keras's own loop does so), so
+    # the loop holds the step once, not a first step peeled off besides.
+    last = tf.experimental.Optional.empty(None)
 
     def body(i, totals, _):
-      outputs = carried(step(next(iterator)))
-      return i + 1, totals.write(i, outputs[0]), outputs
-    _, totals, last = tf.while_loop(
+      outputs = tuple(step(next(iterator)))[:4]  # All but `outputs`.
+      value = tf.experimental.Optional.from_value(outputs)
+      keras_internals.set_element_spec(last, value.element_spec)
+      return i + 1, totals.write(i, tf.cast(outputs[0], tf.float32)), value
+    _, totals, carried = tf.while_loop(
         lambda i, *_: i < num_steps, body,
-        (tf.constant(1), totals.write(0, first[0]), first))
-    return totals.stack(), last
+        (tf.constant(0), tf.TensorArray(tf.float32, size=num_steps), last))
+    keras_internals.set_element_spec(carried, last.element_spec)
+    return totals.stack(), carried.get_value()
 
 
 @dataclasses.dataclass
