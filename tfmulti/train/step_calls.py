@@ -77,6 +77,12 @@ class InALoop:
     return iterator
 
   def run(self, iterator, num_steps):
+    """As `OneACall.run`; one step alone is a plain call of the step (the
+    run's first, those 'auto' times, and a call the next event cuts to
+    one): the loop is built only where a call runs several."""
+    if num_steps == 1:
+      outputs = self._trainer.loop_step(next(iterator))
+      return [outputs.total], outputs
     totals, (total, regularization, clones, gradients) = self.function(
         iterator, tf.constant(num_steps, tf.int32),
         self._trainer.clone_shares)
