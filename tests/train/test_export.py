@@ -55,6 +55,7 @@ def test_runs_export_models_that_load_without_tfmulti(run_train,
   for metrics in runs:
     path = metrics['export']
     assert path.endswith(os.path.join('export', '6'))
+    assert metrics['phases_seconds']['export'] > 0  # Its own phase.
     assert sorted(os.listdir(os.path.dirname(path))) == ['6']  # Nothing
     # else: no partial export is left.
     # Placed for one device: no op of the served graph names a device.

@@ -175,6 +175,10 @@ def test_train_and_evaluate_takes_its_data_and_trainer(tmp_path):
   assert (metrics['steps'], metrics['resumed_from_step']) == (7, None)
   assert metrics['global_batch_size'] == BATCH
   assert metrics['train_loss'] == pytest.approx(1 / 7)
+  # The process before the job (this test process's age then), read from
+  # Linux's /proc: more than the seconds since the job began, and finite.
+  phases = metrics['phases_seconds']
+  assert phases['imports'] > phases['startup'] > 0
   rest = FakeTrainer()
   metrics = job.train_and_evaluate(
       config.TrainConfig(model_dir=str(tmp_path), batch_size=BATCH,

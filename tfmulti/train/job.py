@@ -177,6 +177,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     loop.TrainingInterrupted: SIGTERM or SIGINT; a checkpoint was saved.
   """
   started = time.perf_counter()  # For the start-up phase in metrics.
+  imports = metrics.process_age()  # The process before the job.
   path = registry.get(config.strategy)
   registry.check(config, deploy_config)
   chief = cluster_info is None or cluster_info.is_chief
@@ -201,7 +202,7 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
     out_dir = _output_dir(config, cluster_info, chief)
     try:
       with cluster.lost_peers_as_errors(cluster_info):
-        result = _train_into(config, deploy_config, started, _run(
+        result = _train_into(config, deploy_config, (started, imports), _run(
             plan, deploy_config, trainer, dataset, out_dir, cluster_info),
                              settings=settings if chief else None)
     finally:
@@ -292,8 +293,10 @@ def _record(config, trainer, result, input_shape):
   """Exports and writes metrics.json, beside the weights they describe; a
   session that trained nothing keeps the figures of the one that did."""
   if config.export:
+    exporting = time.perf_counter()
     result['export'] = export.export(trainer.model, config.model_dir,
                                      result['steps'], input_shape)
+    result['phases_seconds']['export'] = time.perf_counter() - exporting
   kept = metrics.read(config.model_dir)
   if result['resumed_from_step'] == result['steps'] and kept:
     logging.info('nothing was trained: %s keeps the figures of the run that '
@@ -326,6 +329,7 @@ def _run(plan, deploy_config, trainer, dataset, out_dir, cluster_info):
 
 def _train_into(config, deploy_config, started, run, *, settings):
   """Restores the latest checkpoint, runs the loop; returns the metrics.
+  `started`: (the job's perf_counter start, the process's age then).
 
   With `settings` (the chief's), job.json records that the steps trained
   now are trained with them, and the metrics carry every stretch.
@@ -343,7 +347,7 @@ def _train_into(config, deploy_config, started, run, *, settings):
   finally:
     run.summaries.close()
   result = metrics.collect(config, deploy_config, run, outcome, restored,
-                           started)
+                           *started)
   if stretches is not None:
     result['stretches'] = stretches
   return result

@@ -22,23 +22,41 @@ TIMED = ('train_loss', 'images_per_sec')
 NO_STEP_RAN = 'no step ran in this session (nothing was left to train)'
 
 
-def phases(progress, started):
-  """Where a run's time went, in seconds: start-up (from `started`, a
-  perf_counter reading, to the first step), the first step (tracing),
-  training after it, evaluation and checkpoints (part of training)."""
+def process_age():
+  """Seconds since this process started (Linux's /proc), or NaN where that
+  cannot be read: what a process spent before the job (imports, most of
+  them TensorFlow's)."""
+  try:
+    with open('/proc/self/stat') as f:  # Field 22, after the command's ')'.
+      start_ticks = int(f.read().rsplit(')', 1)[1].split()[19])
+    with open('/proc/uptime') as f:
+      uptime = float(f.read().split()[0])
+    return uptime - start_ticks / os.sysconf('SC_CLK_TCK')
+  except (OSError, ValueError, IndexError):
+    return float('nan')
+
+
+def phases(progress, started, imports=float('nan')):
+  """Where a run's time went, in seconds: the process before the job
+  (`imports`: `process_age` when the job started), start-up (from
+  `started`, a perf_counter reading, to the first step), the first step
+  (tracing), training after it, evaluation and checkpoints (part of
+  training); the job adds its export."""
   first = progress.first_step_started
-  return {'startup': first - started if first else float('nan'),
+  return {'imports': imports,
+          'startup': first - started if first else float('nan'),
           'first_step': progress.first_step_seconds,
           'train_after_first_step': progress.train_seconds,
           'evaluation': progress.evaluation_seconds,
           'checkpoints': progress.checkpoint_seconds}
 
 
-def collect(config, deploy_config, run, outcome, restored, started):
+def collect(config, deploy_config, run, outcome, restored, started,
+            imports=float('nan')):
   """The metrics of a finished `loop.Run` and its `loop.Outcome`."""
   steps_per_epoch = run.dataset.train_examples // run.global_batch_size
   return {
-      'phases_seconds': strict(phases(outcome.progress, started)),
+      'phases_seconds': strict(phases(outcome.progress, started, imports)),
       'eval_accuracy': outcome.evaluation['accuracy'],
       'eval_loss': outcome.evaluation['loss'],
       'train_loss': outcome.progress.last_window_loss,
