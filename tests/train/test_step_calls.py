@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.fit.test_keras_models import _subclassed
+from tests.helpers import embedding_model
 from tests.helpers import make_batch
 from tests.helpers import make_deployed
 from tests.helpers import make_loss
 from tests.helpers import mlp
+from tests.helpers import token_batches
 from tests.helpers import weights
 from tfmulti import data
 from tfmulti import deploy
@@ -30,22 +33,24 @@ from tfmulti.train import summaries
 ROWS = 16  # Rows of a global batch.
 
 
-def _batches(steps, seed=0):
-  """`steps` global batches for `mlp`, as a `tf.data.Dataset`."""
-  images, labels = zip(*(make_batch(ROWS, seed=seed + s)
-                         for s in range(steps)))
+def _batches(steps, seed=0, tokens=False):
+  """`steps` global batches for `mlp` (or, `tokens`, for
+  `embedding_model`), as a `tf.data.Dataset`."""
+  images, labels = zip(*(
+      token_batches(1, ROWS, seed=seed + s)[0] if tokens
+      else make_batch(ROWS, seed=seed + s) for s in range(steps)))
   return tf.data.Dataset.from_tensor_slices(
       (np.concatenate(images), np.concatenate(labels))).batch(
           ROWS, drop_remainder=True)
 
 
-def _train(trainer, calls, epochs):
+def _train(trainer, calls, epochs, tokens=False):
   """Runs each epoch's counts of steps a call on a fresh iterator (as the
   loop does an epoch); returns every step's total loss."""
   totals = []
   for epoch, counts in enumerate(epochs):
     iterator = calls.iterator(trainer.distribute_dataset(
-        _batches(sum(counts), seed=10 * epoch)))
+        _batches(sum(counts), seed=10 * epoch, tokens=tokens)))
     for count in counts:
       got, _ = calls.run(iterator, count)
       totals += [float(t) for t in tf.concat(
@@ -69,6 +74,13 @@ def _mirrored():
                                             optimizer)
 
 
+def _sequential_with_dropout():
+  keras.utils.set_random_seed(0)
+  return keras.Sequential([keras.Input((6,)),
+                           keras.layers.Dense(16, activation='tanh'),
+                           keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+
+
 EPOCHS = ([1, 3, 2], [4, 1])  # Steps a call, in two epochs.
 
 _LAYOUTS = {
@@ -77,6 +89,13 @@ _LAYOUTS = {
     'stages-reproducible': _towers(num_stages=2, num_microbatches=2,
                                    reproducible_rows=4),
     'mirrored': _mirrored,
+    # Models as users bring them: the same bits in a loop, and so what one
+    # step a call trains (plain one-device fit's, tests/fit).
+    'subclassed': _towers(model_fn=_subclassed),
+    'sequential-dropout': _towers(model_fn=_sequential_with_dropout),
+    'embedding-adam': _towers(model_fn=embedding_model,
+                              optimizer_fn=lambda: keras.optimizers.Adam(
+                                  0.01)),
 }
 
 
@@ -90,13 +109,13 @@ def test_many_steps_a_call_train_the_bits_of_one_a_call(name, monkeypatch):
   if name == 'feed':
     monkeypatch.setattr(deploy.DeploymentConfig, 'prefetches_to_clones',
                         lambda self: True)
-  make = _LAYOUTS[name]
+  make, tokens = _LAYOUTS[name], name.startswith('embedding')
   reference = make()
   want = _train(reference, step_calls.OneACall(reference),
-                [[1] * sum(c) for c in EPOCHS])
+                [[1] * sum(c) for c in EPOCHS], tokens)
   looped = make()
   in_a_loop = step_calls.InALoop(looped)
-  got = _train(looped, in_a_loop, EPOCHS)
+  got = _train(looped, in_a_loop, EPOCHS, tokens)
   assert got == want
   for a, b in zip(weights(looped.model), weights(reference.model)):
     np.testing.assert_array_equal(a, b)

@@ -239,15 +239,16 @@ def _to_next_event(run, step, last):
 
 def _call(calls, iterator, steps, progress):
   """Runs the next call's steps (one, while the first traces or 'auto'
-  times): (their total losses, the last step's `StepOutputs`, steps)."""
-  if progress.steps_run == 0 or calls.plan.timing(progress.steps_run):
-    totals, outputs, seconds = step_calls.timed_call(calls.runner, iterator,
-                                                     1)
-    if progress.steps_run:
-      calls.plan.record(seconds)
-    return totals, outputs, 1
-  count = calls.plan.count(steps)
-  return (*calls.runner.run(iterator, count), count)
+  times them; else the plan's count, at most `steps`): (their total
+  losses, the last step's `StepOutputs`, steps)."""
+  timing = calls.plan.timing(progress.steps_run)
+  count = calls.plan.count(steps) if progress.steps_run else 1
+  started = time.perf_counter()
+  totals, outputs = calls.runner.run(iterator, count)
+  if timing:
+    float(outputs.total)  # The host waits for the step to finish.
+    calls.plan.record(time.perf_counter() - started)
+  return totals, outputs, count
 
 
 def _train_epoch(run, position, signals, progress, profiler, calls,

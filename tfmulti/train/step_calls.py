@@ -18,7 +18,6 @@ at most the steps between progress lines (`Plan`).
 
 import dataclasses
 import math
-import time
 
 from absl import logging
 import tensorflow as tf
@@ -162,11 +161,3 @@ def calls(trainer, steps_per_loop, log_every_steps):
   return Calls(
       OneACall(trainer) if steps_per_loop == 1 else InALoop(trainer),
       Plan(steps_per_loop, log_every_steps))
-
-
-def timed_call(runner_, iterator, num_steps):
-  """`runner_.run`, waiting for its results: (totals, outputs, seconds)."""
-  started = time.perf_counter()
-  totals, outputs = runner_.run(iterator, num_steps)
-  float(outputs.total)  # The host waits for the call to finish.
-  return totals, outputs, time.perf_counter() - started
