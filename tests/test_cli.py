@@ -660,14 +660,19 @@ def test_sigterm_then_rerun_equals_an_uninterrupted_run(tmp_path, digits_dir,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('flag, written', [
+    ('--async_checkpoint', 'writing in the background'),
+    ('--noasync_checkpoint', 'saved')])
 def test_a_killed_run_leaves_a_checkpoint_that_loads(tmp_path, digits_dir,
-                                                     run_train):
+                                                     run_train, flag,
+                                                     written):
   run_train(train_steps=1)  # Prepares digits in digits_dir once.
   model_dir = tmp_path / 'killed'
   command = _train_command(model_dir, digits_dir, '--train_steps=20',
-                           '--checkpoint_steps=1', '--keep_checkpoints=2')
+                           '--checkpoint_steps=1', '--keep_checkpoints=2',
+                           flag)
   # SIGKILL at a random moment after a checkpoint, often mid-write.
-  code, stderr = _start_and_signal(command, 'saved', signal.SIGKILL,
+  code, stderr = _start_and_signal(command, written, signal.SIGKILL,
                                    random.Random(0).uniform(0.0, 0.5))
   assert code == -signal.SIGKILL, stderr[-2000:]
   latest = tf.train.latest_checkpoint(str(model_dir))
@@ -723,3 +728,22 @@ def test_batch_norm_momentum_sets_the_moving_statistics_decay(run_train,
              for key, value in tensors[None].items()
              if key.startswith('model/'))
   assert runs[0.5]['stretches'][0]['settings']['batch_norm_momentum'] == 0.5
+
+
+@pytest.mark.slow
+def test_checkpoints_in_the_background_hold_the_bits_of_the_foreground(
+    run_train):
+  """The towers write in the background by default and save the same
+  bits as in the foreground; MirroredStrategy's variables are written in
+  the foreground (TensorFlow cannot copy them), as metrics.json says."""
+  common = dict(num_clones=2, train_steps=6, checkpoint_steps=2,
+                deterministic=True)
+  background = run_train(**common)
+  foreground = run_train(async_checkpoint=False, **common)
+  assert (background['async_checkpoint'],
+          foreground['async_checkpoint']) == (True, False)
+  assert background['checkpoint'].endswith('ckpt-6')
+  assert_same_checkpoints(background['checkpoint'],
+                          foreground['checkpoint'], exact=True)
+  mirrored = run_train(strategy='mirrored', **common)
+  assert mirrored['async_checkpoint'] is False

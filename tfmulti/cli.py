@@ -162,6 +162,11 @@ _CHECKPOINT_STEPS = flags.DEFINE_integer(
     'written at the end and on SIGTERM or Ctrl-C.')
 _KEEP_CHECKPOINTS = flags.DEFINE_integer(
     'keep_checkpoints', 5, 'Recent checkpoints to keep.')
+_ASYNC_CHECKPOINT = flags.DEFINE_bool(
+    'async_checkpoint', True, 'Write checkpoints on a background thread '
+    'while the steps go on (the values are copied first; the index names a '
+    'checkpoint once it is whole). tf.distribute strategies write in the '
+    'foreground.')
 _SUMMARIZE_GRADIENTS = flags.DEFINE_bool(
     'summarize_gradients', False, 'Write gradient histograms and norms per '
     'variable to TensorBoard.')
@@ -417,6 +422,7 @@ def _train_config():
       steps_per_loop=_steps_per_loop(_STEPS_PER_LOOP.value),
       checkpoint_steps=_CHECKPOINT_STEPS.value,
       keep_checkpoints=_KEEP_CHECKPOINTS.value,
+      async_checkpoint=_ASYNC_CHECKPOINT.value,
       mixed_precision=_MIXED_PRECISION.value,
       strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value,
       export=_EXPORT.value,
@@ -545,7 +551,7 @@ HELP_GROUPS = (
         'reproducible_rows', 'gradient_packs')),
     ('Output', (
         'model_dir', 'log_every_steps', 'steps_per_loop', 'checkpoint_steps',
-        'keep_checkpoints', 'export', 'profile_steps')),
+        'keep_checkpoints', 'async_checkpoint', 'export', 'profile_steps')),
     ('Several workers (TF_CONFIG, Slurm, Kubernetes)', (
         'num_workers', 'worker_index', 'cluster', 'port', 'worker_hosts',
         'peer_timeout_s')),

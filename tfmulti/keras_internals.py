@@ -38,6 +38,15 @@ The conventions read here:
 * A `tf.experimental.Optional` made empty takes the structure of the
   value a loop gives it: TF's private `Optional._element_spec`, which
   Keras's own `steps_per_execution` loop sets (`set_element_spec`).
+* A `tf.train.Checkpoint` written in the background keeps its writer in
+  `_async_checkpointer_impl`, whose `sync` waits for the write but keeps
+  its failure until the next save: TF's private
+  `_check_async_thread_error` raises it (`sync_background_write`).
+  Its copy of the values calls each trackable's `_copy_trackable_to_cpu`
+  inside a `tf.function`, and Keras 3.15's (its TensorFlow `Variable`'s)
+  makes a new `tf.Variable` on every call, which fails at the second
+  save; `copy_variables_once` makes it map the Keras variable to the copy
+  of the `tf.Variable` it wraps (`.value`), made once.
 * An op of a graph being traced can be made to wait for another after it
   was built: TF's private `Operation._add_control_input`
   (`pipeline.backward.release` holds the ops of a split backward pass's
@@ -59,6 +68,29 @@ TESTED_KERAS = ('3.15',)
 def wait_for(op, gate):
   """Makes `op`, already in the graph being traced, run after `gate`."""
   op._add_control_input(gate)  # pylint: disable=protected-access
+
+
+def sync_background_write(checkpoint):
+  """Waits for `checkpoint`'s background write; raises what it raised."""
+  checkpoint.sync()
+  writer = getattr(checkpoint, '_async_checkpointer_impl', None)
+  if writer is not None:
+    writer._check_async_thread_error()  # pylint: disable=protected-access
+
+
+def _copy_keras_variable_to_cpu(variable, object_map):
+  """Keras's TF `Variable._copy_trackable_to_cpu`, without a new
+  `tf.Variable` a call: the Keras variable saves as the `tf.Variable` it
+  wraps (the same `VARIABLE_VALUE`), so it maps to that one's copy."""
+  variable.value._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+  object_map[variable] = object_map[variable.value]
+
+
+def copy_variables_once():
+  """Lets TensorFlow's background checkpoint write copy Keras variables
+  more than once (see the module's notes); idempotent."""
+  from keras.src.backend.tensorflow import core  # pylint: disable=g-import-not-at-top
+  core.Variable._copy_trackable_to_cpu = _copy_keras_variable_to_cpu  # pylint: disable=protected-access
 
 
 def set_element_spec(optional, spec):

@@ -3,6 +3,7 @@
 import errno
 import os
 import shutil
+import threading
 
 import keras
 import numpy as np
@@ -21,10 +22,11 @@ from tfmulti.train import checkpoints
 ONE = deploy.DeploymentConfig(num_clones=1, clone_on_cpu=True)
 
 
-def _checkpointer(directory, deployed, max_to_keep=2):
+def _checkpointer(directory, deployed, max_to_keep=2, in_background=False):
   return checkpoints.Checkpointer(
       str(directory), model=deployed.model, optimizer=deployed.optimizer,
-      max_to_keep=max_to_keep, device=ONE.summaries_device())
+      max_to_keep=max_to_keep, device=ONE.summaries_device(),
+      in_background=in_background)
 
 
 def test_round_trip_restores_weights_slots_and_position(tmp_path):
@@ -245,3 +247,66 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last(tmp_path,
                      'latest good checkpoint is .*ckpt-1'):
     checkpointer.save(checkpoints.Position(2, 0, 16))
   assert tf.train.latest_checkpoint(str(tmp_path)).endswith('ckpt-1')
+
+
+class TestInTheBackground:
+  """Checkpoints written by a thread while the steps go on."""
+
+  def test_each_holds_the_values_of_its_step(self, tmp_path):
+    """Each save copies that step's weights and slots; the steps after it
+    (run before its write ends) do not reach the files."""
+    trained = make_deployed(ONE)
+    checkpointer = _checkpointer(tmp_path, trained, in_background=True)
+    assert checkpointer.in_background
+    for step in (1, 2):
+      trained.train_step(*make_batch(8, seed=step))
+      saved = (weights(trained.model),
+               [v.numpy() for v in trained.optimizer.variables])
+      checkpointer.save(checkpoints.Position(step, 0, 8 * step))
+      trained.train_step(*make_batch(8, seed=10 + step))
+    checkpointer.wait()
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith('ckpt-2')
+    fresh = make_deployed(ONE, model_fn=lambda: mlp(seed=5))
+    assert _checkpointer(tmp_path, fresh).restore_latest() == (
+        checkpoints.Position(2, 0, 16))
+    for got, want in zip(weights(fresh.model), saved[0]):
+      np.testing.assert_array_equal(got, want)
+    for got, want in zip(fresh.optimizer.variables, saved[1]):
+      np.testing.assert_array_equal(got.numpy(), want)
+
+  def test_a_failed_write_stops_with_one_line_and_keeps_the_last(
+      self, tmp_path, monkeypatch):
+    deployed = make_deployed(ONE)
+    checkpointer = _checkpointer(tmp_path, deployed, in_background=True)
+    checkpointer.save(checkpoints.Position(1, 0, 8))
+    checkpointer.wait()
+    written = tf.train.Checkpoint._write
+
+    def disk_full_in_the_background(self, *args, **kwargs):
+      if threading.current_thread() is threading.main_thread():
+        return written(self, *args, **kwargs)
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(tf.train.Checkpoint, '_write',
+                        disk_full_in_the_background)
+    checkpointer.save(checkpoints.Position(2, 0, 16))  # Returns at once.
+    with pytest.raises(errors.CheckpointWriteError,
+                       match='cannot write checkpoint ckpt-2 .*No space '
+                       'left.*latest good checkpoint is .*ckpt-1'):
+      checkpointer.wait()
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith('ckpt-1')
+    assert [step for step, _ in checkpoints.numbered_checkpoints(
+        str(tmp_path))] == [1]
+
+  def test_tf_distribute_variables_are_written_in_the_foreground(
+      self, tmp_path):
+    strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
+    with strategy.scope():
+      model = mlp()
+      optimizer = keras.optimizers.SGD(0.1)
+      optimizer.build(model.trainable_variables)
+    assert not checkpoints.in_background_for(model.variables)
+    checkpointer = checkpoints.Checkpointer(
+        str(tmp_path), model=model, optimizer=optimizer, max_to_keep=2,
+        device=ONE.summaries_device(), in_background=True)
+    assert not checkpointer.in_background
+    assert checkpoints.in_background_for(make_deployed(ONE).model.variables)

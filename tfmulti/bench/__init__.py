@@ -7,6 +7,7 @@ three that hold what the others share:
   activations         (shared) a pipelined step's activations, from the graph
   variants            the variants `designs` times, built as training does
   e2e                 whole training runs against plain Keras `fit`
+  checkpoint_stall    what a checkpoint adds to the steps, background or not
   processes           train.py against a Keras script, as whole processes
   fit_script          the plain Keras script `processes` times
   embedding_transfers an Embedding's gradient bytes a step: slices, not a table

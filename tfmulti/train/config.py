@@ -65,6 +65,9 @@ class TrainConfig:
       `resolved_steps_per_loop`).
     checkpoint_steps: global steps between checkpoints (and one at the end).
     keep_checkpoints: how many recent checkpoints to keep.
+    async_checkpoint: write checkpoints in the background while the steps
+      go on (`checkpoints.Writer`), where the variables allow it (not
+      tf.distribute's: there they are written in the foreground).
     mixed_precision: compute in float16 on GPUs (with loss scaling) or
       bfloat16 on CPUs; variables stay float32.
     strategy: a name in `registry.NAMES`: how the step runs.
@@ -100,6 +103,7 @@ class TrainConfig:
   steps_per_loop: Union[int, str] = step_calls.AUTO
   checkpoint_steps: int = 500
   keep_checkpoints: int = 5
+  async_checkpoint: bool = True
   mixed_precision: bool = False
   strategy: str = registry.TOWERS
   peer_timeout_s: float = 120.0

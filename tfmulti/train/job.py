@@ -316,7 +316,8 @@ def _run(plan, deploy_config, trainer, dataset, out_dir, cluster_info):
       schedule=plan.schedule, checkpointer=checkpoints.Checkpointer(
           out_dir, model=trainer.model, optimizer=trainer.optimizer,
           max_to_keep=config.keep_checkpoints, device=device,
-          restore_directory=config.model_dir),
+          restore_directory=config.model_dir,
+          in_background=config.async_checkpoint),
       summaries=summaries.Summaries(out_dir, device=device),
       global_batch_size=global_batch_size(config, deploy_config),
       total_steps=plan.total_steps, log_every_steps=config.log_every_steps,

@@ -290,6 +290,7 @@ def _train_epoch(run, position, signals, progress, profiler, calls,
       run.checkpointer.save(checkpoints.Position(step, epoch, examples))
       progress.checkpoint_seconds += time.perf_counter() - saving
     if stop:
+      run.checkpointer.wait()
       raise TrainingInterrupted(stop.label, step, run.checkpointer.latest,
                                 stop.exit_code)
   if pending:
@@ -358,6 +359,7 @@ def train(run, position):
     finally:
       profiler.close()
   run.checkpointer.save(position)
+  run.checkpointer.wait()
   return Outcome(position, evaluation or _evaluate(
       run, position.step, progress, evaluate), progress,
                  calls.plan.steps_per_loop)

@@ -89,6 +89,7 @@ def collect(config, deploy_config, run, outcome, restored, started,
                                             deploy_config.clone_on_cpu),
       'seed': config.seed,
       'checkpoint': run.checkpointer.latest,
+      'async_checkpoint': run.checkpointer.in_background,
   }
 
 
