@@ -20,11 +20,13 @@ from tests.helpers import REPO
 from tfmulti import errors
 from tfmulti import launch
 
-# A worker: says its place, writes its PID, counts the signals it gets; it
-# exits 3 if it is the worker named by --fail (once all are ready) or by
-# --fail_on_signal (on a signal), else after a signal to it or to any
-# worker (128 + N, as train.py after the save the workers agree on) or
-# after the seconds given.
+# A worker: says its place, writes its PID and its place for each elastic
+# start, counts the signals it gets; it exits 3 if it is the worker named
+# by --fail (once all are ready), by --fail_first (so, on the first start
+# only) or by --fail_on_signal (on a signal); on the first start with
+# --peer_lost I, every worker but I exits 75 (a lost peer's status) and I
+# hangs; else it exits after a signal to it or to any worker (128 + N, as
+# train.py after the save the workers agree on) or after the seconds given.
 _WORKER = """
 import json, os, pathlib, signal, sys, time
 place = json.loads(os.environ['TF_CONFIG'])
@@ -41,6 +43,20 @@ signal.signal(signal.SIGTERM, count)
 signal.signal(signal.SIGINT, count)
 (out / f'ready{index}').write_text('')
 mode = sys.argv[2:4]
+start = os.environ.get('TFMULTI_ELASTIC_START')
+(out / f'start{start}-worker{index}').write_text(json.dumps(place))
+def all_ready():
+  while not all((out / f'ready{i}').exists()
+                for i in range(len(place['cluster']['worker']))):
+    time.sleep(0.05)
+if mode == ['--fail_first', str(index)] and start == '0':
+  all_ready()
+  sys.exit(3)
+if mode[:1] == ['--peer_lost'] and start == '0':
+  all_ready()
+  if index != int(mode[1]):
+    sys.exit(75)  # Its peer `mode[1]` stopped answering.
+  time.sleep(300)
 if mode == ['--fail', str(index)]:
   # Once every worker can count its signals: a worker still starting would
   # die of the SIGTERM, as it should, without counting it.
@@ -220,6 +236,8 @@ def test_workers_die_with_a_killed_launcher(tmp_path, worker_script):
      'no room for 2 workers'),
     (['--num_workers=2', '--grace_s=-1', '{script}'], '--grace_s=-1.0 is '
      'negative'),
+    (['--num_workers=2', '--min_workers=3', '{script}'], '--min_workers=3: '
+     'give from 1 to --num_workers=2'),
     (['--num_workers=2', '--bogus=1', '--', '{script}'], 'unrecognized '
      'arguments: --bogus=1; see python -m tfmulti.launch --help'),
     (['--', '{script}'], 'the following arguments are required: '
@@ -250,3 +268,60 @@ def test_config_from_args_takes_the_script_with_or_without_dashes(
   assert module.command == ('-m', 'x')
   with pytest.raises(errors.ConfigError, match='give it after --'):
     launch.config_from_args(['--num_workers=2', '--'])
+
+
+def _places(tmp_path, start):
+  """Each worker's TF_CONFIG at elastic start `start`, by index."""
+  return {int(path.name.rsplit('worker', 1)[1]): json.loads(path.read_text())
+          for path in tmp_path.glob(f'start{start}-worker*')}
+
+
+def test_an_elastic_job_goes_on_with_the_workers_left(tmp_path,
+                                                      worker_script):
+  launcher = _launch('--num_workers=3', '--min_workers=2', '--',
+                     str(worker_script), str(tmp_path), '--fail_first', '1',
+                     '1')
+  _, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 0, err
+  assert ('lost worker 1 (exited with status 3): restart 1 goes on with 2 '
+          'workers from the latest intact checkpoint') in err
+  first, second = _places(tmp_path, 0), _places(tmp_path, 1)
+  assert sorted(first) == [0, 1, 2] and sorted(second) == [0, 1]
+  addresses = second[0]['cluster']['worker']
+  assert len(addresses) == 2
+  assert not set(addresses) & set(first[0]['cluster']['worker'])  # Fresh.
+  assert not list(tmp_path.glob('start2-*'))  # One restart.
+
+
+def test_a_worker_that_stops_answering_is_the_one_lost(tmp_path,
+                                                       worker_script):
+  """Its peers exit with the lost-peer status; it is killed and the job
+  goes on without it."""
+  launcher = _launch('--num_workers=3', '--min_workers=2', '--grace_s=1',
+                     '--', str(worker_script), str(tmp_path), '--peer_lost',
+                     '2', '1')
+  _, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 0, err
+  assert 'lost worker 2 (stopped answering): restart 1 goes on with 2' in err
+  assert sorted(_places(tmp_path, 1)) == [0, 1]
+
+
+def test_fewer_than_min_workers_left_stops_with_one_line(tmp_path,
+                                                         worker_script):
+  launcher = _launch('--num_workers=3', '--min_workers=2', '--',
+                     str(worker_script), str(tmp_path), '--fail', '1', '300')
+  _, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 3, err
+  assert ('lost worker 1 (exited with status 3): 1 workers left, fewer than '
+          '--min_workers=2; the job stops') in err
+  assert sorted(_places(tmp_path, 1)) == [0, 1]  # It went on once.
+  assert not list(tmp_path.glob('start2-*'))
+  for index in (0,):  # Killed, not left behind.
+    assert _gone(int((tmp_path / f'pid{index}').read_text()))
+
+
+def test_without_min_workers_no_start_is_numbered(tmp_path, worker_script):
+  launcher = _launch('--num_workers=2', '--', str(worker_script),
+                     str(tmp_path), '0')
+  launcher.communicate(timeout=60)
+  assert sorted(_places(tmp_path, None)) == [0, 1]

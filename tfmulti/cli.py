@@ -29,6 +29,7 @@ from tfmulti import devices  # noqa: E402
 from tfmulti import errors  # noqa: E402
 from tfmulti import models  # noqa: E402
 from tfmulti import step_options  # noqa: E402
+from tfmulti import tf_config  # noqa: E402
 from tfmulti.data import options as options_lib  # noqa: E402
 from tfmulti.deploy import placement  # noqa: E402
 from tfmulti.distribute import cluster  # noqa: E402
@@ -427,7 +428,14 @@ def _train_config():
       strategy=_STRATEGY.value, peer_timeout_s=_PEER_TIMEOUT_S.value,
       export=_EXPORT.value,
       profile_steps=_profile_steps(_PROFILE_STEPS.value),
+      elastic_start=_elastic_start(),
       step_options=options)
+
+
+def _elastic_start():
+  """This start's number in an elastic launch (its environment), or None."""
+  value = os.environ.get(tf_config.ELASTIC_START)
+  return None if value is None else int(value)
 
 
 def _steps_per_loop(value):
@@ -494,6 +502,7 @@ def configs_from_flags():
       replica_id=cluster_info.index if cluster_info else 0,
       num_replicas=cluster_info.num_workers if cluster_info else 1,
       num_stages=_NUM_STAGES.value)
+  train_config = job.keep_global_batch(train_config, deploy_config)
   return train_config, deploy_config, cluster_info
 
 
@@ -526,6 +535,9 @@ def main(argv):
   except loop.TrainingInterrupted as e:
     logging.warning('%s', e)
     sys.exit(e.exit_code)
+  except errors.PeerLostError as e:
+    sys.stderr.write(f'{PROGRAM}: error: {e}\n')
+    sys.exit(errors.PEER_LOST_EXIT)
   except errors.UserError as e:
     sys.exit(f'{PROGRAM}: error: {e}')
 

@@ -53,6 +53,17 @@ class ClusterError(UserError):
   """TF_CONFIG is missing, malformed, or disagrees with the flags."""
 
 
+class PeerLostError(ClusterError):
+  """A peer of a multi-worker job stopped answering mid-run: this worker
+  is well, and exits with `PEER_LOST_EXIT`, so that a launcher that
+  restarts the job (`tfmulti.launch --min_workers`) counts it a survivor."""
+
+
+# The exit status of a worker that lost a peer (sysexits' EX_TEMPFAIL:
+# "a temporary failure; the user is invited to retry").
+PEER_LOST_EXIT = 75
+
+
 class NonFiniteError(UserError):
   """The loss or the weights became NaN or infinite; training stopped
   without saving them."""

@@ -17,6 +17,21 @@ all agree to stop) has not failed: the others stop by themselves.
 Workers die with the launcher even when it is killed (Linux), and each
 worker's own watchdog ends with its worker, so nothing is left behind.
 
+  python -m tfmulti.launch --num_workers=3 --min_workers=2 -- \
+      train.py --strategy=multi_worker ...
+
+is elastic: when a worker dies (any failure but a lost peer's status,
+`errors.PEER_LOST_EXIT`) or stops answering (its peers exit with that
+status after `--peer_timeout_s` and it does not), the launcher kills the
+others at once (checkpoints are whole or absent, so nothing partial is
+left) and starts the job again on the workers it still has, on fresh
+ports, with `ELASTIC_START` (see `tf_config`) set to the restart's
+number: train.py then resumes from the latest intact checkpoint with the
+global batch its job.json recorded at the first start (`run_dir`), so
+the weights go on as if no worker had been lost. Fewer than
+`--min_workers` left: one line, the lost worker's status, and the
+checkpoints as they were.
+
 The launcher imports no TensorFlow: it only starts, watches and stops.
 """
 
@@ -52,6 +67,8 @@ class LaunchConfig:
 
   Attributes:
     num_workers: processes to start, worker 0 (the chief) first.
+    min_workers: the fewest workers the job goes on with after losing
+      some (elastic when below `num_workers`).
     port: the first worker's port, the others' following it; 0 picks free
       loopback ports.
     grace_s: seconds a worker has to stop after SIGTERM once another has
@@ -62,9 +79,16 @@ class LaunchConfig:
   port: int
   grace_s: float
   command: tuple
+  min_workers: int = 0  # 0: num_workers.
 
   def __post_init__(self):
     errors.check_count('num_workers', self.num_workers, 1)
+    if not self.min_workers:
+      object.__setattr__(self, 'min_workers', self.num_workers)
+    if not 1 <= self.min_workers <= self.num_workers:
+      raise errors.ConfigError(
+          f'--min_workers={self.min_workers}: give from 1 to --num_workers='
+          f'{self.num_workers}, the fewest workers the job goes on with.')
     if self.port and not 1024 <= self.port <= 65536 - self.num_workers:
       raise errors.ConfigError(
           f'--port={self.port} leaves no room for {self.num_workers} '
@@ -82,6 +106,10 @@ class LaunchConfig:
       raise errors.ConfigError(
           f'script {script!r} does not exist (from {os.getcwd()}); give its '
           'path after --.')
+
+
+def _elastic(launch_config):
+  return launch_config.min_workers < launch_config.num_workers
 
 
 class _Parser(argparse.ArgumentParser):
@@ -104,6 +132,11 @@ def config_from_args(argv):
   parser.add_argument('--port', type=int, default=0,
                       help='Worker 0\'s port; worker i uses PORT+i. '
                       '0 (default): free loopback ports.')
+  parser.add_argument('--min_workers', type=int, default=0,
+                      help='Elastic: when workers are lost, go on with the '
+                      'others from the latest checkpoint, at the same global '
+                      'batch, while at least MIN_WORKERS are left. Default: '
+                      'num_workers (a lost worker stops the job).')
   parser.add_argument('--grace_s', type=float, default=30.0,
                       help='Once a worker fails, seconds the others have to '
                       'stop after SIGTERM before SIGKILL (default 30).')
@@ -112,7 +145,7 @@ def config_from_args(argv):
   args = parser.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ['--'] else args.command
   return LaunchConfig(args.num_workers, args.port, args.grace_s,
-                      tuple(command))
+                      tuple(command), args.min_workers)
 
 
 def free_ports(count):
@@ -168,16 +201,20 @@ def is_stop(returncode, forwarded):
 class WorkerProcesses:
   """The started worker processes, their log streams and their fate."""
 
-  def __init__(self, launch_config, ports):
-    """Starts every worker. Call before any other thread exists: the
+  def __init__(self, launch_config, ports, start=0):
+    """Starts a worker on each of `ports`; `start` numbers the elastic
+    job's starts (0 first). Call before any other thread exists: the
     child's pre-exec step is only safe in a one-thread parent."""
     self.config = launch_config
     self.signalled = False  # A signal was passed on: they stop themselves.
+    self.killed = set()  # Killed by `kill`, still running then.
     self.processes = []
-    for index in range(launch_config.num_workers):
+    elastic = ({tf_config.ELASTIC_START: str(start)}
+               if _elastic(launch_config) else {})
+    for index in range(len(ports)):
       env = dict(os.environ, TF_CONFIG=tf_config.for_worker(
           [f'localhost:{p}' for p in ports], index),
-                 PYTHONUNBUFFERED='1')
+                 PYTHONUNBUFFERED='1', **elastic)
       self.processes.append(subprocess.Popen(
           [sys.executable, *launch_config.command], env=env,
           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -219,6 +256,43 @@ class WorkerProcesses:
   def running(self):
     return any(p.poll() is None for p in self.processes)
 
+  def lost(self):
+    """The indices of the workers lost, once one has failed (else []):
+    those that failed other than by losing a peer; if every failure is a
+    lost peer's, those still running after `grace_s` (they stopped
+    answering)."""
+    if not self.first_failure():
+      return []
+    deadline = time.monotonic() + self.config.grace_s
+    while True:
+      ended = {i: p.poll() for i, p in enumerate(self.processes)}
+      failed = [i for i, code in ended.items() if code not in (
+          None, 0, errors.PEER_LOST_EXIT) and not is_stop(code, False)]
+      if failed:
+        return failed
+      silent = [i for i, code in ended.items() if code is None]
+      if not silent or time.monotonic() >= deadline:
+        return silent
+      time.sleep(_POLL_S)
+
+  def kill(self):
+    """SIGKILL to the running workers (noted in `killed`): the job starts
+    again without them."""
+    self.killed = {i for i, p in enumerate(self.processes)
+                   if p.poll() is None}
+    self.signal_running(signal.SIGKILL)
+    self.wait()
+
+  def fate(self, index):
+    """How worker `index` ended, for a line a user reads."""
+    code = self.processes[index].returncode
+    if index in self.killed:
+      return 'stopped answering'
+    if code < 0:
+      return f'killed by {signal.Signals(-code).name}'
+    return ('lost a peer' if code == errors.PEER_LOST_EXIT
+            else f'exited with status {code}')
+
   def stop(self):
     """SIGTERM to the running workers, SIGKILL after the grace period."""
     self.signal_running(signal.SIGTERM)
@@ -235,14 +309,16 @@ class WorkerProcesses:
       thread.join()
 
 
-def supervise(workers):
-  """Waits for every worker; returns the launcher's exit code: the failed
-  worker's, else that of the first to stop on a signal, else 0.
+def supervise(workers, elastic=False):
+  """Waits for every worker; returns (the launcher's exit code: the failed
+  worker's, else that of the first to stop on a signal, else 0; the
+  indices of the workers lost, with `elastic`, else []).
 
-  A worker that fails stops the others. SIGINT and SIGTERM received here
-  are forwarded to the workers, which stop by themselves (each saves); a
-  worker that stops on a signal, forwarded or its own, is not a failure
-  (`is_stop`).
+  A worker that fails stops the others: SIGTERM, then SIGKILL after the
+  grace period; with `elastic`, the lost ones found (`lost`), SIGKILL at
+  once. SIGINT and SIGTERM received here are forwarded to the workers,
+  which stop by themselves (each saves); a worker that stops on a signal,
+  forwarded or its own, is not a failure (`is_stop`).
   """
   def forward(signum, frame):
     del frame  # Unused.
@@ -253,16 +329,20 @@ def supervise(workers):
   try:
     while workers.running():
       failure = workers.first_failure()
+      if failure and elastic and not workers.signalled:
+        lost = workers.lost()
+        workers.kill()
+        return _exit_code(workers.processes[lost[0]].returncode), lost
       if failure:
         index, code = failure
         logging.error('worker %d exited with status %d; stopping the others',
                       index, code)
         workers.stop()
-        return code
+        return code, []
       time.sleep(_POLL_S)
     workers.wait()
     failure = workers.first_failure()
-    return failure[1] if failure else workers.first_stop() or 0
+    return (failure[1] if failure else workers.first_stop() or 0), []
   finally:
     for signum, handler in previous.items():
       signal.signal(signum, handler)
@@ -278,11 +358,35 @@ def main(argv=None):
     launch_config = config_from_args(argv)
   except errors.UserError as e:
     sys.exit(f'{PROGRAM}: error: {e}')
-  ports = ([launch_config.port + i for i in range(launch_config.num_workers)]
-           if launch_config.port else free_ports(launch_config.num_workers))
-  logging.info('%d workers on %s', launch_config.num_workers,
-               ', '.join(f'localhost:{p}' for p in ports))
-  sys.exit(supervise(WorkerProcesses(launch_config, ports)))
+  sys.exit(run(launch_config))
+
+
+def run(launch_config):
+  """Starts the job, and again on the workers left after each loss while
+  `min_workers` are left (elastic); returns the launcher's exit code."""
+  count, start = launch_config.num_workers, 0
+  while True:
+    ports = ([launch_config.port + i for i in range(count)]
+             if launch_config.port and not start else free_ports(count))
+    logging.info('%d workers on %s', count,
+                 ', '.join(f'localhost:{p}' for p in ports))
+    workers = WorkerProcesses(launch_config, ports, start)
+    code, lost = supervise(workers, elastic=_elastic(launch_config))
+    if not lost:
+      return code
+    left = count - len(lost)
+    what = ', '.join(f'worker {i} ({workers.fate(i)})' for i in lost)
+    if left < launch_config.min_workers:
+      logging.error('lost %s: %d workers left, fewer than --min_workers=%d; '
+                    'the job stops with its checkpoints as they are (run '
+                    'the same command to resume)', what, left,
+                    launch_config.min_workers)
+      return code or 1
+    start += 1
+    logging.warning('lost %s: restart %d goes on with %d workers from the '
+                    'latest intact checkpoint, at the same global batch',
+                    what, start, left)
+    count = left
 
 
 if __name__ == '__main__':

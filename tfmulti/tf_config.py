@@ -10,6 +10,9 @@ TensorFlow.
 import json
 
 VARIABLE = 'TF_CONFIG'  # The environment variable's name.
+# Set by an elastic launch (`tfmulti.launch --min_workers`) for every
+# worker: the job's start, 0 the first, 1 after the first loss, ...
+ELASTIC_START = 'TFMULTI_ELASTIC_START'
 
 
 def for_worker(workers, index):

@@ -371,7 +371,8 @@ def test_a_peer_lost_mid_run_stops_the_others_with_one_line(
   workers[1].communicate(timeout=TIMEOUT_S)
   start = time.monotonic()
   log = workers[0].communicate(timeout=TIMEOUT_S)[1]
-  assert workers[0].returncode == 1, log[-2000:]
+  # The status that tells an elastic launcher this worker is well.
+  assert workers[0].returncode == errors.PEER_LOST_EXIT, log[-2000:]
   assert (f'train.py: error: worker 0 lost a peer mid-step: worker 1 at '
           f'localhost:{ports[1]} (' in log
           and 'resume from the latest checkpoint' in log)

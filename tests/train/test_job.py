@@ -11,7 +11,12 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from tests.helpers import checkpoint_tensors
 from tests.helpers import scalars
+from tfmulti import deploy
+from tfmulti import errors
 from tfmulti.train import checkpoints
+from tfmulti.train import config as config_lib
+from tfmulti.train import job
+from tfmulti.train import run_dir
 from tfmulti.train import summaries
 
 
@@ -263,3 +268,48 @@ def test_spread_variables_and_packs_train_the_central_bits(run_train,
     np.testing.assert_array_equal(got[key], value, err_msg=key)
   serve = tf.saved_model.load(spread['export']).signatures['serving_default']
   assert {op.device for op in serve.graph.get_operations()} == {''}
+
+
+class TestElasticStart:
+  """A start of an elastic launch keeps the job's recorded global batch."""
+
+  def _configs(self, model_dir, workers, start, **values):
+    train = config_lib.TrainConfig(model_dir=str(model_dir), batch_size=16,
+                                   elastic_start=start, **values)
+    return train, deploy.DeploymentConfig(
+        num_clones=1, clone_on_cpu=True, replica_id=0, num_replicas=workers)
+
+  def _record(self, model_dir, rows):
+    run_dir.check_job(str(model_dir), {'global_batch_size': rows}, {},
+                      resuming=False)
+
+  @pytest.mark.parametrize('workers, rows_a_clone', [(2, 24), (3, 16),
+                                                     (4, 12)])
+  def test_the_recorded_batch_is_split_over_the_workers_left(
+      self, tmp_path, workers, rows_a_clone):
+    self._record(tmp_path, 48)
+    train, deployed = self._configs(tmp_path, workers, start=1)
+    kept = job.keep_global_batch(train, deployed)
+    assert kept.batch_size == rows_a_clone
+    assert job.global_batch_size(kept, deployed) == 48
+
+  def test_outside_an_elastic_launch_nothing_changes(self, tmp_path):
+    self._record(tmp_path, 48)
+    train, deployed = self._configs(tmp_path, 2, start=None)
+    assert job.keep_global_batch(train, deployed) is train  # check_job refuses.
+    fresh, deployed = self._configs(tmp_path / 'new', 2, start=0)
+    assert job.keep_global_batch(fresh, deployed) is fresh  # No record yet.
+
+  def test_a_batch_that_does_not_split_is_one_line(self, tmp_path):
+    self._record(tmp_path, 48)
+    train, deployed = self._configs(tmp_path, 5, start=2)
+    with pytest.raises(errors.ConfigError, match=(
+        'trains global batches of 48 rows, which do not split over 5 '
+        'workers x 1 clones x 1 accumulation steps; go on with a count of '
+        'workers that divides 48')):
+      job.keep_global_batch(train, deployed)
+
+  def test_linear_scaling_is_refused(self, tmp_path):
+    with pytest.raises(errors.ConfigError,
+                       match='--lr_scaling=linear under an elastic launch'):
+      self._configs(tmp_path, 2, start=0, lr_scaling='linear')

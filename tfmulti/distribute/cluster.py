@@ -237,7 +237,7 @@ def lost_peers_as_errors(cluster, resume=RESUME_FROM_CHECKPOINT):
           tf.errors.CancelledError, tf.errors.AbortedError) as e:
     if cluster is None:
       raise
-    raise errors.ClusterError(lost_peer_message(cluster, e, resume)) from e
+    raise errors.PeerLostError(lost_peer_message(cluster, e, resume)) from e
 
 
 def lost_peer_message(cluster, error, resume=RESUME_FROM_CHECKPOINT):

@@ -76,6 +76,10 @@ class TrainConfig:
     export: write `export/<step>/` (SavedModel and .keras) at the end.
     profile_steps: (first, last) global steps to profile into
       `<model_dir>/plugins/profile/` for TensorBoard; None for no profile.
+    elastic_start: which start of an elastic job this is (0 the first, 1
+      after the first lost worker, ...: `tfmulti.launch --min_workers`);
+      None outside one. A start keeps the global batch job.json recorded
+      (`job.keep_global_batch`).
     step_options: how each step runs (`StepOptions`: BatchNorm policy,
       XLA, micro-batches and the stages' cut, clone shares, accumulation,
       gradient summaries), passed whole to the strategy's trainer; with
@@ -109,6 +113,7 @@ class TrainConfig:
   peer_timeout_s: float = 120.0
   export: bool = True
   profile_steps: Optional[Tuple[int, int]] = None
+  elastic_start: Optional[int] = None
   step_options: step_options_lib.StepOptions = step_options_lib.DEFAULTS
 
   def __post_init__(self):
@@ -157,6 +162,12 @@ class TrainConfig:
         raise errors.ConfigError(
             f'profile_steps={first},{last}: the last step must be >= the '
             'first, e.g. --profile_steps=5,7.')
+    if self.elastic_start is not None and (
+        self.lr_scaling == learning_rates.LINEAR):
+      raise errors.ConfigError(
+          '--lr_scaling=linear under an elastic launch (--min_workers): '
+          'the rate would follow the clones, which a lost worker changes; '
+          'give the scaled rate as --learning_rate with --lr_scaling=none.')
     if not self.model_dir:
       raise errors.ConfigError("model_dir='': name an output directory.")
 

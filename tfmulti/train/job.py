@@ -39,6 +39,36 @@ def global_batch_size(config, deploy_config):
           deploy_config.num_workers * config.step_options.accumulation_steps)
 
 
+def keep_global_batch(config, deploy_config):
+  """`config` with the global batch its job.json recorded at the job's
+  first start, on this start's workers and clones: its `batch_size` is
+  that batch's share of a clone. Only an elastic start
+  (`config.elastic_start`) changes it; elsewhere another global batch is
+  another job, which `run_dir.check_job` refuses.
+
+  Raises:
+    errors.ConfigError: the recorded batch does not split evenly over
+      this start's clones, workers and accumulation steps.
+  """
+  recorded = config.elastic_start is not None and (
+      run_dir.recorded_job(config.model_dir) or {}).get('global_batch_size')
+  if not recorded or recorded == global_batch_size(config, deploy_config):
+    return config
+  a_worker = deploy_config.num_clones * config.step_options.accumulation_steps
+  parts = a_worker * deploy_config.num_workers
+  if recorded % parts:
+    raise errors.ConfigError(
+        f'the job in {config.model_dir} trains global batches of {recorded} '
+        f'rows, which do not split over {deploy_config.num_workers} workers x '
+        f'{deploy_config.num_clones} clones x '
+        f'{config.step_options.accumulation_steps} accumulation steps; go on '
+        f'with a count of workers that divides {recorded // a_worker}.')
+  logging.info('elastic start %d on %d workers: the job\'s global batch of '
+               '%d rows is kept, %d rows a clone', config.elastic_start,
+               deploy_config.num_workers, recorded, recorded // parts)
+  return dataclasses.replace(config, batch_size=recorded // parts)
+
+
 def _log_deployment(config, deploy_config, path):
   options = config.step_options
   logging.info('batch_size %d per clone x %d clones x %d workers x %d '

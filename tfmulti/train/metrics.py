@@ -90,6 +90,7 @@ def collect(config, deploy_config, run, outcome, restored, started,
       'seed': config.seed,
       'checkpoint': run.checkpointer.latest,
       'async_checkpoint': run.checkpointer.in_background,
+      'elastic_restarts': config.elastic_start,
   }
 
 
