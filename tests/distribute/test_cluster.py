@@ -484,9 +484,10 @@ def one_process(tmp_path_factory, digits_dir):
   return json.loads((model_dir / 'metrics.json').read_text())
 
 
-def _launch(model_dir, digits_dir, *flags, stderr=subprocess.PIPE):
+def _launch(model_dir, digits_dir, *flags, stderr=subprocess.PIPE,
+            launcher_flags=('--num_workers=2',)):
   return subprocess.Popen(
-      [sys.executable, '-m', 'tfmulti.launch', '--num_workers=2', '--',
+      [sys.executable, '-m', 'tfmulti.launch', *launcher_flags, '--',
        *_worker_command(model_dir, digits_dir, *flags)[1:]],
       cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
 
@@ -658,3 +659,99 @@ def test_two_workers_train_their_own_files_the_same_steps(tmp_path,
   assert metrics['steps'] == 50 // 4  # 4 rows a worker a step.
   job = json.loads((model_dir / 'job.json').read_text())['job']
   assert job['input_options']['shard_files'] is True
+
+
+# An elastic job: global batches of 48 rows in atoms of 4 (16 rows on each
+# of 3 workers, 24 on 2), a checkpoint every 10 steps.
+_ELASTIC_STEPS = 30
+_ELASTIC_JOB = ('--strategy=multi_worker', '--num_clones=1',
+                '--reproducible_rows=4', f'--train_steps={_ELASTIC_STEPS}',
+                '--checkpoint_steps=10')
+_ELASTIC = ('--num_workers=3', '--min_workers=2')
+
+
+@pytest.fixture(scope='module')
+def one_process_48(tmp_path_factory, digits_dir):
+  """metrics.json of the elastic job's global batch on one process."""
+  model_dir = tmp_path_factory.mktemp('one_process_48')
+  subprocess.run(_worker_command(
+      model_dir, digits_dir, '--batch_size=48', '--reproducible_rows=4',
+      f'--train_steps={_ELASTIC_STEPS}'), cwd=REPO, check=True,
+                 timeout=TIMEOUT_S, capture_output=True)
+  return json.loads((model_dir / 'metrics.json').read_text())
+
+
+def _worker_pid(launcher_pid, index):
+  """The PID of the launcher's train.py worker `index`."""
+  for pid in _descendants(launcher_pid):
+    try:
+      with open(f'/proc/{pid}/environ', 'rb') as f:
+        env = dict(item.split(b'=', 1) for item in f.read().split(b'\0')
+                   if b'=' in item)
+    except FileNotFoundError:
+      continue
+    if b'TF_CONFIG' in env and json.loads(env[b'TF_CONFIG'])['task'][
+        'index'] == index:
+      return pid
+  raise AssertionError(f'no worker {index} under {launcher_pid}')
+
+
+@pytest.mark.slow
+def test_a_job_that_loses_a_worker_goes_on_with_the_bits_of_one_process(
+    tmp_path, digits_dir, one_process_48):
+  """3 workers, worker 2 killed (SIGKILL) after step 20: the launcher goes
+  on with 2 from the latest checkpoint, 24 rows each, and the weights are
+  those of one process (and of 3 workers never interrupted)."""
+  model_dir = tmp_path / 'job'
+  log = tmp_path / 'launcher.log'
+  with open(log, 'w') as stderr:
+    launcher = _launch(model_dir, digits_dir, '--batch_size=16',
+                       *_ELASTIC_JOB, stderr=stderr, launcher_flags=_ELASTIC)
+  _wait_for_line(log, f'step 20/{_ELASTIC_STEPS}', launcher)
+  os.kill(_worker_pid(launcher.pid, 2), signal.SIGKILL)
+  launcher.communicate(timeout=TIMEOUT_S)
+  text = log.read_text()
+  assert launcher.returncode == 0, text[-3000:]
+  assert ('lost worker 2 (killed by SIGKILL): restart 1 goes on with 2 '
+          'workers') in text
+  assert re.search(r"\[worker 0\] .*elastic start 1 on 2 workers: the job's "
+                   'global batch of 48 rows is kept, 24 rows a clone', text)
+  metrics = json.loads((model_dir / 'metrics.json').read_text())
+  assert metrics['steps'] == _ELASTIC_STEPS
+  assert metrics['resumed_from_step'] in (10, 20)
+  assert (metrics['num_workers'], metrics['global_batch_size'],
+          metrics['elastic_restarts']) == (2, 48, 1)
+  assert_same_checkpoints(metrics['checkpoint'], one_process_48['checkpoint'],
+                          exact=True)
+  whole = tmp_path / 'uninterrupted'
+  launcher = _launch(whole, digits_dir, '--batch_size=16', *_ELASTIC_JOB,
+                     launcher_flags=('--num_workers=3',))
+  _, text = launcher.communicate(timeout=TIMEOUT_S)
+  assert launcher.returncode == 0, text[-3000:]
+  assert_same_checkpoints(
+      json.loads((whole / 'metrics.json').read_text())['checkpoint'],
+      metrics['checkpoint'], exact=True)
+
+
+@pytest.mark.slow
+def test_two_workers_grow_to_three_with_the_bits_of_one_process(
+    tmp_path, digits_dir, one_process_48):
+  """2 workers train 15 steps of 48 rows; an elastic launch of 3 (the same
+  --batch_size, which would make 72) keeps 48 and ends with one process's
+  weights."""
+  model_dir = tmp_path / 'job'
+  flags = ('--batch_size=24', *_ELASTIC_JOB)
+  launcher = _launch(model_dir, digits_dir, *flags, '--train_steps=15')
+  _, text = launcher.communicate(timeout=TIMEOUT_S)
+  assert launcher.returncode == 0, text[-3000:]
+  launcher = _launch(model_dir, digits_dir, *flags, launcher_flags=_ELASTIC)
+  _, text = launcher.communicate(timeout=TIMEOUT_S)
+  assert launcher.returncode == 0, text[-3000:]
+  assert re.search(r"\[worker 0\] .*elastic start 0 on 3 workers: the job's "
+                   'global batch of 48 rows is kept, 16 rows a clone', text)
+  metrics = json.loads((model_dir / 'metrics.json').read_text())
+  assert (metrics['resumed_from_step'], metrics['steps']) == (
+      15, _ELASTIC_STEPS)
+  assert (metrics['num_workers'], metrics['global_batch_size']) == (3, 48)
+  assert_same_checkpoints(metrics['checkpoint'], one_process_48['checkpoint'],
+                          exact=True)
