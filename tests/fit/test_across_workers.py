@@ -452,6 +452,7 @@ from tfmulti import devices
 
 _AT = flags.DEFINE_integer('signal_at_step', 0, 'Global step to signal at.')
 _ON = flags.DEFINE_integer('signal_worker', 0, 'The worker signalled.')
+_SIGNAL = flags.DEFINE_string('signal', 'SIGTERM', 'The signal sent.')
 
 
 class Signal(keras.callbacks.Callback):
@@ -463,7 +464,7 @@ class Signal(keras.callbacks.Callback):
     place = json.loads(os.environ.get('TF_CONFIG', '{"task": {"index": 0}}'))
     if (self.epoch * 20 + batch + 1 == _AT.value
         and place['task']['index'] == _ON.value):
-      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), getattr(signal, _SIGNAL.value))
 
 
 def main(argv):
@@ -478,15 +479,16 @@ app.run(main)
 _ATOMS = ('--reproducible_rows=8',)
 
 
-def _signalling(tmp_path, name, *flags, workers=0, status=0):
+def _signalling(tmp_path, name, *flags, workers=0, status=0,
+                launcher_flags=()):
   """Runs the signalling script; returns its log."""
   script = tmp_path / 'signalling.py'
   script.write_text(_SIGNALLING)
   command = [str(script), f'--model_dir={tmp_path / name}',
              f'--backup_dir={tmp_path / (name + "_backup")}', *_ATOMS, *flags]
   if workers:
-    command = ['-m', 'tfmulti.launch', f'--num_workers={workers}', '--',
-               *command]
+    command = ['-m', 'tfmulti.launch', f'--num_workers={workers}',
+               *launcher_flags, '--', *command]
   result = subprocess.run([sys.executable, *command], cwd=REPO,
                           capture_output=True, text=True, timeout=_TIMEOUT_S)
   log = result.stdout + result.stderr
@@ -525,6 +527,25 @@ def test_a_preempted_fit_resumes_as_if_never_stopped(
   log = _signalling(tmp_path, 'run', *clones, workers=workers)
   assert log.count(f'epoch 2, {saved - 20} steps done in it') == max(
       workers, 1)
+  for got, want in zip(_weights(tmp_path / 'run'), uninterrupted):
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_a_fit_that_loses_a_worker_goes_on_from_the_backup(tmp_path,
+                                                           uninterrupted):
+  """2 workers, worker 1 killed (SIGKILL) at step 27 of 3 x 20: an elastic
+  launch goes on with worker 0 alone from the backup of epoch 1's end, at
+  the same global batch (64 rows: fit's batch_size), and ends with the
+  uninterrupted run's bits."""
+  log = _signalling(tmp_path, 'run', '--signal_at_step=27',
+                    '--signal_worker=1', '--signal=SIGKILL', workers=2,
+                    launcher_flags=('--min_workers=1',))
+  assert ('lost worker 1 (killed by SIGKILL): restart 1 goes on with 1 '
+          'workers') in log, log[-3000:]
+  # The restart resumed (epoch 2 from its start, or mid-way), not anew.
+  assert re.search(r'\[worker 0\] .*restored \S+ckpt-(\d+): epoch 2, \d+ '
+                   'steps done in it', log), log[-3000:]
   for got, want in zip(_weights(tmp_path / 'run'), uninterrupted):
     np.testing.assert_array_equal(got, want)
 

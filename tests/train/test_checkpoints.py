@@ -152,6 +152,45 @@ def test_a_two_clone_checkpoint_continues_on_every_path(run_train, tmp_path):
                                  err_msg=f'{name}: {key}')
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('first, then', [
+    (dict(num_clones=4, variables_device='spread', batch_size=2),
+     dict(num_clones=1, batch_size=8)),
+    (dict(num_clones=1, batch_size=8),
+     dict(num_clones=4, variables_device='spread', batch_size=2))])
+def test_spread_variables_and_one_clone_continue_each_other(
+    run_train, tmp_path, first, then):
+  """4 clones with each variable and slot on one of their devices, and 1
+  clone with all of them on the CPU, write one layout: each continues
+  the other's checkpoint to the weights of an uninterrupted run (8 rows a
+  step, momentum slots)."""
+  common = dict(optimizer='momentum', learning_rate=0.05)
+  model_dir = str(tmp_path / 'job')
+  run_train(model_dir=model_dir, train_steps=3, **common, **first)
+  metrics = run_train(model_dir=model_dir, train_steps=5, **common, **then)
+  assert (metrics['resumed_from_step'], metrics['steps']) == (3, 5)
+  whole = run_train(model_dir=str(tmp_path / 'whole'), train_steps=5,
+                    **common, **first)
+  got = checkpoint_tensors(metrics['checkpoint'])
+  reference = checkpoint_tensors(whole['checkpoint'])
+  assert got.keys() == reference.keys()
+  for key, value in reference.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+
+
+def test_a_resume_at_another_global_batch_is_one_line(run_train, tmp_path):
+  """Clones and workers may change on resume; the global batch may not."""
+  model_dir = str(tmp_path / 'job')
+  run_train(model_dir=model_dir, num_clones=2, batch_size=4, train_steps=1)
+  with pytest.raises(SystemExit, match=(
+      'holds another job \\(global_batch_size=8 there, 16 here\\); resume '
+      'with the flags that started it')):
+    run_train(model_dir=model_dir, num_clones=4, batch_size=4,
+              train_steps=2)
+  assert checkpoints.numbered_checkpoints(model_dir)[0][0] == 1
+
+
 class TestScan:
   """The latest intact checkpoint is found whatever else is damaged."""
 
