@@ -181,3 +181,40 @@ def test_a_clones_probe_and_a_replicas_piece_are_layout_arithmetic():
       0, 1)[0]
   assert layouts.replica_terms(3, 4, 64, piece, first=False) == (196, 0)
   assert layouts.replica_terms(0, 4, 64, piece, first=True) == (4, 0.25)
+
+
+class TestWorkerParts:
+  """Workers whose parts of the global batch differ (an elastic start)."""
+
+  def test_parts_are_whole_units_the_longer_first(self):
+    assert layouts.worker_parts(48, 5, 4) == (12, 12, 8, 8, 8)
+    assert layouts.worker_parts(48, 5) == (10, 10, 10, 9, 9)
+    assert layouts.worker_parts(48, 3, 4) == (16, 16, 16)
+    with pytest.raises(errors.ConfigError, match='48 rows is not 13 or more '
+                       'whole parts of 4 rows'):
+      layouts.worker_parts(48, 13, 4)
+
+  @pytest.mark.parametrize('atom_rows', [0, 4])
+  def test_the_pieces_tile_the_global_batch_in_worker_order(self, atom_rows):
+    parts = layouts.worker_parts(48, 5, max(atom_rows, 1))
+    cut = layouts.Cut(num_clones=2, atom_rows=atom_rows, num_workers=5,
+                      worker_parts=parts)
+    layout = layouts.step_layout(parts[-1], cut)
+    assert layout.global_rows == 48
+    assert [layout.worker_rows(w) for w in range(5)] == list(parts)
+    offset = 0
+    for piece in layout.pieces:  # Consecutive rows, nothing twice.
+      assert piece.offset == offset
+      offset += piece.rows
+    assert offset == 48
+    if atom_rows:
+      assert [p.atom for p in layout.pieces] == list(range(12))
+    assert sum(p.penalty for p in layout.pieces) == pytest.approx(1.0)
+    # Every worker cuts the same layout from its own part.
+    assert layouts.step_layout(parts[0], cut) == layout
+
+  def test_a_batch_that_is_no_workers_part_is_one_line(self):
+    cut = layouts.Cut(num_workers=2, worker_parts=(10, 8))
+    with pytest.raises(errors.ConfigError, match='a batch of 9 rows on a '
+                       'worker, whose parts of the global batch are 10/8'):
+      layouts.step_layout(9, cut)

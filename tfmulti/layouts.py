@@ -104,7 +104,8 @@ class StepLayout:
     return sum(p.rows for p in self.of(**where))
 
   def worker_rows(self, worker=0):
-    """Rows of `worker`'s batch (every worker's is as long)."""
+    """Rows of `worker`'s batch (every worker's is as long, but where the
+    cut gives the workers their own `worker_parts`)."""
     return self.rows_of(worker=worker)
 
   def step_rows(self, worker, accumulation_step):
@@ -178,6 +179,8 @@ class Cut:
       gives them), for the pieces; () without.
     even: every clone must take as many rows (lockstep clones, whose
       synchronized BatchNorm all-reduces between equal shards).
+    worker_parts: each worker's rows of the global batch, where they
+      differ (`worker_parts`); None: every worker brings as many.
   """
   num_clones: int = 1
   shares: Optional[Tuple[float, ...]] = None
@@ -188,6 +191,7 @@ class Cut:
   num_workers: int = 1
   devices: Tuple[str, ...] = ()
   even: bool = False
+  worker_parts: Optional[Tuple[int, ...]] = None
 
 
 def is_staged(config, options):
@@ -209,7 +213,8 @@ def cut_of(config, options, shares=None):
              atom_rows=options.reproducible_rows,
              num_workers=config.num_workers,
              devices=tuple(config.clone_devices()),
-             even=options.sync_batch_norm)
+             even=options.sync_batch_norm,
+             worker_parts=options.worker_parts)
 
 
 def for_step(config, options, worker_rows, *, shares=None, partial=False):
@@ -224,7 +229,7 @@ def step_layout(worker_rows, cut=Cut(), partial=False):
 
   Args:
     worker_rows: rows of each worker's batch (the global batch, on one
-      worker).
+      worker); with the cut's `worker_parts`, this worker's part.
     cut: the `Cut`: how the rows are cut.
     partial: the batch is a short last one (Keras's last partial batch):
       it may leave clones or micro-batches empty, and accumulation steps
@@ -240,12 +245,18 @@ def step_layout(worker_rows, cut=Cut(), partial=False):
   errors.check_count('rows of a batch', worker_rows, 1)
   check_share_count(cut.shares, cut.num_clones)
   atom_rows = cut.atom_rows
-  steps = _accumulation_rows(worker_rows, cut.accumulation_steps,
-                             atom_rows, partial)
-  pieces, atom = [], 0
-  for worker in range(cut.num_workers):
-    offset, atom = worker * worker_rows, worker * worker_rows // max(
-        atom_rows, 1)
+  per_worker = cut.worker_parts or (worker_rows,) * cut.num_workers
+  if worker_rows not in per_worker:
+    raise errors.ConfigError(
+        f'a batch of {worker_rows} rows on a worker, whose parts of the '
+        f'global batch are {"/".join(map(str, per_worker))} rows: read the '
+        'rows '
+        'of this worker\'s part.')
+  pieces, offset = [], 0
+  for worker, rows_of_worker in enumerate(per_worker):
+    steps = _accumulation_rows(rows_of_worker, cut.accumulation_steps,
+                               atom_rows, partial)
+    atom = offset // max(atom_rows, 1)
     for k, step_rows in enumerate(steps):
       for clone, rows in enumerate(_clone_rows(step_rows, cut, partial)):
         parts = _microbatch_rows(rows, cut, clone, partial)
@@ -257,7 +268,7 @@ def step_layout(worker_rows, cut=Cut(), partial=False):
                               else ''))
           offset += part
           atom += 1 if atom_rows else 0
-  layout = StepLayout(worker_rows * cut.num_workers, cut.num_workers,
+  layout = StepLayout(sum(per_worker), cut.num_workers,
                       cut.num_clones, cut.accumulation_steps, atom_rows,
                       tuple(pieces))
   if cut.even and not layout.is_even():
@@ -360,6 +371,23 @@ def even_parts(rows, parts):
   first): how inference and evaluation split a batch, which any batch
   may be, over clones or workers."""
   return split_rows(rows, [1] * parts)
+
+
+def worker_parts(global_rows, num_workers, unit=1):
+  """Each worker's rows of a global batch of `global_rows` rows that does
+  not split evenly: whole units of `unit` rows (a worker's accumulation
+  steps of whole atoms: K x `reproducible_rows`), as evenly as they go,
+  the longer parts first (48 rows in units of 4 on 5 workers: 12, 12, 8,
+  8, 8). Raises `ConfigError` for a batch that is not whole units, or
+  that leaves a worker none.
+  """
+  if global_rows % unit or global_rows < unit * num_workers:
+    raise errors.ConfigError(
+        f'a global batch of {global_rows} rows is not {num_workers} or more '
+        f'whole parts of {unit} rows (accumulation steps x '
+        'reproducible_rows), one a worker at least; use fewer workers.')
+  return tuple(unit * n for n in even_parts(global_rows // unit,
+                                            num_workers))
 
 
 def worker_span(rows, worker, num_workers):

@@ -85,7 +85,8 @@ def _rows_from(tensors, first, count):
       lambda t: t if t is None else t[first:first + count], tensors)
 
 
-def worker_shards(dataset, *, worker, num_workers, shards_per_worker):
+def worker_shards(dataset, *, worker, num_workers, shards_per_worker,
+                  parts=None):
   """Worker `worker`'s rows of each global batch, one dataset element a
   shard.
 
@@ -93,8 +94,15 @@ def worker_shards(dataset, *, worker, num_workers, shards_per_worker):
   equal shards; the worker gets shards [worker * shards_per_worker,
   (worker + 1) * shards_per_worker). Every worker reads the same pipeline
   (same seed), so a step of the whole job sees exactly the global batch one
-  process would, split as one process's clones would split it.
+  process would, split as one process's clones would split it. `parts`:
+  every worker's rows, where they differ (`layouts.worker_parts`): the
+  worker takes its part, in worker order, as one shard.
   """
+  if parts:
+    first, count = sum(parts[:worker]), parts[worker]
+    return dataset.map(lambda images, labels: (
+        images[first:first + count], labels[first:first + count]))
+
   def shards(images, labels):
     def shard(k):
       start, rows = layouts.worker_shard(

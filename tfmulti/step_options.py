@@ -87,6 +87,9 @@ class StepOptions:
       device (and its reads of that owner's variables) into one tensor a
       transfer; a count k > 0 cuts each owner's into k packs; 0 is off
       (`deploy.packs`).
+    worker_parts: each worker's rows of a global batch, where they differ
+      (an elastic start on a worker count that does not divide the job's
+      global batch: `layouts.worker_parts`); None: equal parts.
   """
   batch_norm_policy: str = BN_CLONE_0
   sync_batch_norm: bool = False
@@ -104,6 +107,7 @@ class StepOptions:
   summarize_gradients: bool = False
   reproducible_rows: int = 0
   gradient_packs: Union[int, str] = 0
+  worker_parts: Optional[Tuple[int, ...]] = None
 
   def __post_init__(self):
     errors.check_choice('batch_norm_policy', self.batch_norm_policy,

@@ -15,6 +15,7 @@ from tests.helpers import REPO
 from tfmulti import data
 from tfmulti import digits
 from tfmulti import errors
+from tfmulti import layouts
 from tfmulti import rows
 
 
@@ -168,6 +169,26 @@ def test_workers_read_every_row_of_an_epoch_once_between_them(
              for w in range(num_workers)
              for row in per_worker[w][step * block:(step + 1) * block]]
   assert rebuilt == one_process
+
+
+def test_workers_with_parts_of_their_own_read_every_row_once(digits_dir):
+  """48-row global batches on 5 workers, in atoms of 4 (an elastic start):
+  each worker takes its part of each, in worker order, and together they
+  read what one process reads."""
+  loaded = data.load('digits', global_batch_size=48, data_dir=digits_dir,
+                     seed=3)
+  parts = layouts.worker_parts(48, 5, 4)
+
+  def batches(dataset):
+    return [images.numpy() for images, _ in dataset]
+  one_process = batches(loaded.train_epoch(0))
+  per_worker = [batches(rows.worker_shards(
+      loaded.train_epoch(0), worker=w, num_workers=5, shards_per_worker=1,
+      parts=parts)) for w in range(5)]
+  for step, whole in enumerate(one_process):
+    assert [len(per_worker[w][step]) for w in range(5)] == list(parts)
+    np.testing.assert_array_equal(
+        np.concatenate([per_worker[w][step] for w in range(5)]), whole)
 
 
 def test_an_image_size_resizes_every_image(digits_dir):

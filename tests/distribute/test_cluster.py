@@ -734,24 +734,29 @@ def test_a_job_that_loses_a_worker_goes_on_with_the_bits_of_one_process(
 
 
 @pytest.mark.slow
-def test_two_workers_grow_to_three_with_the_bits_of_one_process(
-    tmp_path, digits_dir, one_process_48):
-  """2 workers train 15 steps of 48 rows; an elastic launch of 3 (the same
-  --batch_size, which would make 72) keeps 48 and ends with one process's
+@pytest.mark.parametrize('workers, cut', [
+    (3, '16 rows a clone'), (5, "the workers' parts 12/12/8/8/8 rows")])
+def test_two_workers_grow_with_the_bits_of_one_process(
+    tmp_path, digits_dir, one_process_48, workers, cut):
+  """2 workers train 15 steps of 48 rows; an elastic launch of 3 or 5 (the
+  same --batch_size, which would make 72 or 120) keeps 48 (on 5 workers,
+  parts of whole atoms that differ) and ends with one process's
   weights."""
   model_dir = tmp_path / 'job'
   flags = ('--batch_size=24', *_ELASTIC_JOB)
   launcher = _launch(model_dir, digits_dir, *flags, '--train_steps=15')
   _, text = launcher.communicate(timeout=TIMEOUT_S)
   assert launcher.returncode == 0, text[-3000:]
-  launcher = _launch(model_dir, digits_dir, *flags, launcher_flags=_ELASTIC)
+  launcher = _launch(model_dir, digits_dir, *flags, launcher_flags=(
+      f'--num_workers={workers}', '--min_workers=2'))
   _, text = launcher.communicate(timeout=TIMEOUT_S)
   assert launcher.returncode == 0, text[-3000:]
-  assert re.search(r"\[worker 0\] .*elastic start 0 on 3 workers: the job's "
-                   'global batch of 48 rows is kept, 16 rows a clone', text)
+  assert re.search(rf"\[worker 0\] .*elastic start 0 on {workers} workers: "
+                   f"the job's global batch of 48 rows is kept, {cut}", text)
   metrics = json.loads((model_dir / 'metrics.json').read_text())
   assert (metrics['resumed_from_step'], metrics['steps']) == (
       15, _ELASTIC_STEPS)
-  assert (metrics['num_workers'], metrics['global_batch_size']) == (3, 48)
+  assert (metrics['num_workers'], metrics['global_batch_size']) == (
+      workers, 48)
   assert_same_checkpoints(metrics['checkpoint'], one_process_48['checkpoint'],
                           exact=True)

@@ -13,9 +13,11 @@ from tests.helpers import checkpoint_tensors
 from tests.helpers import scalars
 from tfmulti import deploy
 from tfmulti import errors
+from tfmulti import step_options
 from tfmulti.train import checkpoints
 from tfmulti.train import config as config_lib
 from tfmulti.train import job
+from tfmulti.train import registry
 from tfmulti.train import run_dir
 from tfmulti.train import summaries
 
@@ -275,6 +277,7 @@ class TestElasticStart:
 
   def _configs(self, model_dir, workers, start, **values):
     train = config_lib.TrainConfig(model_dir=str(model_dir), batch_size=16,
+                                   strategy='multi_worker',
                                    elastic_start=start, **values)
     return train, deploy.DeploymentConfig(
         num_clones=1, clone_on_cpu=True, replica_id=0, num_replicas=workers)
@@ -300,13 +303,27 @@ class TestElasticStart:
     fresh, deployed = self._configs(tmp_path / 'new', 2, start=0)
     assert job.keep_global_batch(fresh, deployed) is fresh  # No record yet.
 
-  def test_a_batch_that_does_not_split_is_one_line(self, tmp_path):
+  @pytest.mark.parametrize('atoms, parts', [(0, (10, 10, 10, 9, 9)),
+                                             (4, (12, 12, 8, 8, 8))])
+  def test_a_batch_that_does_not_split_takes_parts_of_whole_atoms(
+      self, tmp_path, atoms, parts):
     self._record(tmp_path, 48)
-    train, deployed = self._configs(tmp_path, 5, start=2)
+    train, deployed = self._configs(
+        tmp_path, 5, start=2,
+        step_options=step_options.StepOptions(reproducible_rows=atoms))
+    kept = job.keep_global_batch(train, deployed)
+    assert kept.step_options.worker_parts == parts
+    assert job.global_batch_size(kept, deployed) == 48
+    registry.check(kept, deployed.__class__(
+        num_clones=1, clone_on_cpu=True, replica_id=0, num_replicas=5))
+
+  def test_fewer_atoms_than_workers_is_one_line(self, tmp_path):
+    self._record(tmp_path, 48)
+    train, deployed = self._configs(
+        tmp_path, 13, start=1,
+        step_options=step_options.StepOptions(reproducible_rows=4))
     with pytest.raises(errors.ConfigError, match=(
-        'trains global batches of 48 rows, which do not split over 5 '
-        'workers x 1 clones x 1 accumulation steps; go on with a count of '
-        'workers that divides 48')):
+        'a global batch of 48 rows is not 13 or more whole parts of 4 rows')):
       job.keep_global_batch(train, deployed)
 
   def test_linear_scaling_is_refused(self, tmp_path):

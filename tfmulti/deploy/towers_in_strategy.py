@@ -112,13 +112,15 @@ class WorkerTowers(trainer.Trainer):
     """This worker's rows of each global batch.
 
     Worker i of N takes rows [i * B/N, (i + 1) * B/N) of every global batch
-    of B rows: every worker reads the same pipeline (same seed), so the
-    job's step sees exactly the global batch a single process would.
+    of B rows (or its part of `worker_parts`, where the parts differ):
+    every worker reads the same pipeline (same seed), so the job's step
+    sees exactly the global batch a single process would.
     """
     config = self.towers.config
     return rows.worker_shards(dataset, worker=config.worker_index,
                               num_workers=config.num_workers,
-                              shards_per_worker=1)
+                              shards_per_worker=1,
+                              parts=self.towers.options.worker_parts)
 
   def train_step_outputs(self, images, labels):
     """One step on this worker's rows; returns the job's `StepOutputs`."""

@@ -34,7 +34,10 @@ from tfmulti.train import summaries
 
 def global_batch_size(config, deploy_config):
   """Rows of one step (one update) of the whole job: every clone of every
-  worker, every accumulation step."""
+  worker, every accumulation step (the workers' parts, where they
+  differ)."""
+  if config.step_options.worker_parts:
+    return sum(config.step_options.worker_parts)
   return (config.batch_size * deploy_config.num_clones *
           deploy_config.num_workers * config.step_options.accumulation_steps)
 
@@ -42,31 +45,37 @@ def global_batch_size(config, deploy_config):
 def keep_global_batch(config, deploy_config):
   """`config` with the global batch its job.json recorded at the job's
   first start, on this start's workers and clones: its `batch_size` is
-  that batch's share of a clone. Only an elastic start
+  that batch's share of a clone; where the batch does not split evenly
+  over the workers, each takes a part of whole atoms of its accumulation
+  steps (`StepOptions.worker_parts`). Only an elastic start
   (`config.elastic_start`) changes it; elsewhere another global batch is
   another job, which `run_dir.check_job` refuses.
 
   Raises:
-    errors.ConfigError: the recorded batch does not split evenly over
-      this start's clones, workers and accumulation steps.
+    errors.ConfigError: the recorded batch cannot be cut over this start's
+      workers (fewer whole atoms than workers).
   """
   recorded = config.elastic_start is not None and (
       run_dir.recorded_job(config.model_dir) or {}).get('global_batch_size')
   if not recorded or recorded == global_batch_size(config, deploy_config):
     return config
-  a_worker = deploy_config.num_clones * config.step_options.accumulation_steps
-  parts = a_worker * deploy_config.num_workers
-  if recorded % parts:
-    raise errors.ConfigError(
-        f'the job in {config.model_dir} trains global batches of {recorded} '
-        f'rows, which do not split over {deploy_config.num_workers} workers x '
-        f'{deploy_config.num_clones} clones x '
-        f'{config.step_options.accumulation_steps} accumulation steps; go on '
-        f'with a count of workers that divides {recorded // a_worker}.')
+  options = config.step_options
+  a_worker = deploy_config.num_clones * options.accumulation_steps
+  if recorded % (a_worker * deploy_config.num_workers) == 0:
+    batch_size, parts = recorded // (a_worker * deploy_config.num_workers), None
+  else:
+    parts = layouts.worker_parts(
+        recorded, deploy_config.num_workers,
+        options.accumulation_steps * max(options.reproducible_rows, 1))
+    batch_size = min(parts) // a_worker
   logging.info('elastic start %d on %d workers: the job\'s global batch of '
-               '%d rows is kept, %d rows a clone', config.elastic_start,
-               deploy_config.num_workers, recorded, recorded // parts)
-  return dataclasses.replace(config, batch_size=recorded // parts)
+               '%d rows is kept, %s', config.elastic_start,
+               deploy_config.num_workers, recorded,
+               f'{batch_size} rows a clone' if parts is None else
+               f'the workers\' parts {"/".join(map(str, parts))} rows')
+  return dataclasses.replace(
+      config, batch_size=max(batch_size, 1),
+      step_options=dataclasses.replace(options, worker_parts=parts))
 
 
 def _log_deployment(config, deploy_config, path):

@@ -151,7 +151,7 @@ def _no_check(config, deploy_config):
 
 # The step options each kind of path honours (`StepOptions.in_use` names).
 _ALL = frozenset(f.name for f in dataclasses.fields(step_options.StepOptions))
-_TOWERS = _ALL | {f'clone_shares={step_options.AUTO}'}
+_TOWERS = (_ALL - {'worker_parts'}) | {f'clone_shares={step_options.AUTO}'}
 _WHOLE_COPIES = frozenset({'sync_batch_norm', 'accumulation_steps',
                            'summarize_gradients'})
 
@@ -198,7 +198,7 @@ BUILDERS = {
     MULTI_WORKER: StrategyBuilder(
         _worker_towers, frozenset({'batch_norm_policy', 'accumulation_steps',
                                    'summarize_gradients',
-                                   'reproducible_rows'}),
+                                   'reproducible_rows', 'worker_parts'}),
         check=_check_workers, multi_worker=True,
         one_replica_per_worker=True,
         variables="each worker's towers; the workers' summed gradients "
@@ -280,6 +280,7 @@ def check_layout(config, deploy_config):
   """Raises `ConfigError` for a batch the step's layout cannot cut (the
   layout's own rules, checked before anything is built or written)."""
   options = config.step_options
-  layouts.for_step(
-      deploy_config, options,
-      config.batch_size * deploy_config.num_clones * options.accumulation_steps)
+  for worker_rows in options.worker_parts or [
+      config.batch_size * deploy_config.num_clones *
+      options.accumulation_steps]:
+    layouts.for_step(deploy_config, options, worker_rows)
