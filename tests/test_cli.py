@@ -733,9 +733,8 @@ def test_batch_norm_momentum_sets_the_moving_statistics_decay(run_train,
 @pytest.mark.slow
 def test_checkpoints_in_the_background_hold_the_bits_of_the_foreground(
     run_train):
-  """The towers write in the background by default and save the same
-  bits as in the foreground; MirroredStrategy's variables are written in
-  the foreground (TensorFlow cannot copy them), as metrics.json says."""
+  """The towers and MirroredStrategy write in the background by default
+  and save the same bits as in the foreground."""
   common = dict(num_clones=2, train_steps=6, checkpoint_steps=2,
                 deterministic=True)
   background = run_train(**common)
@@ -746,4 +745,8 @@ def test_checkpoints_in_the_background_hold_the_bits_of_the_foreground(
   assert_same_checkpoints(background['checkpoint'],
                           foreground['checkpoint'], exact=True)
   mirrored = run_train(strategy='mirrored', **common)
-  assert mirrored['async_checkpoint'] is False
+  mirrored_foreground = run_train(strategy='mirrored', async_checkpoint=False,
+                                  **common)
+  assert mirrored['async_checkpoint'] is True
+  assert_same_checkpoints(mirrored['checkpoint'],
+                          mirrored_foreground['checkpoint'], exact=True)

@@ -166,8 +166,7 @@ _KEEP_CHECKPOINTS = flags.DEFINE_integer(
 _ASYNC_CHECKPOINT = flags.DEFINE_bool(
     'async_checkpoint', True, 'Write checkpoints on a background thread '
     'while the steps go on (the values are copied first; the index names a '
-    'checkpoint once it is whole). tf.distribute strategies write in the '
-    'foreground.')
+    'checkpoint once it is whole).')
 _SUMMARIZE_GRADIENTS = flags.DEFINE_bool(
     'summarize_gradients', False, 'Write gradient histograms and norms per '
     'variable to TensorBoard.')

@@ -78,9 +78,14 @@ def first_line(error):
 
 def tf_reason(error):
   """`first_line(error)` without the op names TensorFlow wraps it in
-  (`{{function_node ...}}`, `[Op:DecodeImage]`): what a user can act on."""
+  (`{{function_node ...}}`, `[Op:DecodeImage]`): what a user can act on;
+  for a compiled call's error ("Graph execution error:", then where the
+  op was built), its last line, which says what failed."""
+  text = str(error).strip()
+  if text.startswith('Graph execution error'):
+    text = text.splitlines()[-1]
   text = re.sub(r'\{\{function_node [^}]*\}\}|\[Op:[^\]]*\]', '',
-                first_line(error))
+                first_line(text))
   return ' '.join(text.split()) or type(error).__name__
 
 

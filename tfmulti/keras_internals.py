@@ -38,15 +38,14 @@ The conventions read here:
 * A `tf.experimental.Optional` made empty takes the structure of the
   value a loop gives it: TF's private `Optional._element_spec`, which
   Keras's own `steps_per_execution` loop sets (`set_element_spec`).
-* A `tf.train.Checkpoint` written in the background keeps its writer in
-  `_async_checkpointer_impl`, whose `sync` waits for the write but keeps
-  its failure until the next save: TF's private
-  `_check_async_thread_error` raises it (`sync_background_write`).
-  Its copy of the values calls each trackable's `_copy_trackable_to_cpu`
-  inside a `tf.function`, and Keras 3.15's (its TensorFlow `Variable`'s)
-  makes a new `tf.Variable` on every call, which fails at the second
-  save; `copy_variables_once` makes it map the Keras variable to the copy
-  of the `tf.Variable` it wraps (`.value`), made once.
+* A `tf.train.Checkpoint`'s saver gathers what it writes, by checkpoint
+  key, and the object graph, in `_saver._gather_serialized_tensors`
+  (values may be `SaveSpec`s to call), and TF's `MultiDeviceSaver` writes
+  such a mapping (keyed by object identity) as `Checkpoint.write` does:
+  its files under `<prefix>_temp/`, merged into `<prefix>.index` and
+  `.data-*` last. `checkpoint_io` compiles the two apart, so a snapshot
+  costs one call and the write runs on another thread (TF's own
+  background write walks the object graph in Python on every save).
 * An op of a graph being traced can be made to wait for another after it
   was built: TF's private `Operation._add_control_input`
   (`pipeline.backward.release` holds the ops of a split backward pass's
@@ -70,27 +69,53 @@ def wait_for(op, gate):
   op._add_control_input(gate)  # pylint: disable=protected-access
 
 
-def sync_background_write(checkpoint):
-  """Waits for `checkpoint`'s background write; raises what it raised."""
-  checkpoint.sync()
-  writer = getattr(checkpoint, '_async_checkpointer_impl', None)
-  if writer is not None:
-    writer._check_async_thread_error()  # pylint: disable=protected-access
+def checkpoint_io(checkpoint):
+  """(snapshot, write) of `checkpoint`, two compiled calls: `snapshot()`
+  returns its tensors as they are now (copies the steps after it cannot
+  change), `write(prefix, tensors)` writes them as `checkpoint.write(
+  prefix)` would, from any thread. Raises `NotImplementedError` for a
+  checkpoint that holds objects with savers of their own."""
+  from tensorflow.python.checkpoint import functional_saver  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.training.saving import saveable_object  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.util import object_identity  # pylint: disable=g-import-not-at-top
+  places, graph = [], []  # (object, key, slice or None); the graph proto.
 
+  def tensor(value):
+    return value.tensor if isinstance(value, saveable_object.SaveSpec) else (
+        value)
 
-def _copy_keras_variable_to_cpu(variable, object_map):
-  """Keras's TF `Variable._copy_trackable_to_cpu`, without a new
-  `tf.Variable` a call: the Keras variable saves as the `tf.Variable` it
-  wraps (the same `VARIABLE_VALUE`), so it maps to that one's copy."""
-  variable.value._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
-  object_map[variable] = object_map[variable.value]
+  def snapshot():
+    serialized, _, registered, proto = (
+        checkpoint._saver._gather_serialized_tensors(None))  # pylint: disable=protected-access
+    if registered:
+      raise NotImplementedError(f'savers of their own: {list(registered)}')
+    del places[:], graph[:]
+    graph.append(proto.SerializeToString())
+    tensors = []
+    for owner, by_key in serialized.items():
+      for key, value in (by_key.items() if owner is not None else ()):
+        for spec, part in (value.items() if isinstance(value, dict)
+                           else [(None, value)]):
+          places.append((owner, key, spec))
+          tensors.append(tf.identity(tensor(part)))
+    return tensors
 
-
-def copy_variables_once():
-  """Lets TensorFlow's background checkpoint write copy Keras variables
-  more than once (see the module's notes); idempotent."""
-  from keras.src.backend.tensorflow import core  # pylint: disable=g-import-not-at-top
-  core.Variable._copy_trackable_to_cpu = _copy_keras_variable_to_cpu  # pylint: disable=protected-access
+  def write(prefix, tensors):
+    serialized = object_identity.ObjectIdentityDictionary()
+    for (owner, key, spec), value in zip(places, tensors):
+      by_key = serialized.setdefault(owner, {})
+      if spec is None:
+        by_key[key] = value
+      else:
+        by_key.setdefault(key, {})[spec] = value
+    with tf.device('/cpu:0'):
+      serialized[None] = {'_CHECKPOINTABLE_OBJECT_GRAPH': tf.constant(
+          graph[0])}
+    saved = functional_saver.MultiDeviceSaver(serialized).save(prefix)
+    with tf.control_dependencies([saved]):
+      return tf.identity(prefix)
+  return (tf.function(snapshot, autograph=False),
+          tf.function(write, autograph=False))
 
 
 def set_element_spec(optional, spec):

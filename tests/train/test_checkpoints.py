@@ -3,7 +3,6 @@
 import errno
 import os
 import shutil
-import threading
 
 import keras
 import numpy as np
@@ -57,15 +56,22 @@ def test_a_resumed_run_draws_what_the_uninterrupted_run_drew(tmp_path):
       run.train_step_outputs(images, labels, with_outputs=True).outputs)
 
 
-def test_keeps_the_newest_and_saves_a_step_once(tmp_path):
+@pytest.mark.parametrize('in_background', [False, True])
+def test_keeps_the_newest_and_saves_a_step_once(tmp_path, in_background):
   deployed = make_deployed(ONE)
-  checkpointer = _checkpointer(tmp_path, deployed, max_to_keep=2)
+  checkpointer = _checkpointer(tmp_path, deployed, max_to_keep=2,
+                               in_background=in_background)
   for step in (1, 2, 3):
     checkpointer.save(checkpoints.Position(step, 0, step))
-  assert [os.path.basename(p) for p in checkpointer.manager.checkpoints] == [
+  checkpointer.wait()
+  state = tf.train.get_checkpoint_state(str(tmp_path))
+  assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == [
       'ckpt-2', 'ckpt-3']
-  assert sorted(p.name for p in tmp_path.glob('ckpt-*.index')) == [
-      'ckpt-2.index', 'ckpt-3.index']
+  assert checkpointer.latest == state.model_checkpoint_path == str(
+      tmp_path / 'ckpt-3')
+  assert sorted(p.name for p in tmp_path.glob('ckpt-*')) == [
+      'ckpt-2.data-00000-of-00001', 'ckpt-2.index',
+      'ckpt-3.data-00000-of-00001', 'ckpt-3.index']
   saved = checkpoint_tensors(str(tmp_path / 'ckpt-3'))
   kernel = deployed.model.trainable_variables[0]
   kernel.assign(kernel + 1.0)  # Changed, but step 3 is already saved.
@@ -319,14 +325,16 @@ class TestInTheBackground:
     checkpointer = _checkpointer(tmp_path, deployed, in_background=True)
     checkpointer.save(checkpoints.Position(1, 0, 8))
     checkpointer.wait()
-    written = tf.train.Checkpoint._write
+    thread = checkpointer._writer._thread  # pylint: disable=protected-access
+    written = thread._write  # pylint: disable=protected-access
 
-    def disk_full_in_the_background(self, *args, **kwargs):
-      if threading.current_thread() is threading.main_thread():
-        return written(self, *args, **kwargs)
-      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(tf.train.Checkpoint, '_write',
-                        disk_full_in_the_background)
+    class DiskFull:
+      """The compiled write, failing as a full disk does when it runs."""
+      get_concrete_function = written.get_concrete_function
+
+      def __call__(self, *args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(thread, '_write', DiskFull())
     checkpointer.save(checkpoints.Position(2, 0, 16))  # Returns at once.
     with pytest.raises(errors.CheckpointWriteError,
                        match='cannot write checkpoint ckpt-2 .*No space '
@@ -336,16 +344,23 @@ class TestInTheBackground:
     assert [step for step, _ in checkpoints.numbered_checkpoints(
         str(tmp_path))] == [1]
 
-  def test_tf_distribute_variables_are_written_in_the_foreground(
-      self, tmp_path):
+  def test_tf_distribute_variables_are_written_too(self, tmp_path):
+    """A MirroredStrategy's variables (one copy a replica): the snapshot
+    holds their values, and a fresh model restores them."""
     strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
     with strategy.scope():
       model = mlp()
-      optimizer = keras.optimizers.SGD(0.1)
+      optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
       optimizer.build(model.trainable_variables)
-    assert not checkpoints.in_background_for(model.variables)
     checkpointer = checkpoints.Checkpointer(
         str(tmp_path), model=model, optimizer=optimizer, max_to_keep=2,
         device=ONE.summaries_device(), in_background=True)
-    assert not checkpointer.in_background
-    assert checkpoints.in_background_for(make_deployed(ONE).model.variables)
+    for variable in model.trainable_variables:
+      variable.assign(variable + 1.0)
+    saved = weights(model)
+    checkpointer.save(checkpoints.Position(1, 0, 8))
+    checkpointer.wait()
+    fresh = make_deployed(ONE, model_fn=lambda: mlp(seed=5))
+    assert _checkpointer(tmp_path, fresh).restore_latest().step == 1
+    for got, want in zip(weights(fresh.model), saved):
+      np.testing.assert_array_equal(got, want)

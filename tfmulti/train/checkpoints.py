@@ -22,15 +22,13 @@ What is guaranteed (each tested in tests/test_checkpoints.py):
     and keeps the last good checkpoint as the latest.
 
 Written in the background (`Writer(in_background=True)`, the command
-line's `--async_checkpoint`): `save` copies the values (a copy the steps
-after it cannot touch) and a thread of TensorFlow's
-(`tf.train.CheckpointOptions(enable_async=True)`) writes them while the
-steps go on; the index names the checkpoint only once its files are whole,
+line's `--async_checkpoint`): `save` takes a snapshot of the values (one
+compiled call; the steps after it cannot touch it) and a thread writes
+it while the steps go on (one compiled call, `keras_internals.
+checkpoint_io`), then names it in the index; the files are the ones
+`tf.train.Checkpoint.write` writes, whole before the index names them,
 so every guarantee above holds. A failed background write stops the run
-at the next save or at the end (`wait`), naming that checkpoint. Variables
-of tf.distribute (mirrored, on several replicas) have no such copy in
-TensorFlow 2.21: TensorFlow would skip them, so their checkpoints are
-written in the foreground (`in_background_for`).
+at the next save or at the end (`wait`), naming that checkpoint.
 """
 
 import collections
@@ -39,6 +37,7 @@ import glob
 import os
 import re
 import shutil
+import threading
 
 from absl import logging
 import numpy as np
@@ -128,18 +127,20 @@ def _repair_index(directory, latest):
                   'the newest intact checkpoint', directory, named, latest[1])
   kept = [path for step, path in reversed(numbered_checkpoints(directory))
           if step <= latest[0]]
-  tf.compat.v1.train.update_checkpoint_state(
-      directory, latest[1], all_model_checkpoint_paths=kept)
+  write_index(directory, latest[1], kept)
 
 
-def in_background_for(variables):
-  """Whether checkpoints of `variables` can be written in the background:
-  none is a tf.distribute variable (TensorFlow's background write copies
-  plain variables and skips, with a warning, any it cannot copy)."""
-  return not any(isinstance(v, tf.distribute.DistributedValues)
-                 or isinstance(getattr(v, 'value', None),
-                               tf.distribute.DistributedValues)
-                 for v in variables)
+def write_index(directory, latest, kept):
+  """Writes the `checkpoint` index of `directory`: `latest` and the `kept`
+  checkpoints (paths, oldest first), by name, as `CheckpointManager`
+  writes it; atomically (a temporary file renamed over it)."""
+  lines = [f'model_checkpoint_path: "{os.path.basename(latest)}"'] + [
+      f'all_model_checkpoint_paths: "{os.path.basename(path)}"'
+      for path in kept]
+  index = os.path.join(directory, 'checkpoint')
+  with tf.io.gfile.GFile(index + '.tmp', 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  tf.io.gfile.rename(index + '.tmp', index, overwrite=True)
 
 
 def finite_check(variables):
@@ -188,16 +189,16 @@ class Writer:
         checkpoint, directory, max_to_keep=max_to_keep,
         checkpoint_name=CHECKPOINT_NAME)
     self.in_background = in_background
-    self._checkpoint = checkpoint
-    self._options = tf.train.CheckpointOptions(enable_async=in_background)
-    if in_background:
-      keras_internals.copy_variables_once()
+    self._directory, self._max_to_keep = directory, max_to_keep
+    self._thread = _Thread(checkpoint, self._record) if in_background else (
+        None)
     self._writing = None  # The step being written in the background.
+    self._written = None  # The last checkpoint written in the background.
 
   @property
   def latest(self):
     """Path of the latest good checkpoint, or None."""
-    return self.manager.latest_checkpoint or (
+    return self._written or self.manager.latest_checkpoint or (
         self.latest_intact and self.latest_intact[1])
 
   def describe_latest(self):
@@ -214,8 +215,12 @@ class Writer:
     """
     self.wait()
     with self._failing(step):
-      path = self.manager.save(checkpoint_number=step, options=self._options)
-    self._writing = step if self.in_background else None
+      if not self.in_background:
+        return self.manager.save(checkpoint_number=step)
+      tf.io.gfile.makedirs(self._directory)
+      path = os.path.join(self._directory, f'{CHECKPOINT_NAME}-{step}')
+      self._thread.start(path)
+    self._writing = step
     return path
 
   def wait(self):
@@ -228,7 +233,17 @@ class Writer:
       return
     step, self._writing = self._writing, None
     with self._failing(step):
-      keras_internals.sync_background_write(self._checkpoint)
+      self._thread.join()
+
+  def _record(self, path):
+    """Names `path`, written whole, in the index, and removes the oldest
+    beyond `max_to_keep` (as `CheckpointManager.save` does)."""
+    kept = [p for _, p in reversed(numbered_checkpoints(self._directory))]
+    for old in kept[:-self._max_to_keep]:
+      for name in glob.glob(glob.escape(old) + '.*'):
+        os.remove(name)
+    write_index(self._directory, path, kept[-self._max_to_keep:])
+    self._written = path
 
   @contextlib.contextmanager
   def _failing(self, step):
@@ -238,9 +253,45 @@ class Writer:
     except (OSError, tf.errors.OpError) as e:
       raise errors.CheckpointWriteError(
           f'cannot write checkpoint {CHECKPOINT_NAME}-{step} in '
-          f'{self.manager.directory} ({errors.first_line(e)}); free some '
+          f'{self.manager.directory} ({errors.tf_reason(e)}); free some '
           'space or fix the directory, then run the same command again: the '
           f'latest good checkpoint is {self.describe_latest()}.') from e
+
+
+class _Thread:
+  """One background write at a time: the snapshot on the caller's
+  thread, the files and `record(path)` on a thread of its own."""
+
+  def __init__(self, checkpoint, record):
+    checkpoint.save_counter  # pylint: disable=pointless-statement
+    # Made now: the manager's saves write it too, so every file has it.
+    self._snapshot, self._write = keras_internals.checkpoint_io(checkpoint)
+    self._record = record
+    self._thread = self._error = None
+
+  def start(self, path):
+    """Snapshots the values now; writes them to `path` on the thread."""
+    tensors = self._snapshot()
+    prefix = tf.constant(path)
+    self._write.get_concrete_function(prefix, tensors)  # Traced here.
+    self._thread = threading.Thread(target=self._run,
+                                    args=(prefix, tensors, path))
+    self._thread.start()
+
+  def _run(self, prefix, tensors, path):
+    try:
+      self._write(prefix, tensors)
+      self._record(path)
+    except (OSError, tf.errors.OpError) as e:
+      self._error = e
+
+  def join(self):
+    """Waits for the write; raises what it raised."""
+    if self._thread is not None:
+      self._thread.join()
+    error, self._thread, self._error = self._error, None, None
+    if error is not None:
+      raise error
 
 
 class Checkpointer:
@@ -258,8 +309,7 @@ class Checkpointer:
     same). A non-chief worker saves into its own temporary directory and
     restores from the chief's. Finds the latest intact checkpoint now (and
     repairs the index of `directory` to name it). `in_background`: write
-    in the background where the variables allow it (`in_background_for`;
-    the `in_background` attribute says whether it does).
+    in the background (`Writer`).
 
     Raises:
       errors.CheckpointDamagedError: checkpoints exist and none is readable.
@@ -279,12 +329,7 @@ class Checkpointer:
     self._writer = Writer(directory, self._checkpoint,
                           max_to_keep=max_to_keep,
                           restore_directory=restore_directory,
-                          in_background=in_background and in_background_for(
-                              self._variables))
-    if in_background and not self._writer.in_background:
-      logging.info('checkpoints are written in the foreground: TensorFlow '
-                   'cannot copy tf.distribute variables for a background '
-                   'write')
+                          in_background=in_background)
     self.manager = self._writer.manager
     self._saved_step = None  # Step of the checkpoint on disk, if known.
 

@@ -66,8 +66,7 @@ class TrainConfig:
     checkpoint_steps: global steps between checkpoints (and one at the end).
     keep_checkpoints: how many recent checkpoints to keep.
     async_checkpoint: write checkpoints in the background while the steps
-      go on (`checkpoints.Writer`), where the variables allow it (not
-      tf.distribute's: there they are written in the foreground).
+      go on (`checkpoints.Writer`).
     mixed_precision: compute in float16 on GPUs (with loss scaling) or
       bfloat16 on CPUs; variables stay float32.
     strategy: a name in `registry.NAMES`: how the step runs.
