@@ -683,7 +683,9 @@ def test_a_killed_run_leaves_a_checkpoint_that_loads(tmp_path, digits_dir,
   assert finished.returncode == 0, finished.stderr[-2000:]
   metrics = json.loads((model_dir / 'metrics.json').read_text())
   assert metrics['steps'] == 20 and metrics['resumed_from_step'] >= 1
-  assert not list(model_dir.glob('*_temp'))  # No partial write is left.
+  # No partial write is left.
+  assert not list(model_dir.glob('*_temp')) + list(
+      model_dir.glob('*.tempstate*'))
 
 
 @pytest.mark.slow

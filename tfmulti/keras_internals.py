@@ -39,13 +39,13 @@ The conventions read here:
   value a loop gives it: TF's private `Optional._element_spec`, which
   Keras's own `steps_per_execution` loop sets (`set_element_spec`).
 * A `tf.train.Checkpoint`'s saver gathers what it writes, by checkpoint
-  key, and the object graph, in `_saver._gather_serialized_tensors`
-  (values may be `SaveSpec`s to call), and TF's `MultiDeviceSaver` writes
-  such a mapping (keyed by object identity) as `Checkpoint.write` does:
-  its files under `<prefix>_temp/`, merged into `<prefix>.index` and
-  `.data-*` last. `checkpoint_io` compiles the two apart, so a snapshot
-  costs one call and the write runs on another thread (TF's own
-  background write walks the object graph in Python on every save).
+  key (the object graph's proto under `_CHECKPOINTABLE_OBJECT_GRAPH`
+  among them), in `_saver._gather_serialized_tensors` (values may be
+  `SaveSpec`s to call, or slices by spec). `checkpoint_io` compiles that
+  gathering into a snapshot and the write (one `SaveV2` of those keys)
+  apart, so a snapshot costs one call and the write runs on another
+  thread (TF's own background write walks the object graph in Python on
+  every save).
 * An op of a graph being traced can be made to wait for another after it
   was built: TF's private `Operation._add_control_input`
   (`pipeline.backward.release` holds the ops of a split backward pass's
@@ -71,14 +71,14 @@ def wait_for(op, gate):
 
 def checkpoint_io(checkpoint):
   """(snapshot, write) of `checkpoint`, two compiled calls: `snapshot()`
-  returns its tensors as they are now (copies the steps after it cannot
-  change), `write(prefix, tensors)` writes them as `checkpoint.write(
-  prefix)` would, from any thread. Raises `NotImplementedError` for a
-  checkpoint that holds objects with savers of their own."""
-  from tensorflow.python.checkpoint import functional_saver  # pylint: disable=g-import-not-at-top
+  returns whether every float tensor is finite, and the tensors as they
+  are now (copies the steps after it cannot change); `write(prefix,
+  tensors)` writes them as `checkpoint.write(prefix)` would (one `SaveV2`:
+  its data file, then its index, each renamed into place whole), from any
+  thread. Raises `NotImplementedError` for a checkpoint that holds objects
+  with savers of their own."""
   from tensorflow.python.training.saving import saveable_object  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.util import object_identity  # pylint: disable=g-import-not-at-top
-  places, graph = [], []  # (object, key, slice or None); the graph proto.
+  names, slices, graph = [], [], []  # Each tensor's key and slice; proto.
 
   def tensor(value):
     return value.tensor if isinstance(value, saveable_object.SaveSpec) else (
@@ -89,31 +89,26 @@ def checkpoint_io(checkpoint):
         checkpoint._saver._gather_serialized_tensors(None))  # pylint: disable=protected-access
     if registered:
       raise NotImplementedError(f'savers of their own: {list(registered)}')
-    del places[:], graph[:]
-    graph.append(proto.SerializeToString())
+    del names[:], slices[:], graph[:]
     tensors = []
-    for owner, by_key in serialized.items():
-      for key, value in (by_key.items() if owner is not None else ()):
+    for by_key in serialized.values():
+      for key, value in by_key.items():
         for spec, part in (value.items() if isinstance(value, dict)
-                           else [(None, value)]):
-          places.append((owner, key, spec))
+                           else [('', value)]):
+          names.append(key)
+          slices.append(spec)
           tensors.append(tf.identity(tensor(part)))
-    return tensors
+    graph.append(proto.SerializeToString())
+    finite = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors
+              if t.dtype.is_floating]
+    return tf.reduce_all(finite or [True]), tensors
 
   def write(prefix, tensors):
-    serialized = object_identity.ObjectIdentityDictionary()
-    for (owner, key, spec), value in zip(places, tensors):
-      by_key = serialized.setdefault(owner, {})
-      if spec is None:
-        by_key[key] = value
-      else:
-        by_key.setdefault(key, {})[spec] = value
     with tf.device('/cpu:0'):
-      serialized[None] = {'_CHECKPOINTABLE_OBJECT_GRAPH': tf.constant(
-          graph[0])}
-    saved = functional_saver.MultiDeviceSaver(serialized).save(prefix)
-    with tf.control_dependencies([saved]):
-      return tf.identity(prefix)
+      saved = tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names,
+                                shape_and_slices=slices, tensors=tensors)
+      with tf.control_dependencies([saved]):  # Not pruned: the result.
+        return tf.identity(prefix)
   return (tf.function(snapshot, autograph=False),
           tf.function(write, autograph=False))
 

@@ -261,13 +261,17 @@ class TestScan:
     partial = tmp_path / 'ckpt-4_temp'
     partial.mkdir()
     (partial / 'part-00000-of-00001.data-00000-of-00001').write_bytes(b'x')
+    written = tmp_path / 'ckpt-4.data-00000-of-00001.tempstate123'
+    written.write_bytes(b'x')  # A background write's, cut short.
     assert self._restored_step(tmp_path) == 3
-    assert not partial.exists()
+    assert not partial.exists() and not written.exists()
 
 
-def test_non_finite_weights_are_never_saved(tmp_path):
+@pytest.mark.parametrize('in_background', [False, True])
+def test_non_finite_weights_are_never_saved(tmp_path, in_background):
   deployed = make_deployed(ONE)
-  checkpointer = _checkpointer(tmp_path, deployed)
+  checkpointer = _checkpointer(tmp_path, deployed,
+                               in_background=in_background)
   checkpointer.save(checkpoints.Position(1, 0, 8))
   kernel = deployed.model.trainable_variables[0]
   kernel.assign(tf.fill(kernel.shape, float('nan')))
@@ -325,7 +329,7 @@ class TestInTheBackground:
     checkpointer = _checkpointer(tmp_path, deployed, in_background=True)
     checkpointer.save(checkpoints.Position(1, 0, 8))
     checkpointer.wait()
-    thread = checkpointer._writer._thread  # pylint: disable=protected-access
+    thread = checkpointer._writer._background  # pylint: disable=protected-access
     written = thread._write  # pylint: disable=protected-access
 
     class DiskFull:

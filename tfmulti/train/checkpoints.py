@@ -107,11 +107,16 @@ def latest_intact(directory):
 
 
 def _remove_partial_writes(directory):
-  """Removes what an interrupted save leaves: `ckpt-N_temp/` directories."""
-  for partial in glob.glob(os.path.join(glob.escape(directory),
-                                        f'{CHECKPOINT_NAME}-*_temp')):
+  """Removes what an interrupted save leaves: `ckpt-N_temp/` directories
+  (a sharded save's) and `ckpt-N.*.tempstate*` files (one write's)."""
+  pattern = os.path.join(glob.escape(directory), f'{CHECKPOINT_NAME}-*')
+  for partial in glob.glob(pattern + '_temp') + glob.glob(
+      pattern + '.tempstate*'):
     logging.info('removing %s, left by an interrupted save', partial)
-    shutil.rmtree(partial, ignore_errors=True)
+    if os.path.isdir(partial):
+      shutil.rmtree(partial, ignore_errors=True)
+    else:
+      os.remove(partial)
 
 
 def _repair_index(directory, latest):
@@ -190,8 +195,8 @@ class Writer:
         checkpoint_name=CHECKPOINT_NAME)
     self.in_background = in_background
     self._directory, self._max_to_keep = directory, max_to_keep
-    self._thread = _Thread(checkpoint, self._record) if in_background else (
-        None)
+    self._background = (_BackgroundWrite(checkpoint, self._record)
+                        if in_background else None)
     self._writing = None  # The step being written in the background.
     self._written = None  # The last checkpoint written in the background.
 
@@ -205,9 +210,12 @@ class Writer:
     """The latest good checkpoint, for a message a user reads."""
     return self.latest or 'none yet: the run starts from its initial weights'
 
-  def write(self, step):
+  def write(self, step, finite_only=False):
     """Writes checkpoint `ckpt-<step>` (in the background: starts writing
-    it, once the one before is written); returns its path.
+    it, once the one before is written); returns its path. In the
+    background with `finite_only`, writes nothing and returns None where
+    the snapshot holds a value that is not finite (the snapshot checks
+    them in the same call).
 
     Raises:
       errors.CheckpointWriteError: the write failed (disk full, no access),
@@ -219,7 +227,8 @@ class Writer:
         return self.manager.save(checkpoint_number=step)
       tf.io.gfile.makedirs(self._directory)
       path = os.path.join(self._directory, f'{CHECKPOINT_NAME}-{step}')
-      self._thread.start(path)
+      if not self._background.start(path, finite_only):
+        return None
     self._writing = step
     return path
 
@@ -233,15 +242,15 @@ class Writer:
       return
     step, self._writing = self._writing, None
     with self._failing(step):
-      self._thread.join()
+      self._background.join()
 
   def _record(self, path):
     """Names `path`, written whole, in the index, and removes the oldest
     beyond `max_to_keep` (as `CheckpointManager.save` does)."""
     kept = [p for _, p in reversed(numbered_checkpoints(self._directory))]
     for old in kept[:-self._max_to_keep]:
-      for name in glob.glob(glob.escape(old) + '.*'):
-        os.remove(name)
+      for name in tf.io.gfile.glob(old + '.*'):
+        tf.io.gfile.remove(name)
     write_index(self._directory, path, kept[-self._max_to_keep:])
     self._written = path
 
@@ -258,7 +267,7 @@ class Writer:
           f'latest good checkpoint is {self.describe_latest()}.') from e
 
 
-class _Thread:
+class _BackgroundWrite:
   """One background write at a time: the snapshot on the caller's
   thread, the files and `record(path)` on a thread of its own."""
 
@@ -269,21 +278,28 @@ class _Thread:
     self._record = record
     self._thread = self._error = None
 
-  def start(self, path):
-    """Snapshots the values now; writes them to `path` on the thread."""
-    tensors = self._snapshot()
+  def start(self, path, finite_only=False):
+    """Snapshots the values now; writes them to `path` on the thread;
+    returns True. With `finite_only`, returns False, writing nothing,
+    where a float value is not finite."""
+    finite, tensors = self._snapshot()
+    if finite_only and not bool(finite):
+      return False
     prefix = tf.constant(path)
     self._write.get_concrete_function(prefix, tensors)  # Traced here.
     self._thread = threading.Thread(target=self._run,
                                     args=(prefix, tensors, path))
     self._thread.start()
+    return True
 
   def _run(self, prefix, tensors, path):
+    if hasattr(os, 'setpriority'):  # Behind the steps' threads (Linux).
+      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     try:
       self._write(prefix, tensors)
       self._record(path)
-    except (OSError, tf.errors.OpError) as e:
-      self._error = e
+    except Exception as e:  # pylint: disable=broad-except
+      self._error = e  # Raised by `join`, on the caller's thread.
 
   def join(self):
     """Waits for the write; raises what it raised."""
@@ -356,6 +372,13 @@ class Checkpointer:
     """The latest good checkpoint, for a message a user reads."""
     return self._writer.describe_latest()
 
+  def _non_finite(self, step):
+    return errors.NonFiniteError(
+        f'the weights are not finite after step {step}; training stopped '
+        'without saving them. The latest checkpoint '
+        f'({self.describe_latest()}) holds the last good state; lower '
+        '--learning_rate or add --warmup_steps, then run again.')
+
   def restore_latest(self):
     """Restores the latest intact checkpoint; returns its `Position` or None.
 
@@ -392,16 +415,15 @@ class Checkpointer:
     """
     if position.step == self._saved_step:
       return self.latest
-    if not self._all_finite():
-      raise errors.NonFiniteError(
-          f'the weights are not finite after step {position.step}; training '
-          'stopped without saving them. The latest checkpoint '
-          f'({self.describe_latest()}) holds the last good state; lower '
-          '--learning_rate or add --warmup_steps, then run again.')
+    # In the background, the snapshot checks its own values (one call).
+    if not self.in_background and not self._all_finite():
+      raise self._non_finite(position.step)
     self._step.assign(position.step)
     self._epoch.assign(position.epoch)
     self._epoch_examples.assign(position.epoch_examples)
-    path = self._writer.write(position.step)
+    path = self._writer.write(position.step, finite_only=True)
+    if path is None:
+      raise self._non_finite(position.step)
     self._saved_step = position.step
     logging.info('%s %s', 'writing in the background' if self.in_background
                  else 'saved', path)
