@@ -58,6 +58,7 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 # a `fit` script's): 128 + N, as a shell reports death by signal N.
 _STOP_CODES = tuple(128 + s for s in _FORWARDED)
 _POLL_S = 0.1
+_SETTLE_S = 1.0  # After a failure, how long others have to show theirs.
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
 
 
@@ -263,6 +264,7 @@ class WorkerProcesses:
     answering)."""
     if not self.first_failure():
       return []
+    time.sleep(_SETTLE_S)  # Workers lost together are counted together.
     deadline = time.monotonic() + self.config.grace_s
     while True:
       ended = {i: p.poll() for i, p in enumerate(self.processes)}

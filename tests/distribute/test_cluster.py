@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tests.data import test_tfrecords
 from tests.helpers import assert_same_checkpoints
+from tests.helpers import checkpoint_tensors
 from tests.helpers import indexed_job_flags
 from tests.helpers import REPO
 from tfmulti import errors
@@ -688,7 +689,7 @@ def _worker_pid(launcher_pid, index):
       with open(f'/proc/{pid}/environ', 'rb') as f:
         env = dict(item.split(b'=', 1) for item in f.read().split(b'\0')
                    if b'=' in item)
-    except FileNotFoundError:
+    except OSError:  # Gone, or a zombie.
       continue
     if b'TF_CONFIG' in env and json.loads(env[b'TF_CONFIG'])['task'][
         'index'] == index:
@@ -760,3 +761,62 @@ def test_two_workers_grow_with_the_bits_of_one_process(
       workers, 48)
   assert_same_checkpoints(metrics['checkpoint'], one_process_48['checkpoint'],
                           exact=True)
+
+
+@pytest.mark.slow
+def test_a_job_without_atoms_goes_on_with_the_steps_of_one_process(
+    tmp_path, digits_dir):
+  """Without --reproducible_rows: 3 workers lose one after step 8 and go on
+  with 2 at the same global batch and rate; the weights after 12 steps
+  are one process's on the same 48-row batches, to 1e-5."""
+  flags = ('--strategy=multi_worker', '--num_clones=1', '--train_steps=12',
+           '--checkpoint_steps=4')
+  one = tmp_path / 'one'
+  subprocess.run(_worker_command(one, digits_dir, '--batch_size=48',
+                                 '--train_steps=12'), cwd=REPO, check=True,
+                 timeout=TIMEOUT_S, capture_output=True)
+  model_dir = tmp_path / 'job'
+  log = tmp_path / 'launcher.log'
+  with open(log, 'w') as stderr:
+    launcher = _launch(model_dir, digits_dir, '--batch_size=16', *flags,
+                       stderr=stderr, launcher_flags=_ELASTIC)
+  _wait_for_line(log, 'step 8/12', launcher)
+  os.kill(_worker_pid(launcher.pid, 1), signal.SIGKILL)
+  launcher.communicate(timeout=TIMEOUT_S)
+  text = log.read_text()
+  assert launcher.returncode == 0, text[-3000:]
+  assert 'lost worker 1 (killed by SIGKILL): restart 1 goes on with 2' in text
+  metrics = json.loads((model_dir / 'metrics.json').read_text())
+  assert metrics['resumed_from_step'] in (4, 8) and metrics['steps'] == 12
+  assert (metrics['global_batch_size'], metrics['learning_rate']) == (
+      48, json.loads((one / 'metrics.json').read_text())['learning_rate'])
+  assert_same_checkpoints(
+      metrics['checkpoint'],
+      json.loads((one / 'metrics.json').read_text())['checkpoint'])
+
+
+@pytest.mark.slow
+def test_fewer_workers_than_min_workers_stop_with_the_checkpoints_intact(
+    tmp_path, digits_dir):
+  """3 workers with --min_workers=2 lose two at once: the launcher stops
+  with one line and a failure status; the latest checkpoint reads whole,
+  and no record says the job finished."""
+  model_dir = tmp_path / 'job'
+  log = tmp_path / 'launcher.log'
+  with open(log, 'w') as stderr:
+    launcher = _launch(model_dir, digits_dir, '--batch_size=16',
+                       *_ELASTIC_JOB, stderr=stderr, launcher_flags=_ELASTIC)
+  _wait_for_line(log, f'step 12/{_ELASTIC_STEPS}', launcher)
+  for index in (1, 2):
+    os.kill(_worker_pid(launcher.pid, index), signal.SIGKILL)
+  launcher.communicate(timeout=TIMEOUT_S)
+  text = log.read_text()
+  assert launcher.returncode == 128 + signal.SIGKILL, text[-3000:]
+  assert re.search(r'lost worker 1 \(killed by SIGKILL\), worker 2 \(killed '
+                   r'by SIGKILL\): 1 workers left, fewer than '
+                   r'--min_workers=2; the job stops', text), text[-3000:]
+  assert 'restart 1' not in text
+  latest = tf.train.latest_checkpoint(str(model_dir))
+  assert latest.endswith('ckpt-10')
+  assert checkpoint_tensors(latest)  # Every tensor reads back.
+  assert not (model_dir / 'metrics.json').exists()
