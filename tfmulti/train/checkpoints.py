@@ -272,8 +272,9 @@ class _BackgroundWrite:
   thread, the files and `record(path)` on a thread of its own."""
 
   def __init__(self, checkpoint, record):
-    checkpoint.save_counter  # pylint: disable=pointless-statement
-    # Made now: the manager's saves write it too, so every file has it.
+    # Made now (reading it makes it): the manager's saves write it too,
+    # so every file has it.
+    _ = checkpoint.save_counter
     self._snapshot, self._write = keras_internals.checkpoint_io(checkpoint)
     self._record = record
     self._thread = self._error = None
