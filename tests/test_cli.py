@@ -711,6 +711,7 @@ def test_module_commands_start_as_quietly_as_the_main_one(module, tmp_path):
       result.stderr)
 
 
+@pytest.mark.slow
 def test_batch_norm_momentum_sets_the_moving_statistics_decay(run_train,
                                                               tmp_path):
   """--batch_norm_momentum reaches every BatchNormalization of the job's

@@ -311,6 +311,40 @@ class WorkerProcesses:
       thread.join()
 
 
+class Forwarded:
+  """SIGINT and SIGTERM to the launcher, passed on to the workers it runs
+  (`watch`), once per signal; installed before any worker starts, so a
+  signal that comes while they start reaches them as soon as they exist,
+  and one before an elastic restart ends the job instead."""
+
+  def __init__(self):
+    self.workers = None
+    self.received = None  # The signal, once one came.
+
+  def __enter__(self):
+    self._previous = {s: signal.signal(s, self._forward) for s in _FORWARDED}
+    return self
+
+  def __exit__(self, *unused):
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+
+  def _forward(self, signum, frame):
+    del frame  # Unused.
+    logging.warning('%s: passed to every worker', signal.Signals(signum).name)
+    self.received = signum
+    if self.workers is not None:
+      self.workers.signalled = True
+      self.workers.signal_running(signum)
+
+  def watch(self, workers):
+    """Forwards to `workers` from now on (and the signal that came while
+    they started)."""
+    self.workers = workers
+    if self.received:
+      self._forward(self.received, None)
+
+
 def supervise(workers, elastic=False):
   """Waits for every worker; returns (the launcher's exit code: the failed
   worker's, else that of the first to stop on a signal, else 0; the
@@ -318,36 +352,25 @@ def supervise(workers, elastic=False):
 
   A worker that fails stops the others: SIGTERM, then SIGKILL after the
   grace period; with `elastic`, the lost ones found (`lost`), SIGKILL at
-  once. SIGINT and SIGTERM received here are forwarded to the workers,
-  which stop by themselves (each saves); a worker that stops on a signal,
-  forwarded or its own, is not a failure (`is_stop`).
+  once. A worker that stops on a signal, forwarded (`Forwarded`) or its
+  own, is not a failure (`is_stop`): the others stop by themselves.
   """
-  def forward(signum, frame):
-    del frame  # Unused.
-    logging.warning('%s: passed to every worker', signal.Signals(signum).name)
-    workers.signalled = True
-    workers.signal_running(signum)
-  previous = {s: signal.signal(s, forward) for s in _FORWARDED}
-  try:
-    while workers.running():
-      failure = workers.first_failure()
-      if failure and elastic and not workers.signalled:
-        lost = workers.lost()
-        workers.kill()
-        return _exit_code(workers.processes[lost[0]].returncode), lost
-      if failure:
-        index, code = failure
-        logging.error('worker %d exited with status %d; stopping the others',
-                      index, code)
-        workers.stop()
-        return code, []
-      time.sleep(_POLL_S)
-    workers.wait()
+  while workers.running():
     failure = workers.first_failure()
-    return (failure[1] if failure else workers.first_stop() or 0), []
-  finally:
-    for signum, handler in previous.items():
-      signal.signal(signum, handler)
+    if failure and elastic and not workers.signalled:
+      lost = workers.lost()
+      workers.kill()
+      return _exit_code(workers.processes[lost[0]].returncode), lost
+    if failure:
+      index, code = failure
+      logging.error('worker %d exited with status %d; stopping the others',
+                    index, code)
+      workers.stop()
+      return code, []
+    time.sleep(_POLL_S)
+  workers.wait()
+  failure = workers.first_failure()
+  return (failure[1] if failure else workers.first_stop() or 0), []
 
 
 def main(argv=None):
@@ -367,28 +390,43 @@ def run(launch_config):
   """Starts the job, and again on the workers left after each loss while
   `min_workers` are left (elastic); returns the launcher's exit code."""
   count, start = launch_config.num_workers, 0
-  while True:
-    ports = ([launch_config.port + i for i in range(count)]
-             if launch_config.port and not start else free_ports(count))
-    logging.info('%d workers on %s', count,
-                 ', '.join(f'localhost:{p}' for p in ports))
-    workers = WorkerProcesses(launch_config, ports, start)
-    code, lost = supervise(workers, elastic=_elastic(launch_config))
-    if not lost:
-      return code
-    left = count - len(lost)
-    what = ', '.join(f'worker {i} ({workers.fate(i)})' for i in lost)
-    if left < launch_config.min_workers:
-      logging.error('lost %s: %d workers left, fewer than --min_workers=%d; '
-                    'the job stops with its checkpoints as they are (run '
-                    'the same command to resume)', what, left,
-                    launch_config.min_workers)
-      return code or 1
-    start += 1
-    logging.warning('lost %s: restart %d goes on with %d workers from the '
-                    'latest intact checkpoint, at the same global batch',
-                    what, start, left)
-    count = left
+  with Forwarded() as forwarded:
+    while True:
+      code, lost, workers = _start(launch_config, count, start, forwarded)
+      if not lost or forwarded.received:
+        return code
+      count, start = _restart(launch_config, count, start, lost, workers)
+      if count is None:
+        return code or 1
+
+
+def _start(launch_config, count, start, forwarded):
+  """Starts `count` workers (elastic start `start`) and supervises them:
+  (exit code, workers lost, the `WorkerProcesses`)."""
+  ports = ([launch_config.port + i for i in range(count)]
+           if launch_config.port and not start else free_ports(count))
+  logging.info('%d workers on %s', count,
+               ', '.join(f'localhost:{p}' for p in ports))
+  workers = WorkerProcesses(launch_config, ports, start)
+  forwarded.watch(workers)
+  return (*supervise(workers, elastic=_elastic(launch_config)), workers)
+
+
+def _restart(launch_config, count, start, lost, workers):
+  """(workers, start) of the next start after losing `lost`; (None, None)
+  where fewer than `min_workers` are left (said in one line)."""
+  left = count - len(lost)
+  what = ', '.join(f'worker {i} ({workers.fate(i)})' for i in lost)
+  if left < launch_config.min_workers:
+    logging.error('lost %s: %d workers left, fewer than --min_workers=%d; '
+                  'the job stops with its checkpoints as they are (run the '
+                  'same command to resume)', what, left,
+                  launch_config.min_workers)
+    return None, None
+  logging.warning('lost %s: restart %d goes on with %d workers from the '
+                  'latest intact checkpoint, at the same global batch',
+                  what, start + 1, left)
+  return left, start + 1
 
 
 if __name__ == '__main__':

@@ -152,6 +152,7 @@ def test_the_atoms_run_alone_and_fold_in_order():
   assert len(loops) == len(deployed.model.trainable_variables) + 1
 
 
+@pytest.mark.slow
 def test_moving_statistics_are_the_atoms_mean():
   """BatchNorm normalises each atom alone (ghost BatchNorm): the moving
   mean after one step is the mean of the atoms' updates."""

@@ -167,6 +167,7 @@ def test_with_clones_shares_and_accumulation_equal_one_device():
             recompute=True), rows=32)
 
 
+@pytest.mark.slow
 def test_the_same_bits_as_1f1b_with_reproducible_rows():
   """A BatchNorm MLP with L2 (weights, slots, moving statistics), 2 clones
   of 2 stage devices: 4 chunks under ZB-V, 2 stages under 1F1B."""
