@@ -207,7 +207,13 @@ class Writer:
         self.latest_intact and self.latest_intact[1])
 
   def describe_latest(self):
-    """The latest good checkpoint, for a message a user reads."""
+    """The latest good checkpoint, for a message a user reads: once the
+    write in progress, if any, has ended (whole, or failed: then the one
+    before it)."""
+    try:
+      self.wait()
+    except errors.CheckpointWriteError:
+      pass  # The message that asked says why the run stops.
     return self.latest or 'none yet: the run starts from its initial weights'
 
   def write(self, step, finite_only=False):
