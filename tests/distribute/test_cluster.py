@@ -767,27 +767,28 @@ def test_two_workers_grow_with_the_bits_of_one_process(
 def test_a_job_without_atoms_goes_on_with_the_steps_of_one_process(
     tmp_path, digits_dir):
   """Without --reproducible_rows: 3 workers lose one after step 8 and go on
-  with 2 at the same global batch and rate; the weights after 12 steps
+  with 2 at the same global batch and rate; the weights after 24 steps
   are one process's on the same 48-row batches, to 1e-5."""
-  flags = ('--strategy=multi_worker', '--num_clones=1', '--train_steps=12',
+  flags = ('--strategy=multi_worker', '--num_clones=1', '--train_steps=24',
            '--checkpoint_steps=4')
   one = tmp_path / 'one'
   subprocess.run(_worker_command(one, digits_dir, '--batch_size=48',
-                                 '--train_steps=12'), cwd=REPO, check=True,
+                                 '--train_steps=24'), cwd=REPO, check=True,
                  timeout=TIMEOUT_S, capture_output=True)
   model_dir = tmp_path / 'job'
   log = tmp_path / 'launcher.log'
   with open(log, 'w') as stderr:
     launcher = _launch(model_dir, digits_dir, '--batch_size=16', *flags,
                        stderr=stderr, launcher_flags=_ELASTIC)
-  _wait_for_line(log, 'step 8/12', launcher)
+  _wait_for_line(log, 'step 8/24', launcher)
   os.kill(_worker_pid(launcher.pid, 1), signal.SIGKILL)
   launcher.communicate(timeout=TIMEOUT_S)
   text = log.read_text()
   assert launcher.returncode == 0, text[-3000:]
   assert 'lost worker 1 (killed by SIGKILL): restart 1 goes on with 2' in text
   metrics = json.loads((model_dir / 'metrics.json').read_text())
-  assert metrics['resumed_from_step'] in (4, 8) and metrics['steps'] == 12
+  # Resumed from a checkpoint before the end (the kill may land late).
+  assert 0 < metrics['resumed_from_step'] < 24 and metrics['steps'] == 24
   assert (metrics['global_batch_size'], metrics['learning_rate']) == (
       48, json.loads((one / 'metrics.json').read_text())['learning_rate'])
   assert_same_checkpoints(
@@ -817,6 +818,6 @@ def test_fewer_workers_than_min_workers_stop_with_the_checkpoints_intact(
                    r'--min_workers=2; the job stops', text), text[-3000:]
   assert 'restart 1' not in text
   latest = tf.train.latest_checkpoint(str(model_dir))
-  assert latest.endswith('ckpt-10')
+  assert re.search(r'ckpt-(10|20)$', latest)  # Where the kill found it.
   assert checkpoint_tensors(latest)  # Every tensor reads back.
   assert not (model_dir / 'metrics.json').exists()
