@@ -131,7 +131,7 @@ def test_each_device_runs_its_chunks_in_the_order():
       assert op.device.endswith(f'CPU:{int(found.group(1)) % 2}'), op.name
 
 
-_QUICK = ((2, 2, 4),)
+_QUICK = ((2, 2, 2),)
 
 
 @pytest.mark.parametrize('k, v, m', [

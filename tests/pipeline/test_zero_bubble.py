@@ -98,6 +98,7 @@ def _bn_layout(schedule):
           dict(num_microbatches=4, pipeline_schedule=schedule))
 
 
+@pytest.mark.slow
 def test_the_same_bits_as_1f1b_with_reproducible_rows():
   """A BatchNorm MLP with L2 (weights, slots, moving statistics)."""
   def batch(step):
