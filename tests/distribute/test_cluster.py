@@ -600,7 +600,11 @@ def _descendants(pid):
   found, frontier = [], [pid]
   while frontier:
     parent = frontier.pop()
-    for task in os.listdir(f'/proc/{parent}/task'):
+    try:
+      tasks = os.listdir(f'/proc/{parent}/task')
+    except FileNotFoundError:  # It ended while we looked.
+      continue
+    for task in tasks:
       try:
         with open(f'/proc/{parent}/task/{task}/children') as f:
           children = [int(c) for c in f.read().split()]
