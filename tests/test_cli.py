@@ -287,7 +287,7 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog,
      "steps, e.g. 20, or 'auto'"),
     (dict(steps_per_loop='0'), 'steps_per_loop=0: must be an integer >= 1'),
     (dict(steps_per_loop='4', clone_shares=['auto']),
-     'steps_per_loop=4 with --clone_shares=auto: the balancer times'),
+     'steps_per_loop=4 with clone_shares=auto: the balancer times'),
 ])
 def test_bad_flags_stop_with_one_line(tmp_path, values, message):
   values = dict(dict(model_dir=str(tmp_path / 'run')), **values)

@@ -105,6 +105,57 @@ def test_the_last_partial_batch_trains_exactly_with_one_more_trace():
   assert towers._train_function.experimental_get_tracing_count() == traces
 
 
+def _counted_fit(steps_per_execution, epochs=2):
+  """2 clones, `fit` with `steps_per_execution`: (the TowersModel, its
+  logs, the steps Keras's eager `train_step` ran)."""
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    model = mlp()
+  towers = fit.TowersModel(model, config)
+  towers.compile(optimizer=OPTIMIZERS['adam'](), loss=_loss(),
+                 metrics=['accuracy'], steps_per_execution=steps_per_execution)
+  eager, train_step = [], towers.train_step
+  towers.train_step = lambda data: eager.append(1) or train_step(data)
+  history = towers.fit(_data(), epochs=epochs, verbose=0)
+  return towers, history.history, len(eager)
+
+
+def test_steps_per_execution_runs_the_full_batches_in_one_call_exactly():
+  """compile(steps_per_execution=3), 5 batches an epoch (the last of 4
+  rows): the fit's first call runs Keras's eager steps (they fix the full
+  layout); then each call is one compiled loop over the full batches,
+  and an epoch's last batch ends its call as one step of its own. The
+  same bits as one step a call, and plain fit's weights."""
+  want_model, want_logs = _plain_fit('adam')
+  one, one_logs, one_eager = _counted_fit(1)
+  towers, logs, eager = _counted_fit(3)
+  assert one_eager == 10  # Every step an eager train_step.
+  # Epoch 1: 3 eager, 1 in a loop, the last alone; epoch 2: 3 in a loop,
+  # then 1 and the last alone.
+  assert eager == 3 + 1 + 1
+  assert towers.train_function.function.experimental_get_tracing_count() == 1
+  assert int(towers.optimizer.iterations.numpy()) == 10
+  for got, want, reference in zip(weights(towers.model), weights(one.model),
+                                  weights(want_model)):
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+  assert logs == one_logs
+  for key in want_logs:
+    np.testing.assert_allclose(logs[key], want_logs[key], rtol=1e-5,
+                               err_msg=key)
+
+
+def test_steps_per_execution_with_measured_shares_is_refused_in_one_line():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    model = mlp()
+  towers = fit.TowersModel(model, config, clone_shares='auto')
+  with pytest.raises(errors.ConfigError, match=re.escape(
+      'steps_per_execution=2 with clone_shares=auto: the balancer times the '
+      'clones between steps, one step a call; set steps_per_execution=1')):
+    towers.compile(optimizer='sgd', loss=_loss(), steps_per_execution=2)
+
+
 def test_a_last_batch_of_fewer_rows_than_clones_trains_as_plain_fit():
   """tf.data's last batch of 2 rows on 3 clones: clone 2 takes none."""
   images, labels = make_batch(34, seed=3)

@@ -236,7 +236,7 @@ def test_refusals_and_where_auto_is_one():
     config.TrainConfig(steps_per_loop=4, step_options=step_options.StepOptions(
         clone_shares='auto'))
   assert str(raised.value).startswith(
-      'steps_per_loop=4 with --clone_shares=auto: the balancer times')
+      'steps_per_loop=4 with clone_shares=auto: the balancer times')
   auto_shares = config.TrainConfig(step_options=step_options.StepOptions(
       clone_shares='auto'))
   assert auto_shares.resolved_steps_per_loop() == 1

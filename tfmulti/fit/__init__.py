@@ -7,6 +7,7 @@ command line runs too), in one process or across workers.
   towers_model    TowersModel: Keras's compile / fit / evaluate / predict
   across_workers  how its steps run: in one process, or on every worker
   backup          BackupAndRestore made exact: resume at the step
+  step_loop       steps_per_execution: N steps in one compiled call
 """
 
 from tfmulti.fit.towers_model import TowersModel  # noqa: F401

@@ -26,6 +26,8 @@ How it differs from a plain Keras model:
   * The optimizer is made (again, from its config, if it was made
     elsewhere) and built, and every variable's placement checked, in
     `compile`, under `config.optimizer_variables_device()`.
+  * `compile(steps_per_execution=N)` runs N steps in one compiled call
+    (`step_loop`), as Keras's own loop, in one process.
   * Several inputs and outputs (lists or dicts), several losses with
     `loss_weights`, and sample or class weights are Keras's own: each is a
     mean over rows, split with the batch and weighted by each piece's rows,
@@ -75,7 +77,9 @@ from tfmulti import trainer
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.fit import across_workers
 from tfmulti.fit import backup as backup_lib
+from tfmulti.fit import step_loop
 from tfmulti.train import registry
+from tfmulti.train import step_calls
 
 
 class TowersModel(keras.Model):
@@ -162,6 +166,8 @@ class TowersModel(keras.Model):
     for each in tf.nest.flatten(loss):
       if isinstance(each, keras.losses.Loss):
         trainer.check_loss(each)
+    step_calls.check_shares('steps_per_execution',
+                            kwargs.get('steps_per_execution', 1), self.options)
     if jit_compile in (True, False):  # 'auto' leaves the rule to decide.
       self.options = dataclasses.replace(self.options, xla=jit_compile)
     with tf.device(self.config.optimizer_variables_device()):
@@ -176,6 +182,34 @@ class TowersModel(keras.Model):
                                       self.options)
     self._steps.bind(self.towers)
     self._full_rows = 0  # The most rows a batch had: fewer is a last one.
+    self._full_layout = None  # The layout of the fit's full batches.
+
+  def make_train_function(self, force=False):
+    """Keras's train function; with `steps_per_execution` N > 1 in one
+    process, N steps in one compiled call (`step_loop`). Across workers
+    the steps run one compiled call each, N to a call of Keras's."""
+    if self.train_function is not None and not force:
+      return self.train_function
+    super().make_train_function(force)
+    if self.steps_per_execution > 1 and self._steps.strategy is None:
+      self.train_function = step_loop.StepLoop(self, self.train_function)
+    return self.train_function
+
+  def full_layout(self):
+    """The layout of this fit's full batches once one was trained, unless
+    the next step is one a resumed run passes over (None: the steps run
+    one a call)."""
+    return None if self._to_pass else self._full_layout
+
+  def loop_step(self, data, layout):
+    """One step of `data` (a full batch, in a compiled loop): its logs."""
+    images, labels, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    targets = _targets(labels, sample_weight)
+    return self._train_function(images, targets, layout, (images, targets))
+
+  def ran_in_a_loop(self):
+    """Notes that the last step trained (`passing_steps`)."""
+    self._passed = False
 
   def train_step(self, data):
     _check_no_strategy()
@@ -196,6 +230,8 @@ class TowersModel(keras.Model):
     mine = self._steps.mine((images, targets))  # This worker's rows.
     self.towers.measure_shares(*mine)
     layout = self.towers.layout_for(*mine, partial=rows_ < self._full_rows)
+    if rows_ == self._full_rows:
+      self._full_layout = layout
     return self._train_function(*mine, layout, (images, targets))
 
   @tf.function(autograph=False)  # As Keras traces its own steps.
@@ -280,6 +316,7 @@ class TowersModel(keras.Model):
       callbacks = [self._backup if c is originals[0] else c
                    for c in callbacks]
     arguments['callbacks'] = callbacks
+    self._full_layout = None  # Its first step fixes it again.
     try:
       with self._steps.guard(
           lambda: int(self.optimizer.iterations.value.numpy()) + 1):

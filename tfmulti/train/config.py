@@ -173,12 +173,8 @@ class TrainConfig:
   def _check_steps_per_loop(self):
     if self.steps_per_loop != step_calls.AUTO:
       errors.check_count('steps_per_loop', self.steps_per_loop, 1)
-    if self.step_options.auto_shares and self.steps_per_loop not in (
-        1, step_calls.AUTO):
-      raise errors.ConfigError(
-          f'steps_per_loop={self.steps_per_loop} with --clone_shares=auto: '
-          'the balancer times the clones between steps, one step a call; '
-          'drop --steps_per_loop, or give fixed --clone_shares.')
+    step_calls.check_shares('steps_per_loop', self.steps_per_loop,
+                            self.step_options)
 
   def resolved_steps_per_loop(self):
     """`steps_per_loop`, with 'auto' made 1 where a call of many steps

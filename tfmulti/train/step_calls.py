@@ -22,12 +22,24 @@ import math
 from absl import logging
 import tensorflow as tf
 
+from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import trainer as trainer_lib
 
 AUTO = 'auto'
 TARGET_SECONDS = 0.05  # A call's length under 'auto': dispatch is hidden.
 TIMED_STEPS = 3  # Steps 'auto' times one a call, after the traced first.
+
+
+def check_shares(name, steps, options):
+  """Refuses `steps` (N of the option `name`) > 1 a call with measured
+  clone shares (`options.auto_shares`): the balancer times the clones
+  between steps."""
+  if options.auto_shares and steps not in (1, AUTO):
+    raise errors.ConfigError(
+        f'{name}={steps} with clone_shares=auto: the balancer times the '
+        f'clones between steps, one step a call; set {name}=1, or give '
+        'fixed clone shares.')
 
 
 class OneACall:
