@@ -1,5 +1,6 @@
 """End-to-end tests of the command line: models, datasets, signals, flags."""
 
+import gc
 import json
 import math
 import random
@@ -573,6 +574,20 @@ def test_bad_choices_are_refused_by_the_flags(name, value):
     with pytest.raises(flags.IllegalFlagValueError,
                        match=f'--{name}={value}'):
       flags.FLAGS(['train.py', f'--{name}={value}'])
+
+
+def test_the_command_leaves_its_objects_to_the_system_at_exit(tmp_path):
+  """`run` freezes the objects it made once `main` ends, failed or not: the
+  interpreter's last collection would walk them all (most of a job's exit,
+  BENCHMARKS.md), and the operating system frees them anyway."""
+  assert gc.get_freeze_count() == 0
+  try:
+    with flagsaver.flagsaver(), pytest.raises(SystemExit):
+      cli.run(['train.py', f'--model_dir={tmp_path}/run', '--model=vgg'])
+    assert gc.get_freeze_count() > 0
+  finally:
+    gc.unfreeze()
+  assert not (tmp_path / 'run').exists()
 
 
 # TensorFlow's C++ start-up lines on a machine without a GPU (the quiet start

@@ -8,6 +8,7 @@ call. Every problem a user can fix stops with one line naming the value and
 the fix (`errors.UserError`), before any training state exists.
 """
 
+import gc
 import os
 import re
 import sys
@@ -608,4 +609,11 @@ def run(argv=None):
   if any(arg in _HELP_FLAGS for arg in argv[1:]):
     print(help_text())
     sys.exit(0)
-  app.run(main, argv=argv)
+  try:
+    app.run(main, argv=argv)
+  finally:
+    # Every file is written and closed by now. The interpreter's last
+    # collection would walk the millions of objects TensorFlow and Keras
+    # made (0.7 s of a LeNet job's exit): frozen, they are left to the
+    # operating system; the exit still runs atexit and flushes.
+    gc.freeze()
