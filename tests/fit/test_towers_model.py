@@ -324,15 +324,22 @@ class _StopMidEpoch(keras.callbacks.Callback):
       raise RuntimeError('interrupted')
 
 
-def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path):
+@pytest.mark.parametrize('steps_per_execution, save_freq', [
+    (1, 'epoch'),
+    pytest.param(2, 'epoch', marks=pytest.mark.slow),
+    (2, 2)])  # Resumed mid-epoch: the steps passed over run one a call.
+def test_backup_and_restore_resumes_an_interrupted_fit_exactly(
+    tmp_path, steps_per_execution, save_freq):
   want, _ = _towers_fit('momentum', num_clones=2, epochs=3)
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   towers = fit.TowersModel(mlp(), config)
-  towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss())
-  backup = keras.callbacks.BackupAndRestore(str(tmp_path / 'backup'))
+  towers.compile(optimizer=OPTIMIZERS['momentum'](), loss=_loss(),
+                 steps_per_execution=steps_per_execution)
+  backup = keras.callbacks.BackupAndRestore(str(tmp_path / 'backup'),
+                                            save_freq=save_freq)
   with pytest.raises(RuntimeError, match='interrupted'):
     towers.fit(_data(), epochs=3, verbose=0,
-               callbacks=[backup, _StopMidEpoch(epoch=1, batch=2)])
+               callbacks=[backup, _StopMidEpoch(epoch=1, batch=3)])
   towers.fit(_data(), epochs=3, verbose=0, callbacks=[backup])
   for got, expected in zip(weights(towers.model), weights(want.model)):
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)

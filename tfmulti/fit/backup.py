@@ -188,7 +188,10 @@ class Backup(keras.callbacks.Callback):
     self._epoch = epoch
 
   def on_train_batch_end(self, batch, logs=None):
-    step = self._epoch * self.steps_per_epoch + batch + 1
+    # Keras ends an epoch's last call of `steps_per_execution` steps at a
+    # multiple of them, past the epoch's steps when they are not one.
+    done = min(batch + 1, self.steps_per_epoch)
+    step = self._epoch * self.steps_per_epoch + done
     if self.model.passing_steps():
       return
     stop = (self.agreed_stop.stop_after(step, self.signals.received,
@@ -196,7 +199,7 @@ class Backup(keras.callbacks.Callback):
             if self.agreed_stop is not None else self.signals.stop())
     if stop or (isinstance(self.save_freq, int)
                 and step % self.save_freq == 0):
-      self._save(self._epoch, batch + 1)
+      self._save(self._epoch, done)
     if stop:
       raise Preempted(stop, step)
 
