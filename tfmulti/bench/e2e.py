@@ -12,7 +12,8 @@ a call; and the plain Keras equivalent (`compile` + `fit` with
 `validation_data`, the same model, data pipeline, global batch, optimizer
 and epochs) on one device with its defaults (`jit_compile='auto'`) and
 with `jit_compile=True`, under `MirroredStrategy` on the two logical CPUs,
-and as `fit.TowersModel` (the towers behind `fit`) on them. Each job is
+and as `fit.TowersModel` (the towers behind `fit`) on them; plain `fit`
+and `TowersModel` again with `steps_per_execution=8`. Each job is
 timed whole (wall and process CPU seconds) and by phase: start-up to the
 first step, the first step (tracing), training after it, evaluation.
 `--variants` picks some.
@@ -44,7 +45,8 @@ from tfmulti.train import step_calls
 
 NUM_LOGICAL_CPUS = 2
 FIT_VARIANTS = ('fit_one_device', 'fit_one_device_jit', 'fit_mirrored',
-                'towers_fit_2clones')
+                'towers_fit_2clones', 'fit_one_device_8_a_call',
+                'towers_fit_2clones_8_a_call')
 TFMULTI_VARIANTS = ('tfmulti_2clones', 'tfmulti_1clone',
                     'tfmulti_2clones_xla', 'tfmulti_1clone_xla',
                     'tfmulti_2clones_no_xla', 'tfmulti_1clone_no_xla',
@@ -143,10 +145,11 @@ class _Phases(keras.callbacks.Callback):
         time.perf_counter() - self._after_first - self.times['evaluation'])
 
 
-def _fit(e2e, kind, jit_compile='auto'):
+def _fit(e2e, kind, jit_compile='auto', steps_per_execution=1):
   """The plain Keras script: build, compile, fit with validation; `kind`
   'one_device', 'mirrored' (MirroredStrategy) or 'towers' (TowersModel on
-  the two logical CPUs); `jit_compile` as `compile` takes it."""
+  the two logical CPUs); `jit_compile` and `steps_per_execution` as
+  `compile` takes them."""
   started = time.perf_counter()
   keras.utils.set_random_seed(0)
   loaded = data.load('digits', global_batch_size=e2e.global_batch_size,
@@ -167,14 +170,17 @@ def _fit(e2e, kind, jit_compile='auto'):
     if kind == 'towers':
       model = fit.TowersModel(model, towers)
     model.compile(optimizer=optimizer, loss=build.make_loss(),
-                  metrics=['accuracy'], jit_compile=jit_compile)
+                  metrics=['accuracy'], jit_compile=jit_compile,
+                  steps_per_execution=steps_per_execution)
   phases = _Phases(started)
   history = model.fit(loaded.train_epoch(0), epochs=e2e.epochs,
                       validation_data=loaded.test, callbacks=[phases],
                       verbose=0)
   steps = e2e.epochs * (loaded.train_examples // e2e.global_batch_size)
   return dict(phases.times, eval_accuracy=history.history['val_accuracy'][-1],
-              images_per_sec=(steps - 1) * e2e.global_batch_size / (
+              # The first call runs `steps_per_execution` steps.
+              images_per_sec=(steps - steps_per_execution) * (
+                  e2e.global_batch_size) / (
                   phases.times['train_after_first_step']))
 
 
@@ -193,7 +199,11 @@ def run(e2e, variants=TFMULTI_VARIANTS + FIT_VARIANTS):
           'fit_one_device': lambda: _fit(e2e, 'one_device'),
           'fit_one_device_jit': lambda: _fit(e2e, 'one_device', True),
           'fit_mirrored': lambda: _fit(e2e, 'mirrored'),
-          'towers_fit_2clones': lambda: _fit(e2e, 'towers')}
+          'towers_fit_2clones': lambda: _fit(e2e, 'towers'),
+          'fit_one_device_8_a_call': lambda: _fit(
+              e2e, 'one_device', steps_per_execution=8),
+          'towers_fit_2clones_8_a_call': lambda: _fit(
+              e2e, 'towers', steps_per_execution=8)}
   names = [name for name in jobs if name in variants]
   rounds = {name: [] for name in names}
   for k in range(e2e.rounds):

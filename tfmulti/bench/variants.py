@@ -190,8 +190,9 @@ def towers(bench, num_clones=None):
                registry.TOWERS)
 
 
-def build_variants(bench):
-  """(variants, {skipped name: reason}) for the devices present."""
+def build_variants(bench, names=None):
+  """(variants, {skipped name: reason}) for the devices present; only
+  those in `names` where given."""
   deploy_config = placement.DeploymentConfig(num_clones=bench.num_clones,
                                              clone_on_cpu=bench.clone_on_cpu)
   spread = placement.DeploymentConfig(num_clones=bench.num_clones,
@@ -234,6 +235,8 @@ def build_variants(bench):
       distributed_model.CENTRAL_STORAGE)))
   variants, skipped = [], {}
   for name, make in builders:
+    if names is not None and name not in names:
+      continue
     try:
       variants.append(make())
     except errors.UnsupportedError as e:
