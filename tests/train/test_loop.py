@@ -167,9 +167,11 @@ def test_train_and_evaluate_takes_its_data_and_trainer(tmp_path):
                                     steps_per_loop=1)  # A Python fake.
   one_clone = deploy.DeploymentConfig(clone_on_cpu=True)
   first = FakeTrainer()
+  before = metrics_lib.process_age()
   metrics = job.train_and_evaluate(
       train_config, one_clone, data_override=_tiny_data(),
       trainer_override=first)
+  after = metrics_lib.process_age()
   with open(tmp_path / metrics_lib.METRICS_FILE) as f:
     assert json.load(f) == metrics_lib.strict(metrics)
   assert (metrics['steps'], metrics['resumed_from_step']) == (7, None)
@@ -179,6 +181,12 @@ def test_train_and_evaluate_takes_its_data_and_trainer(tmp_path):
   # Linux's /proc: more than the seconds since the job began, and finite.
   phases = metrics['phases_seconds']
   assert phases['imports'] > phases['startup'] > 0
+  # With 'other', the phases add up to the process's age when the job
+  # wrote its record (/proc's clock ticks are 10 ms).
+  whole = sum(phases[name] for name in metrics_lib.WHOLE_PHASES
+              if name in phases) + phases['other']
+  assert phases['other'] >= -0.02
+  assert before - 0.02 <= whole <= after + 0.02
   rest = FakeTrainer()
   metrics = job.train_and_evaluate(
       config.TrainConfig(model_dir=str(tmp_path), batch_size=BATCH,

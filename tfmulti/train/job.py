@@ -341,6 +341,7 @@ def _record(config, trainer, result, input_shape):
     logging.info('nothing was trained: %s keeps the figures of the run that '
                  'trained step %d', metrics.METRICS_FILE, kept['steps'])
     return kept
+  result['phases_seconds'] = metrics.with_the_rest(result['phases_seconds'])
   metrics.write(config.model_dir, result)
   return result
 

@@ -51,6 +51,22 @@ def phases(progress, started, imports=float('nan')):
           'checkpoints': progress.checkpoint_seconds}
 
 
+# The phases that do not overlap (checkpoints are part of training).
+WHOLE_PHASES = ('imports', 'startup', 'first_step', 'train_after_first_step',
+                'evaluation', 'export')
+
+
+def with_the_rest(phases):
+  """`phases` with 'other': the process's age now less the phases that do
+  not overlap (the job's end: the last checkpoint's write, the summaries'
+  close; the gaps between phases), so that they add up to the process's
+  wall time until metrics.json is written. Only the exit comes after.
+  None where the process's age cannot be read."""
+  age = process_age()
+  covered = sum(phases.get(name) or 0.0 for name in WHOLE_PHASES)
+  return dict(phases, other=age - covered if math.isfinite(age) else None)
+
+
 def collect(config, deploy_config, run, outcome, restored, started,
             imports=float('nan')):
   """The metrics of a finished `loop.Run` and its `loop.Outcome`."""
