@@ -23,6 +23,16 @@ import tensorflow as tf
 from tfmulti import keras_internals
 
 
+def wrap(model, keras_function, in_one_process):
+  """The train function of `model` (a `TowersModel`): a `StepLoop` around
+  Keras's own `keras_function` where `steps_per_execution` > 1 in one
+  process; else Keras's (across workers each step is one compiled call,
+  N to a call of Keras's)."""
+  if model.steps_per_execution > 1 and in_one_process:
+    return StepLoop(model, keras_function)
+  return keras_function
+
+
 class StepLoop:
   """The train function of a `TowersModel` with `steps_per_execution` > 1
   (in one process): `__call__(iterator)` returns the logs of the call's
@@ -43,7 +53,6 @@ class StepLoop:
     if layout is None or not isinstance(iterator, tf.data.Iterator):
       return self._keras_function(iterator)
     ran, logs, other = self.function(iterator, layout)
-    self._model.ran_in_a_loop()
     if other.has_value():  # A batch of other rows: a step of its own.
       return self._model.train_step(_no_optionals(other.get_value()))
     if not ran:

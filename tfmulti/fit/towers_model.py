@@ -185,20 +185,17 @@ class TowersModel(keras.Model):
     self._full_layout = None  # The layout of the fit's full batches.
 
   def make_train_function(self, force=False):
-    """Keras's train function; with `steps_per_execution` N > 1 in one
-    process, N steps in one compiled call (`step_loop`). Across workers
-    the steps run one compiled call each, N to a call of Keras's."""
-    if self.train_function is not None and not force:
-      return self.train_function
-    super().make_train_function(force)
-    if self.steps_per_execution > 1 and self._steps.strategy is None:
-      self.train_function = step_loop.StepLoop(self, self.train_function)
+    """Keras's train function, or N steps a compiled call (`step_loop`)."""
+    if self.train_function is None or force:
+      super().make_train_function(force)
+      self.train_function = step_loop.wrap(self, self.train_function,
+                                           self._steps.strategy is None)
     return self.train_function
 
   def full_layout(self):
-    """The layout of this fit's full batches once one was trained, unless
-    the next step is one a resumed run passes over (None: the steps run
-    one a call)."""
+    """The layout of this fit's full batches, once one trained; None while
+    a resumed run passes over steps. A loop's steps are trained ones."""
+    self._passed = False
     return None if self._to_pass else self._full_layout
 
   def loop_step(self, data, layout):
@@ -206,10 +203,6 @@ class TowersModel(keras.Model):
     images, labels, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     targets = _targets(labels, sample_weight)
     return self._train_function(images, targets, layout, (images, targets))
-
-  def ran_in_a_loop(self):
-    """Notes that the last step trained (`passing_steps`)."""
-    self._passed = False
 
   def train_step(self, data):
     _check_no_strategy()
@@ -303,7 +296,7 @@ class TowersModel(keras.Model):
     del arguments['self']
     arguments.update(arguments.pop('kwargs', {}))
     self._steps.check_input(arguments)
-    self._check_batches(arguments)
+    _check_batches(self, arguments)
     callbacks = list(arguments.get('callbacks') or ())
     originals = [c for c in callbacks
                  if isinstance(c, keras.callbacks.BackupAndRestore)]
@@ -338,21 +331,22 @@ class TowersModel(keras.Model):
     """Whether the last step was one a resumed run passed over."""
     return self._passed
 
-  def _check_batches(self, arguments):
-    """Cuts the full and the last batch of array inputs before the first
-    step: a last batch the layout refuses (not whole atoms, clones in
-    lockstep) would otherwise stop `fit` after a whole epoch."""
-    x = arguments.get('x')
-    if self.towers is None or not backup_lib.are_arrays(x):
-      return
-    _, full, last = across_workers.fit_batches(arguments)
-    for batch, partial in ((full, False), (last, 0 < last < full)):
-      if batch:
-        self.towers.layout_for_rows(batch // self.config.num_workers,
-                                    partial)
-
 
 _FIT = inspect.signature(keras.Model.fit)
+
+
+def _check_batches(model, arguments):
+  """Cuts the full and the last batch of array inputs before the first
+  step: a last batch the layout refuses (not whole atoms, clones in
+  lockstep) would otherwise stop `fit` after a whole epoch."""
+  x = arguments.get('x')
+  if model.towers is None or not backup_lib.are_arrays(x):
+    return
+  _, full, last = across_workers.fit_batches(arguments)
+  for batch, partial in ((full, False), (last, 0 < last < full)):
+    if batch:
+      model.towers.layout_for_rows(batch // model.config.num_workers,
+                                   partial)
 
 
 class _CompiledLoss:
