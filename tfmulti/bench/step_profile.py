@@ -18,7 +18,9 @@ the other, and sums the time of the ops it ran, per step, by part:
 With the op counts of each part, so what one design runs and another does
 not shows as ops, not only as time. Op time is summed over the threads
 that ran the ops (on 2 logical CPUs, two at once), so it exceeds the step's
-wall; `step_ms` is the compiled step's own span.
+wall; `step_ms` is the compiled step's own span. It reads the host's CPU
+plane of the profile: on CPUs the ops themselves; on GPUs it would time
+their launches, not their kernels, so it is a CPU benchmark.
 """
 
 import argparse
