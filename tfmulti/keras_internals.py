@@ -69,9 +69,9 @@ def wait_for(op, gate):
   op._add_control_input(gate)  # pylint: disable=protected-access
 
 
-def checkpoint_io(checkpoint):
+def checkpoint_io(checkpoint, check):
   """(snapshot, write) of `checkpoint`, two compiled calls: `snapshot()`
-  returns whether every float tensor is finite, and the tensors as they
+  returns `check(tensors)` (a bool tensor), and the tensors as they
   are now (copies the steps after it cannot change); `write(prefix,
   tensors)` writes them as `checkpoint.write(prefix)` would (one `SaveV2`:
   its data file, then its index, each renamed into place whole), from any
@@ -99,9 +99,7 @@ def checkpoint_io(checkpoint):
           slices.append(spec)
           tensors.append(tf.identity(tensor(part)))
     graph.append(proto.SerializeToString())
-    finite = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors
-              if t.dtype.is_floating]
-    return tf.reduce_all(finite or [True]), tensors
+    return check(tensors), tensors
 
   def write(prefix, tensors):
     with tf.device('/cpu:0'):
