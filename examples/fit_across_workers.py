@@ -54,6 +54,9 @@ _BATCH_NORM = flags.DEFINE_bool(
 _BATCH_NORM_POLICY = flags.DEFINE_enum(
     'batch_norm_policy', 'clone_0', ['clone_0', 'mean', 'full_batch'],
     "Which moving statistics a worker's clones keep.")
+_STEPS_PER_EXECUTION = flags.DEFINE_integer(
+    'steps_per_execution', 1, "Keras's compile option: steps in one "
+    'compiled call.')
 _PLAIN = flags.DEFINE_bool('plain', False, 'Train with plain Keras fit on '
                            'one device instead: the reference.')
 _BACKUP_DIR = flags.DEFINE_string(
@@ -138,7 +141,7 @@ def fit(model_dir, epochs, callbacks=()):
   trained.compile(
       optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-      metrics=['accuracy'])
+      metrics=['accuracy'], steps_per_execution=_STEPS_PER_EXECUTION.value)
   held = model.variables + trained.optimizer.variables
   logging.info('variables and slots on %s',
                sorted({devices.device_of(v) for v in held}))

@@ -366,16 +366,23 @@ def test_every_keras_model_class_across_workers_trains_one_process_bits(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('options', [(), ('--accumulation_steps=2',)])
+@pytest.mark.parametrize('options', [
+    (), ('--accumulation_steps=2',),
+    # Each worker's calls run 4 steps in one compiled loop (`step_loop`).
+    ('--steps_per_execution=4',)])
 def test_fit_across_workers_with_atoms_trains_one_process_bits(tmp_path,
                                                                options):
   """Reproducible rows (and accumulation steps, each step option fit runs
-  across workers): 2 workers end with one process's bits."""
+  across workers; and Keras's steps_per_execution): 2 workers end with
+  one process's bits."""
   _, (one,) = _run(tmp_path / 'one', '--num_clones=2',
                    '--reproducible_rows=8', *options)
-  _, histories = _run(tmp_path / 'workers', '--reproducible_rows=8',
-                      *options, workers=2)
+  log, histories = _run(tmp_path / 'workers', '--reproducible_rows=8',
+                        *options, workers=2)
   assert histories == [one, one]
+  # Each worker traced its loop once.
+  assert log.count('up to 4 steps of 64 rows a compiled call') == (
+      2 if '--steps_per_execution=4' in options else 0), log[-3000:]
   _assert_same_bits(tmp_path / 'workers', tmp_path / 'one')
 
 

@@ -9,34 +9,36 @@ step (the one `TowersModel.train_step` calls) up to N times, as Keras's
 the steps at call boundaries, as with Keras's own `steps_per_execution`.
 
 The loop runs batches of the full batch's rows, with the layout of the
-last full step: a batch of other rows (an epoch's last partial batch)
-ends the call, which runs it as one step of its own (its own layout).
+last full step (across workers, each worker trains its rows of each): a
+batch of other rows (an epoch's last partial batch) ends the call, which
+runs it as one step of its own (its own layout).
 Keras's eager steps run instead where a step needs the host: a fit's
 first step (it builds the compiled metrics and fixes the full layout),
 steps a resumed `BackupAndRestore` run passes over, and inputs that are
 not a tf.data iterator (`train_on_batch`).
 """
 
+from absl import logging
 import keras
 import tensorflow as tf
 
 from tfmulti import keras_internals
 
 
-def wrap(model, keras_function, in_one_process):
+def wrap(model, keras_function):
   """The train function of `model` (a `TowersModel`): a `StepLoop` around
-  Keras's own `keras_function` where `steps_per_execution` > 1 in one
-  process; else Keras's (across workers each step is one compiled call,
-  N to a call of Keras's)."""
-  if model.steps_per_execution > 1 and in_one_process:
+  Keras's own `keras_function` where `steps_per_execution` > 1, else
+  Keras's."""
+  if model.steps_per_execution > 1:
     return StepLoop(model, keras_function)
   return keras_function
 
 
 class StepLoop:
-  """The train function of a `TowersModel` with `steps_per_execution` > 1
-  (in one process): `__call__(iterator)` returns the logs of the call's
-  last step, as Keras's own.
+  """The train function of a `TowersModel` with `steps_per_execution` > 1,
+  in one process or on each worker (every worker's calls end at the same
+  steps): `__call__(iterator)` returns the logs of the call's last step,
+  as Keras's own.
 
   Attributes:
     function: the compiled loop, traced once for each full layout.
@@ -49,20 +51,21 @@ class StepLoop:
     self.function = tf.function(self._graph, autograph=False)
 
   def __call__(self, iterator):
-    layout = self._model.full_layout()
-    if layout is None or not isinstance(iterator, tf.data.Iterator):
+    full = self._model.full_batch()
+    if full is None or not isinstance(iterator, tf.data.Iterator):
       return self._keras_function(iterator)
-    ran, logs, other = self.function(iterator, layout)
+    ran, logs, other = self.function(iterator, *full)
     if other.has_value():  # A batch of other rows: a step of its own.
       return self._model.train_step(_no_optionals(other.get_value()))
     if not ran:
       raise StopIteration  # As Keras's own: the epoch's input ran out.
     return logs
 
-  def _graph(self, iterator, layout):
+  def _graph(self, iterator, rows, layout):
     model = self._model
     steps = model.steps_per_execution
-    rows = layout.global_rows
+    logging.info('steps_per_execution=%d: up to %d steps of %d rows a '
+                 'compiled call', steps, steps, rows)
 
     def fits(batch):  # A batch the loop runs: another ends the call.
       return tf.cond(

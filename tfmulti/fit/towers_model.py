@@ -27,7 +27,7 @@ How it differs from a plain Keras model:
     elsewhere) and built, and every variable's placement checked, in
     `compile`, under `config.optimizer_variables_device()`.
   * `compile(steps_per_execution=N)` runs N steps in one compiled call
-    (`step_loop`), as Keras's own loop, in one process.
+    (`step_loop`), as Keras's own loop.
   * Several inputs and outputs (lists or dicts), several losses with
     `loss_weights`, and sample or class weights are Keras's own: each is a
     mean over rows, split with the batch and weighted by each piece's rows,
@@ -188,21 +188,24 @@ class TowersModel(keras.Model):
     """Keras's train function, or N steps a compiled call (`step_loop`)."""
     if self.train_function is None or force:
       super().make_train_function(force)
-      self.train_function = step_loop.wrap(self, self.train_function,
-                                           self._steps.strategy is None)
+      self.train_function = step_loop.wrap(self, self.train_function)
     return self.train_function
 
-  def full_layout(self):
-    """The layout of this fit's full batches, once one trained; None while
-    a resumed run passes over steps. A loop's steps are trained ones."""
+  def full_batch(self):
+    """(rows, layout) of this fit's full global batches, once one trained;
+    None while a resumed run passes over steps. A loop's steps train."""
     self._passed = False
-    return None if self._to_pass else self._full_layout
+    if self._to_pass or self._full_layout is None:
+      return None
+    return self._full_rows, self._full_layout
 
   def loop_step(self, data, layout):
-    """One step of `data` (a full batch, in a compiled loop): its logs."""
+    """One step of `data` (a full global batch, in a compiled loop): this
+    worker's rows of it trained; the logs."""
     images, labels, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     targets = _targets(labels, sample_weight)
-    return self._train_function(images, targets, layout, (images, targets))
+    mine = self._steps.mine((images, targets))
+    return self._train_function(*mine, layout, (images, targets))
 
   def train_step(self, data):
     _check_no_strategy()
