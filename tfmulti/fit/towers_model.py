@@ -195,9 +195,8 @@ class TowersModel(keras.Model):
     """(rows, layout) of this fit's full global batches, once one trained;
     None while a resumed run passes over steps. A loop's steps train."""
     self._passed = False
-    if self._to_pass or self._full_layout is None:
-      return None
-    return self._full_rows, self._full_layout
+    full = self._full_layout is not None and not self._to_pass
+    return (self._full_rows, self._full_layout) if full else None
 
   def loop_step(self, data, layout):
     """One step of `data` (a full global batch, in a compiled loop): this
