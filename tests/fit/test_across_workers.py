@@ -247,7 +247,7 @@ class _LosePeer(keras.callbacks.Callback):
         '/job:worker/replica:0/task:1')
 
 
-def test_fit_across_workers_ends_a_lost_peer_with_one_line():
+def test_fit_across_workers_ends_a_lost_peer_with_one_line(capsys):
   config = deploy.DeploymentConfig(clone_on_cpu=True, replica_id=0,
                                    num_replicas=2)
   stand_in = _stand_in(deploy.DeploymentConfig(num_clones=2,
@@ -262,11 +262,13 @@ def test_fit_across_workers_ends_a_lost_peer_with_one_line():
   x, y = np.zeros([8, 6], np.float32), np.zeros([8, 3], np.float32)
   with pytest.raises(SystemExit) as exited:
     towers.fit(x, y, batch_size=4, verbose=0, callbacks=[_LosePeer()])
-  assert str(exited.value.code) == (
+  # This worker is well: the status an elastic launcher restarts.
+  assert exited.value.code == errors.PEER_LOST_EXIT
+  assert capsys.readouterr().err == (
       'error: worker 0 lost a peer mid-step: worker 1 at localhost:2 '
       '(UnavailableError); restart every worker with the same command: with '
       'a BackupAndRestore, they resume from its last save; without, they '
-      'start again.')
+      'start again.\n')
 
 
 @pytest.mark.slow
@@ -292,7 +294,7 @@ def test_fit_across_workers_names_a_peer_lost_mid_run(tmp_path):
   workers[1].wait()
   workers[0].wait(timeout=_TIMEOUT_S)
   text = logs[0].read_text()
-  assert workers[0].returncode == 1, text[-3000:]
+  assert workers[0].returncode == errors.PEER_LOST_EXIT, text[-3000:]
   assert ('error: worker 0 lost a peer mid-step: worker 1 at '
           f'localhost:{ports[1]} (') in text
   assert 'Traceback' not in text

@@ -54,7 +54,8 @@ write files (ModelCheckpoint, TensorBoard, CSVLogger): the others drop
 them, so nothing is written twice. An input of unknown length needs
 `steps_per_epoch` (every worker must take as many steps). A peer lost
 mid-step ends `fit` on the others with one line naming it (`SystemExit`,
-status 1), not TensorFlow's traceback.
+status `errors.PEER_LOST_EXIT`, as the command line's), not TensorFlow's
+traceback.
 
 A `keras.callbacks.BackupAndRestore` among `fit`'s callbacks makes the run
 preemptible, exactly: a signal saves the step, the next run resumes at it
@@ -321,9 +322,7 @@ class TowersModel(keras.Model):
                       'again to resume.', e, self._backup.directory)
       sys.exit(e.stop.exit_code)
     except errors.ClusterError as e:
-      # A peer lost mid-step, or one that missed the agreed stop: one line
-      # and a failed status, not TensorFlow's pages of traceback.
-      raise SystemExit(f'error: {e}') from e
+      raise _ended_by(e) from e
     finally:
       if self._backup is not None:
         self._backup.close()
@@ -335,6 +334,18 @@ class TowersModel(keras.Model):
 
 
 _FIT = inspect.signature(keras.Model.fit)
+
+
+def _ended_by(error):
+  """The `SystemExit` a cluster error (a peer lost mid-step, or one that
+  missed the agreed stop) ends `fit` with: one line, not TensorFlow's
+  pages of traceback. A lost peer's status, `errors.PEER_LOST_EXIT`, says
+  this worker is well, as the command line's does (an elastic launcher
+  restarts it)."""
+  if isinstance(error, errors.PeerLostError):
+    sys.stderr.write(f'error: {error}\n')
+    return SystemExit(errors.PEER_LOST_EXIT)
+  return SystemExit(f'error: {error}')
 
 
 def _check_batches(model, arguments):
