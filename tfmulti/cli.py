@@ -535,11 +535,8 @@ def main(argv):
   except loop.TrainingInterrupted as e:
     logging.warning('%s', e)
     sys.exit(e.exit_code)
-  except errors.PeerLostError as e:
-    sys.stderr.write(f'{PROGRAM}: error: {e}\n')
-    sys.exit(errors.PEER_LOST_EXIT)
   except errors.UserError as e:
-    sys.exit(f'{PROGRAM}: error: {e}')
+    raise errors.exit_for(e, PROGRAM) from None
 
 
 # --help's groups: every flag of this module, once (a test checks it).

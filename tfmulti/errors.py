@@ -10,6 +10,7 @@ argument to a library function is in Python.
 """
 
 import re
+import sys
 
 
 class UserError(ValueError):
@@ -62,6 +63,18 @@ class PeerLostError(ClusterError):
 # The exit status of a worker that lost a peer (sysexits' EX_TEMPFAIL:
 # "a temporary failure; the user is invited to retry").
 PEER_LOST_EXIT = 75
+
+
+def exit_for(error, program=None):
+  """The `SystemExit` a `UserError` ends a process with: one line,
+  `[program: ]error: <message>`, and status 1; for a lost peer the line
+  on stderr and `PEER_LOST_EXIT` (this worker is well: an elastic
+  launcher restarts it)."""
+  line = f'{program}: error: {error}' if program else f'error: {error}'
+  if isinstance(error, PeerLostError):
+    sys.stderr.write(line + '\n')
+    return SystemExit(PEER_LOST_EXIT)
+  return SystemExit(line)
 
 
 class NonFiniteError(UserError):

@@ -322,7 +322,9 @@ class TowersModel(keras.Model):
                       'again to resume.', e, self._backup.directory)
       sys.exit(e.stop.exit_code)
     except errors.ClusterError as e:
-      raise _ended_by(e) from e
+      # A peer lost mid-step, or one that missed the agreed stop: one
+      # line, not TensorFlow's pages of traceback.
+      raise errors.exit_for(e) from e
     finally:
       if self._backup is not None:
         self._backup.close()
@@ -334,18 +336,6 @@ class TowersModel(keras.Model):
 
 
 _FIT = inspect.signature(keras.Model.fit)
-
-
-def _ended_by(error):
-  """The `SystemExit` a cluster error (a peer lost mid-step, or one that
-  missed the agreed stop) ends `fit` with: one line, not TensorFlow's
-  pages of traceback. A lost peer's status, `errors.PEER_LOST_EXIT`, says
-  this worker is well, as the command line's does (an elastic launcher
-  restarts it)."""
-  if isinstance(error, errors.PeerLostError):
-    sys.stderr.write(f'error: {error}\n')
-    return SystemExit(errors.PEER_LOST_EXIT)
-  return SystemExit(f'error: {error}')
 
 
 def _check_batches(model, arguments):
