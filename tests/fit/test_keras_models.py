@@ -148,13 +148,14 @@ def _plain(model_fn, data, optimizer):
 
 
 def _towers(model_fn, data, optimizer, num_clones=2, num_stages=1,
-            **options):
+            steps_per_execution=1, **options):
   config = deploy.DeploymentConfig(num_clones=num_clones, clone_on_cpu=True,
                                    num_stages=num_stages)
   with config.variables_scope():
     model = model_fn()
   towers = fit.TowersModel(model, config, **options)
-  towers.compile(optimizer=optimizer(), loss=_loss())
+  towers.compile(optimizer=optimizer(), loss=_loss(),
+                 steps_per_execution=steps_per_execution)
   towers.fit(*data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
   return towers.model
 
@@ -252,6 +253,41 @@ def test_an_embedding_trains_as_plain_fit(optimizer):
   want = _plain(_embedding, _tokens(), optimizer)
   got = _towers(_embedding, _tokens(), optimizer)
   _assert_same_weights(got, want)
+
+
+def _dropout(seed=0):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([
+      keras.Input((6,)), keras.layers.Dense(16, activation='tanh'),
+      keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize('model_fn, plain_fn, data', [
+    (_sequential, _sequential, _features),
+    pytest.param(_subclassed, _named_subclassed, _features,
+                 marks=pytest.mark.slow),
+    (_embedding, _embedding, _tokens)],
+                         ids=['sequential', 'subclassed', 'embedding'])
+def test_models_a_user_brings_train_as_plain_fit_many_steps_a_call(
+    model_fn, plain_fn, data):
+  """compile(steps_per_execution=3) under Adam (an Embedding's slices
+  applied one by one, as Keras's own): plain one-device fit's weights."""
+  adam = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+  want = _plain(plain_fn, data(), adam)
+  got = _towers(model_fn, data(), adam, steps_per_execution=3)
+  _assert_same_weights(got, want)
+
+
+@pytest.mark.slow
+def test_dropout_many_steps_a_call_draws_the_masks_of_one_a_call():
+  """Dropout's masks differ from one device's (each clone draws its
+  own), but a compiled loop of 3 steps draws those of one step a call:
+  the same bits."""
+  sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+  one = _towers(_dropout, _features(), sgd)
+  many = _towers(_dropout, _features(), sgd, steps_per_execution=3)
+  for got, want in zip(many.weights, one.weights):
+    np.testing.assert_array_equal(got, want, err_msg=want.path)
 
 
 @pytest.mark.parametrize('model_fn, data', [
