@@ -487,6 +487,23 @@ def test_a_cluster_that_one_process_ignores_is_named(monkeypatch, caplog):
           'in this process alone') in caplog.text
 
 
+@pytest.mark.parametrize('flag_values, shared', [
+    (dict(num_clones=2), [2]),
+    (dict(num_clones=2, strategy='mirrored'), [2]),
+    (dict(num_clones=2, reproducible_rows=8), []),
+    (dict(num_clones=2, deterministic=True), []),
+])
+def test_clones_share_the_cores_unless_bits_must_match(monkeypatch,
+                                                       flag_values, shared):
+  """Clones on logical CPUs get their shares of the cores' threads; runs
+  whose bits must match another layout's keep TensorFlow's own pool."""
+  calls = []
+  monkeypatch.setattr(cli.devices, 'share_cores', calls.append)
+  with flagsaver.flagsaver(clone_on_cpu=True, **flag_values):
+    cli.configs_from_flags()
+  assert calls == shared
+
+
 # The README's commands, as flags: each trains in a directory of its own.
 README_COMMANDS = [
     dict(num_clones=2, clone_on_cpu=True),

@@ -1,8 +1,13 @@
 """Tests for tfmulti.devices: logical CPUs, clone placement, checks."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import tensorflow as tf
 
+from tests.helpers import REPO
 from tfmulti import devices
 from tfmulti import errors
 
@@ -22,6 +27,38 @@ class TestLogicalCpus:
   def test_bad_count(self):
     with pytest.raises(errors.ConfigError, match='count=0'):
       devices.create_logical_cpus(0)
+
+
+_SHARE = """
+import tensorflow as tf
+from tfmulti import devices
+devices.create_logical_cpus(2)
+print(devices.share_cores(1), devices.share_cores(2),
+      tf.config.threading.get_intra_op_parallelism_threads())
+tf.config.list_logical_devices()  # The runtime starts with its pool.
+print(devices.share_cores(4))
+"""
+
+
+class TestShareCores:
+  """Each clone on a logical CPU gets its share of the cores' threads."""
+
+  def test_a_fresh_process_gives_each_clone_its_share(self):
+    result = subprocess.run([sys.executable, '-c', _SHARE], cwd=REPO,
+                            capture_output=True, text=True, timeout=120,
+                            check=True)
+    first, second = result.stdout.splitlines()
+    cores = len(os.sched_getaffinity(0))
+    # One clone keeps TensorFlow's own pool (0: all cores); two share them
+    # (on one core, one thread is all an op had anyway).
+    share = str(cores // 2) if cores > 1 else 'None'
+    assert first.split() == ['None', share, share.replace('None', '0')]
+    assert second == 'None'  # Once the runtime started, its pool stays.
+
+  def test_a_started_runtime_keeps_its_pool(self):
+    pool = tf.config.threading.get_intra_op_parallelism_threads()
+    assert devices.share_cores(64) is None
+    assert tf.config.threading.get_intra_op_parallelism_threads() == pool
 
 
 class TestPlaceClones:

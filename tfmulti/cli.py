@@ -482,8 +482,8 @@ def _step_options():
 def configs_from_flags():
   """(TrainConfig, DeploymentConfig, cluster or None) from the flags.
 
-  Places the clones too: logical CPUs are created here, before anything
-  initialises TensorFlow.
+  Places the clones too: logical CPUs are created here, and the clones
+  given their shares of the cores, before anything initialises TensorFlow.
 
   Raises:
     errors.UserError: naming the flag and the fix.
@@ -495,6 +495,9 @@ def configs_from_flags():
   clone_on_cpu = devices.place_clones(
       _NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
       variables_gpu=variables_gpu, num_stages=_NUM_STAGES.value)
+  if clone_on_cpu and not (train_config.deterministic or
+                           train_config.step_options.reproducible_rows):
+    devices.share_cores(_NUM_CLONES.value)  # Else bits that must match.
   deploy_config = placement.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=clone_on_cpu,
       variables_device=_variables_device(_VARIABLES_DEVICE.value,
