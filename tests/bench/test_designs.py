@@ -127,6 +127,8 @@ def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):
   report = json.loads(output.read_text())
   assert set(report['comparison']['variants']) == CPU_VARIANTS
   assert report['environment']['tensorflow'].startswith('2.21')
+  assert report['environment']['intra_op_threads'] == (
+      tf.config.threading.get_intra_op_parallelism_threads())
   assert 'x single' in capsys.readouterr().out
   rows = bench.sweep(bench.BenchConfig(
       model='lenet', batch_size=2, clone_on_cpu=True, rounds=1,
@@ -147,6 +149,8 @@ def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):
     (['--num_clones=0', '--clone_on_cpu'],
      'num_clones=0: must be an integer >= 1'),
     (['--chart=x.png', '--clone_on_cpu'], '--chart draws the sweep'),
+    (['--share_cores'], '--share_cores shares the cores among clones on '
+     'logical CPUs: add --clone_on_cpu'),
     (['--batch_size=48', '--clone_on_cpu'],
      'reproducible_rows=32: each clone.s batch_size=48 must be whole atoms'),
     (['--num_clones=2'], 'do not exist'),

@@ -226,6 +226,8 @@ def environment():
           'tensorflow': tf.__version__, 'keras': keras.__version__,
           'numpy': np.__version__, 'machine': platform.machine(),
           'processor': platform.processor(), 'cpu_count': os.cpu_count(),
+          'intra_op_threads':
+              tf.config.threading.get_intra_op_parallelism_threads(),
           'gpus': details}
 
 
@@ -322,6 +324,10 @@ def _parse(argv):
                       help='the atom of the towers_reproducible variant')
   parser.add_argument('--clone_on_cpu', action='store_true',
                       help='clones on logical CPUs (created here)')
+  parser.add_argument('--share_cores', action='store_true',
+                      help='with --clone_on_cpu: each clone\'s ops get '
+                      'their share of the cores\' threads, as train.py '
+                      'gives them (every variant runs with that pool)')
   parser.add_argument('--xla', action='store_true')
   parser.add_argument('--mixed_precision', action='store_true')
   parser.add_argument('--rounds', type=int, default=5)
@@ -360,8 +366,13 @@ def main(argv=None):
         reproducible_rows=args.reproducible_rows)
     if args.chart and not args.sweep:
       raise errors.ConfigError('--chart draws the sweep: add --sweep.')
+    if args.share_cores and not args.clone_on_cpu:
+      raise errors.ConfigError('--share_cores shares the cores among clones '
+                               'on logical CPUs: add --clone_on_cpu.')
     if args.clone_on_cpu:
       devices.create_logical_cpus(max((args.num_clones,) + sweep_clones))
+      if args.share_cores:
+        devices.share_cores(args.num_clones)
     elif args.split_gpu:
       devices.split_gpu(args.split_gpu, args.gpu_memory_mb)
     devices.check_devices_exist(placement.DeploymentConfig(
