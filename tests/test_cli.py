@@ -490,13 +490,13 @@ def test_a_cluster_that_one_process_ignores_is_named(monkeypatch, caplog):
 @pytest.mark.parametrize('flag_values, shared', [
     (dict(num_clones=2), [2]),
     (dict(num_clones=2, strategy='mirrored'), [2]),
+    (dict(num_clones=2, deterministic=True), [2]),  # Reruns: one pool.
     (dict(num_clones=2, reproducible_rows=8), []),
-    (dict(num_clones=2, deterministic=True), []),
 ])
 def test_clones_share_the_cores_unless_bits_must_match(monkeypatch,
                                                        flag_values, shared):
-  """Clones on logical CPUs get their shares of the cores' threads; runs
-  whose bits must match another layout's keep TensorFlow's own pool."""
+  """Clones on logical CPUs share the cores; runs whose bits must match
+  another layout's (atoms) keep TensorFlow's own pool."""
   calls = []
   monkeypatch.setattr(cli.devices, 'share_cores', calls.append)
   with flagsaver.flagsaver(clone_on_cpu=True, **flag_values):

@@ -30,34 +30,47 @@ class TestLogicalCpus:
 
 
 _SHARE = """
+import os, sys
 import tensorflow as tf
 from tfmulti import devices
 devices.create_logical_cpus(2)
+if sys.argv[1] == 'started':  # The runtime starts with TensorFlow's pool.
+  tf.config.list_logical_devices()
 print(devices.share_cores(1), devices.share_cores(2),
       tf.config.threading.get_intra_op_parallelism_threads())
-tf.config.list_logical_devices()  # The runtime starts with its pool.
-print(devices.share_cores(4))
 """
 
 
-class TestShareCores:
-  """Each clone on a logical CPU gets its share of the cores' threads."""
+def _share_in_a_new_process(how, **env):
+  """What a fresh process's `share_cores(1)`, `share_cores(2)` and pool
+  are, `how`: 'fresh', or 'started' (its runtime started first)."""
+  result = subprocess.run(
+      [sys.executable, '-c', _SHARE, how], cwd=REPO, capture_output=True,
+      text=True, timeout=120, check=True, env=dict(os.environ, **env))
+  return result.stdout.split()
 
-  def test_a_fresh_process_gives_each_clone_its_share(self):
-    result = subprocess.run([sys.executable, '-c', _SHARE], cwd=REPO,
-                            capture_output=True, text=True, timeout=120,
-                            check=True)
-    first, second = result.stdout.splitlines()
-    cores = len(os.sched_getaffinity(0))
+
+class TestShareCores:
+  """The threads an op splits over, sized to the clones' share."""
+
+  @pytest.mark.slow
+  def test_a_fresh_process_gives_the_clones_their_share(self):
     # One clone keeps TensorFlow's own pool (0: all cores); two share them
     # (on one core, one thread is all an op had anyway).
-    share = str(cores // 2) if cores > 1 else 'None'
-    assert first.split() == ['None', share, share.replace('None', '0')]
-    assert second == 'None'  # Once the runtime started, its pool stays.
+    share = str(devices.cores() // 2) if devices.cores() > 1 else 'None'
+    assert _share_in_a_new_process('fresh') == [
+        'None', share, share.replace('None', '0')]
 
-  def test_a_started_runtime_keeps_its_pool(self):
+  @pytest.mark.slow
+  def test_a_started_runtime_or_a_set_pool_stays(self):
+    assert _share_in_a_new_process('started') == ['None', 'None', '0']
+    # TensorFlow reads the variable where the pool is not set: it stays.
+    assert _share_in_a_new_process(
+        'fresh', TF_NUM_INTRAOP_THREADS='3') == ['None', 'None', '0']
+
+  def test_a_pool_set_already_stays(self):
     pool = tf.config.threading.get_intra_op_parallelism_threads()
-    assert devices.share_cores(64) is None
+    assert devices.share_cores(devices.cores() * 2) is None
     assert tf.config.threading.get_intra_op_parallelism_threads() == pool
 
 

@@ -51,7 +51,9 @@ _NUM_CLONES = flags.DEFINE_integer(
     'a GPU runs on the CPU.')
 _CLONE_ON_CPU = flags.DEFINE_bool(
     'clone_on_cpu', False, 'Run clone i on logical CPU device i (created '
-    'here) instead of GPU:i; works on any machine.')
+    'here) instead of GPU:i; works on any machine. The clones share the '
+    'cores: an op splits over num_clones\' share of them (all of them '
+    'under --reproducible_rows).')
 _VARIABLES_DEVICE = flags.DEFINE_string(
     'variables_device', 'cpu', "Where variables and optimizer slots live, "
     "and the update runs: 'cpu' (CPU:0, slim's default), 'gpu:N' (one "
@@ -495,9 +497,8 @@ def configs_from_flags():
   clone_on_cpu = devices.place_clones(
       _NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
       variables_gpu=variables_gpu, num_stages=_NUM_STAGES.value)
-  if clone_on_cpu and not (train_config.deterministic or
-                           train_config.step_options.reproducible_rows):
-    devices.share_cores(_NUM_CLONES.value)  # Else bits that must match.
+  if clone_on_cpu and not train_config.step_options.reproducible_rows:
+    devices.share_cores(_NUM_CLONES.value)  # Atoms' bits: one pool.
   deploy_config = placement.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=clone_on_cpu,
       variables_device=_variables_device(_VARIABLES_DEVICE.value,

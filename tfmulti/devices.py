@@ -26,8 +26,9 @@ _LOGICAL_CPU_HINT = (
 def create_logical_cpus(count):
   """Splits the physical CPU into `count` logical CPU devices (CPU:0..N-1).
 
-  Clones placed on logical CPUs share one thread pool, so they test the
-  multi-device code paths on any machine; they do not add compute.
+  Clones placed on logical CPUs share the machine's cores and one thread
+  pool, so they test the multi-device code paths on any machine; they add
+  no compute, and `share_cores` lets them run side by side.
 
   Must run before TensorFlow initialises its runtime (before the first op or
   device query). Calling it again with a count no larger than what is
@@ -60,39 +61,52 @@ def create_logical_cpus(count):
                '' if count == 1 else 's')
 
 
+def cores():
+  """The cores this process may run on (its CPU affinity where the system
+  tells it; else every core of the machine)."""
+  if hasattr(os, 'sched_getaffinity'):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
 def share_cores(num_clones):
-  """Gives each of `num_clones` clones on logical CPUs its share of the
-  cores for its ops' own threads (TensorFlow's intra-op pool), where the
-  runtime would give every op all of them.
+  """Sizes TensorFlow's intra-op pool, the threads one op may split over,
+  to `num_clones`' share of the cores, where the runtime would give every
+  op all of them.
 
-  Logical CPUs share one runtime. With every core an op's, the clones'
-  ops queue for the same cores, each split too finely to pay; with a
-  share each, the clones compute side by side, as clones on devices of
-  their own do (LeNet's 2-clone steps about 15% faster on 2 cores,
-  ResNet-20's about 10%: BENCHMARKS.md). A kernel's rounding can depend on
-  its threads, so callers keep the default where the bits of different
-  layouts must match (`reproducible_rows`, determinism).
+  Logical CPUs share one runtime and that one pool. With every core an
+  op's, one clone's convolution spreads over the cores while the other
+  clone's waits for them; with a share each, the clones' ops run side by
+  side (on 2 cores and 2 clones, each op on one thread: the towers' LeNet
+  step 1.17x faster, ResNet-20's 1.26x, BENCHMARKS.md; measured on 2 cores
+  only). A kernel's rounding can depend on its threads, so a run whose
+  bits must match another layout's (`reproducible_rows`) keeps the
+  default. Only clones count: stages were not measured with shares of
+  their own.
 
-  Must run before TensorFlow initialises its runtime; a process that set
-  its own threads keeps them.
+  Must run before TensorFlow initialises its runtime. A pool the process
+  set already (`tf.config.threading`, or `TF_NUM_INTRAOP_THREADS`) stays.
+
+  Args:
+    num_clones: clones on logical CPUs, >= 1.
 
   Returns:
-    The threads an op gets, or None where the runtime keeps its pool
-    (one clone, one core a clone already, a pool set or started before).
+    The pool's threads, or None where it stays as it is: one clone, a
+    single core, a pool set already, or a runtime already started.
   """
-  cores = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
-           else os.cpu_count() or 1)
-  threads = max(1, cores // num_clones)
-  if (threads == cores
-      or tf.config.threading.get_intra_op_parallelism_threads()):
+  available = cores()
+  threads = max(1, available // num_clones)
+  if (threads == available
+      or tf.config.threading.get_intra_op_parallelism_threads()
+      or int(os.environ.get('TF_NUM_INTRAOP_THREADS') or 0)):
     return None
   try:
     tf.config.threading.set_intra_op_parallelism_threads(threads)
   except RuntimeError:  # Initialised already: its pool stays.
     return None
-  logging.info('%d clones on logical CPUs: each op gets %d of the %d '
-               'cores\' threads, so the clones compute side by side.',
-               num_clones, threads, cores)
+  logging.info('%d clones on logical CPUs: an op splits over %d thread%s '
+               'of the %d cores, so the clones compute side by side.',
+               num_clones, threads, '' if threads == 1 else 's', available)
   return threads
 
 

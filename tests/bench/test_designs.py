@@ -118,12 +118,15 @@ def test_peak_memory_counts_each_variants_steps_above_the_resident(
   assert bench.peak_memory(variants, []) == {}
 
 @pytest.mark.slow
-def test_cli_writes_json_sweep_and_chart(tmp_path, capsys):
+def test_cli_writes_json_sweep_and_chart(tmp_path, capsys, monkeypatch):
   output, chart = tmp_path / 'report.json', tmp_path / 'sweep.png'
+  shared = []
+  monkeypatch.setattr(bench.devices, 'share_cores', shared.append)
   bench.main(['--model=lenet', '--clone_on_cpu', '--batch_size=2',
               '--reproducible_rows=2', '--rounds=1', '--steps_per_round=1',
-              '--untimed_steps=1',
+              '--untimed_steps=1', '--share_cores',
               f'--output={output}'])
+  assert shared == [2]  # The pool of --num_clones' share, before the run.
   report = json.loads(output.read_text())
   assert set(report['comparison']['variants']) == CPU_VARIANTS
   assert report['environment']['tensorflow'].startswith('2.21')

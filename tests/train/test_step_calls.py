@@ -123,6 +123,13 @@ def test_many_steps_a_call_train_the_bits_of_one_a_call(name, monkeypatch):
   assert in_a_loop.function.experimental_get_tracing_count() == 1
 
 
+def test_a_one_step_call_runs_the_loop_so_nothing_is_built_later():
+  trainer = _LAYOUTS['towers']()
+  in_a_loop = step_calls.InALoop(trainer)
+  _train(trainer, in_a_loop, [[1]])
+  assert in_a_loop.function.experimental_get_tracing_count() == 1
+
+
 def test_auto_times_steps_then_fills_about_50_ms_a_call():
   plan = step_calls.Plan(step_calls.AUTO, log_every_steps=100)
   assert not plan.timing(0)  # The first step traces: not timed.

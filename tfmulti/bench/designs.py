@@ -325,9 +325,10 @@ def _parse(argv):
   parser.add_argument('--clone_on_cpu', action='store_true',
                       help='clones on logical CPUs (created here)')
   parser.add_argument('--share_cores', action='store_true',
-                      help='with --clone_on_cpu: each clone\'s ops get '
-                      'their share of the cores\' threads, as train.py '
-                      'gives them (every variant runs with that pool)')
+                      help='with --clone_on_cpu: size the ops\' thread '
+                      'pool to --num_clones\' share of the cores, as '
+                      'train.py does for that many clones; every variant '
+                      'and sweep row runs in that one pool')
   parser.add_argument('--xla', action='store_true')
   parser.add_argument('--mixed_precision', action='store_true')
   parser.add_argument('--rounds', type=int, default=5)
