@@ -26,7 +26,7 @@ if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
   # Each pytest-xdist worker gets its share of the cores for the ops'
   # own threads, instead of every worker using them all at once.
   tf.config.threading.set_intra_op_parallelism_threads(max(
-      1, (os.cpu_count() or 1) // int(os.environ['PYTEST_XDIST_WORKER_COUNT'])))
+      1, devices.cores() // int(os.environ['PYTEST_XDIST_WORKER_COUNT'])))
 tf.config.list_logical_devices()  # Initialises the runtime with them now.
 
 

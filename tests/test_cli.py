@@ -683,6 +683,10 @@ def test_sigterm_then_rerun_equals_an_uninterrupted_run(tmp_path, digits_dir,
 
   whole_log = whole.communicate(timeout=SUBPROCESS_TIMEOUT_S)[1]
   assert whole.returncode == 0, whole_log[-2000:]
+  if cli.devices.cores() > 1:  # The clones shared the cores, bits and all.
+    share = cli.devices.cores() // 2
+    assert (f'2 clones on logical CPUs: an op splits over {share} '
+            'thread') in whole_log
   metrics = json.loads((tmp_path / 'parts' / 'metrics.json').read_text())
   assert metrics['resumed_from_step'] == int(stopped.group(1))
   assert metrics['steps'] == 24
