@@ -4,8 +4,8 @@ A pipeline step takes as long as its slowest stage, so the stages should
 cost the same. `partition` finds the contiguous split of a list of layer
 costs into K stages that minimises the slowest stage's time, where stage
 s's time is its cost divided by its device's speed factor: the optimal
-split, by dynamic programming (O(K n^2) for n layers). `tfmulti.costs`
-estimates or measures the layers' costs.
+split, by dynamic programming (O(K n^2) for n layers).
+`tfmulti.pipeline.costs` estimates or measures the layers' costs.
 """
 
 import math
