@@ -7,8 +7,8 @@ the gradients are all-reduced. `central_storage` is
 on the variables device, replicas on the clone devices. `single` is
 `OneDeviceStrategy` on clone 0's device: one device, the whole batch, the
 reference. `DistributedModel` runs any of them, and
-`MultiWorkerMirroredStrategy` (`tfmulti.cluster`), under the one trainer
-contract (`trainer.Trainer`).
+`MultiWorkerMirroredStrategy` (`tfmulti.distribute.cluster`),
+under the one trainer contract (`trainer.Trainer`).
 
 BatchNorm under MirroredStrategy: every replica updates its own copy of the
 moving statistics from its shard; reads and checkpoints return replica 0's
