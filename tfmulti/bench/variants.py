@@ -1,6 +1,6 @@
 """The variants `tfmulti.bench` times, built through the training code.
 
-Every variant builds its model, optimizer and loss with `tfmulti.build`
+Every variant builds its model, optimizer and loss with `tfmulti.train.build`
 (what `train.py` builds, regularization included) from the same seed, and
 trains on the same global batch of synthetic data that already sits on its
 devices (no input pipeline, as tf_cnn_benchmarks does by default):
