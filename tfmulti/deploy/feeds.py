@@ -9,7 +9,7 @@ cuts every global batch into the clones' shards by the step's
 `layouts.StepLayout` (a clone's shard holds its rows of every accumulation
 step, `StepLayout.clone_spans`) and copies each to its clone's device,
 `BUFFER_STEPS` steps ahead, while the steps before it run; the step reads
-each shard where it already is (`rows.Shards`, the step's `by_clone`).
+each shard where it already is (`rows.Shards`, the step's cut `clones.placed`).
 The rows, and every piece's offset, are the layout's, so the step computes
 what it computes on the whole batch, bit for bit.
 
