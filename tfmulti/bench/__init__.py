@@ -1,7 +1,7 @@
 """Benchmarks: what each design costs, measured side by side.
 
 Every module is a command (`python -m tfmulti.bench.NAME`), but for the
-three that hold what the others share:
+four that hold what the others share:
 
   designs             `python -m tfmulti.bench`: each design's step cost
   activations         (shared) a pipelined step's activations, from the graph
@@ -11,6 +11,7 @@ three that hold what the others share:
   processes           train.py against a Keras script, as whole processes
   fit_script          the plain Keras script `processes` times
   embedding_transfers an Embedding's gradient bytes a step: slices, not a table
+  flags               (shared) the flags benchmarks share: model, clones, output
   flops               a step's share of the device's matmul rate
   input               the input pipeline against data already on device
   pipeline            the model-parallel experiment (ResNet-50 in stages)

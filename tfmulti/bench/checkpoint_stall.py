@@ -28,6 +28,7 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
 from tfmulti.bench import designs as bench
+from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.train import checkpoints
@@ -131,19 +132,22 @@ def format_report(report):
   return '\n'.join(lines)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(
+def parser():
+  """The command line: the shared flags and this benchmark's own."""
+  p = argparse.ArgumentParser(
       prog='python -m tfmulti.bench.checkpoint_stall',
-      description=__doc__.split('\n')[0])
-  parser.add_argument('--model', default='resnet20',
-                      help='a registered model, or applications:NAME')
-  parser.add_argument('--rows', type=int, default=64,
-                      help='rows of a step, over both clones')
-  parser.add_argument('--steps', type=int, default=30)
-  parser.add_argument('--checkpoint_steps', type=int, default=10)
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--output', help='write the report here as JSON')
-  args = parser.parse_args(argv)
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(model='resnet20', model_names=flags.APPLICATIONS)])
+  p.add_argument('--rows', type=int, default=64,
+                 help='rows of a step, over both clones')
+  p.add_argument('--steps', type=int, default=30)
+  p.add_argument('--checkpoint_steps', type=int, default=10)
+  p.add_argument('--rounds', type=int, default=5)
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   try:
     for name in ('rows', 'steps', 'checkpoint_steps', 'rounds'):
       errors.check_count(name, getattr(args, name), 1)

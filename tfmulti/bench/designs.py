@@ -33,6 +33,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
+from tfmulti.bench import flags
 from tfmulti.bench import variants as bench_variants
 from tfmulti.deploy import placement
 
@@ -313,40 +314,42 @@ def write_chart(rows, path):
   pyplot.close(figure)
 
 
-def _parse(argv):
-  parser = argparse.ArgumentParser(
-      prog='python -m tfmulti.bench', description=__doc__.split('\n')[0])
-  parser.add_argument('--model', default='resnet20', choices=models.names())
-  parser.add_argument('--batch_size', type=int, default=64,
-                      help='examples per clone per step')
-  parser.add_argument('--num_clones', type=int, default=2)
-  parser.add_argument('--reproducible_rows', type=int, default=32,
-                      help='the atom of the towers_reproducible variant')
-  parser.add_argument('--clone_on_cpu', action='store_true',
-                      help='clones on logical CPUs (created here)')
-  parser.add_argument('--share_cores', action='store_true',
-                      help='with --clone_on_cpu: size the ops\' thread '
-                      'pool to --num_clones\' share of the cores, as '
-                      'train.py does for that many clones; every variant '
-                      'and sweep row runs in that one pool')
-  parser.add_argument('--xla', action='store_true')
-  parser.add_argument('--mixed_precision', action='store_true')
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--steps_per_round', type=int, default=10)
-  parser.add_argument('--untimed_steps', type=int, default=3,
-                      help='steps per variant before the rounds, not timed')
+def parser():
+  """The command line: the shared flags and this benchmark's own."""
+  p = argparse.ArgumentParser(
+      prog='python -m tfmulti.bench', description=__doc__.split('\n')[0],
+      parents=[flags.shared(model='resnet20', num_clones=2,
+                            clone_on_cpu=True)])
+  p.add_argument('--batch_size', type=int, default=64,
+                 help='examples per clone per step')
+  p.add_argument('--reproducible_rows', type=int, default=32,
+                 help='the atom of the towers_reproducible variant')
+  p.add_argument('--share_cores', action='store_true',
+                 help='with --clone_on_cpu: size the ops\' thread pool to '
+                 '--num_clones\' share of the cores, as train.py does for '
+                 'that many clones; every variant and sweep row runs in '
+                 'that one pool')
+  p.add_argument('--xla', action='store_true')
+  p.add_argument('--mixed_precision', action='store_true')
+  p.add_argument('--rounds', type=int, default=5)
+  p.add_argument('--steps_per_round', type=int, default=10)
+  p.add_argument('--untimed_steps', type=int, default=3,
+                 help='steps per variant before the rounds, not timed')
   # Deprecated for one release: training's --warmup_steps is the
   # learning-rate warm-up, a different thing.
-  parser.add_argument('--warmup_steps', type=int, help=argparse.SUPPRESS)
-  parser.add_argument('--sweep', action='store_true',
-                      help='also time the towers at 1, 2, 4 and 8 clones')
-  parser.add_argument('--split_gpu', type=int, default=0,
-                      help='split GPU 0 into this many logical GPUs')
-  parser.add_argument('--gpu_memory_mb', type=int, default=16384,
-                      help='memory of each logical GPU of --split_gpu')
-  parser.add_argument('--output', help='write the report here as JSON')
-  parser.add_argument('--chart', help='write the sweep chart here (PNG)')
-  args = parser.parse_args(argv)
+  p.add_argument('--warmup_steps', type=int, help=argparse.SUPPRESS)
+  p.add_argument('--sweep', action='store_true',
+                 help='also time the towers at 1, 2, 4 and 8 clones')
+  p.add_argument('--split_gpu', type=int, default=0,
+                 help='split GPU 0 into this many logical GPUs')
+  p.add_argument('--gpu_memory_mb', type=int, default=16384,
+                 help='memory of each logical GPU of --split_gpu')
+  p.add_argument('--chart', help='write the sweep chart here (PNG)')
+  return p
+
+
+def _parse(argv):
+  args = parser().parse_args(argv)
   if args.warmup_steps is not None:
     logging.warning('--warmup_steps is deprecated: use --untimed_steps (the '
                     'steps before the timed rounds).')

@@ -37,6 +37,7 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti import fit
 from tfmulti import step_options
+from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
@@ -239,21 +240,25 @@ def format_table(medians):
   return '\n'.join(lines)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(prog='python -m tfmulti.bench.e2e',
-                                   description=__doc__.split('\n')[0])
-  parser.add_argument('--model', default='lenet')
-  parser.add_argument('--global_batch_size', type=int, default=128)
-  parser.add_argument('--epochs', type=int, default=40)
-  parser.add_argument('--optimizer', default='adam')
-  parser.add_argument('--learning_rate', type=float, default=1e-3)
-  parser.add_argument('--rounds', type=int, default=3)
-  parser.add_argument('--data_dir')
-  parser.add_argument('--output', help='write the rounds and medians here')
-  parser.add_argument('--variants', default=','.join(
+def parser():
+  """The command line: the shared flags and this benchmark's own."""
+  p = argparse.ArgumentParser(
+      prog='python -m tfmulti.bench.e2e', description=__doc__.split('\n')[0],
+      parents=[flags.shared(model='lenet', model_names=flags.TRAINABLE)])
+  p.add_argument('--global_batch_size', type=int, default=128)
+  p.add_argument('--epochs', type=int, default=40)
+  p.add_argument('--optimizer', default='adam')
+  p.add_argument('--learning_rate', type=float, default=1e-3)
+  p.add_argument('--rounds', type=int, default=3)
+  p.add_argument('--data_dir')
+  p.add_argument('--variants', default=','.join(
       TFMULTI_VARIANTS + FIT_VARIANTS), help='comma-separated; '
       'fit_one_device (the reference) always runs')
-  args = parser.parse_args(argv)
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   variants = set(args.variants.split(',')) | {'fit_one_device'}
   unknown = variants - set(TFMULTI_VARIANTS + FIT_VARIANTS)
   if unknown:

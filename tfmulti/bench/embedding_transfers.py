@@ -24,6 +24,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti.bench import designs as bench
+from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.deploy import traffic
@@ -88,23 +89,27 @@ def format_report(report):
   return '\n'.join(lines)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(
+def parser():
+  """The command line: the shared flags and this benchmark's own."""
+  p = argparse.ArgumentParser(
       prog='python -m tfmulti.bench.embedding_transfers',
-      description=__doc__.split('\n')[0])
-  parser.add_argument('--vocab', type=int, default=1_000_000)
-  parser.add_argument('--width', type=int, default=64)
-  parser.add_argument('--tokens', type=int, default=20)
-  parser.add_argument('--num_clones', type=int, default=2)
-  parser.add_argument('--rows_per_clone', type=int, default=64)
-  parser.add_argument('--output', help='write the report here as JSON')
-  args = parser.parse_args(argv)
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(num_clones=2)])
+  p.add_argument('--vocab', type=int, default=1_000_000)
+  p.add_argument('--width', type=int, default=64)
+  p.add_argument('--tokens', type=int, default=20)
+  p.add_argument('--rows_per_clone', type=int, default=64)
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   try:
     for name in ('vocab', 'width', 'tokens', 'num_clones', 'rows_per_clone'):
       errors.check_count(name, getattr(args, name), 1)
     devices.create_logical_cpus(args.num_clones + 1)  # And the host.
   except errors.UserError as e:
-    sys.exit(f'{parser.prog}: error: {e}')
+    sys.exit(f'python -m tfmulti.bench.embedding_transfers: error: {e}')
   report = run(args)
   bench.emit(report, format_report(report), args.output)
 

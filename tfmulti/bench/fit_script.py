@@ -14,18 +14,26 @@ import argparse
 import os
 
 from tfmulti import devices
+from tfmulti.bench import flags
 
 BATCH = 128
 
 
+def parser():
+  """The command line: the shared --model and this script's own flags."""
+  p = argparse.ArgumentParser(
+      prog='python -m tfmulti.bench.fit_script',
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(model='lenet', model_names=flags.TRAINABLE,
+                            output=False)])
+  p.add_argument('--model_dir', required=True)
+  p.add_argument('--epochs', type=int, default=40)
+  p.add_argument('--data_dir')
+  return p
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog='python -m tfmulti.bench.fit_script',
-                                   description=__doc__.split('\n')[0])
-  parser.add_argument('--model_dir', required=True)
-  parser.add_argument('--model', default='lenet')
-  parser.add_argument('--epochs', type=int, default=40)
-  parser.add_argument('--data_dir')
-  args = parser.parse_args(argv)
+  args = parser().parse_args(argv)
   devices.create_logical_cpus(2)  # As train.py's --clone_on_cpu machine.
   import keras  # pylint: disable=g-import-not-at-top
 

@@ -28,6 +28,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
+from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.pipeline import costs
@@ -129,14 +130,22 @@ def summarize(rounds, flops):
   return report
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(prog='python -m tfmulti.bench.flops',
-                                   description=__doc__.split('\n')[0])
+def parser():
+  """The command line: the shared flags, then a flag a FlopsConfig field."""
+  p = argparse.ArgumentParser(
+      prog='python -m tfmulti.bench.flops',
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(model=FlopsConfig.model,
+                            model_names=flags.TRAINABLE)])
   for field in dataclasses.fields(FlopsConfig):
-    parser.add_argument(f'--{field.name}', type=type(field.default),
-                        default=field.default)
-  parser.add_argument('--output', help='write the rounds and the report here')
-  args = parser.parse_args(argv)
+    if field.name not in flags.NAMES:
+      p.add_argument(f'--{field.name}', type=type(field.default),
+                     default=field.default)
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   try:
     bench = FlopsConfig(**{f.name: getattr(args, f.name)
                            for f in dataclasses.fields(FlopsConfig)})

@@ -42,6 +42,7 @@ import tensorflow as tf
 from tfmulti import data
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti.bench import flags
 from tfmulti.data import batches
 from tfmulti.data import options as options_lib
 from tfmulti.deploy import placement
@@ -153,24 +154,33 @@ def summarize(rounds, decoding):
           'decoding_images_per_sec': decoding}
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(prog='python -m tfmulti.bench.input',
-                                   description=__doc__.split('\n')[0])
+def parser():
+  """The command line: the shared flags, a flag an InputBenchConfig field,
+  and this benchmark's own."""
+  p = argparse.ArgumentParser(
+      prog='python -m tfmulti.bench.input',
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(model=InputBenchConfig.model,
+                            model_names=flags.TRAINABLE,
+                            num_clones=InputBenchConfig.num_clones,
+                            clone_on_cpu=True)])
   for field in dataclasses.fields(InputBenchConfig):
+    if field.name in flags.NAMES:
+      continue
     if isinstance(field.default, bool):
-      parser.add_argument(f'--{field.name}', action='store_true')
+      p.add_argument(f'--{field.name}', action='store_true')
     else:
-      parser.add_argument(f'--{field.name}', type=type(field.default),
-                          default=field.default)
-  parser.add_argument('--clone_on_cpu', action='store_true',
-                      help='clones on logical CPUs (the default without '
-                      'GPUs)')
-  parser.add_argument('--folder', help='where to write the JPEGs (default: '
-                      'a temporary folder, removed after)')
-  parser.add_argument('--output', help='write the rounds and medians here')
-  parser.add_argument('--write_only', action='store_true',
-                      help='write the folder (--folder) and stop')
-  args = parser.parse_args(argv)
+      p.add_argument(f'--{field.name}', type=type(field.default),
+                     default=field.default)
+  p.add_argument('--folder', help='where to write the JPEGs (default: '
+                 'a temporary folder, removed after)')
+  p.add_argument('--write_only', action='store_true',
+                 help='write the folder (--folder) and stop')
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   if args.write_only and not args.folder:
     sys.exit('tfmulti.bench.input: error: --write_only writes --folder: '
              'name one.')

@@ -48,6 +48,7 @@ from tfmulti import errors
 from tfmulti import models
 from tfmulti import step_options
 from tfmulti.bench import designs as bench
+from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
@@ -311,38 +312,36 @@ def write_chart(report, path):
   pyplot.close(figure)
 
 
-def _parse(argv):
-  parser = argparse.ArgumentParser(
+def parser():
+  """The command line: the shared flags and this benchmark's own."""
+  p = argparse.ArgumentParser(
       prog='python -m tfmulti.bench.pipeline',
-      description=__doc__.split('\n')[0])
-  parser.add_argument('--model', default='resnet50', choices=models.names())
-  parser.add_argument('--image_size', type=int, default=128)
-  parser.add_argument('--batch_size', type=int, default=120)
-  parser.add_argument('--microbatches', default='2,3,4,6,8,12',
-                      help='micro-batch counts of the pipelined designs')
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--clone_on_cpu', action='store_true',
-                      help='stages on logical CPUs (created here)')
-  parser.add_argument('--split_gpu', action='store_true',
-                      help='split GPU 0 into 2 logical GPUs')
-  parser.add_argument('--gpu_memory_mb', type=int, default=30000,
-                      help='memory of each logical GPU of --split_gpu')
-  parser.add_argument('--stage_boundary', help='the first layer of stage 1')
-  parser.add_argument('--stage_costs', default=step_options.ESTIMATED,
-                      choices=step_options.STAGE_COSTS,
-                      help='what the automatic cut balances')
-  parser.add_argument('--pipeline_schedule', default=step_options.ONE_F_ONE_B,
-                      choices=step_options.PIPELINE_SCHEDULES,
-                      help="the order of each stage's passes")
-  parser.add_argument('--virtual_stages', type=int, default=2,
-                      help="each device's chunks under interleaved_1f1b")
-  parser.add_argument('--output', help='write the report here as JSON')
-  parser.add_argument('--chart', help='write the chart here (PNG)')
-  return parser.parse_args(argv)
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(model='resnet50', clone_on_cpu=True)])
+  p.add_argument('--image_size', type=int, default=128)
+  p.add_argument('--batch_size', type=int, default=120)
+  p.add_argument('--microbatches', default='2,3,4,6,8,12',
+                 help='micro-batch counts of the pipelined designs')
+  p.add_argument('--rounds', type=int, default=5)
+  p.add_argument('--split_gpu', action='store_true',
+                 help='split GPU 0 into 2 logical GPUs')
+  p.add_argument('--gpu_memory_mb', type=int, default=30000,
+                 help='memory of each logical GPU of --split_gpu')
+  p.add_argument('--stage_boundary', help='the first layer of stage 1')
+  p.add_argument('--stage_costs', default=step_options.ESTIMATED,
+                 choices=step_options.STAGE_COSTS,
+                 help='what the automatic cut balances')
+  p.add_argument('--pipeline_schedule', default=step_options.ONE_F_ONE_B,
+                 choices=step_options.PIPELINE_SCHEDULES,
+                 help="the order of each stage's passes")
+  p.add_argument('--virtual_stages', type=int, default=2,
+                 help="each device's chunks under interleaved_1f1b")
+  p.add_argument('--chart', help='write the chart here (PNG)')
+  return p
 
 
 def main(argv=None):
-  args = _parse(argv)
+  args = parser().parse_args(argv)
   try:
     try:
       counts = tuple(int(c) for c in args.microbatches.split(','))

@@ -22,6 +22,7 @@ import tempfile
 import time
 
 from tfmulti.bench import fit_script
+from tfmulti.bench import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -76,14 +77,19 @@ def summarize(walls):
           for name, m in medians.items()}
 
 
+def parser():
+  """The command line: the shared --output and this benchmark's own."""
+  p = argparse.ArgumentParser(
+      prog='python -m tfmulti.bench.processes',
+      description=__doc__.split('\n')[0], parents=[flags.shared()])
+  p.add_argument('--rounds', type=int, default=5)
+  p.add_argument('--epochs', type=int, default=40)
+  p.add_argument('--data_dir')
+  return p
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog='python -m tfmulti.bench.processes',
-                                   description=__doc__.split('\n')[0])
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--epochs', type=int, default=40)
-  parser.add_argument('--data_dir')
-  parser.add_argument('--output')
-  args = parser.parse_args(argv)
+  args = parser().parse_args(argv)
   walls = run(args.rounds, args.epochs, args.data_dir)
   summary = summarize(walls)
   for name, entry in summary.items():

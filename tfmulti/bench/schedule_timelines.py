@@ -56,6 +56,7 @@ from tfmulti import errors
 from tfmulti.bench import activations
 from tfmulti.bench import designs as bench
 from tfmulti.bench import emulated
+from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.pipeline import schedules
@@ -399,33 +400,33 @@ def measure_rss(repeats=2):
   return peaks
 
 
-def _parse(argv):
-  parser = argparse.ArgumentParser(
+def parser():
+  """The command line: the shared --output and this benchmark's own."""
+  p = argparse.ArgumentParser(
       prog='python -m tfmulti.bench.schedule_timelines',
-      description=__doc__.split('\n')[0])
-  parser.add_argument('--stages', default='2,4')
-  parser.add_argument('--microbatches', default='4,8')
-  parser.add_argument('--rows', type=int, default=64)
-  parser.add_argument('--forward_ms_per_row', type=float, default=2.5)
-  parser.add_argument('--backward_ms_per_row', type=float,
-                      help="the input gradients' wait (B); default F's")
-  parser.add_argument('--weights_ms_per_row', type=float,
-                      help="the weight gradients' wait (W); default F's")
-  parser.add_argument('--steps', type=int, default=3)
-  parser.add_argument('--virtual_stages', type=int, default=2,
-                      help="each device's chunks under interleaved_1f1b")
-  parser.add_argument('--schedules', default=','.join(schedules.SCHEDULES),
-                      help='the --pipeline_schedule values to run')
-  parser.add_argument('--stage_block', default='dense',
-                      help='what each stage computes: ' + ', '.join(BLOCKS))
-  parser.add_argument('--output', help='write the report here as JSON')
-  parser.add_argument('--chart_dir', help='draw each schedule here (PNG)')
-  parser.add_argument('--rss', action='store_true',
-                      help="also each schedule's peak resident memory at "
-                      'K=2, M=8, in fresh processes (coarse)')
-  parser.add_argument('--rss_child', choices=schedules.SCHEDULES,
-                      help=argparse.SUPPRESS)
-  return parser.parse_args(argv)
+      description=__doc__.split('\n')[0], parents=[flags.shared()])
+  p.add_argument('--stages', default='2,4')
+  p.add_argument('--microbatches', default='4,8')
+  p.add_argument('--rows', type=int, default=64)
+  p.add_argument('--forward_ms_per_row', type=float, default=2.5)
+  p.add_argument('--backward_ms_per_row', type=float,
+                 help="the input gradients' wait (B); default F's")
+  p.add_argument('--weights_ms_per_row', type=float,
+                 help="the weight gradients' wait (W); default F's")
+  p.add_argument('--steps', type=int, default=3)
+  p.add_argument('--virtual_stages', type=int, default=2,
+                 help="each device's chunks under interleaved_1f1b")
+  p.add_argument('--schedules', default=','.join(schedules.SCHEDULES),
+                 help='the --pipeline_schedule values to run')
+  p.add_argument('--stage_block', default='dense',
+                 help='what each stage computes: ' + ', '.join(BLOCKS))
+  p.add_argument('--chart_dir', help='draw each schedule here (PNG)')
+  p.add_argument('--rss', action='store_true',
+                 help="also each schedule's peak resident memory at "
+                 'K=2, M=8, in fresh processes (coarse)')
+  p.add_argument('--rss_child', choices=schedules.SCHEDULES,
+                 help=argparse.SUPPRESS)
+  return p
 
 
 def _counts(name, text):
@@ -437,7 +438,7 @@ def _counts(name, text):
 
 
 def main(argv=None):
-  args = _parse(argv)
+  args = parser().parse_args(argv)
   if args.rss_child:
     devices.create_logical_cpus(2)
     print(f'peak_rss_mib {rss_child(args.rss_child):.1f}')

@@ -37,8 +37,8 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from tfmulti import devices
 from tfmulti import errors
-from tfmulti import models
 from tfmulti.bench import designs
+from tfmulti.bench import flags
 from tfmulti.bench import variants as variants_lib
 
 VARIANTS = ('single', 'towers', 'mirrored_reduce_to_one_device')
@@ -143,18 +143,19 @@ def format_table(report):
   return '\n'.join(lines)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(
+def parser():
+  """The command line: the shared flags and this benchmark's own."""
+  p = argparse.ArgumentParser(
       prog='python -m tfmulti.bench.step_profile', description=__doc__,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--model', default='lenet', choices=models.names())
-  parser.add_argument('--batch_size', type=int, default=64,
-                      help='rows a clone')
-  parser.add_argument('--num_clones', type=int, default=2)
-  parser.add_argument('--clone_on_cpu', action='store_true')
-  parser.add_argument('--steps', type=int, default=30)
-  parser.add_argument('--output')
-  args = parser.parse_args(argv)
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      parents=[flags.shared(model='lenet', num_clones=2, clone_on_cpu=True)])
+  p.add_argument('--batch_size', type=int, default=64, help='rows a clone')
+  p.add_argument('--steps', type=int, default=30)
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   try:
     errors.check_count('steps', args.steps, 1)
     bench = designs.BenchConfig(model=args.model, batch_size=args.batch_size,

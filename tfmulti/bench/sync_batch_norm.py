@@ -26,6 +26,7 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
 from tfmulti.bench import designs as bench
+from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
 
@@ -100,17 +101,20 @@ def format_report(report):
   return '\n'.join(lines)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(
+def parser():
+  """The command line: the shared flags and this benchmark's own."""
+  p = argparse.ArgumentParser(
       prog='python -m tfmulti.bench.sync_batch_norm',
-      description=__doc__.split('\n')[0])
-  parser.add_argument('--model', default='resnet20',
-                      help='a registered model, or applications:NAME')
-  parser.add_argument('--rows', type=int, default=16,
-                      help='rows of the step, over both clones')
-  parser.add_argument('--rounds', type=int, default=1)
-  parser.add_argument('--output', help='write the report here as JSON')
-  args = parser.parse_args(argv)
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(model='resnet20', model_names=flags.APPLICATIONS)])
+  p.add_argument('--rows', type=int, default=16,
+                 help='rows of the step, over both clones')
+  p.add_argument('--rounds', type=int, default=1)
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   try:
     for name in ('rows', 'rounds'):
       errors.check_count(name, getattr(args, name), 1)

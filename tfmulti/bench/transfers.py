@@ -41,6 +41,7 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
 from tfmulti.bench import designs as bench
+from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.deploy import traffic
@@ -196,18 +197,21 @@ def format_report(report):
   return '\n'.join(lines)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(
+def parser():
+  """The command line: the shared flags and this benchmark's own."""
+  p = argparse.ArgumentParser(
       prog='python -m tfmulti.bench.transfers',
-      description=__doc__.split('\n')[0])
-  parser.add_argument('--model', default='resnet50',
-                      help='a registered model, or applications:NAME')
-  parser.add_argument('--num_clones', type=int, default=4)
-  parser.add_argument('--image_size', type=int, default=224)
-  parser.add_argument('--num_classes', type=int, default=1000)
-  parser.add_argument('--rows_per_clone', type=int, default=2)
-  parser.add_argument('--output', help='write the report here as JSON')
-  args = parser.parse_args(argv)
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(model='resnet50', model_names=flags.APPLICATIONS,
+                            num_clones=4)])
+  p.add_argument('--image_size', type=int, default=224)
+  p.add_argument('--num_classes', type=int, default=1000)
+  p.add_argument('--rows_per_clone', type=int, default=2)
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   try:
     for name in ('num_clones', 'image_size', 'num_classes',
                  'rows_per_clone'):

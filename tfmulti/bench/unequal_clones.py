@@ -38,6 +38,7 @@ from tfmulti import errors
 from tfmulti import models
 from tfmulti.bench import designs as bench
 from tfmulti.bench import emulated
+from tfmulti.bench import flags
 from tfmulti.deploy import balance
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
@@ -237,25 +238,29 @@ def format_report(report):
   return '\n'.join(lines)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(
+def parser():
+  """The command line: the shared flags and this benchmark's own."""
+  p = argparse.ArgumentParser(
       prog='python -m tfmulti.bench.unequal_clones',
-      description=__doc__.split('\n')[0])
-  parser.add_argument('--model', default='lenet', choices=models.names())
-  parser.add_argument('--batch_size', type=int, default=64,
-                      help='rows per clone of an even split')
-  parser.add_argument('--slowdown', type=float, default=3.0,
-                      help="clone 1's time per row / clone 0's")
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--steps', type=int, default=10)
-  parser.add_argument('--emulated', help='pairs of speeds, e.g. 3:1,5:3: '
-                      'measure the balancer on emulated devices instead')
-  parser.add_argument('--every_steps', type=int, default=5,
-                      help='(emulated) steps between measurements')
-  parser.add_argument('--ms_per_row', type=float, default=1.0,
-                      help="(emulated) the fastest device's wait a row")
-  parser.add_argument('--output', help='write the report here as JSON')
-  args = parser.parse_args(argv)
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(model='lenet')])
+  p.add_argument('--batch_size', type=int, default=64,
+                 help='rows per clone of an even split')
+  p.add_argument('--slowdown', type=float, default=3.0,
+                 help="clone 1's time per row / clone 0's")
+  p.add_argument('--rounds', type=int, default=5)
+  p.add_argument('--steps', type=int, default=10)
+  p.add_argument('--emulated', help='pairs of speeds, e.g. 3:1,5:3: '
+                 'measure the balancer on emulated devices instead')
+  p.add_argument('--every_steps', type=int, default=5,
+                 help='(emulated) steps between measurements')
+  p.add_argument('--ms_per_row', type=float, default=1.0,
+                 help="(emulated) the fastest device's wait a row")
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   try:
     errors.check_positive('slowdown', args.slowdown)
     if args.slowdown < 1:
