@@ -13,7 +13,7 @@ from tests.helpers import manifest_command
 from tests.helpers import REPO
 from tfmulti import cli
 from tfmulti import step_options
-from tfmulti.train import registry
+from tfmulti.engine import registry
 
 RUNNING = os.path.join(REPO, 'docs', 'running.md')
 ROW = re.compile(r'^\| `--(\w+)` \| ([^|]+) \|', re.M)

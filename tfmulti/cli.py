@@ -35,13 +35,13 @@ from tfmulti.data import options as options_lib  # noqa: E402
 from tfmulti.deploy import placement  # noqa: E402
 from tfmulti.distribute import cluster  # noqa: E402
 from tfmulti.distribute import resolvers  # noqa: E402
+from tfmulti.engine import registry  # noqa: E402
+from tfmulti.engine import step_calls  # noqa: E402
 from tfmulti.train import build  # noqa: E402
 from tfmulti.train import config  # noqa: E402
 from tfmulti.train import job  # noqa: E402
 from tfmulti.train import learning_rates  # noqa: E402
 from tfmulti.train import loop  # noqa: E402
-from tfmulti.train import registry  # noqa: E402
-from tfmulti.train import step_calls  # noqa: E402
 
 PROGRAM = 'train.py'
 

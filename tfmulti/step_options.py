@@ -6,7 +6,7 @@ clones' shares, gradient accumulation. It is validated once, on
 construction (each rule here, with one message), built once from the flags
 (or from a library caller's keywords) and passed whole to the trainer that
 runs the step. Each registered strategy declares the options it honours
-(`train.registry`), and the registry refuses any other option set away
+(`engine.registry`), and the registry refuses any other option set away
 from its default, in one line: nothing is ignored without a word.
 """
 

@@ -77,7 +77,7 @@ class Trainer(abc.ABC):
 
   def loop_iterator(self, batches):
     """An iterator over `batches` (`distribute_dataset`'s) that a compiled
-    loop of steps reads (`train.step_calls.InALoop`)."""
+    loop of steps reads (`engine.step_calls.InALoop`)."""
     return iter(batches)
 
   def loop_step(self, element):

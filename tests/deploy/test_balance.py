@@ -44,33 +44,34 @@ def test_noise_on_equal_devices_keeps_the_split():
   # 930:1070 alone would give 7/9, whose step is only 2% faster.
   assert balance.shares_for([930.0, 1070.0]) == (7, 9)
   timings = iter([[1000.0, 1000.0], [930.0, 1070.0], [1070.0, 930.0]])
-  balanced = _balanced(lambda x, y: next(timings), every_steps=1)
+  balanced, policy = _balanced(lambda x, y: next(timings), every_steps=1)
   for step in range(3):
     balanced.train_step(*make_batch(16, seed=step))
   # 8/8 stays: 9/7 or 7/9 would predict a step less than 5% faster.
-  assert [shares for _, shares, _ in balanced.balancer.history] == [(8, 8)] * 3
+  assert [shares for _, shares, _ in policy.history] == [(8, 8)] * 3
   assert balanced.trace_count == 1
 
 
 def _balanced(measure, every_steps):
+  """(towers, their shares policy) measuring with `measure`."""
+  policy = balance.Balancer(every_steps, measure=measure)
   towers = make_deployed(deploy.DeploymentConfig(num_clones=2,
-                                                 clone_on_cpu=True))
-  towers.balancer = balance.Balancer(
-      every_steps, measure=lambda towers, x, y: measure(x, y))
-  return towers
+                                                 clone_on_cpu=True),
+                         shares=policy)
+  return towers, policy
 
 
 def test_rebalances_at_the_next_measurement_after_a_slowdown():
-  balanced = _balanced(_Timings(slow_down_after=1), every_steps=3)
+  balanced, policy = _balanced(_Timings(slow_down_after=1), every_steps=3)
   for step in range(7):
     balanced.train_step(*make_batch(16, seed=step))
-  assert [(step, shares) for step, shares, _ in balanced.balancer.history] == [
+  assert [(step, shares) for step, shares, _ in policy.history] == [
       (0, (12, 4)), (3, (4, 12)), (6, (4, 12))]
 
 
 def test_a_new_split_retraces_once_and_stays_exact():
   timings = iter([[300.0, 100.0], [100.0, 300.0]] * 4)
-  balanced = _balanced(lambda x, y: next(timings), every_steps=1)
+  balanced, _ = _balanced(lambda x, y: next(timings), every_steps=1)
   reference = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True))
   for step in range(8):
     images, labels = make_batch(16, seed=step)
@@ -86,7 +87,7 @@ def test_a_new_split_retraces_once_and_stays_exact():
 def test_clone_throughputs_are_measured_on_every_clone():
   towers = make_deployed(deploy.DeploymentConfig(num_clones=2,
                                                  clone_on_cpu=True))
-  speeds = balance.clone_throughputs(towers, *make_batch(8))
+  speeds = towers.throughputs(*make_batch(8))
   assert len(speeds) == 2 and all(s > 0 for s in speeds)
   assert towers.trace_count == 0  # Measuring never traces the step.
 

@@ -133,15 +133,15 @@ def test_the_cut_follows_automatic_shares():
   during an epoch (1:3, at its last step) cuts the next epoch's batches."""
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
                                    prefetch_to_clones=True)
-  towers = make_deployed(config)
   measured = iter([[300.0, 100.0]] + [[100.0, 300.0]] * 2)
   shapes = []
 
-  def measure(towers, images, labels):
-    del towers, labels
+  def measure(images, labels):
+    del labels
     shapes.append(tuple(images.shape))  # Zeros of the whole batch's shape.
     return next(measured)
-  towers.balancer = balance.Balancer(STEPS, measure=measure)
+  towers = make_deployed(config,
+                         shares=balance.Balancer(STEPS, measure=measure))
   for wanted in ((12, 4), (4, 12)):
     for images, labels in towers.distribute_dataset(dataset()):
       assert tuple(part.shape[0] for part in images.parts) == wanted

@@ -14,10 +14,10 @@ from tests.helpers import scalars
 from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import step_options
-from tfmulti.train import checkpoints
+from tfmulti.engine import checkpoints
+from tfmulti.engine import registry
 from tfmulti.train import config as config_lib
 from tfmulti.train import job
-from tfmulti.train import registry
 from tfmulti.train import run_dir
 from tfmulti.train import summaries
 

@@ -21,7 +21,7 @@ from tfmulti import data
 from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import trainer
-from tfmulti.train import checkpoints
+from tfmulti.engine import checkpoints
 from tfmulti.train import config
 from tfmulti.train import job
 from tfmulti.train import loop

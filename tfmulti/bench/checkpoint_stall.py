@@ -31,7 +31,7 @@ from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
-from tfmulti.train import checkpoints
+from tfmulti.engine import checkpoints
 
 NUM_CLONES = 2
 IMAGE_SHAPE = (32, 32, 3)

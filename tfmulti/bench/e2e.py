@@ -39,10 +39,10 @@ from tfmulti import fit
 from tfmulti import step_options
 from tfmulti.bench import flags
 from tfmulti.deploy import placement
+from tfmulti.engine import step_calls
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
 from tfmulti.train import job
-from tfmulti.train import step_calls
 
 NUM_LOGICAL_CPUS = 2
 FIT_VARIANTS = ('fit_one_device', 'fit_one_device_jit', 'fit_mirrored',

@@ -50,9 +50,9 @@ from tfmulti import step_options
 from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
 from tfmulti.deploy import placement
+from tfmulti.engine import registry
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
-from tfmulti.train import registry
 
 NUM_CLASSES = 1000  # The tutorial's ResNet-50 head.
 STEPS_PER_ROUND = 3  # The tutorial's 3 batches.

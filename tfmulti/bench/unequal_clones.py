@@ -74,7 +74,8 @@ class ExtraWorkOn(keras.layers.Layer):
 
 
 def _towers(model_name, batch_size):
-  """Two towers whose clone 1 carries an `ExtraWorkOn` layer."""
+  """Two towers whose clone 1 carries an `ExtraWorkOn` layer, and their
+  shares policy (`balance.Fixed`: the splits set by hand)."""
   config = placement.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   shape = (28, 28, 1)
   with tf.device(config.variables_device()):
@@ -84,13 +85,21 @@ def _towers(model_name, batch_size):
     extra = ExtraWorkOn(config.clone_device(SLOW_CLONE).split('/')[-1])
     model = keras.Model(inputs, inner(extra(inputs)))
     optimizer = keras.optimizers.SGD(0.01)
+  pinned = balance.Fixed()
   towers = towers_lib.deploy(
       config, model,
-      keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer)
+      keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer,
+      shares=pinned)
   rng = np.random.default_rng(0)
   images = rng.random((2 * batch_size, *shape), np.float32)
   labels = rng.integers(0, 10, 2 * batch_size).astype(np.int32)
-  return towers, extra, tf.constant(images), tf.constant(labels)
+  return towers, pinned, extra, tf.constant(images), tf.constant(labels)
+
+
+def _balancer(towers, every_steps):
+  """`clone_shares='auto'`'s policy, measuring `towers`' clones, whose
+  shares the benchmark pins itself (a batch is one accumulation step)."""
+  return balance.Balancer(every_steps, measure=towers.throughputs)
 
 
 def _rate(towers, images, labels, steps):
@@ -103,15 +112,14 @@ def _rate(towers, images, labels, steps):
 
 def run(model_name='lenet', batch_size=64, slowdown=3.0, rounds=5, steps=10):
   """The report: solo throughputs, ideal, even and balanced splits."""
-  towers, extra, images, labels = _towers(model_name, batch_size)
-  base = balance.clone_throughputs(towers, images, labels)  # No extra yet.
+  towers, pinned, extra, images, labels = _towers(model_name, batch_size)
+  base = towers.throughputs(images, labels)  # No extra yet.
   extra.seconds_per_row = (slowdown - 1) / base[0]
-  solo = balance.clone_throughputs(towers, images, labels)
-  auto_shares = balance.Balancer(every_steps=10**9).rebalance(
-      towers, images, labels)
+  solo = towers.throughputs(images, labels)
+  auto_shares = _balancer(towers, 10**9).rebalance(
+      images, labels, rows=images.shape[0], current=None)
   splits = {'even': None, 'auto': auto_shares}
   rates = {name: [] for name in splits}
-  towers.balancer = pinned = balance.Fixed()  # The splits set by hand.
   for shares in splits.values():  # Traces each split once.
     pinned.value = shares
     _rate(towers, images, labels, 2)
@@ -150,13 +158,15 @@ def _emulated_towers(waits, batch_size):
     outputs = keras.layers.Dense(10)(device_waits(inputs))
     model = keras.Model(inputs, outputs)
     optimizer = keras.optimizers.SGD(0.01)
+  pinned = balance.Fixed()  # Measured apart from steps.
   towers = towers_lib.deploy(
       config, model,
-      keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer)
+      keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer,
+      shares=pinned)
   rng = np.random.default_rng(0)
   images = tf.constant(rng.random((2 * batch_size, 16), np.float32))
   labels = tf.constant(rng.integers(0, 10, 2 * batch_size).astype(np.int32))
-  return towers, device_waits, images, labels
+  return towers, pinned, device_waits, images, labels
 
 
 def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
@@ -166,15 +176,15 @@ def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
   apart from the steps."""
   waits = {f'CPU:{i}': ms_per_row / 1000 * max(speeds) / speed
            for i, speed in enumerate(speeds)}
-  towers, device_waits, images, labels = _emulated_towers(waits,
-                                                          batch_size)
-  solo = balance.clone_throughputs(towers, images, labels)
+  towers, pinned, device_waits, images, labels = _emulated_towers(
+      waits, batch_size)
+  solo = towers.throughputs(images, labels)
   _rate(towers, images, labels, 1)  # Traces the even split.
   even = statistics.median(_rate(towers, images, labels, 1)
                            for _ in range(steps))
-  balanced = balance.Balancer(every_steps)
-  towers.balancer = pinned = balance.Fixed()  # Measured apart from steps.
-  shares = pinned.value = balanced.rebalance(towers, images, labels)
+  balanced = _balancer(towers, every_steps)
+  shares = pinned.value = balanced.rebalance(
+      images, labels, rows=images.shape[0], current=None)
   _rate(towers, images, labels, 1)  # Traces the balanced split.
   auto = statistics.median(_rate(towers, images, labels, 1)
                            for _ in range(steps))
@@ -183,9 +193,10 @@ def run_emulated(speeds, batch_size=64, ms_per_row=1.0, steps=10,
   after = []
   for step in range(1, 2 * every_steps + 1):
     if step % every_steps == 0:
-      pinned.value = balanced.rebalance(towers, images, labels)
+      pinned.value = balanced.rebalance(
+          images, labels, rows=images.shape[0], current=pinned.value)
     after.append(_rate(towers, images, labels, 1))
-  new_solo = balance.clone_throughputs(towers, images, labels)
+  new_solo = towers.throughputs(images, labels)
   new_ideal = sum(new_solo)
   reached = next((i + 1 for i, rate in enumerate(after)
                   if min(after[i:]) >= 0.9 * new_ideal), None)

@@ -33,9 +33,9 @@ from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.deploy import placement
 from tfmulti.distribute import distributed_model
+from tfmulti.engine import registry
 from tfmulti.train import build
 from tfmulti.train import config as config_lib
-from tfmulti.train import registry
 
 INPUT_SHAPE = data.SYNTHETIC_SHAPE  # The synthetic dataset's: CIFAR-10's.
 NUM_CLASSES = data.SYNTHETIC_CLASSES

@@ -4,7 +4,8 @@
 them: `deploy.DeploymentConfig`, `deploy.deploy`, `deploy.DeployedModel`,
 the clone building blocks (`Clone`, `split_batch`, `create_clones`,
 `optimize_clones`), the BatchNorm policies (`deploy.BN_*`) and the step
-options (`deploy.StepOptions`). Keras's door is `tfmulti.fit`. The
+options (`deploy.StepOptions`). Keras's door is `tfmulti.fit`
+(`deploy.TowersModel`, its old place, warns). The
 library's own modules import the module that defines a name.
 
   placement           DeploymentConfig: every device string
@@ -22,6 +23,7 @@ library's own modules import the module that defines a name.
   towers_in_strategy  the towers inside a tf.distribute strategy
 """
 
+from tfmulti import moved
 from tfmulti.deploy.clones import Clone  # noqa: F401
 from tfmulti.deploy.clones import create_clones  # noqa: F401
 from tfmulti.deploy.clones import optimize_clones  # noqa: F401
@@ -34,3 +36,7 @@ from tfmulti.step_options import BN_CLONE_0  # noqa: F401
 from tfmulti.step_options import BN_FULL_BATCH  # noqa: F401
 from tfmulti.step_options import BN_MEAN  # noqa: F401
 from tfmulti.step_options import StepOptions  # noqa: F401
+
+
+def __getattr__(name):
+  return moved.attribute(__name__, name)

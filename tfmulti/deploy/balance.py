@@ -7,7 +7,9 @@ proportion, and measures again every `every_steps` steps, so a device that
 slows down later gets fewer rows at the next measurement.
 
 `Balancer` is a policy the towers consult before cutting a step's layout:
-it replaces the shares between steps. Shares are whole numbers out of
+it is handed its measure (`Probes`, the clones timed alone), the rows to
+split and the current shares, returns the next shares, and never sees the
+towers. Shares are whole numbers out of
 `BUCKETS` (3:1 is 12:4), and a new split is taken only when it predicts a
 step at least `MIN_GAIN` faster than the current split does under the same
 measurement, so noise does not move it.
@@ -22,6 +24,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import layouts
+from tfmulti import rows as rows_lib
 from tfmulti.layouts import split_rows
 from tfmulti.pipeline import costs
 
@@ -49,59 +52,100 @@ def predicted_step_seconds(rows, throughputs):
   return max(r / t for r, t in zip(rows, throughputs))
 
 
-def clone_throughputs(towers, images, labels):
+class Probes:
   """Each clone's rows a second alone (forward and backward on its
-  devices), on an equal share of an accumulation step of this batch."""
-  rows = layouts.clone_probe_rows(
-      tf.nest.flatten(images)[0].shape[0],
-      layouts.cut_of(towers.config, towers.options))
-  images, labels = tf.nest.map_structure(lambda t: t[:rows], (images, labels))
-  speeds = []
-  for i in range(towers.config.num_clones):
-    probe = towers.probe(i)
-    speeds.append(rows / costs.median_seconds(
-        lambda probe=probe: float(probe(images, labels))))
-  return speeds
+  devices), timed on an equal share of an accumulation step of a batch:
+  the measure behind `clone_shares='auto'`. `deploy()` makes it from the
+  step's runner; the shares policy calls it and sees nothing else of the
+  towers.
+
+  Attributes:
+    config: the `DeploymentConfig`.
+    options: the `StepOptions`.
+    runner: the step's runner (`runners`), whose `probe` runs one clone.
+  """
+
+  def __init__(self, config, options, runner):
+    self.config = config
+    self.options = options
+    self.runner = runner
+    self._probes = {}  # Clone index -> its timing function.
+
+  def __call__(self, images, labels):
+    """Each clone's throughput in rows a second on this batch."""
+    rows = layouts.clone_probe_rows(
+        tf.nest.flatten(images)[0].shape[0],
+        layouts.cut_of(self.config, self.options))
+    images, labels = tf.nest.map_structure(lambda t: t[:rows],
+                                           (images, labels))
+    speeds = []
+    for i in range(self.config.num_clones):
+      probe = self.probe(i)
+      speeds.append(rows / costs.median_seconds(
+          lambda probe=probe: float(probe(images, labels))))
+    return speeds
+
+  def probe(self, clone_index):
+    """A `tf.function(images, labels)` of clone `clone_index` alone (its
+    forward and backward pass on its device(s), reduced to one number so
+    nothing is pruned)."""
+    if clone_index not in self._probes:
+      self._probes[clone_index] = tf.function(
+          lambda images, labels: self._probe_graph(clone_index, images,
+                                                   labels), autograph=False)
+    return self._probes[clone_index]
+
+  def _probe_graph(self, clone_index, images, labels):
+    layout = layouts.step_layout(
+        rows_lib.batch_rows(images, labels), layouts.Cut(
+            num_microbatches=self.options.num_microbatches,
+            staged=layouts.is_staged(self.config, self.options)))
+    loss, gradients = self.runner.probe(clone_index, images, labels, layout)
+    return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
+                            if g is not None])
 
 
 class Balancer:
   """The policy behind `clone_shares='auto'`: the shares a step uses,
-  measured again every `every_steps` steps.
-
-  `DeployedModel.train_step_outputs` asks it for the shares before it cuts
-  the step's layout; nothing else sees it.
+  measured again every `every_steps` steps. Read-only towards the towers:
+  it is handed what it needs (`shares`) and returns shares.
 
   Attributes:
     every_steps: steps between measurements (the first is at step 0 of
       this process, so a resumed run measures again).
-    measure: `measure(towers, images, labels)` -> each clone's throughput
-      in rows a second; `clone_throughputs` unless given (tests inject it).
+    measure: `measure(images, labels)` -> each clone's throughput in rows
+      a second; the towers' `Probes` unless given (tests inject it).
     history: (step, shares, throughputs) of every measurement.
   """
 
   def __init__(self, every_steps, measure=None):
     self.every_steps = every_steps
-    self.measure = measure or clone_throughputs
+    self.measure = measure
     self.history = []
     self._steps = 0
 
-  def shares(self, towers, images, labels):
-    """The shares of `towers`' next step on this batch: measured again
-    when due, else its current ones."""
-    shares = towers.clone_shares
-    if self._steps % self.every_steps == 0:
-      shares = self.rebalance(towers, images, labels)
-    self._steps += 1
-    return shares
+  def with_measure(self, measure):
+    """Itself, measuring with `measure` where none was given."""
+    self.measure = self.measure or measure
+    return self
 
-  def rebalance(self, towers, images, labels):
-    """Measures the clones; returns the shares to use (the current ones
-    unless a new split predicts a step `MIN_GAIN` faster)."""
-    throughputs = self.measure(towers, images, labels)
-    rows = layouts.accumulation_step_rows(
-        tf.nest.flatten(images)[0].shape[0],
-        layouts.cut_of(towers.config, towers.options))
-    current = towers.clone_shares
+  def measured(self):
+    """Whether a measurement was taken: a feed's first cut waits for it."""
+    return bool(self.history)
+
+  def shares(self, images, labels, *, rows, current):
+    """The shares of the next step on this batch, whose accumulation
+    steps have `rows` rows and whose shares are `current` (None: equal):
+    measured again when due, else `current`."""
+    if self._steps % self.every_steps == 0:
+      current = self.rebalance(images, labels, rows=rows, current=current)
+    self._steps += 1
+    return current
+
+  def rebalance(self, images, labels, *, rows, current):
+    """Measures the clones on this batch; returns the shares to use
+    (`current` unless a new split predicts a step `MIN_GAIN` faster)."""
+    throughputs = self.measure(images, labels)
     now = predicted_step_seconds(
         split_rows(rows, current or [1] * len(throughputs)), throughputs)
     shares = shares_for(throughputs)
@@ -119,15 +163,22 @@ class Balancer:
 class Fixed:
   """The shares policy that measures nothing: the shares its `value` holds
   (None for equal). `deploy()` gives it the options' own shares; whoever
-  compares splits (the benchmark `bench.unequal_clones`) sets it between
-  steps. The step consults it as it does the `Balancer`."""
+  compares splits (the benchmark `bench.unequal_clones`) passes one to
+  `deploy(..., shares=)` and sets its `value` between steps."""
 
   def __init__(self, value=None):
     self.value = value
-    self.history = [(0, value, ())]  # Nothing to wait for before a cut.
 
-  def shares(self, towers, images, labels):
+  def with_measure(self, measure):
+    """Itself: it measures nothing."""
+    del measure
+    return self
+
+  def measured(self):
+    """Nothing to wait for before a cut."""
+    return True
+
+  def shares(self, images, labels, *, rows, current):
     """`value`, whatever the batch."""
-    del towers, images, labels  # Fixed: nothing is measured.
+    del images, labels, rows, current  # Fixed: nothing is measured.
     return self.value
-

@@ -16,6 +16,10 @@ structure)`: it runs the layout's accumulation steps (`rows.accumulate`;
 (gradients, [total loss, regularization, each clone's loss], outputs);
 `for_update(grads_and_vars, total, regularization)` gives what this
 worker hands the optimizer.
+
+What differs between workers is a part too, chosen once when the combiner
+is made (`across`): alone (`Alone`), the chief (`Chief`) or another worker
+(`OtherWorker`), so no step method asks the worker count or role.
 """
 
 import tensorflow as tf
@@ -126,15 +130,61 @@ class Summed:
     return grads_and_vars, total_loss, regularization
 
 
+class Alone:
+  """One worker: the atoms are all here, and its sums are the job's."""
+
+  def gather(self, stacked):
+    """Every worker's atoms, in atom order: here, this worker's."""
+    return stacked
+
+  def for_update(self, grads_and_vars, total_loss, regularization, owners):
+    """What this worker hands the optimizer: its folded sums."""
+    del owners  # Nothing moves.
+    return grads_and_vars, total_loss, regularization
+
+
+class Chief(Alone):
+  """Worker 0 of several: it gathers every worker's atoms and hands the
+  optimizer the job's sums, as one process would."""
+
+  def gather(self, stacked):
+    return atoms.gather(stacked)
+
+
+class OtherWorker(Chief):
+  """A worker but the chief: it folds the job's atoms as the chief does
+  (so every worker's loss is the job's), and hands the optimizer zeros;
+  Keras's all-reduce then adds them to the chief's sums, which is exact.
+  Each zero beside its variable, as the chief's sums are: the all-reduce
+  packs its tensors by device, alike on every worker."""
+
+  def for_update(self, grads_and_vars, total_loss, regularization, owners):
+    return ([(devices.on(owners[id(v)], slices.none_like, g), v)
+             for g, v in grads_and_vars], tf.zeros_like(total_loss),
+            tf.zeros_like(regularization))
+
+
+def across(config):
+  """This worker's part of the atoms' fold, chosen once: `Alone`, `Chief`
+  or `OtherWorker`."""
+  if config.num_workers == 1:
+    return Alone()
+  return OtherWorker() if config.worker_index else Chief()
+
+
 class AtomFold(Summed):
   """With `reproducible_rows`: every atom's gradients, loss and new
   statistics kept apart (stacked in atom order, gathered from every
-  worker), folded in atom order on the optimizer device; the moving
-  statistics are the atoms' mean, assigned once."""
+  worker by the `across` part), folded in atom order on the optimizer
+  device; the moving statistics are the atoms' mean, assigned once."""
   run_pieces = staticmethod(atoms.run_atoms)
   fold = staticmethod(atoms.stacked)
   check = staticmethod(atoms.check_devices)
   prepare = staticmethod(devices.same_kernels_everywhere)  # Kernels too.
+
+  def __init__(self, config, model, states, packs=()):
+    super().__init__(config, model, states, packs)
+    self.workers = across(config)
 
   def __call__(self, clones_of, images, labels, layout, structure):
     device = self.config.optimizer_device()
@@ -169,8 +219,7 @@ class AtomFold(Summed):
     new statistics, the atoms' mean."""
     device = self.config.optimizer_device()
     with tf.device(device), tf.name_scope('fold_atoms'):
-      if self.config.num_workers > 1:
-        stacked = atoms.gather(stacked)
+      stacked = self.workers.gather(stacked)
       num_states = len(self.states.owners)
       folded = stacked[:len(stacked) - num_states]
       places = [device] + [o for o, r in zip(self.owners, reached) if r]
@@ -198,16 +247,10 @@ class AtomFold(Summed):
                 zip(*(c.gradients for c in clones)), self.owners))]
 
   def for_update(self, grads_and_vars, total_loss, regularization):
-    """Every worker folded the job's atoms alike; Keras's all-reduce then
-    adds the other workers' zeros to worker 0's sums, which is exact.
-    Each zero beside its variable, as worker 0's sums are: the all-reduce
-    packs its tensors by device, alike on every worker."""
-    if not self.config.worker_index:
-      return grads_and_vars, total_loss, regularization
-    owner = {id(v): o for v, o in zip(self.variables, self.owners)}
-    return ([(devices.on(owner[id(v)], slices.none_like, g), v)
-             for g, v in grads_and_vars], tf.zeros_like(total_loss),
-            tf.zeros_like(regularization))
+    """What this worker hands the optimizer (`across`)."""
+    owners = {id(v): o for v, o in zip(self.variables, self.owners)}
+    return self.workers.for_update(grads_and_vars, total_loss,
+                                   regularization, owners)
 
 
 def outputs_of(config, clones, structure):

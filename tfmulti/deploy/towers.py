@@ -80,9 +80,11 @@ class Parts:
   Attributes:
     runner: how each clone runs its shard (`runners`).
     combiner: how the clones' gradients meet (`combiners`).
-    balancer: the shares policy: with `clone_shares='auto'`, the
+    shares: the shares policy: with `clone_shares='auto'`, the
       `balance.Balancer` that measures them; else `balance.Fixed`, the
-      options' own.
+      options' own (or the one given to `deploy(..., shares=)`).
+    measure: `balance.Probes`: each clone timed alone, the policy's
+      measure.
     update_scope: the context the optimizer's update runs in: beside each
       variable (where the variables are spread, its owner; else the
       variables device, where it would run anyway).
@@ -91,7 +93,8 @@ class Parts:
   """
   runner: object
   combiner: object
-  balancer: object
+  shares: object
+  measure: object
   update_scope: object = keras_internals.updates_beside_variables
   summaries: object = lambda grads_and_vars, scale: {}
 
@@ -102,9 +105,8 @@ class DeployedModel(trainer.Trainer):
   Slim's DeployedModel held a train_op and summary_op; in TF 2 it holds the
   `tf.function` that runs one step, composed of the `Parts` `deploy()`
   chose. Attributes: `config`, `model`, `loss_fn`, `optimizer`, `options`
-  (the `StepOptions`), `parts`, `stages` (the `pipeline.Stages`, or None)
-  and `balancer` (the shares policy: `balance.Balancer` with 'auto',
-  else `balance.Fixed`).
+  (the `StepOptions`), `parts` and `stages` (the `pipeline.Stages`, or
+  None).
   """
 
   def __init__(self, config, model, loss_fn, optimizer, options, parts):
@@ -115,9 +117,7 @@ class DeployedModel(trainer.Trainer):
     self.options = options
     self.parts = parts
     self.stages = getattr(parts.runner, 'stages', None)
-    self.balancer = parts.balancer
     self._shares = options.fixed_shares
-    self._probes = {}  # Clone index -> its timing function.
     self._feeder = None  # A `feeds.Feeder`, made at the first feed.
     self._fed = None  # The `feeds.Fed` a compiled loop reads, if any.
     self.step_function = tf.function(self.step_graph, autograph=False)
@@ -126,7 +126,7 @@ class DeployedModel(trainer.Trainer):
   @property
   def clone_shares(self):
     """Each clone's share of a step's rows; None for equal. Read-only:
-    the options' own, or the balancer's latest with 'auto'."""
+    the options' own, or the shares policy's latest."""
     return self._shares
 
   def step_graph(self, images, labels, layout, cut=split_batch,
@@ -192,7 +192,7 @@ class DeployedModel(trainer.Trainer):
                    'on %s, not prefetched to the clones.',
                    self.config.inputs_device())
       return dataset
-    if not self.balancer.history:  # The first cut waits for a measure.
+    if not self.parts.shares.measured():  # The first cut waits for one.
       self.measure_shares(*feeds.stand_in(specs))
     if self._feeder is None:
       self._feeder = feeds.Feeder(self.config)
@@ -202,8 +202,12 @@ class DeployedModel(trainer.Trainer):
   def measure_shares(self, images, labels):
     """Asks the shares policy for the next step's shares on this batch
     (with `clone_shares='auto'`, measured again when due)."""
+    rows_ = layouts.accumulation_step_rows(
+        tf.nest.flatten(images)[0].shape[0],
+        layouts.cut_of(self.config, self.options))
     with tf.device(self.config.inputs_device()):
-      self._shares = self.balancer.shares(self, images, labels)
+      self._shares = self.parts.shares.shares(images, labels, rows=rows_,
+                                              current=self._shares)
 
   def layout_for(self, images, labels, partial=False):
     """The `layouts.StepLayout` of a step on this worker's batch (nests),
@@ -270,21 +274,9 @@ class DeployedModel(trainer.Trainer):
     return self.step_function.get_concrete_function(
         *self._step_arguments(images, labels), with_outputs)
 
-  def probe(self, clone_index):
-    """A `tf.function(images, labels)` of clone `clone_index` alone (its
-    forward and backward pass on its device(s), reduced to one number so
-    nothing is pruned), for timing it (`balance.clone_throughputs`)."""
-    def probe_graph(images, labels):
-      layout = layouts.step_layout(rows.batch_rows(images, labels), layouts.Cut(
-          num_microbatches=self.options.num_microbatches,
-          staged=layouts.is_staged(self.config, self.options)))
-      loss, gradients = self.parts.runner.probe(clone_index, images, labels,
-                                                layout)
-      return loss + tf.add_n([tf.reduce_sum(g) for g in gradients
-                              if g is not None])
-    if clone_index not in self._probes:
-      self._probes[clone_index] = tf.function(probe_graph, autograph=False)
-    return self._probes[clone_index]
+  def throughputs(self, images, labels):
+    """Each clone's rows a second alone on this batch (`balance.Probes`)."""
+    return self.parts.measure(images, labels)
 
   def _predict_graph(self, images, with_losses=False):
     config, model = self.config, self.model
@@ -321,7 +313,8 @@ class DeployedModel(trainer.Trainer):
         tf.nest.map_structure(tf.convert_to_tensor, images), with_losses=True)
 
 
-def deploy(config, model, loss_fn, optimizer, options=None, **fields):
+def deploy(config, model, loss_fn, optimizer, options=None, *, shares=None,
+           **fields):
   """Deploys `model` over `config`'s clones.
 
   Builds the optimizer's slot variables on the variables device, and checks,
@@ -336,6 +329,9 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
       object with its default reduction).
     optimizer: a Keras optimizer created under the variables device.
     options: a `StepOptions` (how each step runs); None for the defaults.
+    shares: the shares policy (`balance.Balancer`, `balance.Fixed`, or
+      one of the same methods), for benchmarks and tests that set or
+      measure the shares their own way; None: the options' (`compose`).
     **fields: `StepOptions` fields that replace those of `options`, e.g.
       `clone_shares=(3, 1)` for a device three times as fast, or
       `accumulation_steps=2`. `sync_batch_norm=True` runs the clones in
@@ -360,7 +356,7 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
       config.variable_devices() + [config.optimizer_device(),
                                    config.inputs_device()] +
       config.compute_devices())
-  parts = compose(config, model, loss_fn, options)
+  parts = compose(config, model, loss_fn, options, shares)
   if not optimizer.built:  # Keras puts each slot beside its variable.
     with tf.device(config.optimizer_variables_device()):
       optimizer.build(model.trainable_variables)
@@ -371,10 +367,11 @@ def deploy(config, model, loss_fn, optimizer, options=None, **fields):
   return DeployedModel(config, model, loss_fn, optimizer, options, parts)
 
 
-def compose(config, model, loss_fn, options):
+def compose(config, model, loss_fn, options, shares=None):
   """The `Parts` of the step these options ask for on `config`'s clones:
   each choice made here, once (raises `ConfigError` for a stage cut that
-  cannot be made)."""
+  cannot be made). `shares`: a shares policy to use instead of the
+  options'."""
   owners = [config.owner_device(devices.device_of(v))
             for v in model.trainable_variables]
   gradient_packs = packs.groups(model.trainable_variables, owners,
@@ -393,13 +390,15 @@ def compose(config, model, loss_fn, options):
   else:
     runner = runners.WholeClones(config, model, loss_fn, options,
                                  gradient_packs, combine.run_pieces)
+  measure = balance.Probes(config, options, runner)
+  shares = shares or (balance.Balancer(options.rebalance_every_steps)
+                      if options.auto_shares else balance.Fixed(
+                          options.fixed_shares))
   return Parts(
       runner,
       combine(config, model, combiners.States(
           config, model, options.batch_norm_policy), gradient_packs),
-      balancer=(balance.Balancer(options.rebalance_every_steps)
-                if options.auto_shares else balance.Fixed(
-                    options.fixed_shares)),
+      shares=shares.with_measure(measure), measure=measure,
       summaries=(trainer.gradients_by_path if options.summarize_gradients
                  else Parts.summaries))
 

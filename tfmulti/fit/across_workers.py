@@ -25,7 +25,7 @@ import tensorflow as tf
 from tfmulti import errors
 from tfmulti import layouts
 from tfmulti import rows
-from tfmulti.train import registry
+from tfmulti.engine import registry
 
 # Callbacks that write files: the chief's alone across workers (the
 # backup's writes are its own: every worker reads it).

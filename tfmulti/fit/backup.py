@@ -17,7 +17,7 @@ module's `Backup` instead, in the same `backup_dir`:
   optimizer's state and the metrics' state, with the epoch and the steps
   done in it, and the process exits with the signal's status. The chief
   alone writes, through the command line's checkpoint writer
-  (`train.checkpoints.Writer`: `ckpt-<step>` written whole before the
+  (`engine.checkpoints.Writer`: `ckpt-<step>` written whole before the
   index names it, the newest intact one found by a scan); every worker
   reads. `save_freq` ('epoch' or N steps) saves
   on the way too; `delete_checkpoint` removes the backup when `fit` ends.
@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import stops
-from tfmulti.train import checkpoints
+from tfmulti.engine import checkpoints
 
 # Where the backup's checkpoint keeps the epoch and the steps done in it.
 _EPOCH = 'epoch/.ATTRIBUTES/VARIABLE_VALUE'

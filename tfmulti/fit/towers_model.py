@@ -42,7 +42,7 @@ the same global batches (the same data, the same seed; checked each step,
 one line if not) and trains on its rows of each (`rows.worker_part`); the
 workers' gradients meet in the strategy's all-reduce, one update. It runs
 the step options the command line's `--strategy=multi_worker` runs, and
-refuses the others in one line (`train.registry`). The metrics
+refuses the others in one line (`engine.registry`). The metrics
 `fit` logs are computed on every
 worker from the whole batch's outputs (gathered), so they equal one
 process's and every worker's; validation and `evaluate` split each batch
@@ -76,11 +76,11 @@ from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.deploy import towers as towers_lib
+from tfmulti.engine import registry
+from tfmulti.engine import step_calls
 from tfmulti.fit import across_workers
 from tfmulti.fit import backup as backup_lib
 from tfmulti.fit import step_loop
-from tfmulti.train import registry
-from tfmulti.train import step_calls
 
 
 class TowersModel(keras.Model):

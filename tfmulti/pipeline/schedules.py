@@ -6,48 +6,11 @@ step with control dependencies, so the executor cannot pick another. A
 backward pass is one B (the gradients of the stage's inputs and weights
 together), or, where the schedule splits it, a B (input gradients only:
 what the stage before waits for) and a later W (weight gradients only).
-With K stages:
-
-  gpipe  (Huang et al. 2019): every forward pass, then every backward pass
-         (the last micro-batch's first). Stage s holds M micro-batches'
-         activations at once.
-  1f1b   (PipeDream-Flush, Narayanan et al. 2021; DeepSpeed's
-         TrainSchedule): min(K - s - 1, M) forward passes to fill the
-         pipeline, then one forward and one backward in turn, then the
-         remaining backward passes. Stage s holds at most min(K - s, M)
-         micro-batches' activations.
-  zb_h1  (ZB-H1, Qi et al., ICLR 2024, the handcrafted schedule of
-         "Zero Bubble Pipeline Parallelism"; PyTorch's ZB1P): 1F1B's order
-         with each backward pass split into B and W, stage s's W passes
-         each s micro-batches late: W of micro-batch i follows B of
-         i + s, and the last min(s, M) W passes end the step, where the
-         stage would wait for the last B from the s stages after it. Every
-         stage then holds K micro-batches at most (the paper's "same number
-         of in-flight micro-batches"), s of them only for W: what W reads
-         (`Split`), not the whole forward pass.
-  interleaved_1f1b  (Narayanan et al. 2021; Megatron-LM's interleaved
-         schedule, PyTorch's ScheduleInterleaved1F1B): the model cut into
-         K x v chunks, chunk c on device c mod K, so each device runs v
-         chunks. Device d runs its chunks' forward passes in groups of K
-         micro-batches, chunk by chunk, and their backward passes the same
-         way with the chunks reversed; (K - d - 1) x 2 + (v - 1) x K
-         forward passes fill the pipeline, then one forward and one
-         backward in turn. M must be a multiple of K; a short last batch
-         whose micro-batches are not runs every forward pass first.
-
-  zb_v  (ZB-V, Qi et al. 2024, section 6; PyTorch's ScheduleZBVZeroBubble):
-         the model cut into 2K chunks in a V, chunks d and 2K - 1 - d on
-         device d (the last device runs the two middle chunks, so the
-         first chunk's device also runs the last, and the loss). Device
-         d: 2(K - d) - 1 forward passes of its first chunk; d pairs
-         (forward of its second chunk, forward of its first); K - d
-         triples (F, B, W) of its second chunk; then, while forward passes
-         remain, F (while its first chunk has any), B and W of its first
-         chunk, and F, B and W of its second; then d pairs of B (first
-         chunk, second chunk), K - d pairs (B, W) of its first chunk, and
-         the W passes left, the second chunk's first. The order is cut for
-         2K - 1 micro-batches or more; with fewer, the passes of the
-         micro-batches that do not exist are left out.
+Each schedule is a small class (`Schedule`), chosen once by name (`get`),
+as torch.distributed.pipelining makes each schedule a class over one
+shared loop: a new schedule is a class here and its name in
+`step_options.PIPELINE_SCHEDULES`, not a branch in the functions below.
+With K stages: `GPipe`, `OneFOneB`, `ZBH1`, `Interleaved1F1B`, `ZBV`.
 
 With F, B and W the seconds of one pass (B + W a fused backward pass),
 GPipe and 1F1B leave each stage idle (K - 1)(F + B + W) seconds a step,
@@ -61,7 +24,7 @@ half a stage), (K - 1) / (6M + K - 1) of the step (`idle_theory`).
 from tfmulti import errors
 from tfmulti.step_options import GPIPE
 from tfmulti.step_options import INTERLEAVED_1F1B
-from tfmulti.step_options import ONE_F_ONE_B  # noqa: F401
+from tfmulti.step_options import ONE_F_ONE_B
 from tfmulti.step_options import PIPELINE_SCHEDULES as SCHEDULES
 from tfmulti.step_options import ZB_H1
 from tfmulti.step_options import ZB_V
@@ -69,56 +32,216 @@ from tfmulti.step_options import ZB_V
 FORWARD, BACKWARD, WEIGHTS = 'F', 'B', 'W'
 
 
+class Schedule:
+  """A schedule of one chunk (stage) a device: each stage's forward passes
+  to fill the pipeline (`warmup`), then one forward and one backward in
+  turn, then the remaining backward passes, in `backward_order`; where
+  `splits_backward`, each backward pass is a B and, `weights_lag(s)`
+  micro-batches later, a W.
+
+  Attributes:
+    name: its `pipeline_schedule` name.
+    splits_backward: whether it runs each backward pass as a B and a
+      later W.
+  """
+  name = None
+  splits_backward = False
+
+  def chunks_per_device(self, virtual_stages=1):
+    """The model's chunks each device runs."""
+    del virtual_stages  # One a device.
+    return 1
+
+  def chunk_devices(self, num_devices, virtual_stages=1):
+    """The device (an index among `num_devices`) of each chunk, in model
+    order: chunk c on c mod K."""
+    chunks = num_devices * self.chunks_per_device(virtual_stages)
+    return [c % num_devices for c in range(chunks)]
+
+  def warmup(self, stage, num_stages, num_microbatches):
+    """Forward passes stage `stage` runs before its first backward one."""
+    return min(num_stages - stage - 1, num_microbatches)
+
+  def backward_order(self, num_microbatches):
+    """The micro-batches in the order of their backward passes."""
+    return list(range(num_microbatches))
+
+  def weights_lag(self, stage):
+    """How many B passes each W follows its own B by (`splits_backward`)."""
+    del stage
+    return None
+
+  def passes(self, num_stages, num_microbatches):
+    """Each stage's passes in order: a list (one a stage) of lists of
+    (FORWARD, BACKWARD or WEIGHTS, micro-batch index)."""
+    m = num_microbatches
+    order = []
+    for s in range(num_stages):
+      warmup = self.warmup(s, num_stages, m)
+      backwards = self.backward_order(m)
+      lag = self.weights_lag(s)  # Of each W after its B.
+      stage = [(FORWARD, i) for i in range(warmup)]
+      for n, i in enumerate(backwards):
+        if warmup + n < m:  # One forward, one backward in turn.
+          stage.append((FORWARD, warmup + n))
+        stage.append((BACKWARD, i))
+        if lag is not None and n >= lag:
+          stage.append((WEIGHTS, backwards[n - lag]))
+      if lag is not None:
+        stage += [(WEIGHTS, i) for i in backwards[max(0, m - lag):]]
+      order.append(stage)
+    return order
+
+  def device_orders(self, num_devices, num_microbatches, virtual_stages=1):
+    """Each device's passes in order: a list (one a device) of lists of
+    (chunk, kind, micro-batch); here `passes`, a stage a device."""
+    del virtual_stages  # One chunk a device.
+    return [[(s, kind, m) for kind, m in stage] for s, stage in enumerate(
+        self.passes(num_devices, num_microbatches))]
+
+
+class GPipe(Schedule):
+  """GPipe (Huang et al. 2019): every forward pass, then every backward
+  pass, the last micro-batch's first. Stage s holds M micro-batches'
+  activations at once."""
+  name = GPIPE
+
+  def warmup(self, stage, num_stages, num_microbatches):
+    return num_microbatches
+
+  def backward_order(self, num_microbatches):
+    return list(reversed(range(num_microbatches)))
+
+
+class OneFOneB(Schedule):
+  """1F1B (PipeDream-Flush, Narayanan et al. 2021; DeepSpeed's
+  TrainSchedule): min(K - s - 1, M) forward passes to fill the pipeline,
+  then one forward and one backward in turn, then the remaining backward
+  passes. Stage s holds at most min(K - s, M) micro-batches' activations."""
+  name = ONE_F_ONE_B
+
+
+class ZBH1(Schedule):
+  """ZB-H1 (Qi et al., ICLR 2024, the handcrafted schedule of "Zero Bubble
+  Pipeline Parallelism"; PyTorch's ZB1P): 1F1B's order with each backward
+  pass split into B and W, stage s's W passes each s micro-batches late:
+  W of micro-batch i follows B of i + s, and the last min(s, M) W passes
+  end the step, where the stage would wait for the last B from the s
+  stages after it. Every stage then holds K micro-batches at most (the
+  paper's "same number of in-flight micro-batches"), s of them only for
+  W: what W reads (`Split`), not the whole forward pass."""
+  name = ZB_H1
+  splits_backward = True
+
+  def weights_lag(self, stage):
+    return stage
+
+
+class _ByDevice(Schedule):
+  """A schedule of several chunks a device: it orders devices, not
+  stages (`device_orders`)."""
+
+  def passes(self, num_stages, num_microbatches):
+    raise ValueError(f'{self.name} orders devices, not stages: see '
+                     'device_orders.')
+
+
+class Interleaved1F1B(_ByDevice):
+  """Interleaved 1F1B (Narayanan et al. 2021; Megatron-LM's interleaved
+  schedule, PyTorch's ScheduleInterleaved1F1B): the model cut into K x v
+  chunks, chunk c on device c mod K, so each device runs v chunks. Device
+  d runs its chunks' forward passes in groups of K micro-batches, chunk by
+  chunk, and their backward passes the same way with the chunks reversed;
+  (K - d - 1) x 2 + (v - 1) x K forward passes fill the pipeline, then one
+  forward and one backward in turn. M must be a multiple of K; a short
+  last batch whose micro-batches are not runs every forward pass first."""
+  name = INTERLEAVED_1F1B
+
+  def chunks_per_device(self, virtual_stages=1):
+    return virtual_stages
+
+  def device_orders(self, num_devices, num_microbatches, virtual_stages=1):
+    k, m, v = num_devices, num_microbatches, virtual_stages
+    groups = [range(start, min(start + k, m)) for start in range(0, m, k)]
+    orders = []
+    for d in range(k):
+      forwards = [(c * k + d, FORWARD, i) for group in groups
+                  for c in range(v) for i in group]
+      backwards = [(c * k + d, BACKWARD, i) for group in groups
+                   for c in reversed(range(v)) for i in group]
+      total = len(forwards)
+      warmup = min(total, (k - d - 1) * 2 + (v - 1) * k) if m % k == 0 else (
+          total)
+      order = forwards[:warmup]
+      for n in range(total - warmup):  # One forward, one backward in turn.
+        order += [forwards[warmup + n], backwards[n]]
+      orders.append(order + backwards[total - warmup:])
+    return orders
+
+
+class ZBV(_ByDevice):
+  """ZB-V (Qi et al. 2024, section 6; PyTorch's ScheduleZBVZeroBubble): the
+  model cut into 2K chunks in a V, chunks d and 2K - 1 - d on device d (the
+  last device runs the two middle chunks, so the first chunk's device also
+  runs the last, and the loss). Device d: 2(K - d) - 1 forward passes of
+  its first chunk; d pairs (forward of its second chunk, forward of its
+  first); K - d triples (F, B, W) of its second chunk; then, while forward
+  passes remain, F (while its first chunk has any), B and W of its first
+  chunk, and F, B and W of its second; then d pairs of B (first chunk,
+  second chunk), K - d pairs (B, W) of its first chunk, and the W passes
+  left, the second chunk's first. The order is cut for 2K - 1
+  micro-batches or more; with fewer, the passes of the micro-batches that
+  do not exist are left out."""
+  name = ZB_V
+  splits_backward = True
+
+  def chunks_per_device(self, virtual_stages=1):
+    del virtual_stages  # Two, in a V.
+    return 2
+
+  def chunk_devices(self, num_devices, virtual_stages=1):
+    chunks = 2 * num_devices
+    return [min(c, chunks - 1 - c) for c in range(chunks)]
+
+  def device_orders(self, num_devices, num_microbatches, virtual_stages=1):
+    return [_zb_v(num_devices, num_microbatches, d)
+            for d in range(num_devices)]
+
+
+_BY_NAME = {cls.name: cls() for cls in (GPipe, OneFOneB, ZBH1,
+                                        Interleaved1F1B, ZBV)}
+assert set(_BY_NAME) == set(SCHEDULES), 'a schedule without its class'
+
+
+def get(name):
+  """The `Schedule` named `name`; raises `ConfigError` for other names."""
+  errors.check_choice('pipeline_schedule', name, SCHEDULES)
+  return _BY_NAME[name]
+
+
 def splits_backward(schedule):
   """Whether `schedule` runs each backward pass as a B and a later W."""
-  return schedule in (ZB_H1, ZB_V)
+  return get(schedule).splits_backward
 
 
 def chunks_per_device(schedule, virtual_stages=1):
   """The model's chunks each device runs under `schedule`: v under
   interleaved 1F1B, 2 under ZB-V, else 1 (a stage a device)."""
-  if schedule == INTERLEAVED_1F1B:
-    return virtual_stages
-  return 2 if schedule == ZB_V else 1
+  return get(schedule).chunks_per_device(virtual_stages)
 
 
 def chunk_devices(schedule, num_devices, virtual_stages=1):
   """The device (an index among `num_devices`) of each chunk of the model,
   in model order: chunk c on c mod K (interleaved 1F1B: one chunk in each
   K consecutive), or, under ZB-V, in a V: c, then 2K - 1 - c."""
-  chunks = num_devices * chunks_per_device(schedule, virtual_stages)
-  if schedule == ZB_V:
-    return [min(c, chunks - 1 - c) for c in range(chunks)]
-  return [c % num_devices for c in range(chunks)]
+  return get(schedule).chunk_devices(num_devices, virtual_stages)
 
 
 def passes(schedule, num_stages, num_microbatches):
   """Each stage's passes in order, for a schedule of one chunk a device
   (all but 'interleaved_1f1b' and 'zb_v'): a list (one a stage) of lists
   of (FORWARD, BACKWARD or WEIGHTS, micro-batch index)."""
-  errors.check_choice('pipeline_schedule', schedule, SCHEDULES)
-  if chunks_per_device(schedule, 2) > 1:
-    raise ValueError(f'{schedule} orders devices, not stages: see '
-                     'device_orders.')
-  m = num_microbatches
-  order = []
-  for s in range(num_stages):
-    warmup = m if schedule == GPIPE else min(num_stages - s - 1, m)
-    backwards = list(range(m))
-    if schedule == GPIPE:
-      backwards.reverse()
-    lag = s if splits_backward(schedule) else None  # Of each W after its B.
-    stage = [(FORWARD, i) for i in range(warmup)]
-    for n, i in enumerate(backwards):
-      if warmup + n < m:  # One forward, one backward in turn.
-        stage.append((FORWARD, warmup + n))
-      stage.append((BACKWARD, i))
-      if lag is not None and n >= lag:
-        stage.append((WEIGHTS, backwards[n - lag]))
-    if lag is not None:
-      stage += [(WEIGHTS, i) for i in backwards[max(0, m - lag):]]
-    order.append(stage)
-  return order
+  return get(schedule).passes(num_stages, num_microbatches)
 
 
 def device_orders(schedule, num_devices, num_microbatches,
@@ -126,28 +249,8 @@ def device_orders(schedule, num_devices, num_microbatches,
   """Each device's passes in order: a list (one a device) of lists of
   (chunk, kind, micro-batch), chunk c on its `chunk_devices` device; with
   one chunk a device, `passes` with its stages."""
-  if schedule == ZB_V:
-    return [_zb_v(num_devices, num_microbatches, d)
-            for d in range(num_devices)]
-  if schedule != INTERLEAVED_1F1B:
-    return [[(s, kind, m) for kind, m in stage] for s, stage in enumerate(
-        passes(schedule, num_devices, num_microbatches))]
-  k, m, v = num_devices, num_microbatches, virtual_stages
-  groups = [range(start, min(start + k, m)) for start in range(0, m, k)]
-  orders = []
-  for d in range(k):
-    forwards = [(c * k + d, FORWARD, i) for group in groups
-                for c in range(v) for i in group]
-    backwards = [(c * k + d, BACKWARD, i) for group in groups
-                 for c in reversed(range(v)) for i in group]
-    total = len(forwards)
-    warmup = min(total, (k - d - 1) * 2 + (v - 1) * k) if m % k == 0 else (
-        total)
-    order = forwards[:warmup]
-    for n in range(total - warmup):  # One forward, one backward in turn.
-      order += [forwards[warmup + n], backwards[n]]
-    orders.append(order + backwards[total - warmup:])
-  return orders
+  return get(schedule).device_orders(num_devices, num_microbatches,
+                                     virtual_stages)
 
 
 def _zb_v(k, m, d):

@@ -16,10 +16,10 @@ from tfmulti import errors
 from tfmulti import models
 from tfmulti import step_options as step_options_lib
 from tfmulti.data import options as options_lib
+from tfmulti.engine import registry
+from tfmulti.engine import step_calls
 from tfmulti.train import build
 from tfmulti.train import learning_rates
-from tfmulti.train import registry
-from tfmulti.train import step_calls
 
 _SEED_LIMIT = 2**32  # NumPy's seeds are unsigned 32-bit integers.
 
@@ -59,7 +59,7 @@ class TrainConfig:
     seed: seeds weights, dropout and shuffling.
     deterministic: also make every op deterministic (bit-identical reruns).
     log_every_steps: steps between progress lines and summaries.
-    steps_per_loop: steps one compiled call runs (`train.step_calls`): N,
+    steps_per_loop: steps one compiled call runs (`engine.step_calls`): N,
       or 'auto': N for about 50 ms a call, timed at the start, at most
       `log_every_steps` (1 where every guarantee does not hold with more:
       `resolved_steps_per_loop`).

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import models
-from tfmulti.train import checkpoints
+from tfmulti.engine import checkpoints
 from tfmulti.train import run_dir
 
 EXPORT_DIR = 'export'

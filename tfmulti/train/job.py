@@ -22,12 +22,12 @@ from tfmulti import layouts
 from tfmulti.deploy import xla_rule
 from tfmulti.distribute import cluster
 from tfmulti.distribute import preemption
+from tfmulti.engine import checkpoints
+from tfmulti.engine import registry
 from tfmulti.train import build
-from tfmulti.train import checkpoints
 from tfmulti.train import export
 from tfmulti.train import loop
 from tfmulti.train import metrics
-from tfmulti.train import registry
 from tfmulti.train import run_dir
 from tfmulti.train import summaries
 

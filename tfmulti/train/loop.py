@@ -24,10 +24,10 @@ from tfmulti import stops
 from tfmulti import trainer as trainer_lib
 from tfmulti.data import batches as batches_lib
 from tfmulti.distribute import preemption
-from tfmulti.train import checkpoints
+from tfmulti.engine import checkpoints
+from tfmulti.engine import step_calls
 from tfmulti.train import epochs
 from tfmulti.train import profiling
-from tfmulti.train import step_calls
 from tfmulti.train import summaries as summaries_lib
 
 # What `train` ends with: the final `checkpoints.Position`, the last

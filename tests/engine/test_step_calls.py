@@ -1,4 +1,4 @@
-"""tfmulti.train.step_calls: many steps in one compiled call train the
+"""tfmulti.engine.step_calls: many steps in one compiled call train the
 bits of one step a call, trace once, end at the loop's host events, stop
 on a signal at a call's end and resume exactly; 'auto' and the refusals."""
 
@@ -24,10 +24,10 @@ from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import step_options
 from tfmulti.distribute import distributed_model
-from tfmulti.train import checkpoints
+from tfmulti.engine import checkpoints
+from tfmulti.engine import step_calls
 from tfmulti.train import config
 from tfmulti.train import loop
-from tfmulti.train import step_calls
 from tfmulti.train import summaries
 
 ROWS = 16  # Rows of a global batch.

@@ -16,7 +16,7 @@ from tests.helpers import mlp
 from tests.helpers import weights
 from tfmulti import deploy
 from tfmulti import errors
-from tfmulti.train import checkpoints
+from tfmulti.engine import checkpoints
 
 ONE = deploy.DeploymentConfig(num_clones=1, clone_on_cpu=True)
 

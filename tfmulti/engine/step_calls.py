@@ -1,0 +1,174 @@
+"""How the loop calls the step: one step a call, or many in one call.
+
+Every step of the command line is a call of a compiled `tf.function`; for
+a small model the Python call costs more than the step (D2L's LeNet is
+slower on 2 GPUs than on 1). `--steps_per_loop=N` runs N steps in one call
+(`InALoop`: a `tf.while_loop` over the input's iterator, as Orbit's loops
+and Keras's `steps_per_execution` do); the loop ends its calls at every
+step where something must happen on the host (a progress line, a
+checkpoint, an epoch's end, a profile's bounds), so those, the non-finite
+stop and signals act at call boundaries, exactly where they would have.
+
+Each call runs the trainer's own compiled step (`Trainer.loop_step` calls
+its `step_function`), traced once and shared by every call: the same
+kernels, the same bits as one step a call. Every call of `InALoop` is a
+call of the loop, one step ones too: the run's first call traces the loop
+(and the step inside it), and nothing is built later (on LeNet, a loop
+built after single-step calls was a second build of 0.28 s).
+`steps_per_loop='auto'` times the first steps one a call and picks N for
+about `TARGET_SECONDS` a call, at most the steps between progress lines
+(`Plan`).
+"""
+
+import dataclasses
+import math
+
+from absl import logging
+import tensorflow as tf
+
+from tfmulti import errors
+from tfmulti import keras_internals
+from tfmulti import trainer as trainer_lib
+
+AUTO = 'auto'
+TARGET_SECONDS = 0.05  # A call's length under 'auto': dispatch is hidden.
+TIMED_STEPS = 3  # Steps 'auto' times one a call, after the traced first.
+
+
+def check_shares(name, steps, options):
+  """Refuses `steps` (N of the option `name`) > 1 a call with measured
+  clone shares (`options.auto_shares`): the balancer times the clones
+  between steps."""
+  if options.auto_shares and steps not in (1, AUTO):
+    raise errors.ConfigError(
+        f'{name}={steps} with clone_shares=auto: the balancer times the '
+        f'clones between steps, one step a call; set {name}=1, or give '
+        'fixed clone shares.')
+
+
+class OneACall:
+  """Each step one Python call of the trainer's step (`train_step_outputs`)."""
+
+  def __init__(self, trainer):
+    self._trainer = trainer
+
+  def iterator(self, batches):
+    """An iterator over `batches` (`Trainer.distribute_dataset`'s)."""
+    return iter(batches)
+
+  def run(self, iterator, num_steps):
+    """Runs `num_steps` steps, a call each: (their total losses, a list of
+    scalar tensors; the last step's `StepOutputs`)."""
+    totals = []
+    for _ in range(num_steps):
+      outputs = self._trainer.train_step_outputs(*next(iterator))
+      totals.append(outputs.total)
+    return totals, outputs
+
+
+class InALoop:
+  """Many steps in one compiled call: a `tf.while_loop` that reads the
+  input's iterator and calls the trainer's step (`Trainer.loop_step`).
+
+  One trace serves every call (the step count is a tensor); the trainer's
+  `clone_shares` key the trace, so new shares trace a loop of their own.
+  """
+
+  def __init__(self, trainer):
+    self._trainer = trainer
+    self.function = tf.function(self._graph, autograph=False)
+
+  def iterator(self, batches):
+    """The trainer's `loop_iterator`: a tf.data or tf.distribute iterator,
+    which the compiled loop reads (a Python iterator it cannot)."""
+    iterator = self._trainer.loop_iterator(batches)
+    if not isinstance(iterator, (tf.data.Iterator,
+                                 tf.distribute.DistributedIterator)):
+      raise TypeError(
+          f'{type(self._trainer).__name__}.loop_iterator gave a '
+          f'{type(iterator).__name__}, which a compiled loop cannot read; '
+          'give a tf.data or tf.distribute iterator, or run one step a call '
+          '(steps_per_loop=1).')
+    return iterator
+
+  def run(self, iterator, num_steps):
+    """As `OneACall.run`, every call through the loop."""
+    totals, (total, regularization, clones, gradients) = self.function(
+        iterator, tf.constant(num_steps, tf.int32),
+        self._trainer.clone_shares)
+    return [totals], trainer_lib.StepOutputs(total, regularization, clones,
+                                             gradients)
+
+  def _graph(self, iterator, num_steps, shares):
+    del shares  # Only keys the trace.
+    step = self._trainer.loop_step
+    # The last step's outputs ride the loop in an Optional whose structure
+    # the body's one trace of the step gives (Keras's own loop does so), so
+    # the loop holds the step once, not a first step peeled off besides.
+    last = tf.experimental.Optional.empty(None)
+
+    def body(i, totals, _):
+      outputs = tuple(step(next(iterator)))[:4]  # All but `outputs`.
+      value = tf.experimental.Optional.from_value(outputs)
+      keras_internals.set_element_spec(last, value.element_spec)
+      return i + 1, totals.write(i, tf.cast(outputs[0], tf.float32)), value
+    _, totals, carried = tf.while_loop(
+        lambda i, *_: i < num_steps, body,
+        (tf.constant(0), tf.TensorArray(tf.float32, size=num_steps), last))
+    keras_internals.set_element_spec(carried, last.element_spec)
+    return totals.stack(), carried.get_value()
+
+
+@dataclasses.dataclass
+class Plan:
+  """How many steps each call runs.
+
+  Attributes:
+    steps_per_loop: N, or 'auto' until the first steps were timed.
+    log_every_steps: a call never runs past a progress line.
+    timed: seconds of the steps timed one a call under 'auto'.
+  """
+  steps_per_loop: object
+  log_every_steps: int
+  timed: list = dataclasses.field(default_factory=list)
+
+  def count(self, bound):
+    """Steps of the next call: at most `bound` (the steps to the next
+    host event), one a call while 'auto' is timing."""
+    if self.steps_per_loop == AUTO:
+      return 1
+    return max(1, min(self.steps_per_loop, bound))
+
+  def timing(self, steps_run):
+    """Whether the next call is timed (under 'auto', after the first)."""
+    return self.steps_per_loop == AUTO and steps_run >= 1
+
+  def record(self, seconds):
+    """Takes a timed one-step call's seconds; picks N after enough."""
+    self.timed.append(seconds)
+    if len(self.timed) < TIMED_STEPS:
+      return
+    step_seconds = min(self.timed)  # The least disturbed of them.
+    self.steps_per_loop = int(min(self.log_every_steps, max(
+        1, math.ceil(TARGET_SECONDS / max(step_seconds, 1e-6)))))
+    logging.info('steps_per_loop auto: a step takes %.2f ms, so %d steps '
+                 'a call (about %.0f ms, at most a progress line\'s %d)',
+                 step_seconds * 1e3, self.steps_per_loop,
+                 step_seconds * self.steps_per_loop * 1e3,
+                 self.log_every_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calls:
+  """The loop's way of calling the step: `runner` (`OneACall` or
+  `InALoop`) and its `Plan`."""
+  runner: object
+  plan: Plan
+
+
+def calls(trainer, steps_per_loop, log_every_steps):
+  """`Calls` for `steps_per_loop` (N or 'auto'): `OneACall` for 1, else
+  `InALoop` ('auto' times its first steps one a call through the loop)."""
+  return Calls(
+      OneACall(trainer) if steps_per_loop == 1 else InALoop(trainer),
+      Plan(steps_per_loop, log_every_steps))
