@@ -7,7 +7,7 @@ Variables are saved once, in one layout, whichever path trained them: a
 checkpoint written by 2 clones restores into the mirrored path, into one
 device or into 4 clones.
 
-What is guaranteed (each tested in tests/test_checkpoints.py):
+What is guaranteed (each tested in tests/engine/test_checkpoints.py):
   * The latest *intact* checkpoint is found even when the `checkpoint` index
     file is damaged or names a missing checkpoint: the `ckpt-*` files are
     scanned newest first and each is read in full before it is trusted. A
