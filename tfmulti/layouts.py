@@ -390,22 +390,35 @@ def worker_parts(global_rows, num_workers, unit=1):
                                             num_workers))
 
 
-def worker_span(rows, worker, num_workers):
+def worker_span(rows, worker, num_workers, parts=None):
   """(first row, rows) of worker `worker`'s part of a global batch of
-  `rows`: the worker-th of `num_workers` equal, consecutive parts; raises
-  `ConfigError` for rows that do not split evenly."""
-  check_worker_split(rows, num_workers)
+  `rows`: the one cut of a worker's rows, for tensors (`rows.worker_part`)
+  and datasets (`rows.worker_shards`) alike. `parts`: every worker's rows,
+  where they differ (`worker_parts`), in worker order; else the worker-th
+  of `num_workers` equal, consecutive parts. `rows` may be a tensor (a
+  dataset's batch, read as it comes); a Python int is checked: raises
+  `ConfigError` for rows that do not split so."""
+  if parts:
+    if isinstance(rows, int) and rows != sum(parts):
+      raise errors.ConfigError(
+          f'a batch of {rows} rows cut into worker parts {tuple(parts)} of '
+          f'{sum(parts)} rows; give every global batch {sum(parts)} rows.')
+    return sum(parts[:worker]), parts[worker]
+  if isinstance(rows, int):
+    check_worker_split(rows, num_workers)
   part = rows // num_workers
   return worker * part, part
 
 
-def worker_shard(rows, worker, num_workers, shards_per_worker, k):
+def worker_shard(rows, worker, num_workers, shards_per_worker, k,
+                 parts=None):
   """(first row, rows) of shard k of worker `worker`'s part of a global
-  batch of `rows`, cut into `num_workers` * `shards_per_worker` equal
-  shards, the workers' in worker order. Plain arithmetic: `rows` and `k`
-  may be tensors (a dataset's batch, read as it comes)."""
-  size = rows // (num_workers * shards_per_worker)
-  return (worker * shards_per_worker + k) * size, size
+  batch of `rows` (`worker_span`'s, with `parts`), cut into
+  `shards_per_worker` equal shards. Plain arithmetic: `rows` and `k` may
+  be tensors (a dataset's batch, read as it comes)."""
+  first, count = worker_span(rows, worker, num_workers, parts)
+  size = count // shards_per_worker
+  return first + k * size, size
 
 
 def accumulation_step_rows(worker_rows, cut):

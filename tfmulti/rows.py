@@ -49,16 +49,17 @@ def batch_rows(images, labels):
   return counts.pop()
 
 
-def worker_part(tensors, *, worker, num_workers):
+def worker_part(tensors, *, worker, num_workers, parts=None):
   """Worker `worker`'s rows of a global batch (a nest of tensors, rows
-  known): the worker-th of `num_workers` equal, consecutive parts, as
-  `worker_shards` cuts a dataset's.
+  known), cut as `layouts.worker_span` cuts every worker's rows: its
+  part of `parts` where the parts differ, else the worker-th of
+  `num_workers` equal, consecutive parts.
 
   Raises:
-    errors.ConfigError: a batch whose rows do not split evenly.
+    errors.ConfigError: a batch whose rows do not split so.
   """
   first, count = layouts.worker_span(batch_rows(tensors, None), worker,
-                                     num_workers)
+                                     num_workers, parts)
   return _rows_from(tensors, first, count)
 
 
@@ -90,25 +91,19 @@ def worker_shards(dataset, *, worker, num_workers, shards_per_worker,
   """Worker `worker`'s rows of each global batch, one dataset element a
   shard.
 
-  A global batch of B rows is cut into num_workers * shards_per_worker
-  equal shards; the worker gets shards [worker * shards_per_worker,
-  (worker + 1) * shards_per_worker). Every worker reads the same pipeline
-  (same seed), so a step of the whole job sees exactly the global batch one
-  process would, split as one process's clones would split it. `parts`:
-  every worker's rows, where they differ (`layouts.worker_parts`): the
-  worker takes its part, in worker order, as one shard.
+  The worker's rows are its part of the global batch as
+  `layouts.worker_span` cuts it (its part of `parts`, where the workers'
+  parts differ; else an equal one), cut into `shards_per_worker` equal
+  shards (`layouts.worker_shard`). Every worker reads the same pipeline (same seed), so a step of
+  the whole job sees exactly the global batch one process would, split
+  as one process's clones would split it.
   """
-  if parts:
-    first, count = sum(parts[:worker]), parts[worker]
-    return dataset.map(lambda images, labels: (
-        images[first:first + count], labels[first:first + count]))
-
   def shards(images, labels):
     def shard(k):
-      start, rows = layouts.worker_shard(
+      start, size = layouts.worker_shard(
           tf.shape(labels)[0], worker, num_workers, shards_per_worker,
-          tf.cast(k, tf.int32))
-      return images[start:start + rows], labels[start:start + rows]
+          tf.cast(k, tf.int32), parts)
+      return images[start:start + size], labels[start:start + size]
     return tf.data.Dataset.range(shards_per_worker).map(shard)
   return dataset.flat_map(shards)
 
