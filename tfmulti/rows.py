@@ -94,9 +94,9 @@ def worker_shards(dataset, *, worker, num_workers, shards_per_worker,
   The worker's rows are its part of the global batch as
   `layouts.worker_span` cuts it (its part of `parts`, where the workers'
   parts differ; else an equal one), cut into `shards_per_worker` equal
-  shards (`layouts.worker_shard`). Every worker reads the same pipeline (same seed), so a step of
-  the whole job sees exactly the global batch one process would, split
-  as one process's clones would split it.
+  shards (`layouts.worker_shard`). Every worker reads the same pipeline
+  (same seed), so a step of the whole job sees exactly the global batch
+  one process would, split as one process's clones would split it.
   """
   def shards(images, labels):
     def shard(k):
