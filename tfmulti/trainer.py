@@ -35,7 +35,11 @@ StepOutputs = collections.namedtuple(
 
 
 class Trainer(abc.ABC):
-  """What the training loop may call, whichever path runs the step.
+  """What a front door may call, whichever path runs the step.
+
+  The command line's loop (`train.loop`) and Keras's `fit`
+  (`fit.TowersModel`) drive every path through these methods alone: a
+  feature that crosses the doors is written once, below them.
 
   Attributes:
     model: the `keras.Model` being trained (checkpointed, evaluated).
@@ -60,8 +64,19 @@ class Trainer(abc.ABC):
     """
 
   @abc.abstractmethod
-  def train_step_outputs(self, images, labels):
+  def train_step_outputs(self, images, labels, *, partial=False,
+                         with_outputs=False, whole_batch=False):
     """Runs one step on one element of `distribute_dataset`.
+
+    Args:
+      images, labels: the element (nests of tensors).
+      partial: a short last batch (Keras's `fit`), which may leave clones
+        or micro-batches empty, as plain `fit` trains it.
+      with_outputs: also return the training outputs of the job's rows,
+        in row order (for Keras's compiled metrics).
+      whole_batch: `images` and `labels` are the job's whole global batch
+        (Keras's `fit` reads it on every worker): each worker takes its
+        rows, after the workers agree that they read the same batch.
 
     Returns:
       The step's `StepOutputs`.
@@ -70,6 +85,19 @@ class Trainer(abc.ABC):
   @abc.abstractmethod
   def predict(self, images):
     """Inference logits of `images` (any number of rows)."""
+
+  @abc.abstractmethod
+  def evaluate_outputs(self, images):
+    """(inference outputs of `images`, the model's losses on them): the
+    one evaluation rule, Keras's: the loss `evaluate` reports is the data
+    loss plus these (the weight penalties and the `add_loss` terms, as one
+    device counts them). Across workers, each evaluates its rows and every
+    worker gets the whole batch's (call it on every worker)."""
+
+  def check_batch(self, global_rows, partial=False):
+    """Raises `ConfigError` for a global batch of `global_rows` rows that
+    this path's step cannot cut (before training starts)."""
+    del global_rows, partial  # Any batch, unless a path says otherwise.
 
   def train_step(self, images, labels):
     """One step; returns the total loss (a scalar tensor)."""
@@ -80,11 +108,12 @@ class Trainer(abc.ABC):
     loop of steps reads (`engine.step_calls.InALoop`)."""
     return iter(batches)
 
-  def loop_step(self, element):
+  def loop_step(self, element, with_outputs=False, whole_batch=False):
     """One step on an element of `loop_iterator`, inside a compiled loop:
     a call of `step_function` (traced once for every loop), returning its
-    `StepOutputs`."""
-    return self.train_step_outputs(*element)
+    `StepOutputs` (`train_step_outputs`' arguments)."""
+    return self.train_step_outputs(*element, with_outputs=with_outputs,
+                                   whole_batch=whole_batch)
 
   @property
   def trace_count(self):

@@ -31,10 +31,10 @@ from tfmulti import fit
 from tfmulti import launch
 from tfmulti import rows
 from tfmulti import tf_config
+from tfmulti.deploy import towers_in_strategy
 from tfmulti.distribute import cluster as cluster_lib
 from tfmulti.distribute import resolvers
 from tfmulti.distribute import workers as workers_lib
-from tfmulti.fit import across_workers
 from tfmulti.fit import backup
 
 _EXAMPLE = os.path.join('examples', 'fit_across_workers.py')
@@ -226,10 +226,8 @@ def test_a_worker_evaluates_its_rows_and_gathers_everyones():
   towers = fit.TowersModel(model, config, workers=stand_in)
   towers.compile(optimizer='sgd', loss='mse')
   images = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32)
-  outputs, regularization = tf.function(
-      lambda x: across_workers.evaluate_on_workers(
-          stand_in.strategy, towers.towers, x, worker=1, num_workers=2))(
-              tf.constant(images))
+  outputs, regularization = tf.function(towers.towers.evaluate_outputs)(
+      tf.constant(images))
   mine = model(images[3:], training=False)
   np.testing.assert_allclose(outputs, np.concatenate([mine, mine]),
                              rtol=1e-6)
@@ -586,7 +584,7 @@ def test_a_backup_refuses_an_input_it_cannot_rebuild(tmp_path, x, message):
 def test_a_batch_fingerprint_follows_its_rows_and_their_order():
   images = tf.reshape(tf.range(24, dtype=tf.float32), [6, 2, 2])
   labels = tf.range(6)
-  fingerprint = across_workers.batch_fingerprint
+  fingerprint = towers_in_strategy.batch_fingerprint
   same = fingerprint((tf.identity(images), (labels, None)))
   assert same.dtype == tf.int64 and same.shape == []
   assert int(fingerprint((images, (labels, None)))) == int(same)
@@ -635,7 +633,7 @@ def test_workers_that_shuffle_alike_by_chance_stop_before_a_step(tmp_path):
   log = result.stdout + result.stderr
   assert result.returncode == 1, log[-3000:]
   for index in (0, 1):
-    assert (f'[worker {index}] error: {across_workers.BATCHES_DIFFER} '
+    assert (f'[worker {index}] error: {towers_in_strategy.BATCHES_DIFFER} '
             'at step 1, each taking its rows of its own: seed Keras alike '
             'on every worker before fit (keras.utils.set_random_seed(0))'
             ) in log, log[-3000:]

@@ -70,7 +70,7 @@ class FakeTrainer(trainer.Trainer):
   def distribute_dataset(self, dataset):
     return dataset
 
-  def train_step_outputs(self, images, labels):
+  def train_step_outputs(self, images, labels, **unused):
     self.rows.append([int(v) for v in images[:, 0]])
     step = len(self.rows)
     self._on_step(step)
@@ -79,6 +79,9 @@ class FakeTrainer(trainer.Trainer):
 
   def predict(self, images):
     return self.model(images)
+
+  def evaluate_outputs(self, images):
+    return self.model(images), tf.zeros([])
 
 
 def _run(tmp_path, fake, total_steps, checkpoint_steps=4):

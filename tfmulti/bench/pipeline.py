@@ -127,8 +127,9 @@ def _design(config, num_stages, num_microbatches):
   def seeded(model_scope=None):
     keras.utils.set_random_seed(0)
     return make(model_scope)
-  setup = registry.Setup(train_config, deploy_config, seeded,
-                           build.make_loss())
+  setup = registry.Setup(registry.check_options(
+      registry.TOWERS, train_config.step_options, deploy_config), deploy_config,
+      seeded, build.make_loss())
   towers = registry.get(registry.TOWERS).build(setup)
   with tf.device(deploy_config.inputs_device()):
     images = tf.random.stateless_uniform((config.batch_size, *shape),

@@ -89,8 +89,9 @@ def _setup(bench, deploy_config, strategy, **fields):
   def seeded(model_scope=None):
     keras.utils.set_random_seed(_SEED)
     return make(model_scope)
-  return registry.Setup(train_config, deploy_config, seeded,
-                          build.make_loss())
+  return registry.Setup(registry.check_options(
+      strategy, train_config.step_options, deploy_config), deploy_config,
+      seeded, build.make_loss())
 
 
 def global_batch(rows, device):
@@ -115,7 +116,7 @@ def _path(name, bench, deploy_config, strategy, **fields):
   if isinstance(run, distributed_model.DistributedModel):
     images, labels = (_per_replica(run.strategy, t) for t in (images, labels))
   return Variant(name, lambda: run.train_step(images, labels),
-                 lambda: run.trace_count, setup.config.step_options.xla,
+                 lambda: run.trace_count, setup.options.xla,
                  run.model)
 
 
@@ -168,7 +169,7 @@ def _independent(bench, deploy_config):
       model, optimizer = setup.build_model()
       optimizer.build(model.trainable_variables)
     steps.append((device, _plain_step(model, optimizer, setup.loss_fn,
-                                      setup.config.step_options.xla),
+                                      setup.options.xla),
                   global_batch(bench.batch_size, device)))
 
   @tf.function
@@ -179,7 +180,7 @@ def _independent(bench, deploy_config):
         losses.append(clone_step(*batch))
     return tf.add_n(losses)
   return Variant('independent', step, step.experimental_get_tracing_count,
-                 setup.config.step_options.xla)
+                 setup.options.xla)
 
 
 def towers(bench, num_clones=None):

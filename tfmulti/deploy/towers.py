@@ -193,13 +193,13 @@ class DeployedModel(trainer.Trainer):
                    self.config.inputs_device())
       return dataset
     if not self.parts.shares.measured():  # The first cut waits for one.
-      self.measure_shares(*feeds.stand_in(specs))
+      self._measure_shares(*feeds.stand_in(specs))
     if self._feeder is None:
       self._feeder = feeds.Feeder(self.config)
     layout = self.layout_for(*specs)
     return self._feeder.feed(dataset, layout, self.config.worker_index)
 
-  def measure_shares(self, images, labels):
+  def _measure_shares(self, images, labels):
     """Asks the shares policy for the next step's shares on this batch
     (with `clone_shares='auto'`, measured again when due)."""
     rows_ = layouts.accumulation_step_rows(
@@ -214,12 +214,16 @@ class DeployedModel(trainer.Trainer):
     under the clones' current shares; raises `ConfigError` for a batch
     that cannot be cut so. `partial`: a short last batch (Keras's), which
     may leave clones or micro-batches empty, as plain `fit` trains it."""
-    return self.layout_for_rows(rows.batch_rows(images, labels), partial)
-
-  def layout_for_rows(self, worker_rows, partial=False):
-    """`layout_for` a batch of `worker_rows` rows on this worker."""
-    return layouts.for_step(self.config, self.options, worker_rows,
+    return layouts.for_step(self.config, self.options,
+                            rows.batch_rows(images, labels),
                             shares=self._shares, partial=partial)
+
+  def check_batch(self, global_rows, partial=False):
+    """Raises `ConfigError` for a batch of `global_rows` rows (this
+    process's: the towers' step runs one worker's) that the step cannot
+    cut under the clones' current shares."""
+    layouts.for_step(self.config, self.options, global_rows,
+                     shares=self._shares, partial=partial)
 
   def _step_arguments(self, images, labels, partial=False, measure=False):
     """The compiled step's (images, labels, layout, cut) for this
@@ -229,26 +233,28 @@ class DeployedModel(trainer.Trainer):
     for the feed's next cut)."""
     if isinstance(images, rows.Shards):
       if measure:
-        self.measure_shares(*(
+        self._measure_shares(*(
             feeds.stand_in(nest.parts[0], nest.layout.worker_rows())
             for nest in (images, labels)))
       return images.parts, labels.parts, images.layout, placed
     images, labels = [tf.nest.map_structure(tf.convert_to_tensor, nest)
                       for nest in (images, labels)]
     if measure:
-      self.measure_shares(images, labels)
+      self._measure_shares(images, labels)
     return (images, labels, self.layout_for(images, labels, partial),
             split_batch)
 
   def train_step_outputs(self, images, labels, *, partial=False,
-                         with_outputs=False):
+                         with_outputs=False, whole_batch=False):
     """One step on this worker's batch, or on a feed's `rows.Shards`
     (`distribute_dataset`); returns its `StepOutputs`.
 
     `partial` takes a short last batch (see `layout_for`);
-    `with_outputs` returns the training outputs too (for compiled metrics).
+    `with_outputs` returns the training outputs too (for compiled metrics);
+    `whole_batch` changes nothing in one process (the batch is its own).
     One trace per distinct layout: it is a frozen record of ints.
     """
+    del whole_batch  # One process: its batch is the job's.
     return self.step_function(
         *self._step_arguments(images, labels, partial, measure=True),
         with_outputs)
@@ -260,13 +266,14 @@ class DeployedModel(trainer.Trainer):
     self._fed = batches if isinstance(batches, feeds.Fed) else None
     return self._fed.iterator() if self._fed else iter(batches)
 
-  def loop_step(self, element):
+  def loop_step(self, element, with_outputs=False, whole_batch=False):
     """One step of a compiled loop on an element of `loop_iterator`: the
     compiled step at the clones' current shares (measured between loops,
     not in them)."""
+    del whole_batch  # One process: its batch is the job's.
     if self._fed is not None:
       element = self._fed.shards(element)
-    return self.step_function(*self._step_arguments(*element), False)
+    return self.step_function(*self._step_arguments(*element), with_outputs)
 
   def traced_step(self, images, labels, with_outputs=False):
     """The step's concrete function on this batch, or on a feed's
@@ -317,8 +324,9 @@ def deploy(config, model, loss_fn, optimizer, options=None, *, shares=None,
            **fields):
   """Deploys `model` over `config`'s clones.
 
-  Builds the optimizer's slot variables on the variables device, and checks,
-  before anything runs, that every device exists and every variable lives on
+  Checks the options (`checked_options`), then builds the step (`build`):
+  the optimizer's slot variables on the variables device, and, before
+  anything runs, that every device exists and every variable lives on
   `config.variables_device()`.
 
   Args:
@@ -346,10 +354,22 @@ def deploy(config, model, loss_fn, optimizer, options=None, *, shares=None,
     errors.UserError: a missing device, a misplaced variable, a bad option,
       a model that is not built, or a cut that cannot be made.
   """
-  options = dataclasses.replace(options or step_options.StepOptions(),
-                                **fields)
+  options = checked_options(config, dataclasses.replace(
+      options or step_options.StepOptions(), **fields))
+  return build(config, model, loss_fn, optimizer, options, shares=shares)
+
+
+def checked_options(config, options):
+  """`options` checked against `config` (`check_options`) with `xla`
+  resolved (`xla_rule`): what `build` takes. The registry calls it once,
+  before anything is built; `deploy` for the library's own callers."""
   check_options(config, options)
-  options = xla_rule.resolve(config, options)
+  return xla_rule.resolve(config, options)
+
+
+def build(config, model, loss_fn, optimizer, options, *, shares=None):
+  """The `DeployedModel` of `model` on `config`'s clones, for options
+  already checked (`checked_options`); see `deploy`."""
   check_model(model)
   trainer.check_loss(loss_fn)
   devices.check_devices_exist(

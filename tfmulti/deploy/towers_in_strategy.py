@@ -14,8 +14,9 @@ alone provides, and keep everything else their own:
   replica; Keras's `apply_gradients` all-reduces the workers' summed
   gradients once before the update, which every worker applies to its copy.
 
-Keras's `fit` across workers (`TowersModel(..., workers=)`) runs the
-second in its own step (`fit.across_workers`).
+The second is the one multi-worker adapter: the command line's
+`--strategy=multi_worker` and Keras's `fit` across workers
+(`TowersModel(..., workers=)`) both train through it.
 
 Neither imports `deploy.towers`: the towers hand in what they need.
 """
@@ -24,6 +25,7 @@ Neither imports `deploy.towers`: the towers hand in what they need.
 import tensorflow as tf
 
 from tfmulti import devices
+from tfmulti import layouts
 from tfmulti import rows
 from tfmulti import trainer
 
@@ -71,7 +73,9 @@ def run_clones_in_lockstep(lockstep, body, variables, shards, terms):
 
 
 class WorkerTowers(trainer.Trainer):
-  """Each worker's towers, with the workers' gradients all-reduced.
+  """Each worker's towers, with the workers' gradients all-reduced: the one
+  multi-worker adapter, under the command line (`--strategy=multi_worker`)
+  and Keras's `fit` across workers alike.
 
   Runs a `deploy.DeployedModel` step in the one replica that
   `cluster.multi_worker_strategy(one_replica_per_worker=True)` gives each
@@ -80,12 +84,21 @@ class WorkerTowers(trainer.Trainer):
   the workers' sums (TF's collective ops) once before the update, which every
   worker applies to its copy of the variables. N workers x K clones then
   train like one device on the whole global batch.
+
+  Fed the whole global batch (`whole_batch=True`: Keras's `fit` reads it
+  on every worker), each worker takes its rows of it (`rows.worker_part`,
+  the one cut) after the workers agree that they read the same batch
+  (`batch_fingerprint`, gathered from every worker; a disagreement fails
+  the step before it changes anything, with `BATCHES_DIFFER`). Outputs
+  asked for are gathered in worker order, so every worker holds the whole
+  batch's, as one process would.
   """
 
   def __init__(self, strategy, towers):
     """`towers`: a `deploy.DeployedModel` built in `strategy.scope()`."""
     self.strategy = strategy
     self.towers = towers
+    self.config = towers.config
     self.model = towers.model
     self.optimizer = towers.optimizer
     self.step_function = tf.function(self._train_step_graph,
@@ -96,38 +109,130 @@ class WorkerTowers(trainer.Trainer):
     """Each of the worker's clones' share of its rows; None for equal."""
     return self.towers.clone_shares
 
-  def _train_step_graph(self, images, labels, layout):
-    outputs = self.strategy.run(
-        lambda x, y: self.towers.step_graph(x, y, layout),
-        args=(images, labels))
-    local = self.strategy.experimental_local_results
-    total = tf.distribute.ReduceOp.SUM
-    return trainer.StepOutputs(
-        self.strategy.reduce(total, outputs.total, None),
-        self.strategy.reduce(total, outputs.regularization, None),
-        [local(loss)[0] for loss in outputs.clones],
-        {path: local(g)[0] for path, g in outputs.gradients.items()})
+  def _part(self, global_rows):
+    """(first row, rows) of this worker's part of a global batch."""
+    return layouts.worker_span(global_rows, self.config.worker_index,
+                               self.config.num_workers,
+                               self.towers.options.worker_parts)
+
+  def _train_step_graph(self, images, labels, layout, with_outputs,
+                        whole_batch):
+    fingerprint = []
+    if whole_batch:  # The workers agree on the batch, then take their rows.
+      fingerprint = [batch_fingerprint((images, labels))]
+      images, labels = (rows.worker_part(
+          nest, worker=self.config.worker_index,
+          num_workers=self.config.num_workers,
+          parts=self.towers.options.worker_parts) for nest in (images, labels))
+
+    def replica_fn(images, labels, *fingerprint):
+      checks = [_agreed(fingerprint[0])] if fingerprint else []
+      with tf.control_dependencies(checks):  # Every op of the step.
+        result = self.towers.step_graph(images, labels, layout,
+                                        with_outputs=with_outputs)
+      return result._replace(outputs=_gathered(result.outputs))
+    with self.strategy.scope():  # Keras's fit runs outside it.
+      outputs = self.strategy.run(replica_fn,
+                                  args=(images, labels, *fingerprint))
+      total = tf.distribute.ReduceOp.SUM
+      return trainer.StepOutputs(
+          self.strategy.reduce(total, outputs.total, None),
+          self.strategy.reduce(total, outputs.regularization, None),
+          [self._local(loss) for loss in outputs.clones],
+          {path: self._local(g) for path, g in outputs.gradients.items()},
+          None if outputs.outputs is None else tf.nest.map_structure(
+              self._local, outputs.outputs))
+
+  def _local(self, value):
+    """This worker's one replica's `value`."""
+    return self.strategy.experimental_local_results(value)[0]
 
   def distribute_dataset(self, dataset):
-    """This worker's rows of each global batch.
-
-    Worker i of N takes rows [i * B/N, (i + 1) * B/N) of every global batch
-    of B rows (or its part of `worker_parts`, where the parts differ):
-    every worker reads the same pipeline (same seed), so the job's step
-    sees exactly the global batch a single process would.
-    """
-    config = self.towers.config
-    return rows.worker_shards(dataset, worker=config.worker_index,
-                              num_workers=config.num_workers,
+    """This worker's rows of each global batch (`rows.worker_shards`, the
+    one cut: its part of `worker_parts` where the parts differ). Every
+    worker reads the same pipeline (same seed), so the job's step sees
+    exactly the global batch a single process would."""
+    return rows.worker_shards(dataset, worker=self.config.worker_index,
+                              num_workers=self.config.num_workers,
                               shards_per_worker=1,
                               parts=self.towers.options.worker_parts)
 
-  def train_step_outputs(self, images, labels):
-    """One step on this worker's rows; returns the job's `StepOutputs`."""
-    images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
-    return self.step_function(images, labels,
-                              self.towers.layout_for(images, labels))
+  def check_batch(self, global_rows, partial=False):
+    """Raises `ConfigError` for a global batch whose rows do not cut over
+    the workers, or whose worker's part the towers' step cannot cut."""
+    self.towers.check_batch(self._part(global_rows)[1], partial)
+
+  def train_step_outputs(self, images, labels, *, partial=False,
+                         with_outputs=False, whole_batch=False):
+    """One step on this worker's rows (or, `whole_batch`, on the global
+    batch every worker read); returns the job's `StepOutputs`."""
+    images, labels = tf.nest.map_structure(tf.convert_to_tensor,
+                                           (images, labels))
+    worker_rows = rows.batch_rows(images, labels)
+    if whole_batch:
+      worker_rows = self._part(worker_rows)[1]
+    layout = layouts.for_step(self.config, self.towers.options, worker_rows,
+                              shares=self.towers.clone_shares,
+                              partial=partial)
+    return self.step_function(images, labels, layout, with_outputs,
+                              whole_batch)
 
   def predict(self, images):
     """Inference outputs for `images`, over this worker's clones."""
     return self.towers.predict(images)
+
+  def evaluate_outputs(self, images):
+    """An evaluation batch split over the workers
+    (`rows.evaluation_part`): each runs its rows on its clones, then the
+    outputs are gathered in worker order and the model's losses summed,
+    each weighted by its rows, so every worker holds what one process
+    computes on the whole batch (a batch of fewer rows than workers runs
+    whole on each). Collectives: every worker evaluates the same batches.
+    """
+    mine, share = rows.evaluation_part(images,
+                                       worker=self.config.worker_index,
+                                       num_workers=self.config.num_workers)
+    whole = share == 1.0
+
+    def replica_fn(mine):
+      outputs, regularization = self.towers.evaluate_outputs(mine)
+      if whole:
+        return outputs, regularization
+      # The penalties count once in every worker's; the shares sum to 1.
+      return _gathered(outputs), tf.distribute.get_replica_context(
+          ).all_reduce(tf.distribute.ReduceOp.SUM, regularization * share)
+    with self.strategy.scope():
+      return tf.nest.map_structure(
+          self._local, self.strategy.run(replica_fn, args=(mine,)))
+
+
+BATCHES_DIFFER = 'the workers read different global batches'
+
+
+def batch_fingerprint(batch):
+  """A 64-bit fingerprint (int64) of `batch`, a nest of row-major tensors:
+  the FarmHash of every row's bytes in order, so equal batches give equal
+  fingerprints on every machine (no floating-point sum to round)."""
+  columns = [tf.fingerprint(t) for t in tf.nest.flatten(batch)
+             if t is not None]
+  whole = tf.fingerprint(tf.reshape(tf.concat(columns, axis=1), [1, -1]))
+  return tf.bitcast(tf.reshape(whole, [8]), tf.int64)
+
+
+def _agreed(fingerprint):
+  """In a replica: fails with `BATCHES_DIFFER` unless every worker's
+  `fingerprint` is worker 0's."""
+  everyone = tf.distribute.get_replica_context().all_gather(
+      fingerprint[None], axis=0)
+  return tf.debugging.assert_equal(everyone, everyone[0],
+                                   message=BATCHES_DIFFER)
+
+
+def _gathered(outputs):
+  """In a replica: every worker's `outputs` (a nest, or None), in worker
+  order."""
+  if outputs is None:
+    return None
+  context = tf.distribute.get_replica_context()
+  return tf.nest.map_structure(lambda t: context.all_gather(t, axis=0),
+                               outputs)

@@ -217,12 +217,19 @@ class DistributedModel(trainer.Trainer):
             dataset, worker=self.worker_index, num_workers=self.num_workers,
             shards_per_worker=local_replicas))
 
-  def train_step_outputs(self, images, labels):
+  def train_step_outputs(self, images, labels, *, partial=False,
+                         with_outputs=False, whole_batch=False):
     """One step on a global batch; returns its `trainer.StepOutputs`.
 
     `images` and `labels` are the global batch, or one element of
-    `distribute_dataset` (already split over the replicas).
+    `distribute_dataset` (already split over the replicas). Keras's `fit`
+    runs the towers, not these paths: a partial batch, the outputs or a
+    batch read whole on every worker are refused.
     """
+    if partial or with_outputs or whole_batch:
+      raise errors.UnsupportedError(
+          'the tf.distribute paths train the command line\'s full batches; '
+          "Keras's fit runs the towers: use fit.TowersModel.")
     if isinstance(labels, tf.distribute.DistributedValues):
       worker_rows = tf.add_n(
           [tf.shape(shard)[0] for shard in
@@ -247,3 +254,12 @@ class DistributedModel(trainer.Trainer):
   def predict(self, images):
     """Inference outputs for `images` (on the default replica's copy)."""
     return self._predict(tf.convert_to_tensor(images))
+
+  def evaluate_outputs(self, images):
+    """(inference outputs, the model's losses on them), on the default
+    replica's copy: the weight penalties and the `add_loss` terms of the
+    call, as Keras's `evaluate` counts them."""
+    outputs = self.model(tf.nest.map_structure(tf.convert_to_tensor, images),
+                         training=False)
+    losses = [tf.cast(loss, tf.float32) for loss in self.model.losses]
+    return outputs, tf.add_n(losses) if losses else tf.zeros([])

@@ -43,7 +43,8 @@ class Setup:
   """What a builder gets.
 
   Attributes:
-    config: the `config.TrainConfig` (its `step_options` passed whole).
+    options: the `StepOptions`, checked by `check_options` (whose
+      result it is): passed whole.
     deploy_config: the `placement.DeploymentConfig`.
     build_model: builds (model, optimizer) in the current device or
       strategy scope, the model in the context it is given, if any
@@ -52,7 +53,7 @@ class Setup:
     workers: the `MultiWorkerMirroredStrategy` of a multi-worker path
       (made before TensorFlow ran an op), else None.
   """
-  config: object
+  options: step_options.StepOptions
   deploy_config: placement.DeploymentConfig
   build_model: Callable[..., tuple]
   loss_fn: keras.losses.Loss
@@ -63,8 +64,8 @@ def _towers(setup):
   deploy_config = setup.deploy_config
   with tf.device(deploy_config.optimizer_variables_device()):
     model, optimizer = setup.build_model(deploy_config.variables_scope())
-  deployed = towers.deploy(deploy_config, model, setup.loss_fn, optimizer,
-                           setup.config.step_options)
+  deployed = towers.build(deploy_config, model, setup.loss_fn, optimizer,
+                          setup.options)
   _log_stages(deployed)
   return deployed
 
@@ -91,7 +92,7 @@ def _local_strategy(name):
     distributed_model.check_supported(name, model,
                                       strategy.num_replicas_in_sync)
     return distributed_model.DistributedModel(
-        strategy, model, setup.loss_fn, optimizer, setup.config.step_options)
+        strategy, model, setup.loss_fn, optimizer, setup.options)
   return build
 
 
@@ -103,8 +104,8 @@ def _worker_towers(setup):
     model, optimizer = setup.build_model(
         deploy_config.variables_scope() if deploy_config.spread_variables
         else None)
-    deployed = towers.deploy(setup.deploy_config, model, setup.loss_fn,
-                             optimizer, setup.config.step_options)
+    deployed = towers.build(setup.deploy_config, model, setup.loss_fn,
+                            optimizer, setup.options)
   held = collections.Counter(devices.device_of(v) for v in
                              model.variables + optimizer.variables)
   logging.info('this worker\'s variables and slots: %s', ', '.join(
@@ -116,8 +117,7 @@ def _worker_mirrored(setup):
   with setup.workers.scope():
     model, optimizer = setup.build_model()
   return distributed_model.DistributedModel(
-      setup.workers, model, setup.loss_fn, optimizer,
-      setup.config.step_options,
+      setup.workers, model, setup.loss_fn, optimizer, setup.options,
       worker_index=setup.deploy_config.worker_index,
       num_workers=setup.deploy_config.num_workers)
 
@@ -231,9 +231,14 @@ def check(config, deploy_config):
   The step options the strategy does not run (`check_options`), the
   layout's rules, the workers, then the path's own; run before anything
   is built.
+
+  Returns:
+    The step options as the strategy runs them (`check_options`'), for
+    `Setup.options`.
   """
   builder = get(config.strategy)
-  check_options(config.strategy, config.step_options, deploy_config)
+  options = check_options(config.strategy, config.step_options,
+                          deploy_config)
   check_layout(config, deploy_config)
   if deploy_config.num_workers > 1 and not builder.multi_worker:
     raise errors.ConfigError(
@@ -241,6 +246,7 @@ def check(config, deploy_config):
         f'use --strategy={MULTI_WORKER} (or {MULTI_WORKER_MIRRORED}) with '
         'TF_CONFIG.')
   builder.check(config, deploy_config)
+  return options
 
 
 def check_options(name, options, deploy_config):
@@ -251,7 +257,12 @@ def check_options(name, options, deploy_config):
 
   Options it does not honour (each in one line naming the strategies that
   do), stages or spread variables on a path that runs whole copies or
-  places its own, then the towers' rules that need both records.
+  places its own, then the towers' rules that need both records: each
+  checked here once, and nowhere after.
+
+  Returns:
+    `options` as the strategy runs them: the towers' with `xla` resolved
+    (`deploy.towers.checked_options`), what the builder takes.
   """
   builder = get(name)
   for option in options.in_use():
@@ -273,7 +284,8 @@ def check_options(name, options, deploy_config):
         f'its own: use --strategy={TOWERS} (or {MULTI_WORKER}), or drop '
         '--variables_device.')
   if name in (TOWERS, MULTI_WORKER):
-    towers.check_options(deploy_config, options)
+    return towers.checked_options(deploy_config, options)
+  return options
 
 
 def check_layout(config, deploy_config):

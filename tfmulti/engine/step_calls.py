@@ -11,7 +11,9 @@ stop and signals act at call boundaries, exactly where they would have.
 
 Each call runs the trainer's own compiled step (`Trainer.loop_step` calls
 its `step_function`), traced once and shared by every call: the same
-kernels, the same bits as one step a call. Every call of `InALoop` is a
+kernels, the same bits as one step a call. The loop itself
+(`steps_in_a_loop`) is the one Keras's `steps_per_execution` runs under
+`TowersModel` too (`fit.step_loop`). Every call of `InALoop` is a
 call of the loop, one step ones too: the run's first call traces the loop
 (and the step inside it), and nothing is built later (on LeNet, a loop
 built after single-step calls was a second build of 0.28 s).
@@ -66,9 +68,62 @@ class OneACall:
     return totals, outputs
 
 
+def steps_in_a_loop(step, iterator, num_steps, fits=None):
+  """The one compiled loop of N steps, under both doors (the command
+  line's `--steps_per_loop` through `InALoop`, Keras's
+  `steps_per_execution` through `fit.step_loop`): in a graph, a
+  `tf.while_loop` that reads `iterator` and runs `step` on its elements
+  while fewer than `num_steps` ran and `fits(element)` (a scalar bool
+  tensor; None: every element fits). It reads no element past the call's
+  last step, as Keras's own loop.
+
+  The last step's results ride the loop in an Optional whose structure the
+  body's one trace of the step gives (Keras's own loop does so), so the
+  loop holds the step once, not a first step peeled off besides.
+
+  Args:
+    step: `step(element)` -> (its total loss, the results to return): the
+      trainer's compiled step (and, under `fit`, the metrics).
+    iterator: a tf.data or tf.distribute iterator.
+    num_steps: at most this many steps (a tensor or an int).
+    fits: `fits(element)`: whether the loop runs it; an element that does
+      not ends the call and comes back unrun.
+
+  Returns:
+    (steps run, their total losses stacked (float32), an Optional of the
+    last step's results, an Optional of the element read but not run).
+  """
+  last = tf.experimental.Optional.empty(None)
+
+  def runs(i, batch):
+    if fits is None:
+      return tf.logical_and(i < num_steps, batch.has_value())
+    return tf.logical_and(i < num_steps, tf.cond(
+        batch.has_value(), lambda: fits(batch.get_value()),
+        lambda: tf.constant(False)))
+
+  def body(i, totals, _, batch):
+    total, results = step(batch.get_value())
+    value = tf.experimental.Optional.from_value(results)
+    keras_internals.set_element_spec(last, value.element_spec)
+    after = tf.cond(i + 1 < num_steps, iterator.get_next_as_optional,
+                    lambda: tf.experimental.Optional.empty(
+                        iterator.element_spec))
+    return (i + 1, totals.write(i, tf.cast(total, tf.float32)), value,
+            after)
+  ran, totals, carried, other = tf.while_loop(
+      lambda i, totals, _, batch: runs(i, batch), body,
+      (tf.constant(0), tf.TensorArray(tf.float32, size=0, dynamic_size=True,
+                                      element_shape=[]),
+       last, iterator.get_next_as_optional()))
+  keras_internals.set_element_spec(carried, last.element_spec)
+  keras_internals.set_element_spec(other, iterator.element_spec)
+  return ran, totals.stack(), carried, other
+
+
 class InALoop:
-  """Many steps in one compiled call: a `tf.while_loop` that reads the
-  input's iterator and calls the trainer's step (`Trainer.loop_step`).
+  """Many steps in one compiled call: `steps_in_a_loop` over the input's
+  iterator, each step the trainer's (`Trainer.loop_step`).
 
   One trace serves every call (the step count is a tensor); the trainer's
   `clone_shares` key the trace, so new shares trace a loop of their own.
@@ -101,22 +156,12 @@ class InALoop:
 
   def _graph(self, iterator, num_steps, shares):
     del shares  # Only keys the trace.
-    step = self._trainer.loop_step
-    # The last step's outputs ride the loop in an Optional whose structure
-    # the body's one trace of the step gives (Keras's own loop does so), so
-    # the loop holds the step once, not a first step peeled off besides.
-    last = tf.experimental.Optional.empty(None)
 
-    def body(i, totals, _):
-      outputs = tuple(step(next(iterator)))[:4]  # All but `outputs`.
-      value = tf.experimental.Optional.from_value(outputs)
-      keras_internals.set_element_spec(last, value.element_spec)
-      return i + 1, totals.write(i, tf.cast(outputs[0], tf.float32)), value
-    _, totals, carried = tf.while_loop(
-        lambda i, *_: i < num_steps, body,
-        (tf.constant(0), tf.TensorArray(tf.float32, size=num_steps), last))
-    keras_internals.set_element_spec(carried, last.element_spec)
-    return totals.stack(), carried.get_value()
+    def step(element):
+      outputs = tuple(self._trainer.loop_step(element))[:4]  # No outputs.
+      return outputs[0], outputs
+    _, totals, carried, _ = steps_in_a_loop(step, iterator, num_steps)
+    return totals, carried.get_value()
 
 
 @dataclasses.dataclass

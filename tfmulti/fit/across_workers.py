@@ -1,17 +1,21 @@
-"""How `TowersModel`'s steps run: in one process, or across workers.
+"""How `TowersModel`'s `fit` runs: in one process, or across workers.
 
-`TowersModel` chooses one of two, once, when it is made; `compile` hands
-it the towers (`bind`), and every step asks it:
+`TowersModel` chooses one of two, once, when it is made (`door_for`); it
+builds the trainer from the strategy registry, as the command line does
+(`engine.registry`: `towers` alone, `multi_worker` across workers), and
+drives it through the trainer contract alone. What differs here is
+Keras's side of a run:
 
-* `Local`: the towers' step and inference as `deploy()` built them.
-* `AcrossWorkers` (`TowersModel(..., workers=)`): each worker of a
-  `MultiWorkerMirroredStrategy` job runs its towers' step on its rows of
-  the global batch in its one replica (`step_on_workers`); Keras's
-  `apply_gradients` all-reduces the workers' summed gradients once before
-  the update. The workers first agree that they read the same global batch
-  (`batch_fingerprint`, `batches_agreed`); the outputs are gathered, so
-  Keras's metrics read the whole batch on every worker; evaluation splits
-  each batch over the workers (`evaluate_on_workers`).
+* `Local`: one process; nothing to agree on.
+* `AcrossWorkers` (`TowersModel(..., workers=)`): every worker of a
+  `MultiWorkerMirroredStrategy` job runs the same `fit`; the trainer
+  (`deploy.towers_in_strategy.WorkerTowers`, the one multi-worker adapter)
+  takes each worker's rows of the global batch, checks that the workers
+  read the same one, and gathers the outputs, so Keras's metrics read the
+  whole batch on every worker. Here: only the chief shows progress and
+  keeps the callbacks that write files, inputs the workers cannot share
+  are refused, and a lost peer or a disagreement becomes one line
+  (`guard`).
 
 `check_workers` refuses, before anything is built, a strategy that does
 not match the config's workers or a model made outside its scope.
@@ -24,7 +28,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import layouts
-from tfmulti import rows
+from tfmulti.deploy import towers_in_strategy
 from tfmulti.engine import registry
 
 # Callbacks that write files: the chief's alone across workers (the
@@ -33,8 +37,8 @@ CHIEF_WRITES = (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard,
                 keras.callbacks.CSVLogger)
 
 
-def steps_for(workers, config):
-  """How `fit`'s steps run, chosen once: `AcrossWorkers` on the workers
+def door_for(workers, config):
+  """How `fit` runs, chosen once: `AcrossWorkers` on the workers
   `workers.start()` gave (with a strategy), else `Local`."""
   if workers is None or workers.strategy is None:
     return Local(config)
@@ -42,29 +46,31 @@ def steps_for(workers, config):
 
 
 class Local:
-  """`fit` in one process: the towers' own step and inference.
+  """`fit` in one process.
 
-  `gate` names the command line's strategy whose step options it runs
-  (`registry.check_options`)."""
+  `gate` names the registry's strategy whose trainer it builds and whose
+  step options it runs (`registry.check_options`)."""
   gate = registry.TOWERS
   strategy = None
 
   def __init__(self, config):
     self.config = config
-    self.towers = None  # The `DeployedModel` `compile` builds.
 
   def check(self, model):
-    """Refuses a `config` or `model` these steps cannot run
+    """Refuses a `config` or `model` this run cannot train
     (`check_workers`)."""
     check_workers(self.strategy, self.config, model)
 
-  def bind(self, towers):
-    """The towers `compile` built, which the steps run."""
-    self.towers = towers
-
   def scope(self):
-    """Where the optimizer and the towers are built: here."""
+    """Where the optimizer is built: here."""
     return contextlib.nullcontext()
+
+  def build(self, model, loss_fn, optimizer, options):
+    """The trainer of `model`, from the registry (`gate`'s builder), for
+    `options` that `registry.check_options` gave."""
+    return registry.get(self.gate).build(registry.Setup(
+        options, self.config, lambda scope=None: (model, optimizer),
+        loss_fn, self.strategy))
 
   def agreed_stop(self):
     """Alone, a signal stops this process at its step: no agreement."""
@@ -73,21 +79,6 @@ class Local:
   def for_this_worker(self, arguments):
     """`fit`'s arguments (a dict) as this process runs them: as given."""
     return arguments
-
-  def mine(self, batch):
-    """This process's rows of a global batch: all of them."""
-    return batch
-
-  def train(self, images, targets, layout, whole):
-    """One towers step: (the total loss, the outputs in row order)."""
-    del whole  # Nothing to agree on alone.
-    result = self.towers.step_graph(images, targets, layout,
-                                    with_outputs=True)
-    return result.total, result.outputs
-
-  def evaluate(self, images):
-    """(outputs, the model's losses) of an evaluation batch."""
-    return self.towers.evaluate_outputs(images)
 
   def check_input(self, arguments):
     """Nothing to refuse alone: every input `fit` takes trains."""
@@ -100,8 +91,8 @@ class Local:
 
 
 class AcrossWorkers(Local):
-  """`fit` on every worker of `workers` (what `workers.start()` gave):
-  each takes its rows of the global batch; see the module."""
+  """`fit` on every worker of `workers` (what `workers.start()` gave);
+  see the module."""
   gate = registry.MULTI_WORKER
 
   def __init__(self, workers, config):
@@ -127,20 +118,6 @@ class AcrossWorkers(Local):
       arguments['callbacks'] = [c for c in arguments['callbacks']
                                 if not isinstance(c, CHIEF_WRITES)]
     return arguments
-
-  def mine(self, batch):
-    """This worker's rows of a global batch (`rows.worker_part`)."""
-    return rows.worker_part(batch, worker=self.config.worker_index,
-                            num_workers=self.config.num_workers)
-
-  def train(self, images, targets, layout, whole):
-    return step_on_workers(self.strategy, self.towers, images, targets,
-                           layout, whole)
-
-  def evaluate(self, images):
-    return evaluate_on_workers(self.strategy, self.towers, images,
-                               worker=self.config.worker_index,
-                               num_workers=self.config.num_workers)
 
   def check_input(self, arguments):
     """Refuses, before training, an input the workers cannot share: one
@@ -206,102 +183,19 @@ def check_workers(strategy, config, model):
         '`with workers.scope(), config.variables_scope():`.')
 
 
-def step_on_workers(strategy, towers, images, targets, layout, whole):
-  """One towers step of every worker's rows, in the strategy's replica.
-
-  The workers first agree that they read the same global batch `whole`
-  (its fingerprint gathered from every worker; `batches_agreed` turns a
-  disagreement into one line): each takes its rows of it, so workers fed
-  other batches (arrays shuffled by unseeded generators) would train on
-  rows no one process would. The check runs before the step changes
-  anything, and every worker reaches the same verdict.
-
-  Returns:
-    (the job's total loss, the job's outputs): the loss all-reduced, the
-    outputs of every worker's rows gathered in worker order, as one process
-    would have them, so Keras's metrics read the whole global batch on
-    every worker.
-  """
-  def replica_fn(images, targets, fingerprint):
-    context = tf.distribute.get_replica_context()
-    everyone = context.all_gather(fingerprint[None], axis=0)
-    agreed = tf.debugging.assert_equal(everyone, everyone[0],
-                                       message=BATCHES_DIFFER)
-    with tf.control_dependencies([agreed]):  # Every op of the step.
-      result = towers.step_graph(images, targets, layout, with_outputs=True)
-    return result.total, _gathered(result.outputs)
-  with strategy.scope():  # Keras's fit runs outside it.
-    total, outputs = strategy.run(
-        replica_fn, args=(images, targets, batch_fingerprint(whole)))
-    return (strategy.reduce(tf.distribute.ReduceOp.SUM, total, None),
-            _this_workers(strategy, outputs))
-
-
-def evaluate_on_workers(strategy, towers, images, *, worker, num_workers):
-  """Inference of an evaluation batch split over the workers
-  (`rows.evaluation_part`): each runs its rows on its clones, then the
-  outputs are gathered in worker order and the model's losses summed, each
-  weighted by its rows, so every worker holds what one process computes on
-  the whole batch (a batch of fewer rows than workers runs whole on each).
-
-  Returns:
-    (the batch's outputs, the model's losses on it), as
-    `towers.evaluate_outputs` gives them for the whole batch.
-  """
-  mine, share = rows.evaluation_part(images, worker=worker,
-                                     num_workers=num_workers)
-  whole = share == 1.0
-
-  def replica_fn(mine):
-    outputs, regularization = towers.evaluate_outputs(mine)
-    if whole:
-      return outputs, regularization
-    # The penalties count once in every worker's, and the shares sum to 1.
-    return _gathered(outputs), tf.distribute.get_replica_context().all_reduce(
-        tf.distribute.ReduceOp.SUM, regularization * share)
-  with strategy.scope():
-    return _this_workers(strategy, strategy.run(replica_fn, args=(mine,)))
-
-
-def _gathered(outputs):
-  """In a replica: every worker's `outputs` (a nest), in worker order."""
-  context = tf.distribute.get_replica_context()
-  return tf.nest.map_structure(lambda t: context.all_gather(t, axis=0),
-                               outputs)
-
-
-def _this_workers(strategy, values):
-  """This worker's one replica's `values` (a nest of per-replica ones)."""
-  return tf.nest.map_structure(
-      lambda value: strategy.experimental_local_results(value)[0], values)
-
-
-BATCHES_DIFFER = 'the workers read different global batches'
-
-
-def batch_fingerprint(batch):
-  """A 64-bit fingerprint (int64) of `batch`, a nest of row-major tensors:
-  the FarmHash of every row's bytes in order, so equal batches give equal
-  fingerprints on every machine (no floating-point sum to round)."""
-  columns = [tf.fingerprint(t) for t in tf.nest.flatten(batch)
-             if t is not None]
-  whole = tf.fingerprint(tf.reshape(tf.concat(columns, axis=1), [1, -1]))
-  return tf.bitcast(tf.reshape(whole, [8]), tf.int64)
-
-
 @contextlib.contextmanager
 def batches_agreed(step):
   """Around `fit` across workers: the step's failed agreement check
-  (`step_on_workers`, on this worker or aborting a peer's collective)
-  becomes one `errors.ClusterError` line; `step()` is the step it
-  failed at."""
+  (`towers_in_strategy.BATCHES_DIFFER`, on this worker or aborting a
+  peer's collective) becomes one `errors.ClusterError` line; `step()` is
+  the step it failed at."""
   try:
     yield
   except tf.errors.OpError as e:
-    if BATCHES_DIFFER not in str(e):
+    if towers_in_strategy.BATCHES_DIFFER not in str(e):
       raise
     raise errors.ClusterError(
-        f'{BATCHES_DIFFER} at step {step()}, each taking its rows of its '
-        'own: seed Keras alike on every worker before fit '
+        f'{towers_in_strategy.BATCHES_DIFFER} at step {step()}, each taking '
+        'its rows of its own: seed Keras alike on every worker before fit '
         '(keras.utils.set_random_seed(0)), or feed the same tf.data '
         'pipeline with a fixed shuffle seed.') from None

@@ -192,7 +192,7 @@ class Backup(keras.callbacks.Callback):
     # multiple of them, past the epoch's steps when they are not one.
     done = min(batch + 1, self.steps_per_epoch)
     step = self._epoch * self.steps_per_epoch + done
-    if self.model.passing_steps():
+    if self.model.passes.passed:
       return
     stop = (self.agreed_stop.stop_after(step, self.signals.received,
                                         self.last_step)
@@ -247,3 +247,38 @@ class Backup(keras.callbacks.Callback):
         optimizer=values(model.optimizer.variables),
         metrics=values(model.metrics_variables),
         epoch=self._position[0], steps=self._position[1])
+
+
+class Passes:
+  """The steps a resumed `fit` passes over: the backup's steps of its
+  epoch, read and not trained, so the run goes on at the step it saved.
+
+  Attributes:
+    backup: the `Backup` of the running `fit`, or None.
+    passed: whether the last step was one passed over.
+  """
+
+  def __init__(self):
+    self.backup = None
+    self.passed = False
+    self._to_pass = 0
+
+  def take(self):
+    """Whether this step is passed over (the backup restored at the first
+    step, when the compiled metrics exist)."""
+    if self.backup is not None:
+      self._to_pass += self.backup.steps_to_pass()
+    self.passed = self._to_pass > 0
+    self._to_pass -= self.passed
+    return self.passed
+
+  def none_left(self):
+    """Whether every step to pass over was; the steps after train."""
+    self.passed = False  # A compiled loop's steps train.
+    return not self._to_pass
+
+  def close(self):
+    """At the end of `fit`: the backup's signal handlers restored."""
+    if self.backup is not None:
+      self.backup.close()
+    self.backup, self._to_pass = None, 0

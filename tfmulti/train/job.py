@@ -19,7 +19,6 @@ import tensorflow as tf
 from tfmulti import data
 from tfmulti import errors
 from tfmulti import layouts
-from tfmulti.deploy import xla_rule
 from tfmulti.distribute import cluster
 from tfmulti.distribute import preemption
 from tfmulti.engine import checkpoints
@@ -215,42 +214,60 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
       names the value and the fix.
     loop.TrainingInterrupted: SIGTERM or SIGINT; a checkpoint was saved.
   """
-  started = time.perf_counter()  # For the start-up phase in metrics.
-  imports = metrics.process_age()  # The process before the job.
+  # The job's start (for the start-up phase in metrics), and the
+  # process's age then (the process before the job).
+  started = (time.perf_counter(), metrics.process_age())
   path = registry.get(config.strategy)
-  registry.check(config, deploy_config)
+  # The options as the path runs them (the towers' `xla` resolved),
+  # checked here once, and recorded so.
+  config = dataclasses.replace(config, step_options=registry.check(
+      config, deploy_config))
   chief = cluster_info is None or cluster_info.is_chief
   if config.data_dir and not data_override:
     run_dir.check_directory('data_dir', config.data_dir)
   with run_dir.claimed(config.model_dir, lock=chief):
     workers = _start_workers(config, deploy_config, path, cluster_info)
     _log_deployment(config, deploy_config, path)
-    if config.deterministic:  # reproducible_rows: `deploy()` sets its own.
-      tf.config.experimental.enable_op_determinism()
-    dataset = data_override or _load(config, deploy_config)
-    # Seeded after the data (preparing it draws from the global generators).
-    keras.utils.set_random_seed(config.seed)
-    plan = _plan(config, deploy_config, path, dataset)
-    config = plan.config
+    plan, dataset = _prepare(config, deploy_config, data_override)
     trainer = trainer_override or _build(plan, deploy_config, path,
                                          dataset, workers)
-    settings = _settings(config, deploy_config, plan.total_steps)
+    settings = _settings(plan.config, deploy_config, plan.total_steps)
     _record_start(plan, deploy_config, dataset, settings,
                   chief=chief, workers=workers)
     _log_job(plan, deploy_config, trainer, dataset)
-    out_dir = _output_dir(config, cluster_info, chief)
-    try:
-      with cluster.lost_peers_as_errors(cluster_info):
-        result = _train_into(config, deploy_config, (started, imports), _run(
-            plan, deploy_config, trainer, dataset, out_dir, cluster_info),
-                             settings=settings if chief else None)
-    finally:
-      cluster.remove_output_dir(out_dir, config.model_dir)
+    result = _train(plan, deploy_config, trainer, dataset, cluster_info,
+                    started, settings=settings if chief else None)
     logging.info('final weights sha256 %s (every worker of a job logs the '
                  'same)', metrics.fingerprint(trainer.model))
     if chief:
-      return _record(config, trainer, result, dataset.input_shape)
+      return _record(plan.config, trainer, result, dataset.input_shape)
   return result
+
+
+def _prepare(config, deploy_config, data_override):
+  """(the `_Plan`, the `data.Data`): the data loaded (or given), the
+  random generators seeded after it (preparing it draws from them)."""
+  if config.deterministic:  # reproducible_rows: `deploy()` sets its own.
+    tf.config.experimental.enable_op_determinism()
+  dataset = data_override or _load(config, deploy_config)
+  keras.utils.set_random_seed(config.seed)
+  return _plan(config, deploy_config, dataset), dataset
+
+
+def _train(plan, deploy_config, trainer, dataset, cluster_info, started, *,
+           settings):
+  """Trains into this task's output directory (`_train_into`); the
+  metrics. A lost peer ends it as one `ClusterError`."""
+  config = plan.config
+  out_dir = _output_dir(config, cluster_info, cluster_info is None or
+                        cluster_info.is_chief)
+  try:
+    with cluster.lost_peers_as_errors(cluster_info):
+      return _train_into(config, deploy_config, started, _run(
+          plan, deploy_config, trainer, dataset, out_dir, cluster_info),
+                         settings=settings)
+  finally:
+    cluster.remove_output_dir(out_dir, config.model_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,15 +279,12 @@ class _Plan:
   schedule: object
 
 
-def _plan(config, deploy_config, path, dataset):
+def _plan(config, deploy_config, dataset):
   """The `_Plan` of this job on `dataset`."""
   total_steps = config.train_steps or (
       config.epochs * (dataset.train_examples //
                        global_batch_size(config, deploy_config)))
   _check_profile_steps(config.profile_steps, total_steps)
-  if 'xla' in path.honours:  # The towers': recorded as it will run.
-    config = dataclasses.replace(config, step_options=xla_rule.resolve(
-        deploy_config, config.step_options))
   return _Plan(config, total_steps, build.make_schedule(
       config, deploy_config.num_clones * deploy_config.num_workers,
       total_steps))
@@ -280,7 +294,7 @@ def _build(plan, deploy_config, path, dataset, workers):
   """The trainer of `path` (a `registry.StrategyBuilder`) for the plan."""
   config = plan.config
   return path.build(registry.Setup(
-      config, deploy_config, build.model_and_optimizer(
+      config.step_options, deploy_config, build.model_and_optimizer(
           config, deploy_config, input_shape=dataset.input_shape,
           num_classes=dataset.num_classes, learning_rate=plan.schedule),
       build.make_loss(), workers))

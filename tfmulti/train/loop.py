@@ -55,9 +55,12 @@ class TrainingInterrupted(Exception):
 
 
 class Evaluation:
-  """{'accuracy', 'loss'} of `trainer.predict` over every test example.
+  """{'accuracy', 'loss'} over every test example, by the one evaluation
+  rule (`Trainer.evaluate_outputs`, Keras's): the loss is the data loss
+  plus the model's losses (weight penalties, `add_loss` terms), as
+  Keras's `evaluate` reports it.
 
-  Each batch is one compiled call (the prediction, its loss and its
+  Each batch is one compiled call (the outputs, their loss and the
   correct rows, traced once a batch shape: the full one and the last); the
   sums stay tensors until the end: one host read, not two a batch.
   """
@@ -68,9 +71,11 @@ class Evaluation:
     self._batch = tf.function(self._batch_graph, autograph=False)
 
   def _batch_graph(self, images, labels):
-    logits = self._trainer.predict(images)
+    logits, regularization = self._trainer.evaluate_outputs(images)
     rows = tf.shape(labels)[0]
-    loss_sum = self._loss_fn(labels, logits) * tf.cast(rows, tf.float32)
+    loss = self._loss_fn(labels, logits) + tf.cast(regularization,
+                                                   tf.float32)
+    loss_sum = loss * tf.cast(rows, tf.float32)
     correct = tf.reduce_sum(tf.cast(
         tf.argmax(logits, axis=-1, output_type=tf.int32) == labels,
         tf.int32))

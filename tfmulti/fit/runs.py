@@ -1,0 +1,90 @@
+"""A `TowersModel.fit` run: its arguments, its backup and its exits.
+
+`fit` binds Keras's arguments once, refuses what its workers or its
+layout cannot run before anything trains, puts the exact backup
+(`backup.Backup`) in place of a `keras.callbacks.BackupAndRestore`, and
+ends a preempted run, a lost peer or workers that read different batches
+with one line and the command line's statuses (`errors.exit_for`).
+"""
+
+import inspect
+import sys
+
+from absl import logging
+import keras
+
+from tfmulti import errors
+from tfmulti.fit import across_workers
+from tfmulti.fit import backup as backup_lib
+
+_FIT = inspect.signature(keras.Model.fit)
+
+
+def run(model, keras_fit, args, kwargs):
+  """`keras_fit` (Keras's own `fit` of `model`, a `TowersModel`) on
+  `args` and `kwargs` as `fit` takes them (see `TowersModel.fit`)."""
+  arguments = _FIT.bind(model, *args, **kwargs).arguments
+  del arguments['self']
+  arguments.update(arguments.pop('kwargs', {}))
+  model.door.check_input(arguments)
+  check_batches(model, arguments)
+  model.batches.rows = 0  # The fit's first step fixes them again.
+  arguments['callbacks'] = _with_backup(model, arguments)
+  try:
+    with model.door.guard(
+        lambda: int(model.optimizer.iterations.value.numpy()) + 1):
+      return keras_fit(**model.door.for_this_worker(arguments))
+  except backup_lib.Preempted as e:
+    logging.warning('%s: the job saved it in %s; run the same script '
+                    'again to resume.', e, model.passes.backup.directory)
+    sys.exit(e.stop.exit_code)
+  except errors.ClusterError as e:
+    # A peer lost mid-step, or one that missed the agreed stop: one
+    # line, not TensorFlow's pages of traceback.
+    raise errors.exit_for(e) from e
+  finally:
+    model.passes.close()
+
+
+def _with_backup(model, arguments):
+  """`fit`'s callbacks, a `BackupAndRestore` among them replaced by the
+  exact `backup.Backup` (which `model.passes` consults each step)."""
+  callbacks = list(arguments.get('callbacks') or ())
+  originals = [c for c in callbacks
+               if isinstance(c, keras.callbacks.BackupAndRestore)]
+  if not originals:
+    return callbacks
+  model.passes.backup = backup_lib.Backup(
+      originals[0], **backup_lib.fed(arguments, originals[0].backup_dir,
+                                     seed=model.shuffle_seed),
+      is_chief=model.config.worker_index == 0,
+      agreed_stop=model.door.agreed_stop())
+  return [model.passes.backup if c is originals[0] else c
+          for c in callbacks]
+
+
+def check_batches(model, arguments):
+  """Cuts the full and the last batch of array inputs before the first
+  step: a last batch the layout refuses (not whole atoms, clones in
+  lockstep) would otherwise stop `fit` after a whole epoch."""
+  x = arguments.get('x')
+  if model.towers is None or not backup_lib.are_arrays(x):
+    return
+  _, full, last = across_workers.fit_batches(arguments)
+  for batch, partial in ((full, False), (last, 0 < last < full)):
+    if batch:
+      model.towers.check_batch(batch, partial)
+
+
+class FullRows:
+  """The rows of a fit's full global batches: the most a batch of this
+  fit had (its first step sets them); a batch of fewer is its last,
+  partial one (Keras's), which the step cuts as plain `fit` trains it."""
+
+  def __init__(self):
+    self.rows = 0
+
+  def partial(self, rows):
+    """Whether a batch of `rows` rows is a partial one."""
+    self.rows = max(self.rows, rows)
+    return rows < self.rows
