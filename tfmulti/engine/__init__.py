@@ -8,4 +8,5 @@ other.
   registry     strategy name -> the builder of its trainer; the option gate
   step_calls   one step a call, or many in one compiled call
   checkpoints  the checkpoint writer: whole, intact, in the background
+  contents     what a checkpoint holds, the same under both doors
 """

@@ -2,7 +2,9 @@
 
 A checkpoint `<model_dir>/ckpt-<step>` holds the model, the optimizer (its
 slots and iteration count), the global step and the input position (the
-epoch in progress and how many of its examples were trained on).
+epoch in progress and how many of its examples were trained on): the one
+content of both doors (`contents`), so Keras's `fit` restores it and the
+command line restores what `fit`'s backup writes.
 Variables are saved once, in one layout, whichever path trained them: a
 checkpoint written by 2 clones restores into the mirrored path, into one
 device or into 4 clones.
@@ -31,7 +33,6 @@ so every guarantee above holds. A failed background write stops the run
 at the next save or at the end (`wait`), naming that checkpoint.
 """
 
-import collections
 import contextlib
 import glob
 import os
@@ -45,6 +46,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti.engine import contents
 
 CHECKPOINT_NAME = 'ckpt'
 _NUMBERED = re.compile(r'ckpt-(\d+)\.index$')
@@ -52,10 +54,10 @@ _NUMBERED = re.compile(r'ckpt-(\d+)\.index$')
 # index (OpError, ValueError), a truncated data file (IndexError).
 _DAMAGE = (tf.errors.OpError, ValueError, IndexError, OSError)
 
-# Where a run stands: `step` global steps done; `epoch` (0-based) is in
-# progress and `epoch_examples` of its examples have been trained on.
-Position = collections.namedtuple('Position',
-                                  ['step', 'epoch', 'epoch_examples'])
+# Where a run stands (`contents.Position`, the one resume position of both
+# doors): `step` global steps done; `epoch` (0-based) is in progress and
+# `epoch_examples` of its examples have been trained on.
+Position = contents.Position
 
 
 def numbered_checkpoints(directory):
@@ -340,19 +342,9 @@ class Checkpointer:
     Raises:
       errors.CheckpointDamagedError: checkpoints exist and none is readable.
     """
-    with tf.device(device):
-      self._step = tf.Variable(0, dtype=tf.int64, trainable=False)
-      self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
-      self._epoch_examples = tf.Variable(0, dtype=tf.int64, trainable=False)
-    self._variables = model.variables + optimizer.variables
-    self._all_finite = finite_check(self._variables)
-    # The random layers' generators too: Keras leaves them out of the
-    # model's checkpoint, and a resumed run must draw what it would have.
-    self._checkpoint = tf.train.Checkpoint(
-        model=model, optimizer=optimizer, step=self._step, epoch=self._epoch,
-        epoch_examples=self._epoch_examples,
-        random=keras_internals.seed_states(model))
-    self._writer = Writer(directory, self._checkpoint,
+    self._contents = contents.Contents(model, optimizer, device=device)
+    self._all_finite = finite_check(model.variables + optimizer.variables)
+    self._writer = Writer(directory, self._contents.checkpoint,
                           max_to_keep=max_to_keep,
                           restore_directory=restore_directory,
                           in_background=in_background)
@@ -400,14 +392,12 @@ class Checkpointer:
       return None
     path = self._writer.latest_intact[1]
     try:
-      self._checkpoint.restore(path).assert_existing_objects_matched()
+      position = self._contents.restore(path)
     except (AssertionError, ValueError, tf.errors.OpError) as e:
       raise errors.CheckpointMismatchError(
           f'checkpoint {path} does not fit this model and optimizer '
           f'({errors.first_line(e)}). Resume with the flags that wrote it, '
           'or pass a new --model_dir.') from e
-    position = Position(int(self._step.numpy()), int(self._epoch.numpy()),
-                        int(self._epoch_examples.numpy()))
     logging.info('restored %s: step %d, epoch %d after %d examples', path,
                  *position)
     self._saved_step = position.step
@@ -428,9 +418,7 @@ class Checkpointer:
     # In the background, the snapshot checks its own values (one call).
     if not self.in_background and not self._all_finite():
       raise self._non_finite(position.step)
-    self._step.assign(position.step)
-    self._epoch.assign(position.epoch)
-    self._epoch_examples.assign(position.epoch_examples)
+    self._contents.set(position)
     path = self._writer.write(position.step, finite_only=True)
     if path is None:
       raise self._non_finite(position.step)

@@ -33,6 +33,8 @@ from tfmulti import keras_internals
 from tfmulti import trainer as trainer_lib
 
 AUTO = 'auto'
+RAN_OUT = ('the input ran out before the steps the job counted in it; '
+           'check the data set\'s size (train_examples)')
 TARGET_SECONDS = 0.05  # A call's length under 'auto': dispatch is hidden.
 TIMED_STEPS = 3  # Steps 'auto' times one a call, after the traced first.
 
@@ -160,8 +162,12 @@ class InALoop:
     def step(element):
       outputs = tuple(self._trainer.loop_step(element))[:4]  # No outputs.
       return outputs[0], outputs
-    _, totals, carried, _ = steps_in_a_loop(step, iterator, num_steps)
-    return totals, carried.get_value()
+    ran, totals, carried, _ = steps_in_a_loop(step, iterator, num_steps)
+    # The job counted the input's batches: fewer would misplace every
+    # position after (next(iterator) raised here before the loop was one).
+    ran_all = tf.debugging.assert_equal(ran, num_steps, message=RAN_OUT)
+    with tf.control_dependencies([ran_all]):
+      return tf.identity(totals), carried.get_value()
 
 
 @dataclasses.dataclass

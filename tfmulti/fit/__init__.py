@@ -1,13 +1,16 @@
 """Keras's own front door: the towers behind `compile` / `fit`.
 
 `from tfmulti.fit import TowersModel` wraps a user's Keras model in a
-`keras.Model` whose steps run the towers' step (`deploy()`'s, the one the
-command line runs too), in one process or across workers.
+`keras.Model` whose steps drive the trainer the command line builds too
+(`engine.registry`), through the one trainer contract, in one process or
+across workers. It imports nothing of the command line's job (`train/`).
 
   towers_model    TowersModel: Keras's compile / fit / evaluate / predict
-  across_workers  how its steps run: in one process, or on every worker
+  across_workers  how fit runs: in one process, or on every worker
+  compiled        Keras's side of a step: its compiled loss and metrics
+  runs            a fit's run: its arguments, its backup, its exits
   backup          BackupAndRestore made exact: resume at the step
-  step_loop       steps_per_execution: N steps in one compiled call
+  step_loop       steps_per_execution on the one compiled N-step loop
 """
 
 from tfmulti.fit.towers_model import TowersModel  # noqa: F401

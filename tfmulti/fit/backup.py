@@ -13,9 +13,12 @@ module's `Backup` instead, in the same `backup_dir`:
   worker. A `tf.data` input must give the same batches each time it is
   iterated (no reshuffling), or the resumed epoch differs.
 * SIGTERM or Ctrl-C (to any worker: they agree on the step,
-  `distribute.preemption`) saves, after that step, the weights, the
-  optimizer's state and the metrics' state, with the epoch and the steps
-  done in it, and the process exits with the signal's status. The chief
+  `distribute.preemption`) saves, after that step, the checkpoint content
+  the command line writes too (`engine.contents`: the model, the
+  optimizer's state, the random generators and the position) with the
+  metrics' state, and the process exits with the signal's status. A
+  `--model_dir` of the command line restores here, and the command line
+  resumes from a backup. The chief
   alone writes, through the command line's checkpoint writer
   (`engine.checkpoints.Writer`: `ckpt-<step>` written whole before the
   index names it, the newest intact one found by a scan); every worker
@@ -36,21 +39,52 @@ import tensorflow as tf
 from tfmulti import errors
 from tfmulti import stops
 from tfmulti.engine import checkpoints
-
-# Where the backup's checkpoint keeps the epoch and the steps done in it.
-_EPOCH = 'epoch/.ATTRIBUTES/VARIABLE_VALUE'
-_STEPS = 'steps/.ATTRIBUTES/VARIABLE_VALUE'
+from tfmulti.engine import contents
 
 
 def read_position(directory):
-  """(epoch, steps done in it, checkpoint path) of the backup's newest
-  intact checkpoint, or None."""
+  """(the `contents.Position`, checkpoint path) of the newest intact
+  checkpoint in `directory` (a backup's, or the command line's
+  `--model_dir`: the content is one), or None."""
   found = checkpoints.latest_intact(directory)
   if found is None:
     return None
-  reader = tf.train.load_checkpoint(found[1])
-  return (int(reader.get_tensor(_EPOCH)), int(reader.get_tensor(_STEPS)),
-          found[1])
+  return contents.position_of(found[1]), found[1]
+
+
+def restore(model, directory):
+  """Restores the newest intact checkpoint in `directory` (the command
+  line's `--model_dir`, or a backup's: the content is one,
+  `engine.contents`) into `model`, a compiled `TowersModel`: the weights,
+  the optimizer's state, the random generators (and the metrics' running
+  figures, where a backup holds them).
+
+  Returns:
+    The checkpoint's `contents.Position`, or None where there is none.
+
+  Raises:
+    errors.CheckpointMismatchError: the checkpoint holds another model or
+      optimizer.
+  """
+  found = read_position(directory)
+  if found is None:
+    return None
+  return _restored(contents.Contents(
+      model.model, model.optimizer, device='CPU:0',
+      metrics=model.metrics_variables), found[1], model.model)
+
+
+def _restored(held, path, model):
+  """`held` (a `contents.Contents`) restored from `path`; its `Position`.
+  Raises `CheckpointMismatchError` for a checkpoint of another model or
+  optimizer."""
+  try:
+    return held.restore(path)
+  except (AssertionError, ValueError, tf.errors.OpError) as e:
+    raise errors.CheckpointMismatchError(
+        f'checkpoint {path} does not fit model {model.name!r} and its '
+        f'optimizer ({errors.first_line(e)}); build the model and the '
+        'optimizer that wrote it.') from e
 
 
 def epochs_of_arrays(arrays, *, batch_size, shuffle, seed, first_epoch,
@@ -79,7 +113,8 @@ def fed(arguments, backup_dir, *, seed):
   last rows). Returns the `Backup`'s `steps_per_epoch` and `epochs`."""
   position = read_position(backup_dir)
   epochs = arguments.get('epochs', 1)
-  first = position[0] if position else arguments.get('initial_epoch', 0)
+  first = position[0].epoch if position else arguments.get('initial_epoch',
+                                                          0)
   arguments['initial_epoch'] = first
   x = arguments.get('x')
   if isinstance(x, tf.data.Dataset):
@@ -157,22 +192,23 @@ class Backup(keras.callbacks.Callback):
     self.agreed_stop = agreed_stop
     self.position = read_position(self.directory)
     self.signals = stops.StopSignals()
-    with tf.device('CPU:0'):  # Where the backup's position is kept.
-      self._position = (tf.Variable(0, dtype=tf.int64, trainable=False),
-                        tf.Variable(0, dtype=tf.int64, trainable=False))
+    self._contents = None  # The model's `contents.Contents`, once used.
     self._writer = None  # The chief's `checkpoints.Writer`, at a save.
     self._epoch = 0
     self._pending = None  # The position to restore at the first step.
     self._open = False  # Between on_train_begin and close.
 
-  def steps_to_pass(self):
+  def steps_to_pass(self, rows):
     """Restores the backup (once, at the first step, when the compiled
-    metrics exist) and returns how many of the epoch's steps it holds."""
+    metrics exist) and returns how many of the epoch's steps of `rows`
+    rows (the global batch's) it holds: its examples of the epoch, in
+    this fit's batches (a command line's checkpoint counts its own)."""
     if self._pending is None:
       return 0
-    _, steps, prefix = self._pending
+    position, prefix = self._pending
     self._pending = None
-    self._state().restore(prefix).assert_existing_objects_matched()
+    _restored(self._held(), prefix, self.model.model)
+    steps = min(position.epoch_examples // rows, self.steps_per_epoch)
     logging.info('restored %s: epoch %d, %d steps done in it', prefix,
                  self._epoch + 1, steps)
     return steps
@@ -223,30 +259,30 @@ class Backup(keras.callbacks.Callback):
     self.signals.__exit__(None, None, None)
 
   def _save(self, epoch, steps):
-    """The chief writes the state with its position (epoch, steps done in
-    it) through the writer, which keeps the newest whole checkpoint."""
+    """The chief writes the state at its position (`steps` done in
+    `epoch`) through the writer, which keeps the newest whole checkpoint."""
     if not self.is_chief:
       return
     if self._writer is None:
-      self._writer = checkpoints.Writer(self.directory, self._state(),
+      self._writer = checkpoints.Writer(self.directory,
+                                        self._held().checkpoint,
                                         max_to_keep=1)
-    for variable, value in zip(self._position, (epoch, steps)):
-      variable.assign(value)
-    self._writer.write(epoch * self.steps_per_epoch + steps)
+    step = epoch * self.steps_per_epoch + steps
+    self._held().set(contents.Position(
+        step, epoch, steps * self.model.batches.rows))
+    self._writer.write(step)
 
-  def _state(self):
-    """A `tf.train.Checkpoint` of everything a step changes: the weights,
-    the optimizer's variables and the metrics' (the epoch's running
-    figures), and where in the epochs it stands."""
-    def values(variables):
-      return [v.value if isinstance(v, keras.Variable) else v
-              for v in variables]
-    model = self.model
-    return tf.train.Checkpoint(
-        weights=values(model.variables),
-        optimizer=values(model.optimizer.variables),
-        metrics=values(model.metrics_variables),
-        epoch=self._position[0], steps=self._position[1])
+  def _held(self):
+    """The `contents.Contents` of everything a step changes, the one
+    content of both doors: the wrapped model, the optimizer's variables,
+    the random generators, the position, and the metrics' running figures
+    of the epoch."""
+    if self._contents is None:
+      model = self.model
+      self._contents = contents.Contents(
+          model.model, model.optimizer, device='CPU:0',
+          metrics=model.metrics_variables)
+    return self._contents
 
 
 class Passes:
@@ -263,11 +299,12 @@ class Passes:
     self.passed = False
     self._to_pass = 0
 
-  def take(self):
-    """Whether this step is passed over (the backup restored at the first
-    step, when the compiled metrics exist)."""
+  def take(self, rows):
+    """Whether this step, of a global batch of `rows` rows, is passed
+    over (the backup restored at the first step, when the compiled
+    metrics exist)."""
     if self.backup is not None:
-      self._to_pass += self.backup.steps_to_pass()
+      self._to_pass += self.backup.steps_to_pass(rows)
     self.passed = self._to_pass > 0
     self._to_pass -= self.passed
     return self.passed

@@ -181,10 +181,11 @@ class TowersModel(keras.Model):
     images, labels, sample_weight = compiled.unpack(data)
     # The compiled loss and metrics, built once before a step is traced.
     keras_internals.build_compiled(self, (images, labels, sample_weight))
-    if self.passes.take():  # Trained before the restart: read, not trained.
-      return self.get_metrics_result()
     targets = compiled.targets(labels, sample_weight)
-    partial = self.batches.partial(rows.batch_rows(images, targets))
+    rows_ = rows.batch_rows(images, targets)
+    if self.passes.take(rows_):  # Trained before the restart: read only.
+      return self.get_metrics_result()
+    partial = self.batches.partial(rows_)
     result = self.towers.train_step_outputs(
         images, targets, partial=partial, with_outputs=True,
         whole_batch=True)

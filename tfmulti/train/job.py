@@ -218,6 +218,8 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
   # process's age then (the process before the job).
   started = (time.perf_counter(), metrics.process_age())
   path = registry.get(config.strategy)
+  if config.deterministic:  # Before `xla` is resolved: the rule reads it.
+    tf.config.experimental.enable_op_determinism()
   # The options as the path runs them (the towers' `xla` resolved),
   # checked here once, and recorded so.
   config = dataclasses.replace(config, step_options=registry.check(
@@ -247,8 +249,6 @@ def train_and_evaluate(config, deploy_config, *, data_override=None,
 def _prepare(config, deploy_config, data_override):
   """(the `_Plan`, the `data.Data`): the data loaded (or given), the
   random generators seeded after it (preparing it draws from them)."""
-  if config.deterministic:  # reproducible_rows: `deploy()` sets its own.
-    tf.config.experimental.enable_op_determinism()
   dataset = data_override or _load(config, deploy_config)
   keras.utils.set_random_seed(config.seed)
   return _plan(config, deploy_config, dataset), dataset
