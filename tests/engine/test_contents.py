@@ -104,3 +104,12 @@ def test_a_checkpoint_of_another_model_is_one_line(tmp_path):
   with pytest.raises(errors.CheckpointMismatchError,
                      match='does not fit model'):
     backup.restore(_towers(), str(tmp_path))
+
+
+def test_a_backup_without_a_step_is_one_line(tmp_path):
+  """A fit backup of an earlier tfmulti (its epoch and steps, no step)."""
+  old = tf.train.Checkpoint(epoch=tf.Variable(1, dtype=tf.int64),
+                            steps=tf.Variable(3, dtype=tf.int64))
+  checkpoints.Writer(str(tmp_path), old, max_to_keep=1).write(23)
+  with pytest.raises(errors.CheckpointMismatchError, match='holds no step'):
+    backup.restore(_towers(), str(tmp_path))

@@ -252,3 +252,14 @@ def test_refusals_and_where_auto_is_one():
   assert config.TrainConfig(
       strategy='multi_worker', steps_per_loop=8).resolved_steps_per_loop() == 8
   assert config.TrainConfig().resolved_steps_per_loop() == step_calls.AUTO
+
+
+def test_a_call_whose_input_runs_short_says_so():
+  """The loop reads as many batches as the job counted; an input that
+  holds fewer fails the call naming it, not at a later position."""
+  trainer = _towers()()
+  calls = step_calls.calls(trainer, 4, log_every_steps=10)
+  iterator = calls.runner.iterator(trainer.distribute_dataset(_batches(3)))
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match='the input ran out before the steps'):
+    calls.runner.run(iterator, 4)

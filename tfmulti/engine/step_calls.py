@@ -105,7 +105,7 @@ def steps_in_a_loop(step, iterator, num_steps, fits=None):
         lambda: tf.constant(False)))
 
   def body(i, totals, _, batch):
-    total, results = step(batch.get_value())
+    total, results = step(_as_read(batch.get_value(), iterator.element_spec))
     value = tf.experimental.Optional.from_value(results)
     keras_internals.set_element_spec(last, value.element_spec)
     after = tf.cond(i + 1 < num_steps, iterator.get_next_as_optional,
@@ -121,6 +121,18 @@ def steps_in_a_loop(step, iterator, num_steps, fits=None):
   keras_internals.set_element_spec(carried, last.element_spec)
   keras_internals.set_element_spec(other, iterator.element_spec)
   return ran, totals.stack(), carried, other
+
+
+def _as_read(element, spec):
+  """`element`, read through an Optional, with the static shapes the
+  iterator's `spec` gives (a tf.distribute iterator's Optional forgets a
+  batch's rows, which a step's layout is cut by)."""
+  def shaped(tensor, tensor_spec):
+    if isinstance(tensor, tf.Tensor) and isinstance(tensor_spec,
+                                                    tf.TensorSpec):
+      return tf.ensure_shape(tensor, tensor_spec.shape)
+    return tensor
+  return tf.nest.map_structure(shaped, element, spec, expand_composites=True)
 
 
 class InALoop:
