@@ -45,10 +45,15 @@ _ACCUMULATION_STEPS = flags.DEFINE_integer(
     'accumulation_steps', 1, 'Accumulation steps a global batch (one '
     'update).')
 _MODEL = flags.DEFINE_enum(
-    'model', 'cnn', ['cnn', 'sequential', 'subclassed', 'embedding'],
+    'model', 'cnn',
+    ['cnn', 'sequential', 'subclassed', 'embedding', 'positions'],
     'The model: a functional CNN, the same as a keras.Sequential or a '
     'keras.Model subclass, or an Embedding of the pixels read as 17 token '
-    'ids (its gradient: sparse slices).')
+    'ids (its gradient: sparse slices), with their positions looked up in '
+    'a table of their own too (positions).')
+_OPTIMIZER = flags.DEFINE_enum(
+    'optimizer', 'sgd', ['sgd', 'adam'],
+    'SGD with momentum, or Adam (which applies each sparse slice alone).')
 _BATCH_NORM = flags.DEFINE_bool(
     'batch_norm', False, 'Put a BatchNormalization after the convolution.')
 _BATCH_NORM_POLICY = flags.DEFINE_enum(
@@ -84,6 +89,18 @@ def _cnn_layers():
            keras.layers.Dense(10)])
 
 
+class AddPositions(keras.layers.Layer):
+  """Adds each position's row of a table of its own, looked up by
+  `arange`: once a batch, as keras.io's text transformer does."""
+
+  def __init__(self, maxlen, dim, **kwargs):
+    super().__init__(**kwargs)
+    self.table = keras.layers.Embedding(maxlen, dim)
+
+  def call(self, x):
+    return x + self.table(keras.ops.arange(keras.ops.shape(x)[1]))
+
+
 class DigitsCnn(keras.Model):
   """The CNN as a subclass, as Keras's guide writes one."""
 
@@ -106,11 +123,13 @@ def make_model():
     model = DigitsCnn()
     model(np.zeros((1, 8, 8, 1), np.float32))
     return model
-  if _MODEL.value == 'embedding':  # Pixels 0..16 as token ids.
+  if _MODEL.value in ('embedding', 'positions'):  # Pixels as token ids.
     ids = keras.ops.cast(keras.ops.round(
         keras.layers.Flatten()(inputs) * 16), 'int32')
-    x = keras.layers.GlobalAveragePooling1D()(
-        keras.layers.Embedding(17, 8)(ids))
+    x = keras.layers.Embedding(17, 8)(ids)
+    if _MODEL.value == 'positions':
+      x = AddPositions(64, 8)(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
     return keras.Model(inputs, keras.layers.Dense(10)(x), name='digits_ids')
   x = inputs
   for layer in _cnn_layers():
@@ -139,7 +158,8 @@ def fit(model_dir, epochs, callbacks=()):
   if _BACKUP_DIR.value:
     callbacks.append(keras.callbacks.BackupAndRestore(_BACKUP_DIR.value))
   trained.compile(
-      optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+      optimizer=(keras.optimizers.Adam(0.01) if _OPTIMIZER.value == 'adam'
+                 else keras.optimizers.SGD(0.05, momentum=0.9)),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       metrics=['accuracy'], steps_per_execution=_STEPS_PER_EXECUTION.value)
   held = model.variables + trained.optimizer.variables

@@ -11,6 +11,14 @@ joins them (`cross_device_utils.aggregate_tensors_or_indexed_slices`), and
 the optimizer receives the slices one device would have. Concatenation
 does no arithmetic, so it is exact on every layout; and slices move the
 rows a step touched, not the whole table.
+
+But for a lookup whose indices do not come from the rows (positions
+`arange(maxlen)`, a fixed row, a learned query table): one device looks
+those rows up once a batch and gives each one slice, summed over the
+batch; every piece looks up the same rows, so joined they would be one
+slice a piece. `fixed_lookups` finds such gradients where the pieces'
+gradients are traced, and `collapsed` sums their copies of each row, in
+piece order, before the optimizer sees them.
 """
 
 import tensorflow as tf
@@ -64,3 +72,59 @@ def none_like(gradient):
                             gradient.dense_shape)
   return tf.zeros_like(gradient)
 
+
+
+# Ops that read a resource but give a variable's value, not a step's rows.
+_VARIABLE_READS = frozenset({'ReadVariableOp', 'ResourceGather'})
+_CALLS = frozenset({'PartitionedCall', 'StatefulPartitionedCall'})
+
+
+def fixed_rows(tensor):
+  """Whether `tensor` (traced) is computed from constants and variables'
+  values alone: not from a step's rows (the step's arguments, an
+  iterator's next element), nor from anything else that reads a resource
+  but a variable (a loop over a variable: counted as rows). A call (an XLA-compiled pass) is followed into its function,
+  and its arguments back to the caller's tensors."""
+  if not hasattr(tensor, 'op'):
+    return False  # Eager: nothing to read.
+  seen, todo = set(), [(tensor, ())]
+  while todo:
+    tensor, calls = todo.pop()
+    op = tensor.op
+    if (tensor.ref(), calls) in seen or op.type in _VARIABLE_READS or (
+        op.type == 'Const') or tensor.dtype == tf.resource:
+      continue
+    seen.add((tensor.ref(), calls))
+    if op.type in _CALLS:
+      function = op.graph._get_function(op.get_attr('f').name)  # pylint: disable=protected-access
+      todo.append((function.graph.outputs[tensor.value_index],
+                   calls + (op,)))
+    elif op.type == 'Placeholder':
+      if not calls:
+        return False  # The step's own arguments: its rows.
+      argument = [t.ref() for t in op.graph.inputs].index(tensor.ref())
+      todo.append((calls[-1].inputs[argument], calls[:-1]))
+    elif any(t.dtype == tf.resource for t in op.inputs):
+      return False  # An iterator's next rows, a loop's array.
+    else:
+      todo.extend((t, calls) for t in op.inputs)
+  return True
+
+
+def fixed_lookups(gradients_by_piece):
+  """Per variable, whether its gradient is slices of a lookup whose
+  indices are `fixed_rows` in some piece (a clone's, traced), so that
+  every piece gives the same rows' slices: `collapsed` sums those."""
+  return [any(is_sparse(g) and fixed_rows(g.indices) for g in grads)
+          for grads in zip(*gradients_by_piece)]
+
+
+def collapsed(gradient):
+  """Slices `gradient` with the copies of each row summed in their order
+  (the pieces' copies of a `fixed_lookups` row: one device's one slice
+  of it). A left fold from zero, in piece order, so the same pieces in
+  the same order give the same bits on every layout."""
+  rows, at = tf.unique(gradient.indices)
+  return tf.IndexedSlices(
+      tf.math.unsorted_segment_sum(gradient.values, at, tf.shape(rows)[0]),
+      rows, gradient.dense_shape)

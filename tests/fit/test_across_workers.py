@@ -366,6 +366,24 @@ def test_every_keras_model_class_across_workers_trains_one_process_bits(
 
 
 @pytest.mark.slow
+def test_a_fixed_lookups_slices_meet_across_workers_as_on_one_device(
+    tmp_path):
+  """Positions looked up by `arange` under Adam: each worker's slices of
+  a position summed over the workers (not one slice a worker), as one
+  device gives them, to 1e-5 of plain fit; and, with reproducible rows,
+  one process's bits."""
+  flags = ('--model=positions', '--optimizer=adam', '--epochs=1')
+  _run(tmp_path / 'plain', '--plain', *flags)
+  _run(tmp_path / 'workers', *flags, workers=2)
+  for got, want in zip(_weights(tmp_path / 'workers'),
+                       _weights(tmp_path / 'plain')):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  _run(tmp_path / 'one', '--num_clones=2', '--reproducible_rows=8', *flags)
+  _run(tmp_path / 'atoms', '--reproducible_rows=8', *flags, workers=2)
+  _assert_same_bits(tmp_path / 'atoms', tmp_path / 'one')
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('options', [
     (), ('--accumulation_steps=2',),
     # Each worker's calls run 4 steps in one compiled loop (`step_loop`).

@@ -111,6 +111,42 @@ def _tied(seed=0):
   return keras.Model(inputs, _TiedLogits(embedding)(x))
 
 
+class _TokenAndPositionEmbedding(keras.layers.Layer):
+  """keras.io's text transformer's embedding: the positions looked up
+  by `arange`, once a batch, not per row."""
+
+  def __init__(self, maxlen, vocab_size, embed_dim, **kwargs):
+    super().__init__(**kwargs)
+    self.token_emb = keras.layers.Embedding(vocab_size, embed_dim)
+    self.pos_emb = keras.layers.Embedding(maxlen, embed_dim)
+
+  def call(self, x):
+    maxlen = keras.ops.shape(x)[-1]
+    positions = self.pos_emb(keras.ops.arange(start=0, stop=maxlen, step=1))
+    return self.token_emb(x) + positions
+
+
+def _positions(seed=0):
+  """keras.io's text classification with a Transformer, small."""
+  keras.utils.set_random_seed(seed)
+  inputs = keras.Input((TOKENS,), dtype='int32')
+  x = _TokenAndPositionEmbedding(TOKENS, VOCAB, 8)(inputs)
+  attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(x, x)
+  x = keras.layers.LayerNormalization(epsilon=1e-6)(x + attended)
+  x = keras.layers.GlobalAveragePooling1D()(x)
+  x = keras.layers.Dense(8, activation='relu')(x)
+  return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+
+def _token_and_position(seed=0):
+  """The same embedding, pooled to logits."""
+  keras.utils.set_random_seed(seed)
+  inputs = keras.Input((TOKENS,), dtype='int32')
+  x = _TokenAndPositionEmbedding(TOKENS, VOCAB, 8)(inputs)
+  x = keras.layers.GlobalAveragePooling1D()(x)
+  return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+
 def _features():
   rng = np.random.default_rng(3)
   return (rng.normal(size=(ROWS, 6)).astype(np.float32),
@@ -379,6 +415,79 @@ def test_the_optimizer_receives_an_embeddings_slices_not_a_dense_sum():
   gradient, = [g for g, v in seen if v is table]
   assert isinstance(gradient, tf.IndexedSlices)
   assert gradient.values.shape == (BATCH * TOKENS, 8)
+
+
+def test_positions_under_adam_train_as_plain_fit():
+  """keras.io's text transformer: its positions are looked up by
+  `arange`, once a batch; the optimizer gets one slice a position summed
+  over the clones, as on one device (joined, Adam would square each
+  clone's apart)."""
+  adam = lambda: keras.optimizers.Adam(0.02)  # noqa: E731
+  want = _plain(_positions, _tokens(), adam)
+  got = _towers(_positions, _tokens(), adam)
+  _assert_same_weights(got, want, _tokens()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('options', [
+    dict(num_clones=4), dict(clone_shares=(3, 1)),
+    dict(accumulation_steps=2), dict(reproducible_rows=4),
+    dict(num_stages=2, num_microbatches=2),
+    dict(num_stages=2, num_microbatches=2, pipeline_schedule='zb_h1'),
+    dict(xla=True), dict(gradient_packs=1),
+    dict(optimizer=lambda: keras.optimizers.AdamW(0.02)),
+    dict(optimizer=lambda: keras.optimizers.RMSprop(0.01)),
+    dict(optimizer=lambda: keras.optimizers.Adagrad(0.1)),
+], ids=lambda o: ','.join(f'{k}={v}' for k, v in o.items()
+                          if k != 'optimizer') or o['optimizer']().name)
+def test_positions_train_as_plain_fit_on_every_layout(options):
+  optimizer = options.pop(
+      'optimizer', lambda: keras.optimizers.Adam(0.02))
+  want = _plain(_positions, _tokens(), optimizer)
+  got = _towers(_positions, _tokens(), optimizer, **options)
+  _assert_same_weights(got, want, _tokens()[0])
+
+
+@pytest.mark.slow
+def test_positions_give_the_same_bits_on_every_layout_of_atoms():
+  """Tokens and positions under Adam, with reproducible rows: the same
+  bits on 2 clones, 4 clones, and 2 clones of 2 accumulation steps."""
+  adam = lambda: keras.optimizers.Adam(0.02)  # noqa: E731
+  two = _towers(_token_and_position, _tokens(), adam, reproducible_rows=4)
+  for layout in (dict(num_clones=4), dict(accumulation_steps=2)):
+    other = _towers(_token_and_position, _tokens(), adam,
+                    reproducible_rows=4, **layout)
+    for got, want in zip(other.weights, two.weights):
+      np.testing.assert_array_equal(got, want, err_msg=want.path)
+
+
+def test_the_optimizer_receives_one_slice_a_position_and_a_token():
+  """A lookup whose indices come from no row (positions) gives one slice
+  a row for the batch; the tokens' lookup, one a looked-up row."""
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  with tf.device(config.variables_device()):
+    model = _positions()
+    optimizer = keras.optimizers.Adam(0.05)
+  towers = deploy.deploy(config, model, _loss(), optimizer,
+                         deploy.StepOptions(accumulation_steps=2))
+  seen = {}
+  apply = optimizer.apply_gradients
+
+  def spy(grads_and_vars):
+    grads_and_vars = list(grads_and_vars)
+    for g, v in grads_and_vars:  # What the step hands over, as it runs.
+      if isinstance(g, tf.IndexedSlices):
+        tf.py_function(lambda i, path=v.path: seen.update({path: i.numpy()}),
+                       [g.indices], [])
+    return apply(grads_and_vars)
+  optimizer.apply_gradients = spy
+  images, labels = _tokens()
+  towers.train_step_outputs(images[:BATCH], labels[:BATCH])
+  embedding = model.layers[1]
+  np.testing.assert_array_equal(seen[embedding.pos_emb.embeddings.path],
+                                np.arange(TOKENS))
+  np.testing.assert_array_equal(seen[embedding.token_emb.embeddings.path],
+                                images[:BATCH].ravel())
 
 
 class _CausalLM(keras.Model):

@@ -101,13 +101,18 @@ class Summed:
                    for v in self.variables]
     self.states = states
     self.packs = packs
+    self.workers = across(config)
+    self.fixed = []  # Which gradients are a fixed lookup's, as traced.
 
   def __call__(self, clones_of, images, labels, layout, structure):
     device = self.config.optimizer_device()
     advanced = []  # The generators' states accumulation step 0 left.
+    fixed = self.fixed
 
     def accumulation_step(images, labels, k, shift):
       clones = clones_of(images, labels, k, shift)
+      if k == 0:
+        fixed[:] = slices.fixed_lookups(c.gradients for c in clones)
       with tf.device(device):
         total_loss, grads_and_vars = optimize_clones(
             clones, self.variables, self.owners, self.packs)
@@ -123,11 +128,23 @@ class Summed:
         worker=self.config.worker_index, device=device,
         gradient_devices=self.owners)
     self.states.assign(dict(zip(self.states.seeds, advanced)))
-    return summed
+    gradients, *rest = summed
+    return (self.collapsed(gradients, fixed), *rest)
+
+  def collapsed(self, gradients, fixed):
+    """`gradients` with each fixed lookup's slices collapsed on its owner
+    (`slices.collapsed`): one device's slices of those rows."""
+    with tf.name_scope('collapse_fixed_lookups'):
+      return [devices.on(owner, slices.collapsed, g) if is_fixed else g
+              for g, is_fixed, owner in zip(gradients, fixed, self.owners)]
 
   def for_update(self, grads_and_vars, total_loss, regularization):
-    """What this worker hands the optimizer: its sums."""
-    return grads_and_vars, total_loss, regularization
+    """What this worker hands the optimizer: its sums, but a fixed
+    lookup's slices, which the workers sum here (Keras's all-reduce would
+    join them: one slice of a row a worker) and the chief alone hands."""
+    fixed = {id(v) for v, f in zip(self.variables, self.fixed) if f}
+    return ([(self.workers.fixed_sum(g) if id(v) in fixed else g, v)
+             for g, v in grads_and_vars], total_loss, regularization)
 
 
 class Alone:
@@ -142,6 +159,11 @@ class Alone:
     del owners  # Nothing moves.
     return grads_and_vars, total_loss, regularization
 
+  def fixed_sum(self, gradient):
+    """A fixed lookup's collapsed slices summed over the workers: here,
+    this worker's."""
+    return gradient
+
 
 class Chief(Alone):
   """Worker 0 of several: it gathers every worker's atoms and hands the
@@ -149,6 +171,12 @@ class Chief(Alone):
 
   def gather(self, stacked):
     return atoms.gather(stacked)
+
+  def fixed_sum(self, gradient):
+    """Every worker's values of the same rows, summed."""
+    values = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, gradient.values)
+    return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
 
 
 class OtherWorker(Chief):
@@ -162,6 +190,10 @@ class OtherWorker(Chief):
     return ([(devices.on(owners[id(v)], slices.none_like, g), v)
              for g, v in grads_and_vars], tf.zeros_like(total_loss),
             tf.zeros_like(regularization))
+
+  def fixed_sum(self, gradient):
+    """The chief hands the sum: nothing here, once summed."""
+    return slices.none_like(super().fixed_sum(gradient))
 
 
 def across(config):
@@ -182,19 +214,18 @@ class AtomFold(Summed):
   check = staticmethod(atoms.check_devices)
   prepare = staticmethod(devices.same_kernels_everywhere)  # Kernels too.
 
-  def __init__(self, config, model, states, packs=()):
-    super().__init__(config, model, states, packs)
-    self.workers = across(config)
-
   def __call__(self, clones_of, images, labels, layout, structure):
     device = self.config.optimizer_device()
     reached = []  # Which variables the atoms reach, as traced.
+    fixed = self.fixed
 
     def accumulation_step(images, labels, k, shift):
       clones = clones_of(images, labels, k, shift)
       with tf.device(device), tf.name_scope('stack_atoms'):
         gradients = self._stacked_gradients(clones)
         reached[:] = [g is not None for g in gradients]
+        if k == 0:
+          fixed[:] = slices.fixed_lookups([gradients])
         states = [devices.on(owner, tf.stack, values)
                   for values, owner in zip(zip(
                       *(values for c in clones for _, values in
@@ -212,7 +243,8 @@ class AtomFold(Summed):
     num_outputs = len(tf.nest.flatten(structure[0])) if structure else 0
     split = len(parts) - num_outputs  # The outputs, if any, last.
     total_loss, gradients = self._fold(parts[:split], reached)
-    return gradients, [total_loss] + scalars, parts[split:]
+    return (self.collapsed(gradients, fixed), [total_loss] + scalars,
+            parts[split:])
 
   def _fold(self, stacked, reached):
     """(total loss, gradients) folded from the stacked atoms; assigns the
