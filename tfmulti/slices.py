@@ -83,8 +83,9 @@ def fixed_rows(tensor):
   """Whether `tensor` (traced) is computed from constants and variables'
   values alone: not from a step's rows (the step's arguments, an
   iterator's next element), nor from anything else that reads a resource
-  but a variable (a loop over a variable: counted as rows). A call (an XLA-compiled pass) is followed into its function,
-  and its arguments back to the caller's tensors."""
+  but a variable (a loop over a variable: counted as rows). A call (an
+  XLA-compiled pass) is followed into its function, and its arguments
+  back to the caller's tensors."""
   if not hasattr(tensor, 'op'):
     return False  # Eager: nothing to read.
   seen, todo = set(), [(tensor, ())]
