@@ -261,6 +261,33 @@ def pack_outputs(model, flat):
   return keras.tree.pack_sequence_as(model._outputs_struct, flat)
 
 
+def with_logits(outputs):
+  """`outputs` (a nest) and the logits Keras keeps on some of them, by
+  flat index: a nest of row-major tensors that crosses functions,
+  strategies and joins as the outputs do, for `logits_kept`.
+
+  Keras's sigmoid and softmax keep their input on their output
+  (`_keras_logits`), and its cross-entropy losses and metrics compute
+  from those logits: from probabilities alone they clip at 1e-7. An
+  attribute on a tensor does not cross a `tf.function` or a concat."""
+  flat = tf.nest.flatten(outputs)
+  return outputs, {i: t._keras_logits for i, t in enumerate(flat)
+                   if getattr(t, '_keras_logits', None) is not None}
+
+
+def logits_kept(carried):
+  """The outputs of a `with_logits` nest, each with its logits on it
+  again, as Keras's losses and metrics read them (None stays None)."""
+  if carried is None:
+    return None
+  outputs, logits = carried
+  flat = tf.nest.flatten(outputs)
+  for i, kept in logits.items():
+    flat[i] = tf.identity(flat[i])  # Its own tensor, not a shared one.
+    flat[i]._keras_logits = kept
+  return tf.nest.pack_sequence_as(outputs, flat)
+
+
 class _Recorder:
   """Stands in for one output's loss metric: keeps what Keras would add."""
 

@@ -62,7 +62,8 @@ class Body:
   pass apart from variables that live on another device), the piece's rows
   (nests), its part of the weight penalties and its first row in the
   global batch (`layouts.Piece`), and the step's `StepTerms`. Returns
-  (outputs, loss, regularization, gradients, new non-trainable values):
+  (outputs, loss, regularization, gradients, new non-trainable values),
+  the outputs as a `keras_internals.with_logits` nest:
   the loss is the piece's part of the job's (its regularization
   included); the gradients are of the loss times the loss scale.
   """
@@ -85,4 +86,5 @@ class Body:
           model_losses=model_losses, penalties=penalties,
           penalty_weight=penalty_weight, loss_scale=terms.loss_scale)
     gradients = tape.gradient(scaled_loss, trainable)
-    return outputs, loss, regularization, gradients, new_non_trainable
+    return (keras_internals.with_logits(outputs), loss, regularization,
+            gradients, new_non_trainable)

@@ -490,6 +490,48 @@ def test_the_optimizer_receives_one_slice_a_position_and_a_token():
                                 images[:BATCH].ravel())
 
 
+def _saturated(activation, units):
+  """Probabilities of large logits (a sigmoid's or softmax's 0 and 1),
+  which Keras's cross-entropy reads from the logits it keeps."""
+  keras.utils.set_random_seed(0)
+  return keras.Sequential([
+      keras.Input((6,)), keras.layers.Dense(
+          units, activation=activation,
+          kernel_initializer=keras.initializers.RandomNormal(stddev=100.0))])
+
+
+@pytest.mark.parametrize('activation, units, loss, labels', [
+    ('sigmoid', 1, 'binary_crossentropy', lambda y: (y > 0)[:, None]),
+    ('softmax', 3, 'sparse_categorical_crossentropy', lambda y: y)])
+def test_every_number_fit_logs_for_probabilities_is_plain_keras(
+    activation, units, loss, labels):
+  """A saturated sigmoid's or softmax's losses from the logits Keras
+  keeps on its outputs: the training loss, the metric, `val_loss` and
+  `evaluate` as plain Keras logs them (from probabilities alone, 6.98
+  against 31.58)."""
+  images, targets = _features()
+  targets = labels(targets).astype(np.float32)
+  fit_args = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                  validation_data=(images[:BATCH], targets[:BATCH]))
+  logged = []
+  for model_fn in (lambda: _saturated(activation, units),
+                   lambda: fit.TowersModel(_saturated(activation, units),
+                                           deploy.DeploymentConfig(
+                                               num_clones=2,
+                                               clone_on_cpu=True))):
+    model = model_fn()
+    model.compile(optimizer=keras.optimizers.SGD(1e-4), loss=loss,
+                  metrics=[loss])
+    history = model.fit(images, targets, **fit_args).history
+    logged.append((history, model.evaluate(images, targets, batch_size=BATCH,
+                                           verbose=0)))
+  (plain, plain_evaluation), (towers, evaluation) = logged
+  assert plain['val_loss'][0] > 20  # Beyond what clipped probabilities give.
+  for key, values in plain.items():
+    np.testing.assert_allclose(towers[key], values, rtol=1e-5, err_msg=key)
+  np.testing.assert_allclose(evaluation, plain_evaluation, rtol=1e-5)
+
+
 class _CausalLM(keras.Model):
   """A causal LM as Keras-Hub builds one: a functional backbone (dict
   inputs: token ids and a padding mask) made in the subclass's

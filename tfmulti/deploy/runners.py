@@ -77,12 +77,14 @@ class WholeClones:
 
   def infer(self, clone_index, images, variables):
     """Clone `clone_index`'s inference on `images`, from `variables`
-    (trainable and non-trainable values): (outputs, its `add_loss`
+    (trainable and non-trainable values): (outputs, a `with_logits`
+    nest, its `add_loss`
     terms, its weight penalties). Call it on the clone's device."""
     del clone_index  # The whole model, on the device it is called on.
     output, _, losses = keras_internals.stateless_run(
         self.model, *variables, images, training=False)
-    return (output, *keras_internals.split_losses(self.model, losses))
+    return (keras_internals.with_logits(output),
+            *keras_internals.split_losses(self.model, losses))
 
   def probe(self, clone_index, images, labels, layout):
     """Clone `clone_index` alone on a batch cut by `layout` (one clone):

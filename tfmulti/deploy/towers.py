@@ -255,9 +255,17 @@ class DeployedModel(trainer.Trainer):
     One trace per distinct layout: it is a frozen record of ints.
     """
     del whole_batch  # One process: its batch is the job's.
-    return self.step_function(
-        *self._step_arguments(images, labels, partial, measure=True),
+    return self._step(
+        self._step_arguments(images, labels, partial, measure=True),
         with_outputs)
+
+  def _step(self, arguments, with_outputs):
+    """The compiled step on `arguments`: its `StepOutputs`, each output
+    with the logits Keras kept on it again (`step_graph`'s are a
+    `keras_internals.with_logits` nest)."""
+    result = self.step_function(*arguments, with_outputs)
+    return result._replace(outputs=keras_internals.logits_kept(
+        result.outputs))
 
   def loop_iterator(self, batches):
     """An iterator over `batches` for a compiled loop of steps: a feed's
@@ -273,7 +281,7 @@ class DeployedModel(trainer.Trainer):
     del whole_batch  # One process: its batch is the job's.
     if self._fed is not None:
       element = self._fed.shards(element)
-    return self.step_function(*self._step_arguments(*element), with_outputs)
+    return self._step(self._step_arguments(*element), with_outputs)
 
   def traced_step(self, images, labels, with_outputs=False):
     """The step's concrete function on this batch, or on a feed's
@@ -305,8 +313,8 @@ class DeployedModel(trainer.Trainer):
             trainer.penalty(penalties, float(not regularization)) +
             trainer.model_loss(model_losses, sizes[i], total))
     with tf.device(config.inputs_device()):
-      outputs = tf.nest.map_structure(
-          lambda *parts: tf.concat(parts, axis=0), *outputs)
+      outputs = keras_internals.logits_kept(tf.nest.map_structure(
+          lambda *parts: tf.concat(parts, axis=0), *outputs))
       return (outputs, tf.add_n(regularization)) if with_losses else outputs
 
   def predict(self, images):

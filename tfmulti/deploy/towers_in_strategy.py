@@ -25,6 +25,7 @@ Neither imports `deploy.towers`: the towers hand in what they need.
 import tensorflow as tf
 
 from tfmulti import devices
+from tfmulti import keras_internals
 from tfmulti import layouts
 from tfmulti import rows
 from tfmulti import trainer
@@ -140,8 +141,9 @@ class WorkerTowers(trainer.Trainer):
           self.strategy.reduce(total, outputs.regularization, None),
           [self._local(loss) for loss in outputs.clones],
           {path: self._local(g) for path, g in outputs.gradients.items()},
-          None if outputs.outputs is None else tf.nest.map_structure(
-              self._local, outputs.outputs))
+          keras_internals.logits_kept(None if outputs.outputs is None else
+                                      tf.nest.map_structure(
+                                          self._local, outputs.outputs)))
 
   def _local(self, value):
     """This worker's one replica's `value`."""
@@ -196,14 +198,16 @@ class WorkerTowers(trainer.Trainer):
 
     def replica_fn(mine):
       outputs, regularization = self.towers.evaluate_outputs(mine)
+      outputs = keras_internals.with_logits(outputs)
       if whole:
         return outputs, regularization
       # The penalties count once in every worker's; the shares sum to 1.
       return _gathered(outputs), tf.distribute.get_replica_context(
           ).all_reduce(tf.distribute.ReduceOp.SUM, regularization * share)
     with self.strategy.scope():
-      return tf.nest.map_structure(
+      outputs, regularization = tf.nest.map_structure(
           self._local, self.strategy.run(replica_fn, args=(mine,)))
+      return keras_internals.logits_kept(outputs), regularization
 
 
 BATCHES_DIFFER = 'the workers read different global batches'
@@ -229,7 +233,8 @@ def _agreed(fingerprint):
 
 
 def _gathered(outputs):
-  """In a replica: every worker's `outputs` (a nest, or None), in worker
+  """In a replica: every worker's `outputs` (a nest, or None: a
+  `keras_internals.with_logits` one keeps the logits), in worker
   order."""
   if outputs is None:
     return None

@@ -109,6 +109,18 @@ def evaluate(model, images, labels, sample_weight):
                                sample_weight=sample_weight)
 
 
+def traced_record(model):
+  """`record` as one compiled call of its own (Keras runs the towers'
+  step eagerly), called with the same arguments: the outputs cross into
+  it as a `keras_internals.with_logits` nest, so the logits Keras keeps
+  on a sigmoid's or softmax's outputs reach its cross-entropy."""
+  graph = traced(lambda model, images, targets, total, carried: record(
+      model, images, targets, total, keras_internals.logits_kept(carried)),
+                 model)
+  return lambda images, targets, total, outputs: graph(
+      images, targets, total, keras_internals.with_logits(outputs))
+
+
 def traced(graph, model):
   """`graph(model, ...)` as one compiled call (as Keras traces its own
   steps: no autograph)."""

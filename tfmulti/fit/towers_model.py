@@ -160,7 +160,7 @@ class TowersModel(keras.Model):
                                   self.optimizer, self.options)
     # Keras's metrics of a step, and an evaluation batch: a compiled call
     # each (eager, the metrics cost more than a small model's step).
-    self._record = compiled.traced(compiled.record, self)
+    self._record = compiled.traced_record(self)
     self._evaluate = compiled.traced(compiled.evaluate, self)
 
   def make_train_function(self, force=False):

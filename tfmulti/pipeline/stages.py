@@ -404,8 +404,9 @@ class Stages:
 
 
 def predict(stages, devices, images, trainable, non_trainable):
-  """Inference through `stages` (a `Stages`) on `devices`: (outputs, the
-  layers' add_loss terms, their weight penalties)."""
+  """Inference through `stages` (a `Stages`) on `devices`: (outputs, a
+  `with_logits` nest, the layers' add_loss terms, their weight
+  penalties)."""
   values = dict(zip(stages.input_keys,
                     keras_internals.flat_inputs(stages.model, images)))
   model_losses, penalties = [], []
@@ -420,8 +421,8 @@ def predict(stages, devices, images, trainable, non_trainable):
       adds, weights = keras_internals.split_losses(stage.model, losses)
       model_losses += adds
       penalties += weights
-  return (keras_internals.pack_outputs(
-      stages.model, [values[k] for k in stages.output_keys]), model_losses,
+  return (keras_internals.with_logits(keras_internals.pack_outputs(
+      stages.model, [values[k] for k in stages.output_keys])), model_losses,
           penalties)
 
 
@@ -457,8 +458,8 @@ def _clone_results(stages, devices, context, flights, num_trainable, fold):
     loss = combine(losses)
     output = tf.nest.map_structure(
         lambda *parts: tf.concat(parts, axis=0),
-        *(keras_internals.pack_outputs(
-            stages.model, [f.kept[last].values[k] for k in stages.output_keys])
+        *(keras_internals.with_logits(keras_internals.pack_outputs(
+            stages.model, [f.kept[last].values[k] for k in stages.output_keys]))
           for f in flights))
   return (output, loss, tf.add_n(regularizations), gradients,
           [f.new_non_trainable for f in flights])
