@@ -417,6 +417,28 @@ def test_the_optimizer_receives_an_embeddings_slices_not_a_dense_sum():
   assert gradient.values.shape == (BATCH * TOKENS, 8)
 
 
+def test_reproducible_rows_take_keras_s_default_shuffle_of_arrays():
+  """Op determinism (on with reproducible rows) refuses Keras's unseeded
+  shuffle; the arrays come in each epoch's order from `shuffle_seed`
+  instead: the same bits on 2 and 4 clones, with shuffling."""
+  sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+  trained = []
+  for num_clones in (2, 4):
+    config = deploy.DeploymentConfig(num_clones=num_clones,
+                                     clone_on_cpu=True)
+    with config.variables_scope():
+      model = _sequential()
+    tf.random.set_seed(None)  # No seed for Keras's own shuffle.
+    towers = fit.TowersModel(model, config, reproducible_rows=4)
+    towers.compile(optimizer=sgd(), loss=_loss())
+    towers.fit(*_features(), batch_size=BATCH, epochs=2, verbose=0)
+    trained.append(model)
+  for got, want in zip(*(model.weights for model in trained)):
+    np.testing.assert_array_equal(got, want, err_msg=want.path)
+  in_order = _towers(_sequential, _features(), sgd, reproducible_rows=4)
+  assert not np.array_equal(in_order.weights[0], trained[0].weights[0])
+
+
 def test_positions_under_adam_train_as_plain_fit():
   """keras.io's text transformer: its positions are looked up by
   `arange`, once a batch; the optimizer gets one slice a position summed

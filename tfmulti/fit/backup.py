@@ -161,7 +161,7 @@ def feed_arrays(arguments, *, seed, first_epoch):
       x=epochs_of_arrays(arrays, batch_size=batch_size,
                          shuffle=arguments.pop('shuffle', True), seed=seed,
                          first_epoch=first_epoch, epochs=epochs),
-      steps_per_epoch=steps)
+      steps_per_epoch=steps, shuffle=False)  # Shuffled here, if asked.
   return dict(steps_per_epoch=steps, epochs=epochs)
 
 

@@ -12,6 +12,7 @@ import sys
 
 from absl import logging
 import keras
+import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti.fit import across_workers
@@ -29,6 +30,7 @@ def run(model, keras_fit, args, kwargs):
   model.door.check_input(arguments)
   check_batches(model, arguments)
   model.batches.rows = 0  # The fit's first step fixes them again.
+  _shuffle_seeded(model, arguments)
   arguments['callbacks'] = _with_backup(model, arguments)
   try:
     with model.door.guard(
@@ -44,6 +46,31 @@ def run(model, keras_fit, args, kwargs):
     raise errors.exit_for(e) from e
   finally:
     model.passes.close()
+
+
+def _shuffle_seeded(model, arguments):
+  """With `reproducible_rows` op determinism is on, under which Keras's
+  default shuffle of arrays (an unseeded random op, unless
+  `keras.utils.set_random_seed` seeded the process) would fail: such
+  arrays are fed in each epoch's order from `shuffle_seed` instead
+  (`backup.feed_arrays`, as a backup feeds them), the same on every
+  layout and every run."""
+  if (model.options.reproducible_rows
+      and backup_lib.are_arrays(arguments.get('x'))
+      and arguments.get('shuffle', True)
+      and not _seeded()
+      and not any(isinstance(c, keras.callbacks.BackupAndRestore)
+                  for c in arguments.get('callbacks') or ())):
+    backup_lib.feed_arrays(arguments, seed=model.shuffle_seed,
+                           first_epoch=arguments.get('initial_epoch', 0))
+
+
+def _seeded():
+  """Whether TensorFlow's random ops draw from a global seed."""
+  try:
+    return tf.compat.v1.random.get_seed(None)[0] is not None
+  except RuntimeError:  # Op determinism refuses an unseeded op.
+    return False
 
 
 def _with_backup(model, arguments):

@@ -105,9 +105,11 @@ class TowersModel(keras.Model):
       options: a `StepOptions`; None for the defaults.
       workers: across workers, what `workers.start()` gave (the model
         built in its scope); None in one process.
-      shuffle_seed: with BackupAndRestore, the seed of each epoch's order
-        of array inputs (the same on every worker and every restart). Without
-        one, Keras shuffles arrays by each process's own generators: across
+      shuffle_seed: with BackupAndRestore, or with `reproducible_rows` in
+        a process Keras's seed was not set in, the seed of each epoch's
+        order of array inputs (the same on every worker, every restart and
+        every layout). Else Keras shuffles arrays by each process's own
+        generators: across
         workers, seed them alike (`keras.utils.set_random_seed`) on every
         worker; workers fed other batches stop at the step with one line.
       **fields: `StepOptions` fields that replace those of `options`.
