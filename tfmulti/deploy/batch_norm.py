@@ -3,13 +3,57 @@
 Clones (and the micro-batches of a pipelined clone) each compute new moving
 statistics from their own rows (`model.stateless_call` returns them); the
 step assigns them once, under one of these policies.
+
+A model's own synchronized BatchNorm (Keras's `synchronized=True`) is
+honoured: its statistics come from the whole batch, as the clones run in
+lockstep (`honoured`).
 """
 
+import dataclasses
+
+from absl import logging
 import tensorflow as tf
 
 from tfmulti import devices
+from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import step_options
+
+
+def honoured(model, options):
+  """`options`, with `sync_batch_norm=True` where the model's own
+  BatchNormalization layers are synchronized (`synchronized=True`, which
+  Keras reads in a replica context: the clones then run in lockstep, each
+  layer's statistics over the whole batch, as the user asked).
+
+  Raises:
+    errors.ConfigError: some layers synchronized and others not; the
+      lockstep clones synchronize every one.
+  """
+  layers = keras_internals.batch_norms(model)
+  synchronized = [layer.name for layer in layers if layer.synchronized]
+  if not synchronized or options.sync_batch_norm:
+    return options
+  if len(synchronized) < len(layers):
+    others = [layer.name for layer in layers if not layer.synchronized]
+    raise errors.ConfigError(
+        f'model {model.name!r} synchronizes BatchNormalization '
+        f'{", ".join(synchronized)} but not {", ".join(others)}: the '
+        'clones synchronize all of them or none; set synchronized=True on '
+        'every one (or on none).')
+  logging.info('%s: BatchNormalization synchronized=True: the clones run '
+               'in lockstep (sync_batch_norm=True).', model.name)
+  return dataclasses.replace(options, sync_batch_norm=True)
+
+
+def check_honoured(model, options):
+  """Raises `ConfigError` where the model's own synchronized BatchNorm
+  would not be synchronized by these options (`honoured` gives them)."""
+  if honoured(model, options) is not options:
+    raise errors.ConfigError(
+        f'model {model.name!r} has BatchNormalization(synchronized=True): '
+        'its statistics need the clones in lockstep; pass '
+        'sync_batch_norm=True (--sync_batch_norm).')
 
 
 def moments_of(model):

@@ -57,6 +57,7 @@ from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
 from tfmulti.deploy import balance
+from tfmulti.deploy import batch_norm
 from tfmulti.deploy import combiners
 from tfmulti.deploy import feeds
 from tfmulti.deploy import packs
@@ -362,8 +363,9 @@ def deploy(config, model, loss_fn, optimizer, options=None, *, shares=None,
     errors.UserError: a missing device, a misplaced variable, a bad option,
       a model that is not built, or a cut that cannot be made.
   """
-  options = checked_options(config, dataclasses.replace(
-      options or step_options.StepOptions(), **fields))
+  options = checked_options(config, batch_norm.honoured(
+      model, dataclasses.replace(options or step_options.StepOptions(),
+                                 **fields)))
   return build(config, model, loss_fn, optimizer, options, shares=shares)
 
 
@@ -379,6 +381,7 @@ def build(config, model, loss_fn, optimizer, options, *, shares=None):
   """The `DeployedModel` of `model` on `config`'s clones, for options
   already checked (`checked_options`); see `deploy`."""
   check_model(model)
+  batch_norm.check_honoured(model, options)
   trainer.check_loss(loss_fn)
   devices.check_devices_exist(
       config.variable_devices() + [config.optimizer_device(),

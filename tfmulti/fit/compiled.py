@@ -17,7 +17,16 @@ import tensorflow as tf
 from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import trainer
+from tfmulti.deploy import batch_norm
 from tfmulti.engine import step_calls
+
+
+def checked_options(model, options):
+  """`options` as `fit` runs them on `model`: its own synchronized
+  BatchNorm honoured (`batch_norm.honoured`); refuses those `fit` cannot
+  honour (`check_options`)."""
+  check_options(options)
+  return batch_norm.honoured(model, options)
 
 
 def check_options(options):

@@ -124,7 +124,7 @@ class TowersModel(keras.Model):
     door.check(model)
     options = dataclasses.replace(options or step_options.StepOptions(),
                                   **fields)
-    compiled.check_options(options)
+    options = compiled.checked_options(model, options)
     super().__init__(name=f'towers_{model.name}')
     self.model = model
     # Keras names the losses and metrics of a list of outputs by these, as
