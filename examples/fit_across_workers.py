@@ -15,6 +15,14 @@ writes to `--model_dir` (history.csv, final.weights.h5). With
 `--backup_dir`, Ctrl-C to the launcher (or SIGTERM to any worker) saves
 the step and the same command resumes it, ending as if never stopped.
 """
+# ruff: noqa: E402  The quiet start comes before Keras imports TensorFlow.
+import sys
+
+from tfmulti import native_logs
+
+# TensorFlow imported with its C++ start-up lines held back, as train.py
+# starts (`--verbosity=1` shows them).
+native_logs.quiet_start(sys.argv)
 
 import json
 import os

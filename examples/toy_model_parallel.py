@@ -11,6 +11,14 @@ devices (GPU:0 and GPU:1, or logical CPU:0 and CPU:1 with `clone_on_cpu`).
 runs 5 steps of mean squared error on random data on two logical CPUs, and
 the same steps on one device, and logs both losses: they are equal.
 """
+# ruff: noqa: E402  The quiet start comes before Keras imports TensorFlow.
+import sys
+
+from tfmulti import native_logs
+
+# TensorFlow imported with its C++ start-up lines held back, as train.py
+# starts (`--verbosity=1` shows them).
+native_logs.quiet_start(sys.argv)
 
 from absl import app
 from absl import logging

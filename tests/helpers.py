@@ -14,6 +14,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L2 = 0.01  # Weight decay of the equivalence model, so regularization counts.
 INDEXED_JOB_MANIFEST = os.path.join(REPO, 'docs', 'indexed_job.yaml')
 
+# TensorFlow's C++ start-up lines on a machine without a GPU (the quiet start
+# holds them back; tests/test_native_logs.py tests how).
+CHATTER = ('absl::InitializeLog', 'cudart_stub', 'cuInit')
+
 
 def mlp(seed=0, batch_norm=False, dropout=False, synchronized=False,
         dtype=None):

@@ -20,6 +20,7 @@ import tensorflow_datasets as tfds
 from tests.data import tfds_store
 from tests.data.test_tfrecords import write_records
 from tests.helpers import assert_same_checkpoints
+from tests.helpers import CHATTER
 from tests.helpers import checkpoint_tensors
 from tests.helpers import REPO
 from tfmulti import cli
@@ -239,8 +240,9 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog,
     (dict(num_microbatches=5, batch_size=4),
      'num_microbatches=5 is more than the 4 rows of clone 0'),
     (dict(reproducible_rows=7, batch_size=32),
-     'reproducible_rows=7: a batch of 32 rows on a worker is not 1 '
-     'accumulation step'),
+     r'reproducible_rows=7: a batch of 32 rows on a worker is not 1 '
+     r'accumulation step\(s\) of whole atoms of 7 rows; give every batch a '
+     r'multiple of 7 rows \(a last, partial batch too\)\.$'),
     (dict(num_clones=2, clone_on_cpu=True, clone_shares=['100', '1'],
           batch_size=4),
      'a batch of 8 rows leaves clone 1 of 2 no rows'),
@@ -605,11 +607,6 @@ def test_the_command_leaves_its_objects_to_the_system_at_exit(tmp_path):
   finally:
     gc.unfreeze()
   assert not (tmp_path / 'run').exists()
-
-
-# TensorFlow's C++ start-up lines on a machine without a GPU (the quiet start
-# holds them back; tests/test_native_logs.py tests how).
-CHATTER = ('absl::InitializeLog', 'cudart_stub', 'cuInit')
 
 
 @pytest.mark.parametrize('argv, message', [

@@ -301,8 +301,8 @@ def _accumulation_rows(rows, steps, atom_rows, partial):
     raise errors.ConfigError(
         f'reproducible_rows={atom_rows}: a batch of {rows} rows on a worker '
         f'is not {steps} accumulation step(s) of whole atoms of {atom_rows} '
-        f'rows; give every batch a multiple of {steps * atom_rows} rows (for '
-        f'numpy input, a multiple of {steps * atom_rows} rows in all).')
+        f'rows; give every batch a multiple of {steps * atom_rows} rows (a '
+        'last, partial batch too).')
   return split_rows(rows, [1] * steps)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.helpers import CHATTER
 from tests.helpers import L2
 from tests.helpers import make_batch
 from tests.helpers import mlp
@@ -473,6 +474,7 @@ def test_the_fit_example_learns_and_writes_a_model_keras_loads(tmp_path):
        f'--model_dir={tmp_path}'], cwd=REPO, capture_output=True, text=True,
       timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
+  assert not [part for part in CHATTER if part in result.stderr]
   accuracies = re.search(r'validation accuracy by epoch: \[(.*)\]',
                          result.stderr).group(1)
   best = max(float(a) for a in accuracies.split(','))

@@ -67,7 +67,7 @@ def test_the_order_is_megatrons():
                         f(3, 0), b(3, 0), f(3, 1)]
 
 
-@pytest.mark.parametrize('k, v', itertools.product((2, 3, 4), (2, 3)))
+@pytest.mark.parametrize('k, v', list(itertools.product((2, 3, 4), (2, 3))))
 def test_every_pass_once_and_the_papers_bubble(k, v):
   """(K - 1) / (v M) of the ideal step idle (Narayanan et al. 2021), for
   M a multiple of K; a short batch whose micro-batches are not one still

@@ -26,7 +26,7 @@ def test_the_orders_are_the_papers():
        ('B', 3)]]
 
 
-@pytest.mark.parametrize('k, m', itertools.product(STAGES, MICROBATCHES))
+@pytest.mark.parametrize('k, m', list(itertools.product(STAGES, MICROBATCHES)))
 def test_activations_held_per_stage(k, m):
   """GPipe's stage s holds M micro-batches; 1F1B's min(K - s, M)."""
   for schedule in (schedules.GPIPE, schedules.ONE_F_ONE_B):

@@ -42,8 +42,8 @@ def test_the_order_is_the_papers():
       ('F', 0), ('B', 0), ('F', 1), ('B', 1), ('W', 0), ('W', 1)]
 
 
-@pytest.mark.parametrize('k, m', itertools.product((2, 3, 4),
-                                                   (1, 2, 4, 8)))
+@pytest.mark.parametrize('k, m', list(itertools.product((2, 3, 4),
+                                                        (1, 2, 4, 8))))
 def test_every_pass_once_in_a_buildable_order(k, m):
   per_stage = schedules.passes(ZB, k, m)
   order = schedules.build_order(  # Raises on a deadlock.

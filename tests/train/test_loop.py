@@ -229,3 +229,16 @@ def test_evaluation_at_chance_while_training_learns_suggests_the_momentum(
   progress.first_window_loss, progress.last_window_loss = 1.0, last_loss
   assert loop._at_chance_while_learning(
       run, {'accuracy': accuracy}, progress) is hinted
+
+
+@pytest.mark.parametrize('momentum, hint', [
+    (0.99, '(momentum 0.99) lag the weights; a smaller --batch_norm_momentum '
+           '(e.g. 0.9)'),
+    (0.9, '(momentum 0.9) lag the weights; a smaller --batch_norm_momentum '
+          '(e.g. 0.5)'),
+    (0.5, '(momentum 0.5) follow within a few steps; look at what differs')])
+def test_the_batch_norm_hint_suggests_a_momentum_smaller_than_the_models(
+    momentum, hint):
+  model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(
+      momentum=momentum)])
+  assert hint in loop.batch_norm_hint(model)

@@ -314,11 +314,27 @@ def _evaluate(run, step, progress, evaluate):
   if _at_chance_while_learning(run, evaluation, progress):
     logging.warning(
         'eval accuracy %.4f is chance (%d classes) while the training loss '
-        'fell from %.4f to %.4f: the BatchNormalization moving statistics '
-        'lag the weights; a smaller --batch_norm_momentum (e.g. 0.9) lets '
-        'them follow', evaluation['accuracy'], run.dataset.num_classes,
-        progress.first_window_loss, progress.last_window_loss)
+        'fell from %.4f to %.4f: %s', evaluation['accuracy'],
+        run.dataset.num_classes, progress.first_window_loss,
+        progress.last_window_loss, batch_norm_hint(run.trainer.model))
   return evaluation
+
+
+def batch_norm_hint(model):
+  """What to try when evaluation sits at chance while a model with
+  BatchNorm learns, from its layers' largest momentum: a smaller one (the
+  moving statistics lag the weights by about 1 / (1 - momentum) steps),
+  or, where they already follow within a few steps, the rows."""
+  momentum = max(layer.momentum for layer in keras_internals.batch_norms(
+      model))
+  if momentum > 0.5:
+    smaller = 0.9 if momentum > 0.9 else 0.5
+    return (f'the BatchNormalization moving statistics (momentum '
+            f'{momentum:g}) lag the weights; a smaller --batch_norm_momentum '
+            f'(e.g. {smaller:g}) lets them follow')
+  return (f'the BatchNormalization moving statistics (momentum '
+          f'{momentum:g}) follow within a few steps; look at what differs '
+          'between the training and evaluation rows (their preprocessing)')
 
 
 def _at_chance_while_learning(run, evaluation, progress):
