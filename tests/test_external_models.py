@@ -3,6 +3,7 @@ and a function of the user's, through the registry and the command line."""
 
 import json
 import os
+import re
 import warnings
 
 from absl.testing import flagsaver
@@ -125,11 +126,20 @@ def test_an_error_inside_the_users_function_keeps_its_type(user_module):
                      num_classes=10)
 
 
-def test_the_default_model_dir_of_a_users_function_is_one_folder():
+def test_the_default_model_dir_of_a_users_function_is_one_short_folder():
+  """A .py file's function: its file's stem and the function, told apart
+  from another file of that name; the same file by another spelling is
+  the same run."""
   from tfmulti import cli
-  with flagsaver.flagsaver(model='path/to/my_models.py:small_cnn'):
-    name = cli.default_model_dir(cli._step_options())
-  assert name == 'runs/path_to_my_models.py_small_cnn-digits-towers-1clones'
+  names = []
+  for model in ('path/to/my_models.py:small_cnn',
+                os.path.abspath('path/to/my_models.py') + ':small_cnn',
+                'other/my_models.py:small_cnn'):
+    with flagsaver.flagsaver(model=model):
+      names.append(cli.default_model_dir(cli._step_options()))
+  assert re.fullmatch(r'runs/my_models\.small_cnn\.[0-9a-f]{6}-digits-'
+                      r'towers-1clones', names[0]), names[0]
+  assert names[1] == names[0] != names[2]
 
 
 @pytest.mark.parametrize('layout', [

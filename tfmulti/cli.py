@@ -9,6 +9,7 @@ the fix (`errors.UserError`), before any training state exists.
 """
 
 import gc
+import hashlib
 import os
 import re
 import sys
@@ -386,11 +387,24 @@ def _cluster(path):
   return info
 
 
+def _folder_name(value):
+  """`value` (a --model or --dataset) as one folder's name: a .py file's
+  function as <file stem>.<function>.<6 hex digits of the file's absolute
+  path> (short, and two files of one name apart); else its characters
+  outside [A-Za-z0-9_.] as '_'."""
+  path, _, function = value.rpartition(':')
+  if path.endswith('.py'):
+    where = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:6]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    value = f'{stem}.{function}.{where}'
+  return re.sub(r'[^A-Za-z0-9_.]+', '_', value)
+
+
 def default_model_dir(options):
   """runs/<model>-<dataset>-<strategy>-<N>clones[-<stages>...]: no time
   stamp, so the same command resumes; every setting that changes what a
   step computes is in the name, so another command never resumes it."""
-  model, dataset = (re.sub(r'[^A-Za-z0-9_.]+', '_', value)  # One folder.
+  model, dataset = (_folder_name(value)
                     for value in (_MODEL.value, _DATASET.value))
   parts = [model, dataset, _STRATEGY.value,
            f'{_NUM_CLONES.value}clones']
