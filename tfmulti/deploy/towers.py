@@ -441,7 +441,7 @@ def check_model(model):
   subclassed: each clone runs `stateless_call`); only stages need the
   layer graph (`pipeline.costs.operations`). Several inputs and outputs
   (lists or dicts) are split by rows as one input is."""
-  if not model.built:
+  if not model.built and not model.variables:  # A GAN's: its parts built.
     raise errors.ConfigError(
         f'model {model.name!r} is not built; build it under the variables '
         'device: keras.Input for a functional or Sequential model, a first '

@@ -78,6 +78,7 @@ from tfmulti.engine import registry
 from tfmulti.fit import across_workers
 from tfmulti.fit import backup as backup_lib
 from tfmulti.fit import compiled
+from tfmulti.fit import own_steps
 from tfmulti.fit import runs
 from tfmulti.fit import step_loop
 
@@ -93,6 +94,12 @@ class TowersModel(keras.Model):
     towers: the trainer `compile` builds (a `trainer.Trainer`).
     door: how `fit` runs (`across_workers.Local` or `AcrossWorkers`).
   """
+
+  def __new__(cls, model=None, *args, **kwargs):
+    """A model with its own steps gets `_OwnStepsModel`."""
+    if cls is TowersModel and own_steps.own_steps(model):
+      cls = _OwnStepsModel
+    return super().__new__(cls, model, *args, **kwargs)
 
   def __init__(self, model, config, options=None, *, workers=None,
                shuffle_seed=0, **fields):
@@ -233,6 +240,44 @@ class TowersModel(keras.Model):
     BackupAndRestore, a signal saves the step and exits, and the next run
     resumes there (see the module)."""
     return runs.run(self, super().fit, args, kwargs)
+
+
+class _OwnStepsModel(TowersModel):
+  """`TowersModel` of a model with its own `train_step`, `test_step` or
+  `compute_loss`: the model's own steps on every clone
+  (`own_steps.OwnSteps`), its own `compile`."""
+
+  def __init__(self, model, config, options=None, *, workers=None,
+               **kwargs):
+    super().__init__(model, config, options, workers=workers, **kwargs)
+    own_steps.check(model, self.options, workers)
+    self.own = own_steps.OwnSteps(model, config)
+
+  def compile(self, *args, jit_compile='auto', **kwargs):
+    """The model's own `compile` with these arguments (a GAN's takes its
+    optimizers), then Keras's around the steps."""
+    if jit_compile is True:
+      raise errors.UnsupportedError(
+          'jit_compile=True: a model with its own steps runs them whole on '
+          'each clone, uncompiled; drop it.')
+    self.own.compile(args, kwargs)
+    keras.Model.compile(self, optimizer=self.model.optimizer,
+                        jit_compile=False, run_eagerly=True)
+
+  @property
+  def metrics(self):
+    return self.own.metrics
+
+  def train_step(self, data):
+    _check_no_strategy()
+    return self.own.train_step(data)
+
+  def test_step(self, data):
+    return self.own.test_step(data)
+
+  def fit(self, *args, **kwargs):
+    own_steps.check_callbacks(self.model, kwargs.get('callbacks'))
+    return super().fit(*args, **kwargs)
 
 
 def _check_no_strategy():
