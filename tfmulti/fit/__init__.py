@@ -11,6 +11,9 @@ across workers. It imports nothing of the command line's job (`train/`).
   runs            a fit's run: its arguments, its backup, its exits
   backup          BackupAndRestore made exact: resume at the step
   step_loop       steps_per_execution on the one compiled N-step loop
+  own_steps       a model's own train_step / test_step / compute_loss,
+                  run on every clone as tf.distribute runs it on replicas
+  in_turn         the clones' own steps traced in turn, meeting at updates
 """
 
 from tfmulti.fit.towers_model import TowersModel  # noqa: F401

@@ -45,9 +45,11 @@ def own_steps(model):
 
 
 def check(model, options, workers):
-  """Raises `UserError` for what a model's own step cannot run with."""
+  """Raises `UserError` for what a model's own step cannot run with:
+  several workers (`workers`, what `workers.start()` gave), or a step
+  option that cuts a clone or its rows unevenly."""
   mine = ', '.join(own_steps(model))
-  if workers is not None:
+  if workers is not None and workers.strategy is not None:
     raise errors.UnsupportedError(
         f'model {model.name!r} has its own {mine}: across workers it is '
         'not run yet; fit it in one process (workers=None).')

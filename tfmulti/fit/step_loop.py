@@ -5,8 +5,8 @@ step, so Keras's own multi-step loop would still make one Python call a
 step. `StepLoop` is the train function `fit` calls with its iterator
 instead: the one compiled loop of N steps (`engine.step_calls.
 steps_in_a_loop`, which the command line's `--steps_per_loop` runs too),
-each step the trainer's (`TowersModel.loop_step`: its compiled step and
-Keras's metrics). Keras's callbacks and the progress bar see the steps at
+each step the trainer's (`loop_step`: its compiled step and Keras's
+metrics). Keras's callbacks and the progress bar see the steps at
 call boundaries, as with Keras's own `steps_per_execution`.
 
 The loop runs batches of the full batch's rows (across workers, each
@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti.engine import step_calls
+from tfmulti.fit import compiled
 
 
 def wrap(model, keras_function):
@@ -71,11 +72,23 @@ class StepLoop:
       data = keras.tree.map_structure(
           lambda t: t if t is None else tf.ensure_shape(
               t, [rows] + t.shape[1:]), _no_optionals(batch))
-      return self._model.loop_step(data)
+      return loop_step(self._model, data)
     ran, _, logs, other = step_calls.steps_in_a_loop(
         step, iterator, steps,
         fits=lambda batch: tf.equal(_rows(batch), rows))
     return ran, logs, other
+
+
+def loop_step(model, data):
+  """One step of a compiled loop on a full global batch: the trainer's
+  step (`Trainer.loop_step`) and Keras's metrics of its outputs (`model`
+  a `TowersModel`): (its total loss, the logs)."""
+  images, labels, sample_weight = compiled.unpack(data)
+  targets = compiled.targets(labels, sample_weight)
+  result = model.towers.loop_step((images, targets), with_outputs=True,
+                                  whole_batch=True)
+  return result.total, compiled.record(model, images, targets, result.total,
+                                       result.outputs)
 
 
 def _rows(data):

@@ -200,16 +200,6 @@ class TowersModel(keras.Model):
         whole_batch=True)
     return self._record(images, targets, result.total, result.outputs)
 
-  def loop_step(self, data):
-    """One step of a compiled loop (`step_loop`) on a full global batch:
-    (its total loss, the logs)."""
-    images, labels, sample_weight = compiled.unpack(data)
-    targets = compiled.targets(labels, sample_weight)
-    result = self.towers.loop_step((images, targets), with_outputs=True,
-                                   whole_batch=True)
-    return result.total, compiled.record(self, images, targets,
-                                         result.total, result.outputs)
-
   def test_step(self, data):
     images, labels, sample_weight = compiled.unpack(data)
     keras_internals.build_compiled(self, (images, labels, sample_weight))
