@@ -418,6 +418,7 @@ def test_the_optimizer_receives_an_embeddings_slices_not_a_dense_sum():
   assert gradient.values.shape == (BATCH * TOKENS, 8)
 
 
+@pytest.mark.slow
 def test_reproducible_rows_take_keras_s_default_shuffle_of_arrays():
   """Op determinism (on with reproducible rows) refuses Keras's unseeded
   shuffle; the arrays come in each epoch's order from `shuffle_seed`

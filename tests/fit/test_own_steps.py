@@ -338,6 +338,7 @@ def _gan(seed=0):
   return GAN(discriminator, generator, latent_dim=4)
 
 
+@pytest.mark.slow
 def test_a_gan_with_two_optimizers_trains_as_plain_fit():
   """The discriminator's update, then the generator's, which reads the
   discriminator as updated: on every clone, each update once."""
