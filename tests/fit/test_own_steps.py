@@ -204,7 +204,7 @@ def test_the_own_step_runs_on_every_clone():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
   with config.variables_scope():
     model = _guide_model()
-  towers = fit.TowersModel(model, config)
+  towers = fit.TowersModel(model=model, config=config)
   towers.compile(optimizer='sgd', loss='mse')
   x, y = _data()
   assert _clone_devices(towers, (tf.constant(x[:BATCH]),
@@ -275,6 +275,7 @@ class GAN(keras.Model):
   """keras.io's DCGAN's training, its two optimizers and its compile; the
   latent vectors come with the data (fed alike to both runs) instead of
   from its seed generator."""
+  traced = 0
 
   def __init__(self, discriminator, generator, latent_dim):
     super().__init__()
@@ -295,6 +296,7 @@ class GAN(keras.Model):
     return [self.d_loss_metric, self.g_loss_metric]
 
   def train_step(self, data):
+    GAN.traced += 1
     real_images, random_latent_vectors, more_latent_vectors = data
     batch_size = keras.ops.shape(real_images)[0]
     generated_images = self.generator(random_latent_vectors)
@@ -350,8 +352,10 @@ def test_a_gan_with_two_optimizers_trains_as_plain_fit():
       _gan, dict(x=data, epochs=2),
       lambda: dict(d_optimizer=keras.optimizers.Adam(0.0003),
                    g_optimizer=keras.optimizers.Adam(0.0003),
-                   loss_fn=keras.losses.BinaryCrossentropy()))
+                   loss_fn=keras.losses.BinaryCrossentropy()), counted=GAN)
   _assert_same(histories, models)
+  plain, towers = GAN.runs
+  assert plain and towers == 2 * plain
 
 
 @pytest.mark.parametrize('options, message', [

@@ -95,11 +95,12 @@ class TowersModel(keras.Model):
     door: how `fit` runs (`across_workers.Local` or `AcrossWorkers`).
   """
 
-  def __new__(cls, model=None, *args, **kwargs):
+  def __new__(cls, *args, **kwargs):
     """A model with its own steps gets `_OwnStepsModel`."""
+    model = args[0] if args else kwargs.get('model')
     if cls is TowersModel and own_steps.own_steps(model):
       cls = _OwnStepsModel
-    return super().__new__(cls, model, *args, **kwargs)
+    return super().__new__(cls, *args, **kwargs)
 
   def __init__(self, model, config, options=None, *, workers=None,
                shuffle_seed=0, **fields):
