@@ -13,11 +13,7 @@ from tfmulti import fit
 from tfmulti.fit import own_steps
 
 ROWS, BATCH = 48, 16
-
-
-class _Counted(keras.Model):
-  """Counts its own `train_step` calls (traced, so per clone a trace)."""
-  calls = 0
+_CONFIG = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
 
 
 class GuideModel(keras.Model):
@@ -43,10 +39,7 @@ class GuideModel(keras.Model):
 
 
 def _guide_model(seed=0):
-  keras.utils.set_random_seed(seed)
-  inputs = keras.Input((6,))
-  x = keras.layers.Dense(16, activation='tanh')(inputs)
-  return GuideModel(inputs, keras.layers.Dense(1)(x))
+  return _functional(GuideModel, seed)
 
 
 def _data():
@@ -423,5 +416,17 @@ def test_an_own_step_across_workers_is_refused_in_one_line():
   with pytest.raises(errors.UnsupportedError, match=(
       r"model 'guide_model\w*' has its own train_step: across workers it is "
       r'not run yet; fit it in one process \(workers=None\)\.$')):
-    own_steps.check(_guide_model(), deploy.StepOptions(), Workers())
-  own_steps.check(_guide_model(), deploy.StepOptions(), None)
+    own_steps.check(_guide_model(), _CONFIG, deploy.StepOptions(),
+                    Workers())
+  own_steps.check(_guide_model(), _CONFIG, deploy.StepOptions(), None)
+
+
+def test_an_own_step_in_stages_is_refused_in_one_line():
+  config = deploy.DeploymentConfig(num_clones=1, num_stages=2,
+                                   clone_on_cpu=True)
+  with config.variables_scope():
+    model = _guide_model()
+  with pytest.raises(errors.UnsupportedError, match=(
+      r"num_stages=2: model 'guide_model\w*' has its own train_step, which "
+      r'runs whole on each clone; use num_stages=1\.$')):
+    fit.TowersModel(model, config, num_microbatches=2)

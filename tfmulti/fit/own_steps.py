@@ -44,11 +44,15 @@ def own_steps(model):
           if getattr(type(model), name) is not getattr(keras.Model, name)]
 
 
-def check(model, options, workers):
+def check(model, config, options, workers):
   """Raises `UserError` for what a model's own step cannot run with:
-  several workers (`workers`, what `workers.start()` gave), or a step
-  option that cuts a clone or its rows unevenly."""
+  several workers (`workers`, what `workers.start()` gave), stages, or a
+  step option that cuts a clone or its rows unevenly."""
   mine = ', '.join(own_steps(model))
+  if config.num_stages > 1:
+    raise errors.UnsupportedError(
+        f'num_stages={config.num_stages}: model {model.name!r} has its own '
+        f'{mine}, which runs whole on each clone; use num_stages=1.')
   if workers is not None and workers.strategy is not None:
     raise errors.UnsupportedError(
         f'model {model.name!r} has its own {mine}: across workers it is '

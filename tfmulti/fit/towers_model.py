@@ -241,7 +241,7 @@ class _OwnStepsModel(TowersModel):
   def __init__(self, model, config, options=None, *, workers=None,
                **kwargs):
     super().__init__(model, config, options, workers=workers, **kwargs)
-    own_steps.check(model, self.options, workers)
+    own_steps.check(model, config, self.options, workers)
     self.own = own_steps.OwnSteps(model, config)
 
   def compile(self, *args, jit_compile='auto', **kwargs):
