@@ -182,6 +182,7 @@ def _structured_dataset():
       encode)
 
 
+@pytest.mark.slow
 def test_structured_data_with_lookups_in_tf_data():
   dataset = _structured_dataset()
   _assert_same(*_fit_both(

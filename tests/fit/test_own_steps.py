@@ -175,10 +175,11 @@ def _assert_same(histories, models):
 
 
 @pytest.mark.parametrize('cls, extra', [
-    (SampleWeightModel, dict(sample_weight=np.linspace(
-        0.5, 1.5, ROWS).astype(np.float32))),
+    pytest.param(SampleWeightModel, dict(sample_weight=np.linspace(
+        0.5, 1.5, ROWS).astype(np.float32)), marks=pytest.mark.slow),
     (EvaluatingModel, dict(validation_data=_data())),
-    (LossModel, dict(validation_data=_data()))],
+    pytest.param(LossModel, dict(validation_data=_data()),
+                 marks=pytest.mark.slow)],
                          ids=['sample_weight', 'test_step', 'compute_loss'])
 def test_the_guides_overrides_train_and_evaluate_as_plain_fit(cls, extra):
   x, y = _data()
