@@ -73,6 +73,7 @@ from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import rows
 from tfmulti import step_options
+from tfmulti.deploy import keras_distribution
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.engine import registry
 from tfmulti.fit import across_workers
@@ -102,14 +103,15 @@ class TowersModel(keras.Model):
       cls = _OwnStepsModel
     return super().__new__(cls, *args, **kwargs)
 
-  def __init__(self, model, config, options=None, *, workers=None,
+  def __init__(self, model, config=None, options=None, *, workers=None,
                shuffle_seed=0, **fields):
     """Wraps `model`, built in `config.variables_scope()`.
 
     Args:
       model: a built `keras.Model`: functional, Sequential or subclassed
         (any inputs and outputs; stages need a functional one).
-      config: a `DeploymentConfig`.
+      config: a `DeploymentConfig`, or Keras's `DataParallel`; None: the
+        distribution Keras's `set_distribution` set (`keras_distribution`).
       options: a `StepOptions`; None for the defaults.
       workers: across workers, what `workers.start()` gave (the model
         built in its scope); None in one process.
@@ -117,9 +119,9 @@ class TowersModel(keras.Model):
         a process Keras's seed was not set in, the seed of each epoch's
         order of array inputs (the same on every worker, every restart and
         every layout). Else Keras shuffles arrays by each process's own
-        generators: across
-        workers, seed them alike (`keras.utils.set_random_seed`) on every
-        worker; workers fed other batches stop at the step with one line.
+        generators: across workers, seed them alike
+        (`keras.utils.set_random_seed`) on every worker; workers fed other
+        batches stop at the step with one line.
       **fields: `StepOptions` fields that replace those of `options`.
 
     Raises:
@@ -128,6 +130,7 @@ class TowersModel(keras.Model):
     """
     _check_no_strategy()
     towers_lib.check_model(model)
+    config = keras_distribution.config_for(config)
     door = across_workers.door_for(workers, config)  # Chosen once.
     door.check(model)
     options = dataclasses.replace(options or step_options.StepOptions(),
@@ -238,11 +241,11 @@ class _OwnStepsModel(TowersModel):
   `compute_loss`: the model's own steps on every clone
   (`own_steps.OwnSteps`), its own `compile`."""
 
-  def __init__(self, model, config, options=None, *, workers=None,
+  def __init__(self, model, config=None, options=None, *, workers=None,
                **kwargs):
     super().__init__(model, config, options, workers=workers, **kwargs)
-    own_steps.check(model, config, self.options, workers)
-    self.own = own_steps.OwnSteps(model, config)
+    own_steps.check(model, self.config, self.options, workers)
+    self.own = own_steps.OwnSteps(model, self.config)
 
   def compile(self, *args, jit_compile='auto', **kwargs):
     """The model's own `compile` with these arguments (a GAN's takes its
