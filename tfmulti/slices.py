@@ -75,15 +75,16 @@ def none_like(gradient):
 
 
 # Ops that read a resource but give a variable's value, not a step's rows.
-_VARIABLE_READS = frozenset({'ReadVariableOp', 'ResourceGather'})
+_VARIABLE_READS = frozenset({'ReadVariableOp'})
 _CALLS = frozenset({'PartitionedCall', 'StatefulPartitionedCall'})
 
 
 def fixed_rows(tensor):
   """Whether `tensor` (traced) is computed from constants and variables'
   values alone: not from a step's rows (the step's arguments, an
-  iterator's next element), nor from anything else that reads a resource
-  but a variable (a loop over a variable: counted as rows). A call (an
+  iterator's next element), nor from a stateful op (a random draw) or
+  anything else that reads a resource but a variable (a loop over a
+  variable: counted as rows). A call (an
   XLA-compiled pass) is followed into its function, and its arguments
   back to the caller's tensors."""
   if not hasattr(tensor, 'op'):
@@ -105,8 +106,11 @@ def fixed_rows(tensor):
         return False  # The step's own arguments: its rows.
       argument = [t.ref() for t in op.graph.inputs].index(tensor.ref())
       todo.append((calls[-1].inputs[argument], calls[:-1]))
-    elif any(t.dtype == tf.resource for t in op.inputs):
-      return False  # An iterator's next rows, a loop's array.
+    elif op.type == 'ResourceGather':  # A variable's rows at indices.
+      todo.append((op.inputs[1], calls))
+    elif op.op_def.is_stateful or any(
+        t.dtype == tf.resource for t in op.inputs):
+      return False  # An iterator's next rows, a random draw, a loop.
     else:
       todo.extend((t, calls) for t in op.inputs)
   return True

@@ -2,6 +2,9 @@
 `TowersModel` as through plain `fit`: keras.io's trainer pattern, the
 TensorFlow guide's overrides and a GAN with two optimizers."""
 
+import collections
+import threading
+
 import keras
 import numpy as np
 import pytest
@@ -19,10 +22,10 @@ _CONFIG = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
 class GuideModel(keras.Model):
   """The TensorFlow guide's first override: its own train_step, with
   `compute_loss`, the optimizer and `self.metrics` Keras compiled."""
-  traced = 0
+  traced = []  # The threads its step was traced on.
 
   def train_step(self, data):
-    GuideModel.traced += 1
+    GuideModel.traced.append(threading.current_thread().name)
     x, y = data
     with tf.GradientTape() as tape:
       y_pred = self(x, training=True)
@@ -49,28 +52,23 @@ def _data():
 
 
 def test_the_guides_own_train_step_trains_as_plain_fit():
-  compile_args = dict(optimizer='adam', loss='mse', metrics=['mae'])
-  plain = _guide_model()
-  plain.compile(**compile_args)
-  GuideModel.traced = 0
-  want = plain.fit(*_data(), batch_size=BATCH, epochs=2, shuffle=False,
-                   verbose=0).history
-  plain_traces = GuideModel.traced
-  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
-  with config.variables_scope():
-    model = _guide_model()
-  towers = fit.TowersModel(model, config)
-  towers.compile(**compile_args)
-  GuideModel.traced = 0
-  got = towers.fit(*_data(), batch_size=BATCH, epochs=2, shuffle=False,
-                   verbose=0).history
-  # The model's own step, on each clone where plain fit runs it once.
-  assert GuideModel.traced == 2 * plain_traces
-  assert got.keys() == want.keys()
-  for key, values in want.items():
-    np.testing.assert_allclose(got[key], values, rtol=1e-5, err_msg=key)
-  for g, w in zip(model.weights, plain.weights):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
+  x, y = _data()
+  histories, models = _fit_both(
+      _guide_model, dict(x=x, y=y, batch_size=BATCH, epochs=2),
+      dict(optimizer='adam', loss='mse', metrics=['mae']),
+      counted=GuideModel)
+  _assert_same(histories, models)
+  _assert_each_clone_ran(GuideModel.runs)
+
+
+def _assert_each_clone_ran(runs):
+  """The model's own step: plain fit's on its own thread, the towers' on
+  each clone's thread, as often."""
+  plain, towers = runs
+  assert plain and not [name for name in plain if 'clone' in name]
+  counts = collections.Counter(towers)
+  assert set(counts) == {'tfmulti-clone-0', 'tfmulti-clone-1'}, counts
+  assert len(set(counts.values())) == 1, counts
 
 
 def _clone_devices(towers, data):
@@ -108,7 +106,7 @@ class EvaluatingModel(GuideModel):
   """The guide's override of evaluation: its own test_step."""
 
   def test_step(self, data):
-    EvaluatingModel.traced += 1
+    EvaluatingModel.traced.append(threading.current_thread().name)
     x, y = data
     y_pred = self(x, training=False)
     loss = self.compute_loss(y=y, y_pred=y_pred)
@@ -140,7 +138,7 @@ def _fit_both(model_fn, fit_args, compile_args, evaluate=False,
               counted=None):
   """(plain fit's history, the towers', their models) on 2 clones, each
   compiled with `compile_args` (or what it returns, a new optimizer); with
-  `counted` (a class with a `traced` count), each run's count in
+  `counted` (a class with a `traced` list), each run's list in
   `counted.runs`."""
   histories, models = [], []
   if counted is not None:
@@ -153,7 +151,7 @@ def _fit_both(model_fn, fit_args, compile_args, evaluate=False,
     trained.compile(**(compile_args() if callable(compile_args)
                        else compile_args))
     if counted is not None:
-      counted.traced = 0
+      counted.traced = []
     history = trained.fit(**fit_args, shuffle=False, verbose=0).history
     if evaluate:
       history['evaluate'] = trained.evaluate(
@@ -189,9 +187,8 @@ def test_the_guides_overrides_train_and_evaluate_as_plain_fit(cls, extra):
       dict(optimizer='adam', loss='mse', metrics=['mae']), evaluate=True,
       counted=cls if cls is EvaluatingModel else None)
   _assert_same(histories, models)
-  if cls is EvaluatingModel:  # Its steps, on each clone where plain runs one.
-    plain, towers = EvaluatingModel.runs
-    assert plain and towers == 2 * plain
+  if cls is EvaluatingModel:
+    _assert_each_clone_ran(EvaluatingModel.runs)
 
 
 def test_the_own_step_runs_on_every_clone():
@@ -209,7 +206,7 @@ def test_the_own_step_runs_on_every_clone():
 class MyTrainer(keras.Model):
   """keras.io's trainer pattern: a model wrapped by a trainer with its own
   train_step and test_step, `compile(optimizer=...)` alone."""
-  traced = 0
+  traced = []  # The threads its step was traced on.
 
   def __init__(self, model):
     super().__init__()
@@ -222,7 +219,7 @@ class MyTrainer(keras.Model):
     return [self.accuracy_metric]
 
   def train_step(self, data):
-    MyTrainer.traced += 1
+    MyTrainer.traced.append(threading.current_thread().name)
     x, y = data
     with tf.GradientTape() as tape:
       y_pred = self.model(x, training=True)
@@ -261,15 +258,14 @@ def test_the_trainer_pattern_trains_as_plain_fit():
                      validation_data=(x, y)),
       lambda: dict(optimizer=keras.optimizers.SGD(0.1)), counted=MyTrainer)
   _assert_same(histories, models)
-  plain, towers = MyTrainer.runs
-  assert plain and towers == 2 * plain
+  _assert_each_clone_ran(MyTrainer.runs)
 
 
 class GAN(keras.Model):
   """keras.io's DCGAN's training, its two optimizers and its compile; the
   latent vectors come with the data (fed alike to both runs) instead of
   from its seed generator."""
-  traced = 0
+  traced = []  # The threads its step was traced on.
 
   def __init__(self, discriminator, generator, latent_dim):
     super().__init__()
@@ -290,7 +286,7 @@ class GAN(keras.Model):
     return [self.d_loss_metric, self.g_loss_metric]
 
   def train_step(self, data):
-    GAN.traced += 1
+    GAN.traced.append(threading.current_thread().name)
     real_images, random_latent_vectors, more_latent_vectors = data
     batch_size = keras.ops.shape(real_images)[0]
     generated_images = self.generator(random_latent_vectors)
@@ -348,8 +344,7 @@ def test_a_gan_with_two_optimizers_trains_as_plain_fit():
                    g_optimizer=keras.optimizers.Adam(0.0003),
                    loss_fn=keras.losses.BinaryCrossentropy()), counted=GAN)
   _assert_same(histories, models)
-  plain, towers = GAN.runs
-  assert plain and towers == 2 * plain
+  _assert_each_clone_ran(GAN.runs)
 
 
 @pytest.mark.parametrize('options, message', [
@@ -357,6 +352,7 @@ def test_a_gan_with_two_optimizers_trains_as_plain_fit():
      r'own train_step, which runs whole on equal clones; drop the option'),
     (dict(accumulation_steps=2), 'accumulation_steps=2: model'),
     (dict(reproducible_rows=4), 'reproducible_rows=4: model'),
+    (dict(sync_batch_norm=True), 'sync_batch_norm=True: model'),
 ])
 def test_what_an_own_step_cannot_run_with_is_refused_in_one_line(options,
                                                                  message):
@@ -431,3 +427,40 @@ def test_an_own_step_in_stages_is_refused_in_one_line():
       r"num_stages=2: model 'guide_model\w*' has its own train_step, which "
       r'runs whole on each clone; use num_stages=1\.$')):
     fit.TowersModel(model, config, num_microbatches=2)
+
+
+class AppliesToItsOwn(GuideModel):
+  """`optimizer.apply(gradients)`: the variables it was built for."""
+
+  def train_step(self, data):
+    x, y = data
+    with tf.GradientTape() as tape:
+      loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+    self.optimizer.apply(tape.gradient(loss, self.trainable_variables))
+    return {'loss': loss}
+
+
+def test_an_update_of_no_variables_by_an_unbuilt_optimizer_fails_as_keras():
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  with config.variables_scope():
+    model = _functional(AppliesToItsOwn)
+  towers = fit.TowersModel(model, config)
+  towers.compile(optimizer='sgd', loss='mse')
+  with pytest.raises(ValueError, match=(
+      r'apply\(grads\) with no trainable_variables: the optimizer is not '
+      r'built; pass the variables')):
+    towers.fit(*_data(), batch_size=BATCH, verbose=0)
+
+
+class CompiledStep(GuideModel):
+  """Its train_step a tf.function of its own."""
+  train_step = tf.function(GuideModel.train_step)
+
+
+def test_a_compiled_own_step_runs_as_its_python_on_every_clone():
+  x, y = _data()
+  histories, models = _fit_both(
+      lambda: _functional(CompiledStep),
+      dict(x=x, y=y, batch_size=BATCH, epochs=1),
+      lambda: dict(optimizer='adam', loss='mse', metrics=['mae']))
+  _assert_same(histories, models)

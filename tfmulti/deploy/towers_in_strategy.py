@@ -141,9 +141,8 @@ class WorkerTowers(trainer.Trainer):
           self.strategy.reduce(total, outputs.regularization, None),
           [self._local(loss) for loss in outputs.clones],
           {path: self._local(g) for path, g in outputs.gradients.items()},
-          keras_internals.logits_kept(None if outputs.outputs is None else
-                                      tf.nest.map_structure(
-                                          self._local, outputs.outputs)))
+          None if outputs.outputs is None else tf.nest.map_structure(
+              self._local, outputs.outputs))
 
   def _local(self, value):
     """This worker's one replica's `value`."""
@@ -176,8 +175,11 @@ class WorkerTowers(trainer.Trainer):
     layout = layouts.for_step(self.config, self.towers.options, worker_rows,
                               shares=self.towers.clone_shares,
                               partial=partial)
-    return self.step_function(images, labels, layout, with_outputs,
-                              whole_batch)
+    result = self.step_function(images, labels, layout, with_outputs,
+                                whole_batch)
+    # Its outputs a `keras_internals.with_logits` nest: logits on them here.
+    return result._replace(outputs=keras_internals.logits_kept(
+        result.outputs))
 
   def predict(self, images):
     """Inference outputs for `images`, over this worker's clones."""

@@ -27,6 +27,11 @@ import tensorflow as tf
 
 from tfmulti import errors
 
+# How long one clone's turn may take to trace, to its next update or end.
+TURN_SECONDS = 600
+STUCK = ('clone {clone} traced its step for {seconds} s without reaching an '
+         'update or its end: does a tf.function inside the step apply the '
+         'gradients? Apply them in the step itself')
 DIVERGED = ("the clones' own steps diverged: clone {clone} {did} while "
             "clone 0 {first}; a step must call the same optimizers in the "
             'same order on every clone')
@@ -66,6 +71,8 @@ class _Clone(threading.Thread):
   def meet(self, optimizer, grads, variables):
     """Waits, on this clone's thread, for the others to reach the same
     update; returns what the update returned."""
+    if self.error is not None:  # Released: no more meetings.
+      raise self.error
     self.request = (optimizer, list(grads), list(variables))
     self.go.clear()
     self.stopped.set()
@@ -75,10 +82,13 @@ class _Clone(threading.Thread):
     return self.answer
 
   def turn(self):
-    """Lets this clone run until it meets or ends."""
+    """Lets this clone run until it meets or ends (`TURN_SECONDS` at
+    most: a clone that never gets there is waiting on something else)."""
     self.stopped.clear()
     self.go.set()
-    self.stopped.wait()
+    if not self.stopped.wait(TURN_SECONDS):
+      raise errors.ConfigError(STUCK.format(clone=self.index,
+                                            seconds=TURN_SECONDS))
 
 
 @contextlib.contextmanager
@@ -91,15 +101,33 @@ def meetings(optimizers):
       clone = threading.current_thread()
       if not isinstance(clone, _Clone):
         return apply(optimizer, grads, trainable_variables)
-      if trainable_variables is None:
-        trainable_variables = optimizer._trainable_variables  # pylint: disable=protected-access
-      return clone.meet(optimizer, grads, trainable_variables)
+      return clone.meet(optimizer, grads,
+                        _variables(optimizer, grads, trainable_variables))
     optimizer.apply = meeting
   try:
     yield
   finally:
     for optimizer in optimizers:
       del optimizer.apply  # The class's own again.
+
+
+def _variables(optimizer, grads, trainable_variables):
+  """The variables an `apply(grads, trainable_variables)` updates, as
+  Keras's `apply` takes them (None: those it was built for); raises
+  `ValueError` where Keras would."""
+  grads = list(grads)
+  if trainable_variables is None:
+    if not optimizer.built:
+      raise ValueError(
+          f'{optimizer.name}.apply(grads) with no trainable_variables: the '
+          'optimizer is not built; pass the variables, as Keras asks.')
+    trainable_variables = optimizer._trainable_variables  # pylint: disable=protected-access
+  trainable_variables = list(trainable_variables)
+  if len(grads) != len(trainable_variables):
+    raise ValueError(
+        f'{optimizer.name}.apply: {len(grads)} gradients for '
+        f'{len(trainable_variables)} variables.')
+  return trainable_variables
 
 
 def apply(optimizer, grads, trainable_variables):
@@ -177,7 +205,7 @@ def _release(clones):
   """Ends the threads still waiting (after a failure): each raises."""
   stop = errors.ConfigError('another clone failed')
   for clone in clones:
-    if not clone.done:
-      clone.error = clone.error or stop
+    clone.error = clone.error or stop
+    while not clone.done:  # Each meeting it reaches now raises.
       clone.turn()
     clone.join()

@@ -33,13 +33,17 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti import layouts
 from tfmulti import slices
+from tfmulti import step_options
 from tfmulti.fit import in_turn
 
 _STEPS = ('train_step', 'test_step', 'compute_loss')
 
 
 def own_steps(model):
-  """The names of the steps `model`'s class brings of its own."""
+  """The names of the steps `model`'s class brings of its own (none for
+  what is no Keras model: `TowersModel` refuses it in one line)."""
+  if not isinstance(model, keras.Model):
+    return []
   return [name for name in _STEPS
           if getattr(type(model), name) is not getattr(keras.Model, name)]
 
@@ -57,11 +61,11 @@ def check(model, config, options, workers):
     raise errors.UnsupportedError(
         f'model {model.name!r} has its own {mine}: across workers it is '
         'not run yet; fit it in one process (workers=None).')
-  asked = {name: getattr(options, name) for name in (
+  defaults = step_options.StepOptions()
+  others = {name: getattr(options, name) for name in (
       'num_microbatches', 'accumulation_steps', 'reproducible_rows',
-      'sync_batch_norm', 'clone_shares')}
-  others = {name: value for name, value in asked.items()
-            if value not in (1, 0, False, None)}
+      'sync_batch_norm', 'clone_shares')
+            if getattr(options, name) != getattr(defaults, name)}
   if others or options.xla is True:
     named = ', '.join(f'{k}={v}' for k, v in others.items()) or 'xla=True'
     raise errors.UnsupportedError(
@@ -120,7 +124,9 @@ class OwnSteps:
     with tf.device(self.config.inputs_device()):
       shards = _split(data, sizes)
     live = [i for i, size in enumerate(sizes) if size]
+    # A step the user compiled runs as its Python: traced here, per clone.
     step = getattr(self.model, name)
+    step = getattr(step, 'python_function', step)
     weights = [sizes[i] / total for i in live]
     optimizers = in_turn.optimizers_of(self.model)
     with in_turn.meetings(optimizers):

@@ -12,7 +12,7 @@ import sys
 
 from absl import logging
 import keras
-import tensorflow as tf
+from tensorflow.python.eager import context
 
 from tfmulti import errors
 from tfmulti.fit import across_workers
@@ -24,9 +24,7 @@ _FIT = inspect.signature(keras.Model.fit)
 def run(model, keras_fit, args, kwargs):
   """`keras_fit` (Keras's own `fit` of `model`, a `TowersModel`) on
   `args` and `kwargs` as `fit` takes them (see `TowersModel.fit`)."""
-  arguments = _FIT.bind(model, *args, **kwargs).arguments
-  del arguments['self']
-  arguments.update(arguments.pop('kwargs', {}))
+  arguments = fit_arguments(model, args, kwargs)
   model.door.check_input(arguments)
   check_batches(model, arguments)
   model.batches.rows = 0  # The fit's first step fixes them again.
@@ -48,6 +46,14 @@ def run(model, keras_fit, args, kwargs):
     model.passes.close()
 
 
+def fit_arguments(model, args, kwargs):
+  """`fit`'s arguments by name (a dict), as Keras's `fit` binds them."""
+  arguments = _FIT.bind(model, *args, **kwargs).arguments
+  del arguments['self']
+  arguments.update(arguments.pop('kwargs', {}))
+  return arguments
+
+
 def _shuffle_seeded(model, arguments):
   """With `reproducible_rows` op determinism is on, under which Keras's
   default shuffle of arrays (an unseeded random op, unless
@@ -66,11 +72,9 @@ def _shuffle_seeded(model, arguments):
 
 
 def _seeded():
-  """Whether TensorFlow's random ops draw from a global seed."""
-  try:
-    return tf.compat.v1.random.get_seed(None)[0] is not None
-  except RuntimeError:  # Op determinism refuses an unseeded op.
-    return False
+  """Whether TensorFlow's random ops draw from a global seed (asked
+  without drawing an op seed, which would move later draws)."""
+  return context.global_seed() is not None
 
 
 def _with_backup(model, arguments):

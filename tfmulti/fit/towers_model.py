@@ -270,7 +270,8 @@ class _OwnStepsModel(TowersModel):
     return self.own.test_step(data)
 
   def fit(self, *args, **kwargs):
-    own_steps.check_callbacks(self.model, kwargs.get('callbacks'))
+    own_steps.check_callbacks(self.model, runs.fit_arguments(
+        self, args, kwargs).get('callbacks'))
     return super().fit(*args, **kwargs)
 
 
