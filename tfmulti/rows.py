@@ -110,8 +110,10 @@ def worker_shards(dataset, *, worker, num_workers, shards_per_worker,
 
 def split(tensors, sizes):
   """Each tensor of the nest `tensors` split by rows into `sizes` parts:
-  a list of nests, one a part."""
-  parts = [tf.split(t, sizes) for t in tf.nest.flatten(tensors)]
+  a list of nests, one a part (a None leaf, Keras's missing part, None in
+  each)."""
+  parts = [[None] * len(sizes) if t is None else tf.split(t, sizes)
+           for t in tf.nest.flatten(tensors)]
   return [tf.nest.pack_sequence_as(tensors, list(column))
           for column in zip(*parts)] if parts else [tensors] * len(sizes)
 

@@ -32,6 +32,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import layouts
+from tfmulti import rows
 from tfmulti import slices
 from tfmulti import step_options
 from tfmulti.fit import in_turn
@@ -119,10 +120,10 @@ class OwnSteps:
   def _in_turn(self, name, data):
     """The model's step `name` on each clone's rows of `data`, in turn:
     the last clone's logs."""
-    total = _rows(data)
+    total = rows.batch_rows(data, None)
     sizes = layouts.even_parts(total, self.config.num_clones)
     with tf.device(self.config.inputs_device()):
-      shards = _split(data, sizes)
+      shards = rows.split(data, sizes)
     live = [i for i, size in enumerate(sizes) if size]
     # A step the user compiled runs as its Python: traced here, per clone.
     step = getattr(self.model, name)
@@ -166,17 +167,3 @@ def _weighted_sum(parts):
   return tf.add_n([tf.convert_to_tensor(g) * tf.cast(w, g.dtype)
                    for w, g in parts])
 
-
-def _rows(data):
-  """The rows of a batch `data` (a nest; None leaves are no tensors)."""
-  return int(next(t for t in tf.nest.flatten(data)
-                  if t is not None).shape[0])
-
-
-def _split(data, sizes):
-  """`data` split by rows into `sizes` parts: one nest a part."""
-  flat = tf.nest.flatten(data)
-  parts = [tf.split(t, sizes) if t is not None else [None] * len(sizes)
-           for t in flat]
-  return [tf.nest.pack_sequence_as(data, list(column))
-          for column in zip(*parts)]
