@@ -410,3 +410,43 @@ def op_determinism_enabled():
   """Whether `tf.config.experimental.enable_op_determinism()` is in force
   (TF has no public reader; Keras reads the same private one)."""
   return tf_config.is_op_determinism_enabled()
+
+
+def storage(variable):
+  """The `tf.Variable` (or `sharding.ShardedValue`) a Keras variable
+  stores its value in."""
+  return variable._value
+
+
+def store_in(variable, value):
+  """Makes a Keras variable store its value in `value` (a `tf.Variable`,
+  or a `sharding.ShardedValue`) from now on; its name, shape and path
+  stay."""
+  variable._value = value
+
+
+def adopting(variable, value, path):
+  """A Keras variable like `variable` (name, dtype, autocast) at `path`
+  that stores its value in `value`, a `tf.Variable` (Keras adopts one
+  given as its initializer)."""
+  adopted = keras.Variable(value, dtype=variable.dtype, trainable=True,
+                           autocast=variable._autocast, name=variable.name)
+  adopted._path = path
+  return adopted
+
+
+def exclude_alike(optimizer, whole, shards):
+  """Excludes `shards` from `optimizer`'s weight decay where `whole` is
+  excluded by `exclude_from_weight_decay(var_list=...)` (Keras keeps the
+  variables' keys; names are matched on each variable's own name, which a
+  shard keeps)."""
+  optimizer = getattr(optimizer, 'inner_optimizer', optimizer)
+  excluded = getattr(optimizer, '_exclude_from_weight_decay', None)
+  if excluded and optimizer._var_key(whole) in excluded:
+    excluded.update(optimizer._var_key(s) for s in shards)
+
+
+def layout_map_of(distribution):
+  """A `keras.distribution.ModelParallel`'s `LayoutMap` (Keras keeps it
+  private)."""
+  return distribution._layout_map

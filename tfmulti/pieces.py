@@ -68,19 +68,24 @@ class Body:
   included); the gradients are of the loss times the loss scale.
   """
 
-  def __init__(self, model, loss_fn, scope='clone'):
+  def __init__(self, model, loss_fn, scope='clone', gathered=list):
     """`scope`: the name scope the pass opens where it is traced at the
-    root (lockstep replica 0, an XLA function; `trainer.off_the_root`)."""
+    root (lockstep replica 0, an XLA function; `trainer.off_the_root`);
+    `gathered`: the model's trainable values from `trainable` (sharded
+    variables' shards joined, `sharding`), inside the tape, so the
+    gradients are the shards'."""
     self.model = model
     self.loss_fn = loss_fn
     self.scope = scope
+    self.gathered = gathered
 
   def __call__(self, trainable, non_trainable, images, labels,
                penalty_weight, offset, terms):
     with trainer.off_the_root(self.scope), tf.GradientTape() as tape:
       tape.watch(trainable)
       outputs, new_non_trainable, model_losses, penalties = forward(
-          self.model, trainable, non_trainable, images, offset)
+          self.model, self.gathered(trainable), non_trainable, images,
+          offset)
       loss, regularization, scaled_loss = trainer.objective(
           self.loss_fn, labels, outputs, global_rows=terms.global_rows,
           model_losses=model_losses, penalties=penalties,

@@ -94,9 +94,10 @@ class Summed:
   def prepare():
     """What the process needs before the first step: nothing."""
 
-  def __init__(self, config, model, states, packs=()):
+  def __init__(self, config, variables, states, packs=()):
+    """`variables`: what the step updates (`sharding`'s storage)."""
     self.config = config
-    self.variables = model.trainable_variables
+    self.variables = variables
     self.owners = [config.owner_device(devices.device_of(v))
                    for v in self.variables]
     self.states = states

@@ -6,19 +6,27 @@ devices=...))`. On TensorFlow, Keras accepts it and trains on one device
 (only JAX's variables and steps consult it). The towers honour it:
 `config_for` turns Keras's `DataParallel` (a one-axis mesh) into a
 `DeploymentConfig` with one clone a device of the mesh, in the mesh's
-order. `ModelParallel`'s layouts (variables sharded over a mesh) are not
-honoured yet: refused in one line, never trained as something else.
+order, and a `ModelParallel` into the same clones with its layout map's
+variable layouts (`mesh_layouts`): each variable a layout splits is stored
+as its shards over the mesh (`sharding`). Every device of the mesh is a
+clone with its own rows (where JAX feeds the rows over the batch axis
+alone and computes each layer's shards in place): the same update, to
+round-off, with each clone gathering the shards it computes with. Tensor
+layouts (a layer's outputs) name how JAX computes, not what is trained:
+the towers compute each clone's layers whole.
 """
 
 import keras
 
 from tfmulti import errors
+from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy.placement import DeploymentConfig
 
 
 def config_for(config):
   """The `DeploymentConfig` that `config` says: itself; a Keras
-  `DataParallel` read (`from_data_parallel`); None, the distribution
+  `DataParallel` or `ModelParallel` read (`clones_of`,
+  `from_model_parallel`); None, the distribution
   `keras.distribution.set_distribution` set.
 
   Raises:
@@ -35,21 +43,26 @@ def config_for(config):
         'set_distribution(keras.distribution.DataParallel(devices=...)) '
         'first.')
   if isinstance(distribution, keras.distribution.ModelParallel):
-    raise errors.UnsupportedError(
-        f'{distribution}: the towers do not shard variables by a layout '
-        'map yet; use keras.distribution.DataParallel, or a '
-        'DeploymentConfig with spread variables.')
+    return from_model_parallel(distribution)
   if not isinstance(distribution, keras.distribution.DataParallel):
     raise errors.ConfigError(
-        f'config={distribution!r}: pass a DeploymentConfig or a '
-        'keras.distribution.DataParallel.')
-  return from_data_parallel(distribution)
+        f'config={distribution!r}: pass a DeploymentConfig, a '
+        'keras.distribution.DataParallel or a ModelParallel.')
+  return DeploymentConfig(**clones_of(distribution))
 
 
-def from_data_parallel(distribution):
+def from_model_parallel(distribution):
+  """One clone a device of `distribution`'s mesh (`clones_of`), its
+  variables laid out by its layout map."""
+  return DeploymentConfig(
+      **clones_of(distribution),
+      variable_layouts=mesh_layouts.from_keras(distribution))
+
+
+def clones_of(distribution):
   """One clone a device of `distribution`'s mesh: devices 'cpu:0' to
   'cpu:N-1' (logical CPUs, `clone_on_cpu`) or 'gpu:0' to 'gpu:N-1', in
-  that order, as clone i runs on device i."""
+  the mesh's row-major order, as clone i runs on device i."""
   names = [str(d) for d in distribution.device_mesh.devices.flatten()]
   kinds = {name.split(':')[-2].split('/')[-1].lower() for name in names}
   kind = kinds.pop() if len(kinds) == 1 else None
@@ -57,7 +70,8 @@ def from_data_parallel(distribution):
       name.split(':')[-1] for name in names] != [
           str(i) for i in range(len(names))]:
     raise errors.ConfigError(
-        f'DataParallel(devices={names}): the towers run clone i on device '
+        f'{type(distribution).__name__}(devices={names}): the towers run '
+        'clone i on device '
         f"i; give one kind's devices from 0 in order: cpu:0, cpu:1, ... or "
         'gpu:0, gpu:1, ...')
-  return DeploymentConfig(num_clones=len(names), clone_on_cpu=kind == 'cpu')
+  return dict(num_clones=len(names), clone_on_cpu=kind == 'cpu')

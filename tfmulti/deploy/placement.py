@@ -15,6 +15,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti.deploy import mesh_layouts
 
 _HOST = '/device:CPU:0'
 
@@ -30,6 +31,30 @@ def _normalise_device(device):
     raise errors.ConfigError(
         f'variables_device={device!r} is not a device string; use e.g. '
         "'/device:CPU:0' or '/device:GPU:0'.") from e
+
+
+def _check_layouts(layouts, num_clones, num_stages, num_replicas,
+                   variables_device):
+  """Raises `ConfigError` for variable layouts these clones cannot hold."""
+  if layouts is None:
+    return
+  if not isinstance(layouts, mesh_layouts.VariableLayouts):
+    raise errors.ConfigError(
+        f'variable_layouts={layouts!r}: pass a mesh_layouts.VariableLayouts '
+        '(mesh_layouts.from_keras reads a keras.distribution.ModelParallel).')
+  if num_clones != layouts.num_devices:
+    raise errors.ConfigError(
+        f'num_clones={num_clones} with a mesh of {layouts.mesh_shape}: one '
+        f'clone a mesh device; use num_clones={layouts.num_devices}.')
+  if num_stages > 1 or num_replicas > 1:
+    raise errors.UnsupportedError(
+        f'variable layouts with num_stages={num_stages}, num_replicas='
+        f"{num_replicas}: the towers shard variables over one worker's "
+        'whole clones; use num_stages=1 and one worker.')
+  if variables_device not in (None, SPREAD):
+    raise errors.ConfigError(
+        f'variables_device={variables_device!r} with variable layouts: the '
+        'layouts place the variables; leave variables_device unset.')
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -63,6 +88,11 @@ class DeploymentConfig:
     prefetch_to_clones: whether the input pipeline copies each clone's
       shard of a step to the clone's device ahead of the step; None (the
       default) follows `prefetches_to_clones()`'s rule.
+    variable_layouts: a `mesh_layouts.VariableLayouts` (Keras's
+      `ModelParallel` read): clone i on the mesh's i-th device, and each
+      variable its layout splits stored as its shards, one on a device of
+      the mesh that layout names, the rest spread (`sharding`); None keeps
+      variables whole.
   """
   num_clones: int
   clone_on_cpu: bool
@@ -74,12 +104,13 @@ class DeploymentConfig:
   num_stages: int
   spread_variables: bool
   prefetch_to_clones: Optional[bool]
+  variable_layouts: Optional[mesh_layouts.VariableLayouts]
   _variables_device: Optional[str]
 
   def __init__(self, num_clones=1, clone_on_cpu=False, variables_device=None,
                replica_id=0, num_replicas=1, num_ps_tasks=0,
                worker_job_name='worker', ps_job_name='ps', *, num_stages=1,
-               prefetch_to_clones=None):
+               prefetch_to_clones=None, variable_layouts=None):
     """Validates the arguments; raises `ConfigError` naming the bad value."""
     errors.check_count('num_clones', num_clones, 1)
     errors.check_count('num_stages', num_stages, 1)
@@ -96,7 +127,10 @@ class DeploymentConfig:
           raise errors.ConfigError(
               f'{name}={job!r}: a job name is needed with several workers '
               'or parameter servers.')
-    spread_variables = variables_device == SPREAD
+    _check_layouts(variable_layouts, num_clones, num_stages, num_replicas,
+                   variables_device)
+    spread_variables = (variables_device == SPREAD or
+                        variable_layouts is not None)
     if spread_variables:
       variables_device = None
     if (variables_device is not None or spread_variables) and num_ps_tasks:
@@ -121,6 +155,7 @@ class DeploymentConfig:
                   ps_job_name=ps_job_name, num_stages=num_stages,
                   spread_variables=spread_variables,
                   prefetch_to_clones=prefetch_to_clones,
+                  variable_layouts=variable_layouts,
                   _variables_device=variables_device)
     for name, value in values.items():
       object.__setattr__(self, name, value)

@@ -25,6 +25,7 @@ from tfmulti import pieces
 from tfmulti import slices
 from tfmulti.deploy import atoms
 from tfmulti.deploy import packs as packs_lib
+from tfmulti.deploy import sharding
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy.clones import on_clone
 from tfmulti.deploy.clones import values_of
@@ -41,12 +42,15 @@ class WholeClones:
   """
 
   def __init__(self, config, model, loss_fn, options, packs=(),
-               run_pieces=atoms.run_whole):
+               run_pieces=atoms.run_whole, storage=None):
     """`run_pieces`: how a clone runs its pieces, the combiner's choice
-    (`atoms.run_whole`, or `atoms.run_atoms`, each atom alone)."""
+    (`atoms.run_whole`, or `atoms.run_atoms`, each atom alone); `storage`:
+    what it reads (`sharding`), None for the model's variables whole."""
     self.config = config
     self.model = model
-    self.body = pieces.Body(model, loss_fn)
+    self.storage = storage or sharding.Whole(model)
+    self.body = pieces.Body(model, loss_fn,
+                            gathered=self.storage.gathered)
     if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
       self.body = tf.function(self.body, jit_compile=True)
     self.run_pieces = run_pieces
@@ -66,8 +70,7 @@ class WholeClones:
       non-trainable values, one set a piece]); None for a clone with no
       rows.
     """
-    reads = _packed_reads(self.config, self.model.trainable_variables,
-                          self.packs)
+    reads = _packed_reads(self.config, self.storage.variables, self.packs)
 
     def run_clone(i, mine, x, y):
       variables = (reads(self.config.clone_device(i)),
@@ -90,7 +93,7 @@ class WholeClones:
     """Clone `clone_index` alone on a batch cut by `layout` (one clone):
     (loss, gradients), on its device."""
     with on_clone(self.config, clone_index):
-      variables = (values_of(self.model.trainable_variables),
+      variables = (values_of(self.storage.variables),
                    values_of(self.model.non_trainable_variables))
       result = atoms.run_whole(self.body, layout.of(0, 0, 0), variables,
                                images, labels,

@@ -62,6 +62,7 @@ from tfmulti.deploy import combiners
 from tfmulti.deploy import feeds
 from tfmulti.deploy import packs
 from tfmulti.deploy import runners
+from tfmulti.deploy import sharding
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy import xla_rule
 from tfmulti.deploy.clones import create_clones
@@ -89,6 +90,8 @@ class Parts:
     update_scope: the context the optimizer's update runs in: beside each
       variable (where the variables are spread, its owner; else the
       variables device, where it would run anyway).
+    storage: what the step reads and updates (`sharding`): the model's
+      trainable variables, or their shards.
     summaries: `summaries(grads_and_vars, scale)` -> {path: gradient}, or
       nothing without `summarize_gradients`.
   """
@@ -96,6 +99,7 @@ class Parts:
   combiner: object
   shares: object
   measure: object
+  storage: object
   update_scope: object = keras_internals.updates_beside_variables
   summaries: object = lambda grads_and_vars, scale: {}
 
@@ -160,7 +164,7 @@ class DeployedModel(trainer.Trainer):
         self.parts.combiner(clones_of, images, labels, layout, structure))
     with tf.device(config.optimizer_device()):
       grads_and_vars = [(g, v) for g, v in zip(
-          gradients, self.model.trainable_variables) if g is not None]
+          gradients, self.parts.storage.variables) if g is not None]
       summed = self.parts.summaries(grads_and_vars, scale)
       grads_and_vars, total, regularization = (
           self.parts.combiner.for_update(grads_and_vars, total,
@@ -387,25 +391,30 @@ def build(config, model, loss_fn, optimizer, options, *, shares=None):
       config.variable_devices() + [config.optimizer_device(),
                                    config.inputs_device()] +
       config.compute_devices())
-  parts = compose(config, model, loss_fn, options, shares)
+  storage = sharding.storage_of(config, model, optimizer)
+  parts = compose(config, model, loss_fn, options, shares, storage)
   if not optimizer.built:  # Keras puts each slot beside its variable.
     with tf.device(config.optimizer_variables_device()):
-      optimizer.build(model.trainable_variables)
-  devices.check_placement(model.variables, config.variable_devices())
+      optimizer.build(storage.variables)
+  devices.check_placement(
+      storage.variables + model.non_trainable_variables,
+      config.variable_devices())
   devices.check_placement(optimizer.variables, config.variable_devices() +
                           [config.optimizer_variables_device()])
   parts.combiner.prepare()
   return DeployedModel(config, model, loss_fn, optimizer, options, parts)
 
 
-def compose(config, model, loss_fn, options, shares=None):
+def compose(config, model, loss_fn, options, shares=None, storage=None):
   """The `Parts` of the step these options ask for on `config`'s clones:
   each choice made here, once (raises `ConfigError` for a stage cut that
   cannot be made). `shares`: a shares policy to use instead of the
-  options'."""
+  options'; `storage`: the model's (`sharding.storage_of`), None for its
+  variables whole."""
+  storage = storage or sharding.Whole(model)
   owners = [config.owner_device(devices.device_of(v))
-            for v in model.trainable_variables]
-  gradient_packs = packs.groups(model.trainable_variables, owners,
+            for v in storage.variables]
+  gradient_packs = packs.groups(storage.variables, owners,
                                 options.gradient_packs)
   combine = combiners.of(options)
   if layouts.is_staged(config, options):
@@ -420,16 +429,17 @@ def compose(config, model, loss_fn, options, shares=None):
         towers_in_strategy.lockstep_strategy(config))
   else:
     runner = runners.WholeClones(config, model, loss_fn, options,
-                                 gradient_packs, combine.run_pieces)
+                                 gradient_packs, combine.run_pieces,
+                                 storage)
   measure = balance.Probes(config, options, runner)
   shares = shares or (balance.Balancer(options.rebalance_every_steps)
                       if options.auto_shares else balance.Fixed(
                           options.fixed_shares))
   return Parts(
       runner,
-      combine(config, model, combiners.States(
+      combine(config, storage.variables, combiners.States(
           config, model, options.batch_norm_policy), gradient_packs),
-      shares=shares.with_measure(measure), measure=measure,
+      shares=shares.with_measure(measure), measure=measure, storage=storage,
       summaries=(trainer.gradients_by_path if options.summarize_gradients
                  else Parts.summaries))
 
@@ -458,4 +468,8 @@ def check_options(config, options):
   rules that need both records (the one-record rules are `StepOptions`')."""
   options.check_stages(config.num_stages)
   layouts.check_share_count(options.fixed_shares, config.num_clones)
+  if config.variable_layouts is not None and options.sync_batch_norm:
+    raise errors.UnsupportedError(
+        'sync_batch_norm with variable layouts: the clones in lockstep read '
+        'whole variables; leave sync_batch_norm off, or the layouts unset.')
   combiners.of(options).check(config)

@@ -58,6 +58,11 @@ def check(model, config, options, workers):
     raise errors.UnsupportedError(
         f'num_stages={config.num_stages}: model {model.name!r} has its own '
         f'{mine}, which runs whole on each clone; use num_stages=1.')
+  if config.variable_layouts is not None:
+    raise errors.UnsupportedError(
+        f'model {model.name!r} has its own {mine}, which reads and updates '
+        'whole variables: variable layouts are not honoured there; leave '
+        'them unset (keras.distribution.DataParallel).')
   if workers is not None and workers.strategy is not None:
     raise errors.UnsupportedError(
         f'model {model.name!r} has its own {mine}: across workers it is '

@@ -1,0 +1,302 @@
+"""Keras's `ModelParallel` honoured: each variable its layout map splits is
+stored as its shards over the mesh, and training equals plain `fit` on one
+device; what cannot be honoured is refused in one line."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmulti import deploy
+from tfmulti import errors
+from tfmulti import fit
+from tfmulti.deploy import keras_distribution
+from tfmulti.deploy import mesh_layouts
+from tfmulti.deploy import sharding
+
+
+def _mesh(shape, names):
+  count = int(np.prod(shape))
+  return keras.distribution.DeviceMesh(
+      shape, names, keras.distribution.list_devices()[:count])
+
+
+def _parallel(shape, names, layouts, batch='batch'):
+  layout_map = keras.distribution.LayoutMap(_mesh(shape, names))
+  for key, axes in layouts.items():
+    layout_map[key] = axes
+  return keras.distribution.ModelParallel(layout_map=layout_map,
+                                          batch_dim_name=batch)
+
+
+def _model():
+  """Token ids to a class: an Embedding table, two Dense layers."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input(shape=(3,), dtype='int32')
+  x = keras.layers.Embedding(16, 8, name='table')(inputs)
+  x = keras.layers.Flatten()(x)
+  x = keras.layers.Dense(12, activation='relu', name='d1')(x)
+  return keras.Model(inputs, keras.layers.Dense(4, name='d2')(x))
+
+
+def _data():
+  rng = np.random.default_rng(3)
+  return (rng.integers(0, 16, (32, 3)).astype('int32'),
+          rng.integers(0, 4, 32).astype('int32'))
+
+
+def _fit(model, optimizer='adam', **fit_arguments):
+  make = {'adam': lambda: keras.optimizers.Adam(0.02),
+          'adagrad': lambda: keras.optimizers.Adagrad(0.1),
+          'sgd': lambda: keras.optimizers.SGD(0.1, momentum=0.9)}[optimizer]
+  model.compile(optimizer=make(), metrics=['accuracy'],
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  fit_arguments = {'epochs': 2, **fit_arguments}
+  return model.fit(*_data(), batch_size=8, shuffle=False, verbose=0,
+                   **fit_arguments).history
+
+
+def _same(got, want, plain, model):
+  for key, values in want.items():
+    np.testing.assert_allclose(got[key], values, rtol=1e-5, err_msg=key)
+  for g, w in zip(model.weights, plain.weights):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
+
+
+LAYOUTS = {
+    'one axis': ((4,), ['model'], {'d1/kernel': (None, 'model'),
+                                   'd1/bias': ('model',)}),
+    'two axes': ((2, 2), ['batch', 'model'], {
+        'd1/kernel': ('batch', 'model'), 'd2/kernel': ('model', None)}),
+    'table by rows': ((2, 2), ['batch', 'model'],
+                      {'table/embeddings': ('model', None)}),
+    'table by columns': ((2, 2), ['batch', 'model'],
+                         {'table/embeddings': (None, 'batch')}),
+    'table both ways, all by regex': ((2, 2), ['batch', 'model'], {
+        'table/embeddings': ('batch', 'model'),
+        '.*/kernel': (None, 'model')}),
+}
+
+
+@pytest.mark.parametrize('layout, optimizer', [
+    *((layout, 'adam') for layout in LAYOUTS),
+    ('table both ways, all by regex', 'adagrad'),
+    ('table both ways, all by regex', 'sgd')])
+def test_each_layout_trains_as_one_device(layout, optimizer):
+  plain = _model()
+  want = _fit(plain, optimizer)
+  model = _model()
+  towers = fit.TowersModel(model, _parallel(*LAYOUTS[layout]))
+  _same(_fit(towers, optimizer), want, plain, model)
+
+
+def _stored(model):
+  """{path: [(device, shape), ...]} of each variable's storage."""
+  stored = {}
+  for variable in model.weights:
+    value = variable._value
+    parts = value.shards if isinstance(value, sharding.ShardedValue) else [
+        value]
+    stored[variable.path] = [(p.device.split('device:')[-1],
+                              tuple(p.shape)) for p in parts]
+  return stored
+
+
+def test_no_device_holds_a_whole_sharded_variable():
+  model = _model()
+  towers = fit.TowersModel(model, _parallel(*LAYOUTS['two axes']))
+  _fit(towers)
+  stored = _stored(model)
+  assert stored['d1/kernel'] == [('CPU:0', (12, 6)), ('CPU:1', (12, 6)),
+                                 ('CPU:2', (12, 6)), ('CPU:3', (12, 6))]
+  # ('model', None): shard m on a device of mesh column m, the less loaded.
+  assert [shape for _, shape in stored['d2/kernel']] == [(6, 4), (6, 4)]
+  assert {d for d, _ in stored['d2/kernel']} in ({'CPU:0', 'CPU:1'},
+                                                 {'CPU:2', 'CPU:1'},
+                                                 {'CPU:0', 'CPU:3'},
+                                                 {'CPU:2', 'CPU:3'})
+  assert all(len(parts) == 1 for path, parts in stored.items()
+             if path not in ('d1/kernel', 'd2/kernel'))
+  # Each slot beside its shard, its shard's shape.
+  shards = {v.path: v for v in towers.towers.parts.storage.variables}
+  for slot in towers.towers.optimizer.variables:
+    owner = [v for path, v in shards.items()
+             if slot.path.startswith(f'adam/{path.replace("/", "_")}_')]
+    if owner:
+      assert slot.value.device == owner[0].value.device, slot.path
+      assert slot.shape == owner[0].shape, slot.path
+
+
+def test_each_clone_gathers_and_each_shard_is_summed_beside_it():
+  model = _model()
+  towers = fit.TowersModel(model, _parallel(*LAYOUTS['one axis']))
+  _fit(towers, epochs=1)
+  images, labels = _data()
+  graph = towers.towers.traced_step(tf.constant(images[:8]),
+                                    (tf.constant(labels[:8]),)).graph
+  operations = graph.get_operations()
+  gathers = {op.device.split('device:')[-1] for op in operations
+             if 'gather_shards' in op.name and op.type == 'ConcatV2'}
+  assert gathers == {'CPU:0', 'CPU:1', 'CPU:2', 'CPU:3'}
+  # Each clone cuts its gradients into the shards' pieces (the gathers'
+  # gradients), and each piece is summed on its shard's device.
+  cuts = {op.device.split('device:')[-1] for op in operations
+          if op.type == 'Slice' and 'gather_shards' in op.name}
+  assert cuts == {'CPU:0', 'CPU:1', 'CPU:2', 'CPU:3'}
+  shards = [v for v in towers.towers.parts.storage.variables
+            if '/shard_' in v.path]
+  sums = {op.device for op in operations
+          if op.type == 'AddN' and 'sum_gradients' in op.name}
+  assert {v.value.device for v in shards} <= sums
+
+
+def test_the_same_bits_on_every_mesh_under_reproducible_rows():
+  weights = []
+  for shape, names, layouts in [LAYOUTS['two axes'],
+                                LAYOUTS['table both ways, all by regex'],
+                                ((4,), ['batch'], {})]:
+    model = _model()
+    _fit(fit.TowersModel(model, _parallel(shape, names, layouts),
+                         reproducible_rows=2))
+    weights.append([w.numpy() for w in model.weights])
+  for other in weights[1:]:
+    for a, b in zip(weights[0], other):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_the_guides_model_parallel_code_trains_sharded():
+  # The keras.io distribution guide's code, and the wrap (its Dropout
+  # draws other numbers on each clone: learning, not equality).
+  devices = keras.distribution.list_devices()[:8]
+  mesh_2d = keras.distribution.DeviceMesh(
+      shape=(2, 4), axis_names=['data', 'model'], devices=devices)
+  layout_map = keras.distribution.LayoutMap(mesh_2d)
+  layout_map['d1/kernel'] = (None, 'model')
+  layout_map['d1/bias'] = ('model',)
+  layout_map['d2/output'] = ('data', None)
+  model_parallel = keras.distribution.ModelParallel(
+      layout_map=layout_map, batch_dim_name='data')
+  inputs = keras.layers.Input(shape=(28, 28, 1))
+  y = keras.layers.Flatten()(inputs)
+  y = keras.layers.Dense(units=200, use_bias=False, activation='relu',
+                         name='d1')(y)
+  y = keras.layers.Dropout(0.4)(y)
+  y = keras.layers.Dense(units=10, activation='softmax', name='d2')(y)
+  model = keras.Model(inputs=inputs, outputs=y)
+  towers = fit.TowersModel(model, model_parallel)
+  towers.compile(loss='sparse_categorical_crossentropy', optimizer='adam')
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 10, 128)
+  images = rng.normal(size=(128, 28, 28, 1)).astype('float32') * 0.1
+  images[np.arange(128), labels, labels, 0] += 3.0
+  history = towers.fit(images, labels, batch_size=16, epochs=5,
+                       verbose=0).history
+  assert history['loss'][-1] < 0.5 * history['loss'][0]
+  assert [device for device, _ in _stored(model)['d1/kernel']] == [
+      'CPU:0', 'CPU:1', 'CPU:2', 'CPU:3']
+  assert towers.config.num_clones == 8
+
+
+def test_weights_saved_sharded_load_on_another_mesh_and_one_device(tmp_path):
+  model = _model()
+  _fit(fit.TowersModel(model, _parallel(*LAYOUTS['two axes'])))
+  path = str(tmp_path / 'sharded.weights.h5')
+  model.save_weights(path)
+  plain = _model()
+  plain.load_weights(path)
+  other = _model()
+  fit.TowersModel(other, _parallel(*LAYOUTS['table by columns']))
+  other.load_weights(path)
+  for a, b, c in zip(model.weights, plain.weights, other.weights):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(a.numpy(), c.numpy())
+  checkpoint = tf.train.Checkpoint(model=model)
+  saved = checkpoint.write(str(tmp_path / 'ckpt'))
+  restored = _model()
+  fit.TowersModel(restored, _parallel(*LAYOUTS['one axis']))
+  tf.train.Checkpoint(model=restored).read(saved).assert_consumed()
+  for a, b in zip(model.weights, restored.weights):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_model_parallel_becomes_clones_with_layouts():
+  config = keras_distribution.config_for(
+      _parallel(*LAYOUTS['two axes']))
+  assert (config.num_clones, config.clone_on_cpu) == (4, True)
+  assert config.variable_layouts == mesh_layouts.VariableLayouts(
+      (2, 2), ('batch', 'model'),
+      (('d1/kernel', ('batch', 'model')), ('d2/kernel', ('model', None))))
+  assert config.spread_variables
+
+
+def _refused_at_build(layouts, optimizer=None, model=None, **options):
+  model = model or _model()
+  config = deploy.DeploymentConfig(
+      num_clones=4, clone_on_cpu=True,
+      variable_layouts=mesh_layouts.VariableLayouts(
+          (2, 2), ('batch', 'model'), tuple(layouts.items())))
+  return deploy.deploy(config, model, keras.losses.MeanSquaredError(),
+                       optimizer or keras.optimizers.Adam(), **options)
+
+
+@pytest.mark.parametrize('make, error, message', [
+    (lambda: _refused_at_build({'d1/kernel': ('model',)}), errors.ConfigError,
+     r'variable d1/kernel of shape \(24, 12\): layout \(\'model\',\) names 1 '
+     r'dimensions'),
+    (lambda: _refused_at_build({'d1/kernel': ('batch', None)},
+                               model=_odd_model()), errors.ConfigError,
+     r'variable d1/kernel of shape \(5, 4\): layout \(\'batch\', None\) '
+     r'splits a dimension of 5 over 2 devices'),
+    (lambda: _refused_at_build({'d1/.*': (None, 'model'),
+                                '.*/kernel': (None, 'model')}),
+     errors.ConfigError, r'variable d1/kernel: Path .d1/kernel. matches '
+     r'multiple layout specification keys'),
+    (lambda: _refused_at_build({'d1/kernel': (None, 'model')},
+                               keras.optimizers.Adafactor()),
+     errors.UnsupportedError, r'optimizer Adafactor: its update reads whole '
+     r'variables'),
+    (lambda: _refused_at_build({'d1/kernel': (None, 'model')},
+                               keras.optimizers.Adam(clipnorm=1.0)),
+     errors.UnsupportedError, r'clipnorm=1\.0: it clips each variable'),
+    (lambda: _refused_at_build({'d1/kernel': (None, 'model')},
+                               sync_batch_norm=True),
+     errors.UnsupportedError, r'sync_batch_norm with variable layouts'),
+    (lambda: mesh_layouts.VariableLayouts(
+        (2, 2), ('batch', 'model'), (('d1/kernel', (None, 'modle')),)),
+     errors.ConfigError, r"layout_map\['d1/kernel'\] = \(None, 'modle'\): "
+     r"'modle' is not an axis of the mesh"),
+    (lambda: mesh_layouts.VariableLayouts(
+        (2, 2), ('batch', 'model'), (('d1/kernel', ('model', 'model')),)),
+     errors.ConfigError, r'a mesh axis splits one dimension'),
+    (lambda: deploy.DeploymentConfig(
+        num_clones=2, clone_on_cpu=True,
+        variable_layouts=mesh_layouts.VariableLayouts((2, 2), ('a', 'b'))),
+     errors.ConfigError, r'num_clones=2 with a mesh of \(2, 2\): one clone a '
+     r'mesh device; use num_clones=4'),
+    (lambda: deploy.DeploymentConfig(
+        num_clones=2, num_stages=2, clone_on_cpu=True,
+        variable_layouts=mesh_layouts.VariableLayouts((2,), ('a',))),
+     errors.UnsupportedError, r'variable layouts with num_stages=2'),
+])
+def test_a_layout_the_towers_cannot_honour_is_one_line(make, error, message):
+  with pytest.raises(error, match=message) as refused:
+    make()
+  assert '\n' not in str(refused.value)
+
+
+def _odd_model():
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input(shape=(5,))
+  return keras.Model(inputs, keras.layers.Dense(4, name='d1')(inputs))
+
+
+def test_a_refused_layout_changes_no_variable():
+  model = _model()
+  before = [(v._value, v.numpy()) for v in model.weights]
+  with pytest.raises(errors.UnsupportedError):
+    _refused_at_build({'d1/kernel': (None, 'model')},
+                      keras.optimizers.Lamb(), model=model)
+  for variable, (storage, value) in zip(model.weights, before):
+    assert variable._value is storage
+    np.testing.assert_array_equal(variable.numpy(), value)

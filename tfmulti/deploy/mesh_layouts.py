@@ -1,0 +1,140 @@
+"""Variable layouts over a device mesh, as Keras's `ModelParallel` gives them.
+
+A `VariableLayouts` is the pure part of a `keras.distribution.ModelParallel`:
+the mesh's shape and axis names and the layout map's rules (a variable
+path pattern and its axes: a mesh axis name, or None, a dimension). A
+variable's axes come from Keras's own `LayoutMap` lookup (an exact key,
+else the one key that fully matches; none: replicated), and `blocks` cuts
+its shape into the shards the axes name: a dimension named by an axis
+splits into as many equal parts as the axis has devices.
+
+Each shard lives on one device of the mesh whose coordinates on the named
+axes are the shard's (which one: `sharding`); the towers keep one copy of
+each shard, where JAX's arrays keep one on every device of the unnamed
+axes, because one update writes it.
+"""
+
+import dataclasses
+import itertools
+import math
+
+import keras
+import numpy as np
+
+from tfmulti import errors
+from tfmulti import keras_internals
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableLayouts:
+  """A mesh and a layout map's rules: pure, so a config holds it.
+
+  Attributes:
+    mesh_shape: devices along each mesh axis; clone i runs on the mesh's
+      i-th device in row-major order.
+    axis_names: the mesh axes' names, as Keras's `DeviceMesh` names them.
+    rules: (key, axes) pairs of the layout map, in its order; `axes` a
+      tuple of axis names or None, one a dimension.
+  """
+  mesh_shape: tuple
+  axis_names: tuple
+  rules: tuple = ()
+
+  def __post_init__(self):
+    if (not self.mesh_shape or len(self.mesh_shape) != len(self.axis_names)
+        or any(not isinstance(n, int) or n < 1 for n in self.mesh_shape)):
+      raise errors.ConfigError(
+          f'mesh shape {self.mesh_shape} with axes {self.axis_names}: give '
+          'one positive device count an axis name.')
+    if len(set(self.axis_names)) != len(self.axis_names):
+      raise errors.ConfigError(
+          f'mesh axes {self.axis_names}: name each axis once.')
+    for key, axes in self.rules:
+      for axis in axes:
+        if axis is not None and axis not in self.axis_names:
+          raise errors.ConfigError(
+              f'layout_map[{key!r}] = {axes}: {axis!r} is not an axis of '
+              f'the mesh {self.axis_names}; use one of them or None.')
+      named = [axis for axis in axes if axis is not None]
+      if len(set(named)) != len(named):
+        raise errors.ConfigError(
+            f'layout_map[{key!r}] = {axes}: a mesh axis splits one '
+            'dimension; name each axis once.')
+
+  @property
+  def num_devices(self):
+    """The mesh's device count: one clone each."""
+    return math.prod(self.mesh_shape)
+
+  def axes_for(self, path, shape):
+    """The axes of the variable at `path` of `shape` by Keras's rules, or
+    None where it is whole (no key matches, or every axis is None).
+
+    Raises:
+      errors.ConfigError: several keys match, or the layout does not fit
+        the shape (its rank, or a dimension the axis does not divide).
+    """
+    try:
+      layout = self._layout_map()[path]
+    except ValueError as e:  # Keras: several keys match.
+      raise errors.ConfigError(
+          f'variable {path}: {str(e).splitlines()[0]}') from None
+    if layout is None or not any(a is not None for a in layout.axes):
+      return None
+    axes = tuple(layout.axes)
+    if len(axes) != len(shape):
+      raise errors.ConfigError(
+          f'variable {path} of shape {tuple(shape)}: layout {axes} names '
+          f'{len(axes)} dimensions; give one axis or None a dimension.')
+    for dim, axis in zip(shape, axes):
+      parts = self.parts_of(axis)
+      if dim % parts:
+        raise errors.ConfigError(
+            f'variable {path} of shape {tuple(shape)}: layout {axes} splits '
+            f'a dimension of {dim} over {parts} devices of {axis!r}, which '
+            'do not divide it; use a mesh axis that divides it, or None.')
+    return axes
+
+  def parts_of(self, axis):
+    """How many parts a dimension named `axis` splits into (1: None)."""
+    return 1 if axis is None else self.mesh_shape[self.axis_names.index(axis)]
+
+  def candidates(self, axes, block):
+    """The flat indices of the mesh devices that may hold shard `block`
+    (its index along each dimension) of a variable laid out by `axes`:
+    those whose coordinates on the named axes are the shard's."""
+    fixed = {axis: index for axis, index in zip(axes, block) if axis}
+    return [flat for flat, coordinates in enumerate(
+        np.ndindex(*self.mesh_shape))
+            if all(coordinates[self.axis_names.index(axis)] == index
+                   for axis, index in fixed.items())]
+
+  def _layout_map(self):
+    devices = [f'cpu:{i}' for i in range(self.num_devices)]
+    mesh = keras.distribution.DeviceMesh(self.mesh_shape,
+                                         list(self.axis_names), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in self.rules:
+      layout_map[key] = axes
+    return layout_map
+
+
+def grid(layouts, axes):
+  """Parts along each dimension of a variable laid out by `axes`."""
+  return tuple(layouts.parts_of(axis) for axis in axes)
+
+
+def blocks(parts):
+  """Each shard's index along each dimension, in row-major order (the
+  order `sharding` keeps shards in)."""
+  return list(itertools.product(*(range(n) for n in parts)))
+
+
+def from_keras(distribution):
+  """The `VariableLayouts` of a `keras.distribution.ModelParallel`: its
+  mesh and its layout map's rules, each key with the axes Keras stored."""
+  mesh = distribution.device_mesh
+  layout_map = keras_internals.layout_map_of(distribution)
+  return VariableLayouts(
+      tuple(mesh.shape), tuple(mesh.axis_names),
+      tuple((key, tuple(layout_map[key].axes)) for key in layout_map))

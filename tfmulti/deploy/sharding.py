@@ -1,0 +1,268 @@
+"""Variables stored as their layouts say: each shard on its device.
+
+`storage_of(config, model)` is the one place the step learns what it reads
+and updates:
+
+  Whole    the model's trainable variables themselves (every config
+           without variable layouts)
+  Sharded  each variable a layout splits (`mesh_layouts`) stored as its
+           shards, each a Keras variable on one mesh device, and every
+           other variable moved whole to the least-loaded device
+
+Under `Sharded` the step reads each shard on each clone and joins them
+there, inside the gradient tape (`gathered`: an all-gather), so the tape
+hands back each shard's gradient, cut on the clone; the combiners sum each
+beside its shard (a reduce-scatter) and the optimizer updates the shards,
+its slots beside them. The model's own variable keeps its name, shape and
+path, and its storage becomes a `ShardedValue`: reading it (predict, a
+checkpoint, `get_weights`) joins the shards where it is read, and
+assigning it (`load_weights`, a restore) cuts the value into them, so no
+device holds the whole variable.
+"""
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+from tfmulti import devices
+from tfmulti import errors
+from tfmulti import keras_internals
+from tfmulti.deploy import mesh_layouts
+
+# Optimizers whose update of an element reads only that element's gradient
+# and slots, so a shard's update is the whole update's (and their
+# subclasses). Adafactor factors a kernel's moments over its rows and
+# columns; Lamb and Muon read a whole variable's norm or matrix.
+ELEMENTWISE = tuple(getattr(keras.optimizers, name) for name in (
+    'SGD', 'Adam', 'AdamW', 'Adamax', 'Nadam', 'RMSprop', 'Adagrad',
+    'Adadelta', 'Ftrl', 'Lion'))
+
+
+class Whole:
+  """The model's trainable variables, each whole on its device."""
+
+  def __init__(self, model):
+    self.variables = model.trainable_variables
+
+  @staticmethod
+  def gathered(values):
+    """The model's trainable values from the step's reads: themselves."""
+    return values
+
+
+class Sharded:
+  """Each laid-out variable as its shards; the rest whole.
+
+  Attributes:
+    variables: what the step reads and the optimizer updates: for each of
+      the model's trainable variables in order, itself or its shards in
+      row-major order.
+    grids: for each of the model's trainable variables, its parts along
+      each dimension, or None for a whole one.
+  """
+
+  def __init__(self, variables, grids):
+    self.variables = variables
+    self.grids = grids
+
+  def gathered(self, values):
+    """The model's trainable values from reads of `variables`: each
+    sharded one joined from its shards on the current device."""
+    whole, at = [], 0
+    with tf.name_scope('gather_shards'):
+      for parts in self.grids:
+        count = 1 if parts is None else len(mesh_layouts.blocks(parts))
+        mine = values[at:at + count]
+        whole.append(mine[0] if parts is None else join(parts, mine))
+        at += count
+    return whole
+
+
+def join(parts, shards):
+  """The whole tensor of `shards` (row-major over `parts`, the parts along
+  each dimension), joined on the current device: each dimension in turn
+  from the last."""
+  for dim in reversed(range(len(parts))):
+    if parts[dim] > 1:
+      n = parts[dim]
+      shards = [tf.concat(shards[i:i + n], axis=dim)
+                for i in range(0, len(shards), n)]
+  (whole,) = shards
+  return whole
+
+
+def cut(parts, value):
+  """`value` cut into shards along each dimension, in row-major order."""
+  shards = [value]
+  for dim, n in enumerate(parts):
+    if n > 1:
+      shards = [s for whole in shards for s in tf.split(whole, n, axis=dim)]
+  return shards
+
+
+class ShardedValue:
+  """A Keras variable's storage as shards (`tf.Variable`s, each on its
+  device): read, it joins them where it is read; assigned, it cuts the
+  value and writes each shard on its device. No whole copy is kept."""
+
+  def __init__(self, parts, shards):
+    self.parts = parts
+    self.shards = shards
+    self.dtype = shards[0].dtype
+    self.shape = join(parts, [tf.zeros(s.shape, s.dtype)
+                              for s in shards]).shape
+    self.trainable = shards[0].trainable
+    # The name a checkpoint records (TF's `get_full_name`): the first
+    # shard's.
+    self._shared_name = shards[0]._shared_name
+
+  def read_value(self):
+    """The whole value, joined on the current device."""
+    with tf.name_scope('gather_shards'):
+      return join(self.parts, [s.read_value() for s in self.shards])
+
+  def assign(self, value):
+    """Writes `value`'s shards, each on its shard's device."""
+    for shard, piece in zip(self.shards, cut(self.parts, value)):
+      with tf.device(shard.device):
+        shard.assign(piece)
+    return self
+
+  def numpy(self):
+    return self.read_value().numpy()
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # A read is a copy.
+    return self.read_value().numpy().astype(dtype or self.dtype.as_numpy_dtype)
+
+  def __getitem__(self, index):
+    return self.read_value()[index]
+
+  def __neg__(self):
+    return -self.read_value()
+
+  def __abs__(self):
+    return abs(self.read_value())
+
+  def __invert__(self):
+    return ~self.read_value()
+
+  def _serialize_to_tensors(self):
+    with tf.device('/device:CPU:0'):
+      return {'VARIABLE_VALUE': self.read_value()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    return self.assign(restored_tensors['VARIABLE_VALUE'])
+
+
+tf.register_tensor_conversion_function(
+    ShardedValue, lambda value, dtype=None, name=None, as_ref=False:
+    tf.cast(value.read_value(), dtype) if dtype else value.read_value())
+
+
+def storage_of(config, model, optimizer):
+  """The model's storage under `config`: `Whole`, or, with variable
+  layouts, `Sharded`: the model's variables moved into their shards and
+  devices now (once; a model sharded already keeps its shards).
+
+  Raises:
+    errors.UserError: a layout that cannot be honoured (see `check`).
+  """
+  layouts = config.variable_layouts
+  if layouts is None:
+    return Whole(model)
+  plan = check(layouts, model, optimizer)
+  held = dict.fromkeys(config.compute_devices(), 0)
+  variables, grids = [], []
+  for variable in model.trainable_variables:
+    axes = plan.get(id(variable))
+    if axes is None:
+      variables.append(variable)
+      grids.append(None)
+      continue
+    parts = mesh_layouts.grid(layouts, axes)
+    shards = _shard(config, layouts, variable, axes, parts, held)
+    keras_internals.exclude_alike(optimizer, variable, shards)
+    variables.extend(shards)
+    grids.append(parts)
+  whole = [v for v in model.variables if id(v) not in plan]
+  for variable in sorted(whole, key=devices.variable_bytes, reverse=True):
+    device = min(held, key=held.__getitem__)
+    _move(variable, device)
+    held[device] += devices.variable_bytes(variable)
+  logging.info('Variables sharded by their layouts: %d of %d; bytes a '
+               'device: %s.', len(plan), len(model.variables),
+               sorted(held.values()))
+  return Sharded(variables, grids)
+
+
+def check(layouts, model, optimizer):
+  """{id(variable): axes} for each variable the layouts split, checked.
+
+  Raises:
+    errors.UserError: a layout on a non-trainable variable, a layout that
+      does not fit its variable, or an optimizer that cannot update shards
+      as one device updates the whole (an update that reads a whole
+      variable, per-variable `clipnorm`, or one built already).
+  """
+  plan = {}
+  for variable in model.variables:
+    axes = layouts.axes_for(variable.path, variable.shape)
+    if axes is None:
+      continue
+    if not variable.trainable:
+      raise errors.UnsupportedError(
+          f'variable {variable.path}: layout {axes} on a non-trainable '
+          'variable: the towers shard trainable variables; leave it '
+          'replicated (no key matching it).')
+    plan[id(variable)] = axes
+  inner = getattr(optimizer, 'inner_optimizer', optimizer)
+  if plan and not isinstance(inner, ELEMENTWISE):
+    raise errors.UnsupportedError(
+        f'optimizer {type(inner).__name__}: its update reads whole '
+        'variables, so sharded variables would train otherwise; use an '
+        'elementwise one (' +
+        ', '.join(o.__name__ for o in ELEMENTWISE) + ').')
+  if plan and getattr(inner, 'clipnorm', None):
+    raise errors.UnsupportedError(
+        f'clipnorm={inner.clipnorm}: it clips each variable by its own norm, '
+        'which a shard does not know; use global_clipnorm.')
+  if plan and optimizer.built:
+    raise errors.ConfigError(
+        'the optimizer is built already (its slots hold whole variables): '
+        'pass an optimizer not yet used; the towers build it on the shards.')
+  return plan
+
+
+def _shard(config, layouts, variable, axes, parts, held):
+  """`variable`'s shards as Keras variables, each on the least-loaded
+  device of those its layout allows; the variable stored in them."""
+  shards = []
+  values = cut(parts, tf.convert_to_tensor(variable))
+  for block, value in zip(mesh_layouts.blocks(parts), values):
+    candidates = [config.clone_device(i)
+                  for i in layouts.candidates(axes, block)]
+    device = min(candidates, key=held.__getitem__)
+    with tf.init_scope(), tf.device(device):
+      storage = tf.Variable(value, trainable=True, name=variable.name)
+      shards.append(keras_internals.adopting(
+          variable, storage, shard_path(variable.path, block)))
+    held[device] += devices.variable_bytes(storage)
+  keras_internals.store_in(variable, ShardedValue(
+      parts, [keras_internals.storage(s) for s in shards]))
+  return shards
+
+
+def shard_path(path, block):
+  """The path of a variable's shard `block`: 'd1/kernel/shard_0_1'."""
+  return f'{path}/shard_' + '_'.join(str(i) for i in block)
+
+
+def _move(variable, device):
+  """`variable` (a Keras variable) stored on `device` from now on."""
+  if devices.on_device(variable, device):
+    return
+  old = keras_internals.storage(variable)
+  with tf.init_scope(), tf.device(device):
+    keras_internals.store_in(variable, tf.Variable(
+        old.read_value(), trainable=old.trainable, name=variable.name))
