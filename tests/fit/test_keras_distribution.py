@@ -84,9 +84,10 @@ def test_a_data_parallel_becomes_one_clone_a_device():
      errors.ConfigError, r"give one kind's devices"),
     (lambda: keras.distribution.ModelParallel(
         layout_map=keras.distribution.LayoutMap(
-            keras.distribution.DeviceMesh((2,), ['model'], ['cpu:0', 'cpu:1'])),
-        batch_dim_name='model'), errors.UnsupportedError,
-     r'the towers do not shard variables by a layout map yet'),
+            keras.distribution.DeviceMesh((2,), ['model'], ['cpu:1', 'cpu:0'])),
+        batch_dim_name='model'), errors.ConfigError,
+     r"ModelParallel\(devices=\['cpu:1', 'cpu:0'\]\): the towers run "
+     r'clone i on device i'),
 ])
 def test_a_distribution_the_towers_do_not_honour_is_one_line(make, error,
                                                              message):

@@ -300,3 +300,17 @@ def test_a_refused_layout_changes_no_variable():
   for variable, (storage, value) in zip(model.weights, before):
     assert variable._value is storage
     np.testing.assert_array_equal(variable.numpy(), value)
+
+
+def test_the_export_is_a_whole_model_plain_tensorflow_serves(tmp_path):
+  model = _model()
+  towers = fit.TowersModel(model, _parallel(*LAYOUTS['two axes']))
+  _fit(towers, epochs=1)
+  images, _ = _data()
+  want = towers.predict(images, verbose=0)
+  towers.export(str(tmp_path / 'served'), verbose=False)
+  served = tf.saved_model.load(str(tmp_path / 'served'))
+  np.testing.assert_allclose(served.serve(tf.constant(images)), want,
+                             rtol=1e-5, atol=1e-6)
+  assert isinstance(model.get_layer('d1').kernel._value,
+                    sharding.ShardedValue)

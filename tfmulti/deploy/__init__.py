@@ -9,7 +9,9 @@ options (`deploy.StepOptions`). Keras's door is `tfmulti.fit`
 library's own modules import the module that defines a name.
 
   placement           DeploymentConfig: every device string
-  keras_distribution  Keras's DataParallel read as a DeploymentConfig
+  keras_distribution  Keras's DataParallel and ModelParallel read as a config
+  mesh_layouts        a ModelParallel's mesh and layout map, pure
+  sharding            variables stored as their layouts' shards
   clones              the shards, the clones, their sum (slim's blocks)
   towers              deploy(): the step composed once; DeployedModel
   runners             how each clone runs: whole, in lockstep, in stages

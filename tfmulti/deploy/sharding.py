@@ -20,6 +20,8 @@ assigning it (`load_weights`, a restore) cuts the value into them, so no
 device holds the whole variable.
 """
 
+import contextlib
+
 from absl import logging
 import keras
 import tensorflow as tf
@@ -194,6 +196,34 @@ def storage_of(config, model, optimizer):
                'device: %s.', len(plan), len(model.variables),
                sorted(held.values()))
   return Sharded(variables, grids)
+
+
+def stored_variables(deployed):
+  """What a `DeployedModel` keeps in its devices: the variables its step
+  updates (shards, or whole variables), the non-trainable ones and the
+  optimizer's."""
+  return (deployed.parts.storage.variables +
+          deployed.model.non_trainable_variables +
+          deployed.optimizer.variables)
+
+
+@contextlib.contextmanager
+def whole_on_host(model):
+  """Inside, each sharded variable of `model` is stored whole on the host
+  (for an export, which traces the model's variables as they are), and
+  its shards again on exit, with the value it had on entry."""
+  sharded = [(v, keras_internals.storage(v)) for v in model.variables
+             if isinstance(keras_internals.storage(v), ShardedValue)]
+  try:
+    for variable, value in sharded:
+      with tf.init_scope(), tf.device('/device:CPU:0'):
+        keras_internals.store_in(variable, tf.Variable(
+            value.read_value(), trainable=value.trainable,
+            name=variable.name))
+    yield
+  finally:
+    for variable, value in sharded:
+      keras_internals.store_in(variable, value)
 
 
 def check(layouts, model, optimizer):

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 
 from tfmulti import devices
+from tfmulti.deploy import sharding
 
 KINDS = ('variables', 'gradients', 'other')
 
@@ -92,8 +93,8 @@ def step_traffic(deployed, images, labels):
   anything."""
   graph = deployed.traced_step(images, labels).graph
   table = collections.defaultdict(DeviceTraffic)
-  for device, held in held_bytes(deployed.model.variables +
-                                 deployed.optimizer.variables).items():
+  for device, held in held_bytes(
+      sharding.stored_variables(deployed)).items():
     table[device].held += held
   for source, reader, kind, size in transfers(graph):
     table[source].sent[kind] += size

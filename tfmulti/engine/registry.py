@@ -29,6 +29,7 @@ from tfmulti import errors
 from tfmulti import layouts
 from tfmulti import step_options
 from tfmulti.deploy import placement
+from tfmulti.deploy import sharding
 from tfmulti.deploy import towers
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.distribute import distributed_model
@@ -107,7 +108,7 @@ def _worker_towers(setup):
     deployed = towers.build(setup.deploy_config, model, setup.loss_fn,
                             optimizer, setup.options)
   held = collections.Counter(devices.device_of(v) for v in
-                             model.variables + optimizer.variables)
+                             sharding.stored_variables(deployed))
   logging.info('this worker\'s variables and slots: %s', ', '.join(
       f'{count} on {device}' for device, count in sorted(held.items())))
   return towers_in_strategy.WorkerTowers(setup.workers, deployed)

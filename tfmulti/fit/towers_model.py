@@ -74,6 +74,7 @@ from tfmulti import keras_internals
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti.deploy import keras_distribution
+from tfmulti.deploy import sharding
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.engine import registry
 from tfmulti.fit import across_workers
@@ -217,16 +218,16 @@ class TowersModel(keras.Model):
 
   def save(self, filepath, *args, **kwargs):
     """Saves the wrapped model with this model's optimizer state and
-    compile config, as Keras would save a compiled model, so plain Keras
-    loads the file without tfmulti (what ModelCheckpoint writes too).
-    `save_weights` keeps this model's own (BackupAndRestore's)."""
+    compile config, as Keras saves a compiled model, so plain Keras loads
+    it (ModelCheckpoint's); `save_weights` keeps this model's own."""
     if self.towers is not None and not self.model.compiled:
       self.model.compile(optimizer=self.optimizer, **self._compile_args)
     return self.model.save(filepath, *args, **kwargs)
 
   def export(self, filepath, *args, **kwargs):
-    """Exports the wrapped model (a SavedModel for serving)."""
-    return self.model.export(filepath, *args, **kwargs)
+    """Exports the wrapped model (a SavedModel for serving), whole."""
+    with sharding.whole_on_host(self.model):
+      return self.model.export(filepath, *args, **kwargs)
 
   def fit(self, *args, **kwargs):
     """Keras's `fit` (`runs`). Across workers, every worker takes as many
