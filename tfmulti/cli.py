@@ -24,6 +24,7 @@ _VERBOSE = native_logs.quiet_start(sys.argv)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
+import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfmulti import data  # noqa: E402
@@ -33,11 +34,13 @@ from tfmulti import models  # noqa: E402
 from tfmulti import step_options  # noqa: E402
 from tfmulti import tf_config  # noqa: E402
 from tfmulti.data import options as options_lib  # noqa: E402
+from tfmulti.deploy import mesh_layouts  # noqa: E402
 from tfmulti.deploy import placement  # noqa: E402
 from tfmulti.distribute import cluster  # noqa: E402
 from tfmulti.distribute import resolvers  # noqa: E402
 from tfmulti.engine import registry  # noqa: E402
 from tfmulti.engine import step_calls  # noqa: E402
+from tfmulti.models import external  # noqa: E402
 from tfmulti.train import build  # noqa: E402
 from tfmulti.train import config  # noqa: E402
 from tfmulti.train import job  # noqa: E402
@@ -60,6 +63,19 @@ _VARIABLES_DEVICE = flags.DEFINE_string(
     "and the update runs: 'cpu' (CPU:0, slim's default), 'gpu:N' (one "
     "chosen GPU) or 'spread' (each variable on one of the clones' devices, "
     'balanced by bytes, its update beside it; towers and multi_worker).')
+_MESH_SHAPE = flags.DEFINE_list(
+    'mesh_shape', None, "Keras's device mesh over the clones' devices, "
+    'e.g. 2,2 (with --mesh_axes and --layout_map): each variable the layout '
+    'map splits is stored as its shards over the mesh, each clone gathering '
+    'them; --num_clones is the mesh\'s device count. Towers only.')
+_MESH_AXES = flags.DEFINE_list(
+    'mesh_axes', None, "The mesh's axis names, as Keras names them, e.g. "
+    'batch,model.')
+_LAYOUT_MAP = flags.DEFINE_string(
+    'layout_map', None, "'model' (the model's own get_layout_map(mesh), or "
+    "its backbone's: keras-hub's) or MODULE:FUNCTION, FUNCTION(device_mesh) "
+    'returning a keras.distribution.LayoutMap (e.g. '
+    'keras_hub.models:LlamaBackbone.get_layout_map).')
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 64, 'Examples per clone per step (as in slim); the global '
     'batch is batch_size * num_clones * workers.')
@@ -307,6 +323,42 @@ def _variables_device(value, variables_gpu):
   return None if variables_gpu is None else f'/device:GPU:{variables_gpu}'
 
 
+def _variable_layouts(shape, axes, layout_map, strategy):
+  """The `DeploymentConfig` value of --mesh_shape, --mesh_axes and
+  --layout_map: a `mesh_layouts.VariableLayouts`, or None without them."""
+  given = {'mesh_shape': shape, 'mesh_axes': axes, 'layout_map': layout_map}
+  if not any(given.values()):
+    return None
+  if not all(given.values()):
+    missing = ', '.join(f'--{k}' for k, v in given.items() if not v)
+    raise errors.ConfigError(
+        f'{missing} missing: a mesh needs its shape, its axis names and a '
+        'layout map, e.g. --mesh_shape=2,2 --mesh_axes=batch,model '
+        '--layout_map=model.')
+  if strategy != registry.TOWERS:
+    raise errors.ConfigError(
+        f'--mesh_shape with --strategy={strategy}: the towers shard '
+        f'variables by a layout map; use --strategy={registry.TOWERS}.')
+  if not all(n.isdigit() for n in shape):
+    raise errors.ConfigError(
+        f'--mesh_shape={",".join(shape)}: give a device count an axis, '
+        'e.g. 2,2.')
+  layouts = mesh_layouts.VariableLayouts(tuple(int(n) for n in shape),
+                                         tuple(axes), mesh_layouts.MODEL_OWN)
+  if layout_map == mesh_layouts.MODEL_OWN:
+    return layouts
+  made = external.function_named(
+      'layout_map', layout_map,
+      'FUNCTION(device_mesh) returning a keras.distribution.LayoutMap')(
+          layouts.mesh())
+  if not isinstance(made, keras.distribution.LayoutMap):
+    raise errors.ConfigError(
+        f'--layout_map={layout_map} returned {type(made).__name__}, not a '
+        'keras.distribution.LayoutMap; return LayoutMap(device_mesh) with '
+        'its keys set.')
+  return mesh_layouts.from_layout_map(made)
+
+
 def _image_size(values):
   """(height, width) of --image_size, or None."""
   if values is None:
@@ -519,7 +571,10 @@ def configs_from_flags():
                                          variables_gpu),
       replica_id=cluster_info.index if cluster_info else 0,
       num_replicas=cluster_info.num_workers if cluster_info else 1,
-      num_stages=_NUM_STAGES.value)
+      num_stages=_NUM_STAGES.value,
+      variable_layouts=_variable_layouts(
+          _MESH_SHAPE.value, _MESH_AXES.value, _LAYOUT_MAP.value,
+          train_config.strategy))
   train_config = job.keep_global_batch(train_config, deploy_config)
   return train_config, deploy_config, cluster_info
 
@@ -560,8 +615,8 @@ def main(argv):
 # --help's groups: every flag of this module, once (a test checks it).
 HELP_GROUPS = (
     ('Where the clones run', (
-        'num_clones', 'clone_on_cpu', 'variables_device', 'num_stages',
-        'strategy')),
+        'num_clones', 'clone_on_cpu', 'variables_device', 'mesh_shape',
+        'mesh_axes', 'layout_map', 'num_stages', 'strategy')),
     ('What trains, on what', (
         'model', 'weights', 'batch_norm_momentum', 'dataset', 'data_dir',
         'image_size', 'augment',

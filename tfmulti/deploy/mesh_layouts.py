@@ -24,6 +24,10 @@ import numpy as np
 from tfmulti import errors
 from tfmulti import keras_internals
 
+# `VariableLayouts.rules` that say: the model's own `get_layout_map(mesh)`
+# (keras-hub's backbones have one), read when the towers are built.
+MODEL_OWN = 'model'
+
 
 @dataclasses.dataclass(frozen=True)
 class VariableLayouts:
@@ -34,7 +38,8 @@ class VariableLayouts:
       i-th device in row-major order.
     axis_names: the mesh axes' names, as Keras's `DeviceMesh` names them.
     rules: (key, axes) pairs of the layout map, in its order; `axes` a
-      tuple of axis names or None, one a dimension.
+      tuple of axis names or None, one a dimension; or `MODEL_OWN`, the
+      model's own map (`resolved`).
   """
   mesh_shape: tuple
   axis_names: tuple
@@ -49,7 +54,7 @@ class VariableLayouts:
     if len(set(self.axis_names)) != len(self.axis_names):
       raise errors.ConfigError(
           f'mesh axes {self.axis_names}: name each axis once.')
-    for key, axes in self.rules:
+    for key, axes in () if self.rules == MODEL_OWN else self.rules:
       for axis in axes:
         if axis is not None and axis not in self.axis_names:
           raise errors.ConfigError(
@@ -109,11 +114,15 @@ class VariableLayouts:
             if all(coordinates[self.axis_names.index(axis)] == index
                    for axis, index in fixed.items())]
 
-  def _layout_map(self):
+  def mesh(self):
+    """Keras's `DeviceMesh` of this shape and these names (devices
+    'cpu:0'..., which a layout map's rules do not read)."""
     devices = [f'cpu:{i}' for i in range(self.num_devices)]
-    mesh = keras.distribution.DeviceMesh(self.mesh_shape,
+    return keras.distribution.DeviceMesh(self.mesh_shape,
                                          list(self.axis_names), devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
+
+  def _layout_map(self):
+    layout_map = keras.distribution.LayoutMap(self.mesh())
     for key, axes in self.rules:
       layout_map[key] = axes
     return layout_map
@@ -132,9 +141,39 @@ def blocks(parts):
 
 def from_keras(distribution):
   """The `VariableLayouts` of a `keras.distribution.ModelParallel`: its
-  mesh and its layout map's rules, each key with the axes Keras stored."""
-  mesh = distribution.device_mesh
-  layout_map = keras_internals.layout_map_of(distribution)
+  mesh and its layout map's rules."""
+  return from_layout_map(keras_internals.layout_map_of(distribution))
+
+
+def from_layout_map(layout_map):
+  """The `VariableLayouts` of a `keras.distribution.LayoutMap`: its mesh
+  and its rules, each key with the axes Keras stored."""
+  mesh = layout_map.device_mesh
   return VariableLayouts(
       tuple(mesh.shape), tuple(mesh.axis_names),
       tuple((key, tuple(layout_map[key].axes)) for key in layout_map))
+
+
+def resolved(layouts, model):
+  """`layouts` with `MODEL_OWN` read: the rules of `model`'s own
+  `get_layout_map(mesh)`, or its backbone's (keras-hub's task models).
+
+  Raises:
+    errors.ConfigError: the model has none, or it does not fit the mesh.
+  """
+  if layouts.rules != MODEL_OWN:
+    return layouts
+  owner = next((o for o in (model, getattr(model, 'backbone', None))
+                if callable(getattr(o, 'get_layout_map', None))), None)
+  if owner is None:
+    raise errors.ConfigError(
+        f"layout_map='model': model {model.name!r} (nor a backbone of it) "
+        'has no get_layout_map(device_mesh); name a function: '
+        'MODULE:FUNCTION returning a keras.distribution.LayoutMap.')
+  try:
+    layout_map = owner.get_layout_map(layouts.mesh())
+  except ValueError as e:  # keras-hub: a mesh without its axis names.
+    raise errors.ConfigError(
+        f"layout_map='model': {type(owner).__name__}.get_layout_map on mesh "
+        f'axes {layouts.axis_names}: {str(e).splitlines()[0]}') from None
+  return from_layout_map(layout_map)

@@ -61,11 +61,13 @@ class Sharded:
       row-major order.
     grids: for each of the model's trainable variables, its parts along
       each dimension, or None for a whole one.
+    sharded: (variable, parts, shards) of each sharded variable.
   """
 
-  def __init__(self, variables, grids):
+  def __init__(self, variables, grids, sharded):
     self.variables = variables
     self.grids = grids
+    self.sharded = sharded
 
   def gathered(self, values):
     """The model's trainable values from reads of `variables`: each
@@ -102,17 +104,19 @@ def cut(parts, value):
   return shards
 
 
-class ShardedValue:
+class ShardedValue(tf.__internal__.tracking.Trackable):
   """A Keras variable's storage as shards (`tf.Variable`s, each on its
   device): read, it joins them where it is read; assigned, it cuts the
-  value and writes each shard on its device. No whole copy is kept."""
+  value and writes each shard on its device. No whole copy is kept. A
+  checkpoint holds its whole value (as a variable's: one saved on any
+  layout restores on any other)."""
 
   def __init__(self, parts, shards):
     self.parts = parts
     self.shards = shards
     self.dtype = shards[0].dtype
-    self.shape = join(parts, [tf.zeros(s.shape, s.dtype)
-                              for s in shards]).shape
+    self.shape = tf.TensorShape([n * d for n, d in zip(parts,
+                                                       shards[0].shape)])
     self.trainable = shards[0].trainable
     # The name a checkpoint records (TF's `get_full_name`): the first
     # shard's.
@@ -165,17 +169,18 @@ tf.register_tensor_conversion_function(
 def storage_of(config, model, optimizer):
   """The model's storage under `config`: `Whole`, or, with variable
   layouts, `Sharded`: the model's variables moved into their shards and
-  devices now (once; a model sharded already keeps its shards).
+  devices now, with their current values (a model sharded before is
+  sharded again from its shards).
 
   Raises:
     errors.UserError: a layout that cannot be honoured (see `check`).
   """
-  layouts = config.variable_layouts
-  if layouts is None:
+  if config.variable_layouts is None:
     return Whole(model)
+  layouts = mesh_layouts.resolved(config.variable_layouts, model)
   plan = check(layouts, model, optimizer)
   held = dict.fromkeys(config.compute_devices(), 0)
-  variables, grids = [], []
+  variables, grids, sharded = [], [], []
   for variable in model.trainable_variables:
     axes = plan.get(id(variable))
     if axes is None:
@@ -187,6 +192,7 @@ def storage_of(config, model, optimizer):
     keras_internals.exclude_alike(optimizer, variable, shards)
     variables.extend(shards)
     grids.append(parts)
+    sharded.append((variable, parts, shards))
   whole = [v for v in model.variables if id(v) not in plan]
   for variable in sorted(whole, key=devices.variable_bytes, reverse=True):
     device = min(held, key=held.__getitem__)
@@ -195,7 +201,7 @@ def storage_of(config, model, optimizer):
   logging.info('Variables sharded by their layouts: %d of %d; bytes a '
                'device: %s.', len(plan), len(model.variables),
                sorted(held.values()))
-  return Sharded(variables, grids)
+  return Sharded(variables, grids, sharded)
 
 
 def stored_variables(deployed):

@@ -62,6 +62,7 @@ from tfmulti.deploy import combiners
 from tfmulti.deploy import feeds
 from tfmulti.deploy import packs
 from tfmulti.deploy import runners
+from tfmulti.deploy import shard_views
 from tfmulti.deploy import sharding
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy import xla_rule
@@ -396,6 +397,7 @@ def build(config, model, loss_fn, optimizer, options, *, shares=None):
   if not optimizer.built:  # Keras puts each slot beside its variable.
     with tf.device(config.optimizer_variables_device()):
       optimizer.build(storage.variables)
+  shard_views.register(optimizer, storage)
   devices.check_placement(
       storage.variables + model.non_trainable_variables,
       config.variable_devices())

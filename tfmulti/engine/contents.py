@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti.deploy import shard_views
 
 # Where a run stands: `step` global steps done; `epoch` (0-based) is in
 # progress and `epoch_examples` of its examples have been trained on.
@@ -64,7 +65,7 @@ class Contents:
       self._position = [tf.Variable(0, dtype=tf.int64, trainable=False)
                         for _ in _FIELDS]
     self._objects = dict(
-        model=model, optimizer=optimizer,
+        model=model, optimizer=shard_views.checkpointed(optimizer),
         random=keras_internals.seed_states(model),
         **dict(zip(_FIELDS, self._position)))
     self._metrics = [v.value if isinstance(v, keras.Variable) else v

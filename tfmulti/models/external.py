@@ -236,27 +236,39 @@ def _check_model(name, model, input_shape, num_classes):
 
 def _function(name):
   """The function `MODULE:FUNCTION` names, its module imported."""
-  module_name, _, function_name = name.rpartition(':')
-  if not module_name or not function_name:
+  if ':' not in name.strip(':'):
     raise errors.ConfigError(
         f'--model={name} is not a registered model, keras.applications.NAME '
         'or MODULE:FUNCTION (e.g. my_models:make_model, or '
         'path/to/models.py:make_model).')
-  module = _module(name, module_name)
-  function = getattr(module, function_name, None)
+  return function_named('model', name, 'FUNCTION(input_shape, num_classes)')
+
+
+def function_named(flag, name, define):
+  """The function `--flag=MODULE:FUNCTION` names (FUNCTION may be dotted:
+  `keras_hub.models:LlamaBackbone.get_layout_map`), its module imported;
+  `define` says what the function is, for the one-line refusal."""
+  module_name, _, function_name = name.rpartition(':')
+  if not module_name or not function_name:
+    raise errors.ConfigError(
+        f'--{flag}={name}: give MODULE:FUNCTION, {define} (MODULE dotted on '
+        'PYTHONPATH, or a .py path).')
+  function = _module(flag, name, module_name)
+  for attribute in function_name.split('.'):
+    function = getattr(function, attribute, None)
   if not callable(function):
     raise errors.ConfigError(
-        f'--model={name}: {module_name} has no function {function_name!r}; '
-        'define FUNCTION(input_shape, num_classes) there.')
+        f'--{flag}={name}: {module_name} has no function {function_name!r}; '
+        f'define {define} there.')
   return function
 
 
-def _module(name, module_name):
+def _module(flag, name, module_name):
   """The module `module_name` (dotted, or a .py file's path)."""
   if module_name.endswith('.py'):
     if not os.path.isfile(module_name):
       raise errors.ConfigError(
-          f'--model={name}: there is no file {module_name!r} (from '
+          f'--{flag}={name}: there is no file {module_name!r} (from '
           f'{os.getcwd()}); give its path.')
     key = f'tfmulti_user_model_{abs(hash(os.path.abspath(module_name)))}'
     if key not in sys.modules:
@@ -267,6 +279,6 @@ def _module(name, module_name):
     return sys.modules[key]
   if importlib.util.find_spec(module_name.split('.')[0]) is None:
     raise errors.ConfigError(
-        f'--model={name}: no module {module_name!r} on PYTHONPATH; add its '
+        f'--{flag}={name}: no module {module_name!r} on PYTHONPATH; add its '
         'folder to PYTHONPATH or give the .py file\'s path.')
   return importlib.import_module(module_name)

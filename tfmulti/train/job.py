@@ -96,7 +96,14 @@ def _log_deployment(config, deploy_config, path):
                                                    options.clone_shares))),
                  step_rows)
   if config.strategy == registry.TOWERS:
-    if deploy_config.spread_variables:
+    mesh = deploy_config.variable_layouts
+    if mesh is not None:
+      logging.info('towers: a mesh %s of axes %s over %s: each variable its '
+                   'layout splits as shards, each clone gathering them and '
+                   'each shard summed and updated on its device; the rest '
+                   'spread by bytes', mesh.mesh_shape, mesh.axis_names,
+                   deploy_config.variable_devices())
+    elif deploy_config.spread_variables:
       logging.info('towers: variables spread over %s by bytes, each with '
                    'its slots, gradient sum and update; batch split on %s',
                    deploy_config.variable_devices(),
