@@ -1,0 +1,221 @@
+"""Sharded variables: each device's bytes held and moved a step, and the step.
+
+  python -m tfmulti.bench.sharded --model=resnet50 --num_clones=4
+  python -m tfmulti.bench.sharded --model=llama --num_clones=8
+
+Deploys the model over `--num_clones` clones of logical CPUs twice, with
+momentum SGD (one slot a variable):
+
+* `sharded`: its variables laid out over a mesh (`deploy.sharding`): for
+  `--model=llama`, keras-hub's `LlamaBackbone` built small from its
+  configuration, with its own `get_layout_map` on a mesh (2, N/2) of axes
+  ('batch', 'model') (keras-hub needed); for any other model, every kernel
+  whose last dimension the mesh divides split on it over a one-axis mesh
+  ('model',) of N;
+* `spread`: each variable whole on one device (`--variables_device=spread`).
+
+From one traced step of each (`deploy.traffic`) it counts per device the
+variable and slot bytes held and the variable and gradient bytes sent and
+received. A clone gathers each shard it does not own and sends each
+shard's gradient piece to its owner, so a device that owns 1/N receives
+(N-1)/N x P of shards and (N-1) x P/N of pieces, 2 (N-1)/N x P, and sends
+as much: a ring all-gather and reduce-scatter's bytes. The targets: the
+busiest device holds at most 1.1 / N of the bytes and moves at most
+1.1 x 2 (N-1)/N x P each way. Then it times `--steps` steps of each in
+alternating `--rounds` (the target: sharded at most 1.15x spread's
+median); logical CPUs share the cores, so the time shows the gathers'
+and cuts' own cost, not their overlap.
+"""
+
+import argparse
+import re
+import statistics
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmulti import devices
+from tfmulti import errors
+from tfmulti import models
+from tfmulti.bench import designs as bench
+from tfmulti.bench import flags
+from tfmulti.deploy import mesh_layouts
+from tfmulti.deploy import placement
+from tfmulti.deploy import towers as towers_lib
+from tfmulti.deploy import traffic
+
+MB = 2**20
+HELD_SLACK, MOVED_SLACK, STEP_SLACK = 1.1, 1.1, 1.15
+LLAMA = 'llama'
+_TOKENS = 16
+
+
+def _llama():
+  import keras_hub  # pylint: disable=import-outside-toplevel
+  backbone = keras_hub.models.LlamaBackbone(
+      vocabulary_size=4096, num_layers=2, num_query_heads=8,
+      num_key_value_heads=2, hidden_dim=128, intermediate_dim=512)
+  return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def _model(args):
+  keras.utils.set_random_seed(0)
+  if args.model == LLAMA:
+    return _llama()
+  return models.get_any_model(
+      args.model, input_shape=(args.image_size, args.image_size, 3),
+      num_classes=args.num_classes)
+
+
+def _layouts(model, args):
+  """The `sharded` variant's layouts (see the module)."""
+  n = args.num_clones
+  if args.model == LLAMA:
+    mesh = mesh_layouts.VariableLayouts((2, n // 2), ('batch', 'model'),
+                                        mesh_layouts.MODEL_OWN)
+    return mesh_layouts.resolved(mesh, model)
+  rules = tuple(
+      (re.escape(v.path), (None,) * (len(v.shape) - 1) + ('model',))
+      for v in model.trainable_variables
+      if v.path.endswith('kernel') and v.shape[-1] % n == 0)
+  return mesh_layouts.VariableLayouts((n,), ('model',), rules)
+
+
+def _deployed(variant, args):
+  model = _model(args)
+  config = placement.DeploymentConfig(
+      num_clones=args.num_clones, clone_on_cpu=True,
+      **({'variable_layouts': _layouts(model, args)} if variant == 'sharded'
+         else {'variables_device': placement.SPREAD}))
+  if variant == 'spread':  # Spread variables are placed as they are made.
+    with config.variables_scope():
+      model = _model(args)
+  loss = keras.losses.SparseCategoricalCrossentropy(
+      from_logits=args.model == LLAMA or models.ends_in_logits(args.model))
+  return towers_lib.deploy(config, model, loss,
+                           keras.optimizers.SGD(0.1, momentum=0.9))
+
+
+def _batch(args):
+  rng = np.random.default_rng(0)
+  rows = args.rows_per_clone * args.num_clones
+  if args.model == LLAMA:
+    ids = rng.integers(0, 4096, size=(rows, _TOKENS + 1)).astype(np.int32)
+    return ({'token_ids': ids[:, :-1],
+             'padding_mask': np.ones((rows, _TOKENS), np.int32)}, ids[:, 1:])
+  return (rng.normal(size=(rows, args.image_size, args.image_size,
+                           3)).astype(np.float32),
+          rng.integers(0, args.num_classes, size=rows).astype(np.int32))
+
+
+def measure(variant, args):
+  """One variant's bytes per device (shares of P) and its deployed model."""
+  deployed = _deployed(variant, args)
+  parameter_bytes = sum(devices.variable_bytes(v)
+                        for v in deployed.model.trainable_variables)
+  table = traffic.step_traffic(deployed, *_batch(args))
+  held = sum(counts.held for counts in table.values())
+  rows = {}
+  for device, counts in table.items():
+    rows[device] = {'held_of_total': counts.held / held}
+    for way in ('sent', 'received'):
+      rows[device][f'{way}_of_p'] = sum(
+          getattr(counts, way)[kind] for kind in ('variables', 'gradients')
+      ) / parameter_bytes
+  return deployed, {
+      'parameter_mb': parameter_bytes / MB, 'held_mb': held / MB,
+      'devices': rows,
+      'max_held_of_total': max(r['held_of_total'] for r in rows.values()),
+      'max_moved_of_p': max(max(r['sent_of_p'], r['received_of_p'])
+                            for r in rows.values())}
+
+
+def time_steps(deployed, args):
+  """Seconds a step, of `args.steps` steps after one to trace."""
+  images, labels = _batch(args)
+  deployed.train_step_outputs(images, labels)
+  start = time.perf_counter()
+  for _ in range(args.steps):
+    loss = deployed.train_step_outputs(images, labels).total
+  float(loss)
+  return (time.perf_counter() - start) / args.steps
+
+
+def run(args):
+  n = args.num_clones
+  report = {'environment': bench.environment(), 'model': args.model,
+            'num_clones': n, 'rows_per_clone': args.rows_per_clone,
+            'image_size': args.image_size, 'variants': {},
+            'targets': {'held_of_total': HELD_SLACK / n,
+                        'moved_of_p': MOVED_SLACK * 2 * (n - 1) / n,
+                        'step_vs_spread': STEP_SLACK}}
+  deployed = {}
+  for variant in ('sharded', 'spread'):
+    deployed[variant], report['variants'][variant] = measure(variant, args)
+  seconds = {variant: [] for variant in deployed}
+  for _ in range(args.rounds):
+    for variant, model in deployed.items():
+      seconds[variant].append(time_steps(model, args))
+  for variant, times in seconds.items():
+    report['variants'][variant]['step_s'] = times
+  report['step_vs_spread'] = (statistics.median(seconds['sharded']) /
+                              statistics.median(seconds['spread']))
+  return report
+
+
+def format_report(report):
+  n, targets = report['num_clones'], report['targets']
+  lines = [f"{report['model']}, {n} clones (graph read on logical CPUs)"]
+  for variant, result in report['variants'].items():
+    lines.append(
+        f"{variant}: P = {result['parameter_mb']:.1f} MB; busiest device "
+        f"holds {result['max_held_of_total']:.3f} of the "
+        f"{result['held_mb']:.1f} MB held (target "
+        f"{targets['held_of_total']:.3f}), moves "
+        f"{result['max_moved_of_p']:.2f} P each way at most (target "
+        f"{targets['moved_of_p']:.2f}); step median "
+        f"{statistics.median(result['step_s']) * 1e3:.1f} ms")
+  lines.append(f"sharded / spread step: {report['step_vs_spread']:.3f} "
+               f"(target at most {targets['step_vs_spread']})")
+  return '\n'.join(lines)
+
+
+def parser():
+  p = argparse.ArgumentParser(
+      prog='python -m tfmulti.bench.sharded',
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(model='resnet50', model_names=flags.APPLICATIONS,
+                            num_clones=4)])
+  p.add_argument('--image_size', type=int, default=64)
+  p.add_argument('--num_classes', type=int, default=1000)
+  p.add_argument('--rows_per_clone', type=int, default=2)
+  p.add_argument('--steps', type=int, default=5)
+  p.add_argument('--rounds', type=int, default=3)
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
+  try:
+    for name in ('num_clones', 'image_size', 'num_classes',
+                 'rows_per_clone', 'steps', 'rounds'):
+      errors.check_count(name, getattr(args, name), 1)
+    if args.model == LLAMA and args.num_clones % 2:
+      raise errors.ConfigError(
+          f'--num_clones={args.num_clones} with --model=llama: its mesh is '
+          '(2, N/2); use an even count.')
+    if args.model != LLAMA:
+      models.check_any(args.model)
+    devices.create_logical_cpus(args.num_clones)
+    tf.config.set_soft_device_placement(False)
+  except errors.UserError as e:
+    sys.exit(f'tfmulti.bench.sharded: error: {e}')
+  report = run(args)
+  bench.emit(report, format_report(report), args.output)
+
+
+if __name__ == '__main__':
+  main()
