@@ -23,6 +23,7 @@ from tfmulti.bench import input as bench_input
 from tfmulti.bench import pipeline
 from tfmulti.bench import processes
 from tfmulti.bench import schedule_timelines
+from tfmulti.bench import sharded
 from tfmulti.bench import step_profile
 from tfmulti.bench import sync_batch_norm
 from tfmulti.bench import transfers
@@ -40,6 +41,7 @@ COMMANDS = {
     'tfmulti.bench.pipeline': pipeline,
     'tfmulti.bench.processes': processes,
     'tfmulti.bench.schedule_timelines': schedule_timelines,
+    'tfmulti.bench.sharded': sharded,
     'tfmulti.bench.step_profile': step_profile,
     'tfmulti.bench.sync_batch_norm': sync_batch_norm,
     'tfmulti.bench.transfers': transfers,
@@ -61,6 +63,8 @@ SHARED = {
                                    output=None),
     'tfmulti.bench.processes': dict(output=None),
     'tfmulti.bench.schedule_timelines': dict(output=None),
+    'tfmulti.bench.sharded': dict(model='resnet50', num_clones=4,
+                                  output=None),
     'tfmulti.bench.step_profile': dict(model='lenet', num_clones=2,
                                        clone_on_cpu=False, output=None),
     'tfmulti.bench.sync_batch_norm': dict(model='resnet20', output=None),

@@ -353,3 +353,18 @@ def test_a_sharded_checkpoint_is_one_devices_and_resumes_anywhere(tmp_path):
                   str(tmp_path / 'plain'))).assert_consumed()
   for a, b in zip(again.weights, plain.weights):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_sharded_model_saves_as_plain_keras_loads_it(tmp_path):
+  model = _model()
+  towers = fit.TowersModel(model, _parallel(*LAYOUTS['two axes']))
+  _fit(towers, epochs=1)
+  path = str(tmp_path / 'sharded.keras')
+  towers.save(path)
+  loaded = keras.models.load_model(path)  # Plain Keras, one device.
+  for a, b in zip(loaded.weights, model.weights):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  view = shard_views.checkpointed(towers.towers.optimizer)
+  assert len(loaded.optimizer.variables) == len(view._variables)
+  for a, b in zip(loaded.optimizer.variables, view._variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())

@@ -8,8 +8,9 @@ momentum SGD (one slot a variable):
 
 * `sharded`: its variables laid out over a mesh (`deploy.sharding`): for
   `--model=llama`, keras-hub's `LlamaBackbone` built small from its
-  configuration, with its own `get_layout_map` on a mesh (2, N/2) of axes
-  ('batch', 'model') (keras-hub needed); for any other model, every kernel
+  configuration (its word embeddings tied: the map names the one table),
+  with its own `get_layout_map` on a mesh (2, N/2) of axes ('batch',
+  'model') (keras-hub needed); for any other model, every kernel
   whose last dimension the mesh divides split on it over a one-axis mesh
   ('model',) of N;
 * `spread`: each variable whole on one device (`--variables_device=spread`).
@@ -28,6 +29,7 @@ and cuts' own cost, not their overlap.
 """
 
 import argparse
+import contextlib
 import re
 import statistics
 import sys
@@ -50,24 +52,29 @@ from tfmulti.deploy import traffic
 MB = 2**20
 HELD_SLACK, MOVED_SLACK, STEP_SLACK = 1.1, 1.1, 1.15
 LLAMA = 'llama'
-_TOKENS = 16
 
 
-def _llama():
+def _llama(scope):
+  """The small Llama causal LM, its backbone's variables made in `scope`
+  (the task compiles an optimizer as it is made: outside it)."""
   import keras_hub  # pylint: disable=import-outside-toplevel
-  backbone = keras_hub.models.LlamaBackbone(
-      vocabulary_size=4096, num_layers=2, num_query_heads=8,
-      num_key_value_heads=2, hidden_dim=128, intermediate_dim=512)
+  with scope:
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=4096, num_layers=2, num_query_heads=8,
+        num_key_value_heads=2, hidden_dim=128, intermediate_dim=512,
+        tie_word_embeddings=True)  # Its map names one table, not two.
   return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
 
 
-def _model(args):
+def _model(args, scope=None):
   keras.utils.set_random_seed(0)
+  scope = scope or contextlib.nullcontext()
   if args.model == LLAMA:
-    return _llama()
-  return models.get_any_model(
-      args.model, input_shape=(args.image_size, args.image_size, 3),
-      num_classes=args.num_classes)
+    return _llama(scope)
+  with scope:
+    return models.get_any_model(
+        args.model, input_shape=(args.image_size, args.image_size, 3),
+        num_classes=args.num_classes)
 
 
 def _layouts(model, args):
@@ -91,8 +98,7 @@ def _deployed(variant, args):
       **({'variable_layouts': _layouts(model, args)} if variant == 'sharded'
          else {'variables_device': placement.SPREAD}))
   if variant == 'spread':  # Spread variables are placed as they are made.
-    with config.variables_scope():
-      model = _model(args)
+    model = _model(args, config.variables_scope())
   loss = keras.losses.SparseCategoricalCrossentropy(
       from_logits=args.model == LLAMA or models.ends_in_logits(args.model))
   return towers_lib.deploy(config, model, loss,
@@ -103,9 +109,10 @@ def _batch(args):
   rng = np.random.default_rng(0)
   rows = args.rows_per_clone * args.num_clones
   if args.model == LLAMA:
-    ids = rng.integers(0, 4096, size=(rows, _TOKENS + 1)).astype(np.int32)
+    tokens = args.sequence_length
+    ids = rng.integers(0, 4096, size=(rows, tokens + 1)).astype(np.int32)
     return ({'token_ids': ids[:, :-1],
-             'padding_mask': np.ones((rows, _TOKENS), np.int32)}, ids[:, 1:])
+             'padding_mask': np.ones((rows, tokens), np.int32)}, ids[:, 1:])
   return (rng.normal(size=(rows, args.image_size, args.image_size,
                            3)).astype(np.float32),
           rng.integers(0, args.num_classes, size=rows).astype(np.int32))
@@ -148,7 +155,8 @@ def run(args):
   n = args.num_clones
   report = {'environment': bench.environment(), 'model': args.model,
             'num_clones': n, 'rows_per_clone': args.rows_per_clone,
-            'image_size': args.image_size, 'variants': {},
+            'image_size': args.image_size,
+            'sequence_length': args.sequence_length, 'variants': {},
             'targets': {'held_of_total': HELD_SLACK / n,
                         'moved_of_p': MOVED_SLACK * 2 * (n - 1) / n,
                         'step_vs_spread': STEP_SLACK}}
@@ -192,6 +200,8 @@ def parser():
   p.add_argument('--image_size', type=int, default=64)
   p.add_argument('--num_classes', type=int, default=1000)
   p.add_argument('--rows_per_clone', type=int, default=2)
+  p.add_argument('--sequence_length', type=int, default=16,
+                 help="--model=llama's tokens a row (default: %(default)s)")
   p.add_argument('--steps', type=int, default=5)
   p.add_argument('--rounds', type=int, default=3)
   return p
@@ -201,7 +211,7 @@ def main(argv=None):
   args = parser().parse_args(argv)
   try:
     for name in ('num_clones', 'image_size', 'num_classes',
-                 'rows_per_clone', 'steps', 'rounds'):
+                 'rows_per_clone', 'sequence_length', 'steps', 'rounds'):
       errors.check_count(name, getattr(args, name), 1)
     if args.model == LLAMA and args.num_clones % 2:
       raise errors.ConfigError(

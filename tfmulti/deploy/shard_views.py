@@ -10,6 +10,7 @@ slot takes. The checkpoint's keys and shapes are then a plain run's: it
 restores on another mesh, with no layout, on one device, and back.
 """
 
+import contextlib
 import weakref
 
 import tensorflow as tf
@@ -34,6 +35,25 @@ def register(optimizer, storage):
 def checkpointed(optimizer):
   """What a checkpoint tracks for `optimizer`: its view, or itself."""
   return _VIEWS.get(optimizer, optimizer)
+
+
+@contextlib.contextmanager
+def whole_state(optimizer):
+  """Inside, `optimizer.variables` (and a loss scale optimizer's inner
+  one's) are one device's (the view's): Keras's `model.save` writes them
+  as plain Keras loads them."""
+  swapped = []
+  view = _VIEWS.get(optimizer)
+  for owner in (optimizer, getattr(optimizer, 'inner_optimizer', None)):
+    if view is not None and owner is not None and hasattr(view, '_variables'):
+      swapped.append((owner, owner._variables))
+      owner._variables = list(view._variables)
+    view = getattr(view, 'inner_optimizer', None)
+  try:
+    yield
+  finally:
+    for owner, variables in swapped:
+      owner._variables = variables
 
 
 def _groups(storage, optimizer):

@@ -74,6 +74,7 @@ from tfmulti import keras_internals
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti.deploy import keras_distribution
+from tfmulti.deploy import shard_views
 from tfmulti.deploy import sharding
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.engine import registry
@@ -111,8 +112,8 @@ class TowersModel(keras.Model):
     Args:
       model: a built `keras.Model`: functional, Sequential or subclassed
         (any inputs and outputs; stages need a functional one).
-      config: a `DeploymentConfig`, or Keras's `DataParallel`; None: the
-        distribution Keras's `set_distribution` set (`keras_distribution`).
+      config: a `DeploymentConfig`, or Keras's `DataParallel` or
+        `ModelParallel`; None: the one `set_distribution` set.
       options: a `StepOptions`; None for the defaults.
       workers: across workers, what `workers.start()` gave (the model
         built in its scope); None in one process.
@@ -222,7 +223,8 @@ class TowersModel(keras.Model):
     it (ModelCheckpoint's); `save_weights` keeps this model's own."""
     if self.towers is not None and not self.model.compiled:
       self.model.compile(optimizer=self.optimizer, **self._compile_args)
-    return self.model.save(filepath, *args, **kwargs)
+    with shard_views.whole_state(self.optimizer):  # Sharded: as one device.
+      return self.model.save(filepath, *args, **kwargs)
 
   def export(self, filepath, *args, **kwargs):
     """Exports the wrapped model (a SavedModel for serving), whole."""

@@ -1,0 +1,34 @@
+"""`python -m tfmulti.bench.sharded`: its figures and refusals."""
+
+import argparse
+
+import pytest
+
+from tfmulti.bench import sharded as bench
+
+
+@pytest.mark.slow
+def test_a_sharded_lenet_holds_and_moves_a_ring_s_bytes():
+  args = argparse.Namespace(model='lenet', num_clones=2, image_size=28,
+                            num_classes=10, rows_per_clone=2,
+                            sequence_length=16, steps=1, rounds=1)
+  report = bench.run(args)
+  sharded, spread = (report['variants'][v] for v in ('sharded', 'spread'))
+  # Every kernel split in two: each device holds about half, and moves
+  # about 2 (N-1)/N = 1 P each way (the biases, whole, a little more).
+  assert sharded['max_held_of_total'] <= report['targets']['held_of_total']
+  assert sharded['max_moved_of_p'] <= report['targets']['moved_of_p']
+  assert sharded['max_held_of_total'] < spread['max_held_of_total']
+  assert report['step_vs_spread'] > 0
+  assert 'sharded / spread step' in bench.format_report(report)
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--model=llama', '--num_clones=3'],
+     r'--num_clones=3 with --model=llama: its mesh is \(2, N/2\)'),
+    (['--steps=0'], 'steps=0: must be an integer >= 1'),
+    (['--model=nope'], "model='nope'"),
+])
+def test_bad_arguments_stop_with_one_line(argv, message):
+  with pytest.raises(SystemExit, match=message):
+    bench.main(argv)
