@@ -82,8 +82,10 @@ LAYOUTS = {
 
 @pytest.mark.parametrize('layout, optimizer', [
     *((layout, 'adam') for layout in LAYOUTS),
-    ('table both ways, all by regex', 'adagrad'),
-    ('table both ways, all by regex', 'sgd')])
+    pytest.param('table both ways, all by regex', 'adagrad',
+                 marks=pytest.mark.slow),
+    pytest.param('table both ways, all by regex', 'sgd',
+                 marks=pytest.mark.slow)])
 def test_each_layout_trains_as_one_device(layout, optimizer):
   plain = _model()
   want = _fit(plain, optimizer)
@@ -199,6 +201,7 @@ def test_the_guides_model_parallel_code_trains_sharded():
   assert towers.config.num_clones == 8
 
 
+@pytest.mark.slow
 def test_weights_saved_sharded_load_on_another_mesh_and_one_device(tmp_path):
   model = _model()
   _fit(fit.TowersModel(model, _parallel(*LAYOUTS['two axes'])))
@@ -303,6 +306,7 @@ def test_a_refused_layout_changes_no_variable():
     np.testing.assert_array_equal(variable.numpy(), value)
 
 
+@pytest.mark.slow
 def test_the_export_is_a_whole_model_plain_tensorflow_serves(tmp_path):
   model = _model()
   towers = fit.TowersModel(model, _parallel(*LAYOUTS['two axes']))
@@ -355,6 +359,7 @@ def test_a_sharded_checkpoint_is_one_devices_and_resumes_anywhere(tmp_path):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+@pytest.mark.slow
 def test_a_sharded_model_saves_as_plain_keras_loads_it(tmp_path):
   model = _model()
   towers = fit.TowersModel(model, _parallel(*LAYOUTS['two axes']))

@@ -16,6 +16,7 @@ four that hold what the others share:
   input               the input pipeline against data already on device
   pipeline            the model-parallel experiment (ResNet-50 in stages)
   schedule_timelines  each schedule's idle and activations, emulated
+  sharded             a layout map's bytes held and moved, and its step
   step_profile        where a step's op time goes, towers against mirrored
   emulated            (shared) devices whose passes wait, not compute
   sync_batch_norm     synchronized BatchNorm's first step, against plain

@@ -232,10 +232,9 @@ class TowersModel(keras.Model):
       return self.model.export(filepath, *args, **kwargs)
 
   def fit(self, *args, **kwargs):
-    """Keras's `fit` (`runs`). Across workers, every worker takes as many
-    steps and only the chief shows progress and writes files; with a
-    BackupAndRestore, a signal saves the step and exits, and the next run
-    resumes there (see the module)."""
+    """Keras's `fit` (`runs`): across workers, as many steps on each, the
+    chief alone showing progress and writing files; with a BackupAndRestore,
+    a signal saves the step and exits, and the next run resumes there."""
     return runs.run(self, super().fit, args, kwargs)
 
 
