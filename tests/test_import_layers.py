@@ -91,12 +91,14 @@ def test_the_layers_are_read_from_the_real_imports():
 
 
 # The ground floor's own order: the errors and the moved names' table, the
-# layout (pure: no TensorFlow), then the step options, the device strings
-# and the sparse gradients' rules, then what reads Keras or cuts tensors,
-# then the trainer contract, then the piece body every path runs.
+# layout (pure: no TensorFlow) and the devices a dry run plans, then the
+# step options, the device strings and the sparse gradients' rules, then
+# what reads Keras or cuts tensors, then the trainer contract, then the
+# piece body every path runs.
 GROUND = {'errors': 0, 'moved': 0, 'layouts': 1, 'native_logs': 1,
-          'stops': 1, 'digits': 1, 'tf_config': 1, 'step_options': 2,
-          'devices': 2, 'slices': 2, 'keras_internals': 3, 'rows': 3,
+          'stops': 1, 'digits': 1, 'tf_config': 1, 'plans': 1,
+          'step_options': 2, 'devices': 2, 'slices': 2,
+          'keras_internals': 3, 'rows': 3,
           'trainer': 4, 'pieces': 5}
 
 

@@ -15,6 +15,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import plans
 
 _LOGICAL_CPU_HINT = (
     'create logical CPU devices before TensorFlow initialises, e.g. '
@@ -212,7 +213,7 @@ def check_devices_exist(device_names):
   off) or quietly run on another device (with it on).
   """
   missing = missing_devices(device_names)
-  if missing:
+  if missing and not plans.active():  # A dry run plans absent devices.
     have = [d.name for d in tf.config.list_logical_devices()]
     raise errors.DeviceError(
         f'devices {missing} do not exist (this runtime has {have}). For '
@@ -228,7 +229,7 @@ def device_of(variable):
   """
   variable = getattr(variable, 'value', variable)  # Keras -> tf.Variable.
   variable = getattr(variable, '_primary', variable)  # Distributed -> copy.
-  return variable.handle.device
+  return plans.planned_device(variable.handle) or variable.handle.device
 
 
 def on_device(variable, device):
@@ -356,7 +357,8 @@ class GraphPlacement:
       if source is None:
         self._known[key] = self.of_inputs(tensor.op)
       elif hasattr(source, 'numpy'):  # An eager tensor: a variable's handle.
-        self._known[key] = canonical(source.device)
+        self._known[key] = canonical(plans.planned_device(source) or
+                                     source.device)
       else:
         self._known[key] = self.of_tensor(source)
     return self._known[key]

@@ -299,6 +299,8 @@ def _move(variable, device):
   if devices.on_device(variable, device):
     return
   old = keras_internals.storage(variable)
-  with tf.init_scope(), tf.device(device):
-    keras_internals.store_in(variable, tf.Variable(
-        old.read_value(), trainable=old.trainable, name=variable.name))
+  with tf.init_scope():
+    value = old.read_value()  # Read where it is (a dry run plans GPUs).
+    with tf.device(device):
+      keras_internals.store_in(variable, tf.Variable(
+          value, trainable=old.trainable, name=variable.name))

@@ -1,0 +1,73 @@
+"""Devices a job is planned for that this machine does not have.
+
+A dry run (`deploy.dry_run`) builds a job for GPUs absent here. Inside
+`planning()`, a variable made under `tf.device` of an absent device is made
+on the host, and its planned device is remembered by its handle:
+`devices.device_of` and `devices.GraphPlacement` read it, so every choice
+the towers make from where a variable lives (its gradient sum, its update,
+its slots' owner) and every count read from the traced graph follow the
+plan. Nothing runs on the absent devices; the step is only traced.
+"""
+
+import contextlib
+
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+HOST = '/device:CPU:0'
+_PLANNED = {}  # id(a variable's handle) -> its planned device.
+_ACTIVE = []  # The absent devices' names while planning.
+
+
+def active():
+  """Whether a plan is being made (`planning`)."""
+  return bool(_ACTIVE)
+
+
+def planned_device(handle):
+  """The planned device of the variable whose handle is `handle`, or None
+  for one that lives where it was made."""
+  return _PLANNED.get(id(handle))
+
+
+def plan(variable, device):
+  """Records `device` as where `variable` (a `tf.Variable`) is planned."""
+  _PLANNED[id(variable.handle)] = _canonical(device)
+
+
+def absent(device):
+  """Whether `device` names no device of this runtime."""
+  wanted = tf.DeviceSpec.from_string(device)
+  return not any(
+      tf.DeviceSpec.from_string(have.name).device_type == wanted.device_type
+      and tf.DeviceSpec.from_string(have.name).device_index ==
+      wanted.device_index for have in tf.config.list_logical_devices())
+
+
+@contextlib.contextmanager
+def planning():
+  """Inside, variables made on absent devices are made on the host with
+  their device planned (see the module); on exit the plan is forgotten."""
+  def creator(next_creator, **kwargs):
+    device = context.context().device_name
+    if not device or not absent(device):
+      return next_creator(**kwargs)
+    with tf.device(HOST):
+      variable = next_creator(**kwargs)
+    plan(variable, device)
+    return variable
+  _ACTIVE.append(True)
+  try:
+    with tf.variable_creator_scope(creator):
+      yield
+  finally:
+    _ACTIVE.pop()
+    if not _ACTIVE:
+      _PLANNED.clear()
+
+
+def _canonical(device):
+  spec = tf.DeviceSpec.from_string(device)
+  if spec.job in (None, 'localhost'):
+    spec = spec.replace(job=None, replica=None, task=None)
+  return spec.to_string()
