@@ -46,6 +46,7 @@ from tfmulti.train import config  # noqa: E402
 from tfmulti.train import job  # noqa: E402
 from tfmulti.train import learning_rates  # noqa: E402
 from tfmulti.train import loop  # noqa: E402
+from tfmulti.train import planned_job  # noqa: E402
 
 PROGRAM = 'train.py'
 
@@ -233,6 +234,15 @@ _EXPORT = flags.DEFINE_bool(
     'export', True, 'At the end, write <model_dir>/export/<step>/: a '
     'SavedModel (serving_default: images -> logits, probabilities) and '
     'model.keras, for one device.')
+_DRY_RUN = flags.DEFINE_bool(
+    'dry_run', False, 'Plan the job for its GPUs on any machine, none '
+    'needed: build it, trace one step on a batch of the data\'s shapes '
+    '(nothing runs), log what each device holds, keeps and moves and its '
+    'FLOPs, and stop with one line where an op placed on a GPU has no GPU '
+    'kernel for its dtypes, or a device does not fit --device_memory.')
+_DEVICE_MEMORY = flags.DEFINE_string(
+    'device_memory', None, 'With --dry_run, the memory of each GPU: a size '
+    '(80GB, 16384MB) or a name (h100, a100, a100_40gb, v100, l4, t4, ...).')
 _PROFILE_STEPS = flags.DEFINE_list(
     'profile_steps', None, 'FIRST,LAST: write a TensorBoard profile of '
     'these global steps (e.g. 5,7) to <model_dir>/plugins/profile; view it '
@@ -560,9 +570,11 @@ def configs_from_flags():
   train_config = _train_config()
   path = registry.get(train_config.strategy)
   cluster_info = _cluster(path)
-  clone_on_cpu = devices.place_clones(
-      _NUM_CLONES.value, clone_on_cpu=_CLONE_ON_CPU.value,
-      variables_gpu=variables_gpu, num_stages=_NUM_STAGES.value)
+  clone_on_cpu = _CLONE_ON_CPU.value
+  if clone_on_cpu or not _DRY_RUN.value:  # A dry run plans absent GPUs.
+    clone_on_cpu = devices.place_clones(
+        _NUM_CLONES.value, clone_on_cpu=clone_on_cpu,
+        variables_gpu=variables_gpu, num_stages=_NUM_STAGES.value)
   if clone_on_cpu and not train_config.step_options.reproducible_rows:
     devices.share_cores(_NUM_CLONES.value)  # Atoms' bits: one pool.
   deploy_config = placement.DeploymentConfig(
@@ -602,7 +614,11 @@ def main(argv):
     sys.exit(f'{PROGRAM}: error: unexpected arguments {argv[1:]}; flags are '
              'written --name=value.')
   try:
+    memory = planned_job.memory_bytes(_DEVICE_MEMORY.value)
     train_config, deploy_config, cluster_info = configs_from_flags()
+    if _DRY_RUN.value:
+      planned_job.run(train_config, deploy_config, memory)
+      return
     job.train_and_evaluate(train_config, deploy_config,
                                  cluster_info=cluster_info)
   except loop.TrainingInterrupted as e:
@@ -633,7 +649,8 @@ HELP_GROUPS = (
         'reproducible_rows', 'gradient_packs')),
     ('Output', (
         'model_dir', 'log_every_steps', 'steps_per_loop', 'checkpoint_steps',
-        'keep_checkpoints', 'async_checkpoint', 'export', 'profile_steps')),
+        'keep_checkpoints', 'async_checkpoint', 'export', 'profile_steps',
+        'dry_run', 'device_memory')),
     ('Several workers (TF_CONFIG, Slurm, Kubernetes)', (
         'num_workers', 'worker_index', 'cluster', 'port', 'worker_hosts',
         'peer_timeout_s')),

@@ -2,11 +2,15 @@
 op placed on a GPU has a GPU kernel for its dtypes, and each device's
 bytes follow the plan."""
 
+import re
+
+from absl.testing import flagsaver
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmulti import cli
 from tfmulti import plans
 from tfmulti.deploy import dry_run
 from tfmulti.deploy import mesh_layouts
@@ -122,3 +126,27 @@ def test_a_model_too_big_for_the_memory_names_its_biggest_holders():
   assert 'hidden/kernel' in ''.join(lines)
   assert all('GiB over its 0 GiB; its biggest: ' in line for line in lines)
   assert dry_run.over_memory(found, memory_bytes=2**30) == []
+
+
+def test_the_command_line_plans_eight_gpus_and_writes_nothing(
+    tmp_path, digits_dir, caplog):
+  values = dict(model_dir=str(tmp_path / 'run'), data_dir=digits_dir,
+                dry_run=True, num_clones=8, clone_on_cpu=False,
+                variables_device='spread', batch_size=4)
+  with caplog.at_level('INFO', logger='absl'):
+    with flagsaver.flagsaver(**values):
+      cli.main(['train.py'])
+  for i in range(8):
+    assert re.search(rf'/device:GPU:{i}: holds [\d.]+ MiB of variables and '
+                     r'slots.*GFLOP a step in \d+ ops; 0 without a GPU kernel',
+                     caplog.text), i
+  assert 'every op placed on a GPU has a GPU kernel' in caplog.text
+  assert not (tmp_path / 'run').exists()
+  with flagsaver.flagsaver(**values, device_memory='0.1MB'):
+    with pytest.raises(SystemExit, match=r'8 device\(s\) do not fit: '
+                       r'/device:GPU:\d needs [\d.]+ GiB'):
+      cli.main(['train.py'])
+  with flagsaver.flagsaver(**values, device_memory='lots'):
+    with pytest.raises(SystemExit, match=r'--device_memory=lots: give a '
+                       r'size \(80GB, 16384MB\) or a device name'):
+      cli.main(['train.py'])

@@ -169,6 +169,11 @@ def _settings(config, deploy_config, total_steps):
           'step_options': dataclasses.asdict(config.step_options)}
 
 
+def load_shapes(config, deploy_config):
+  """The job's `data.Data`, for its shapes and counts (a dry run)."""
+  return _load(config, deploy_config)
+
+
 def _load(config, deploy_config):
   with tf.device(deploy_config.inputs_device()):
     return data.load(config.dataset,

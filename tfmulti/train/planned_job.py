@@ -1,0 +1,112 @@
+"""`train.py --dry_run`: the job planned for its GPUs, on any machine.
+
+Builds the model and the towers the flags describe for GPU:0 to GPU:N-1
+(`deploy.dry_run`: none of them need exist), traces one step on a batch
+of the data's shapes (zeros: nothing is read beyond the data's shapes and
+counts), and logs each device's report. It ends with one line and a
+non-zero exit where an op placed on a GPU has no GPU kernel for its
+dtypes, or where `--device_memory` cannot hold a device's variables,
+slots and kept activations.
+"""
+
+import re
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from tfmulti import errors
+from tfmulti import plans
+from tfmulti.deploy import dry_run
+from tfmulti.engine import registry
+from tfmulti.train import build
+from tfmulti.train import job
+
+GIB = 2**30
+# Memory of one device of a known kind, GiB (the largest of its kind).
+KNOWN_MEMORY = {'h100': 80, 'h200': 141, 'a100': 80, 'a100_40gb': 40,
+                'l40s': 48, 'l4': 24, 'a10g': 24, 'v100': 32,
+                'v100_16gb': 16, 't4': 16}
+
+
+def memory_bytes(value):
+  """The bytes `--device_memory` names ('80GB', '40GiB', '16384MB', or a
+  name of `KNOWN_MEMORY`), or None without it.
+
+  Raises:
+    errors.ConfigError: neither a size nor a known name.
+  """
+  if not value:
+    return None
+  if value.lower() in KNOWN_MEMORY:
+    return KNOWN_MEMORY[value.lower()] * GIB
+  match = re.fullmatch(r'(\d+(?:\.\d+)?)\s*(GB|GIB|MB|MIB)', value.upper())
+  if not match:
+    raise errors.ConfigError(
+        f'--device_memory={value}: give a size (80GB, 16384MB) or a device '
+        f'name ({", ".join(sorted(KNOWN_MEMORY))}).')
+  scale = GIB if match.group(2).startswith('G') else 2**20
+  return int(float(match.group(1)) * scale)
+
+
+def run(config, deploy_config, device_memory=None):
+  """Plans the job (see the module); returns the `dry_run.Plan`.
+
+  Raises:
+    errors.UserError: a strategy the dry run does not plan, an op without
+      a GPU kernel, or a device over `device_memory` (bytes).
+  """
+  if config.strategy != registry.TOWERS:
+    raise errors.ConfigError(
+        f'--dry_run with --strategy={config.strategy}: the dry run plans '
+        f'the towers; use --strategy={registry.TOWERS}.')
+  dataset = job.load_shapes(config, deploy_config)
+  rows = job.global_batch_size(config, deploy_config)
+  images = np.zeros((rows, *dataset.input_shape), np.float32)
+  labels = np.zeros((rows,), np.int32)
+  with plans.planning():
+    with tf.device(deploy_config.optimizer_variables_device()):
+      model, optimizer = build.model_and_optimizer(
+          config, deploy_config, input_shape=dataset.input_shape,
+          num_classes=dataset.num_classes,
+          learning_rate=config.learning_rate)(
+              deploy_config.variables_scope())
+    found = dry_run.plan(deploy_config, model, build.make_loss(), optimizer,
+                         images, labels, config.step_options)
+  _log(found)
+  _check(found, device_memory)
+  return found
+
+
+def _log(found):
+  for device, report in found.devices.items():
+    moved = ', '.join(f'{link} {report.sent_bytes[link] / 2**20:.1f} MiB out '
+                      f'{report.received_bytes[link] / 2**20:.1f} MiB in'
+                      for link in sorted(set(report.sent_bytes) |
+                                         set(report.received_bytes)))
+    logging.info(
+        '%s: holds %.1f MiB of variables and slots, keeps %.1f MiB of '
+        'activations; moves %s; %.2f GFLOP a step in %d ops; %d without a '
+        'GPU kernel', device, report.held_bytes / 2**20,
+        report.activation_bytes / 2**20, moved or 'nothing',
+        report.flops / 1e9, report.ops, len(report.missing_kernels))
+  for size, path, device in found.holders[:5]:
+    logging.info('biggest: %s, %.1f MiB on %s', path, size / 2**20, device)
+
+
+def _check(found, device_memory):
+  missing = [line for report in found.devices.values()
+             for line in report.missing_kernels]
+  if missing:
+    raise errors.DeviceError(
+        f'{len(missing)} op(s) placed on a GPU have no GPU kernel for their '
+        f'dtypes; the first: {missing[0]}. Move it to the input pipeline or '
+        'cast it to a type a GPU computes.')
+  over = dry_run.over_memory(found, device_memory) if device_memory else []
+  if over:
+    raise errors.DeviceError(
+        f'{len(over)} device(s) do not fit: {over[0]}. Spread or shard the '
+        'variables, or lower --batch_size.')
+  logging.info('dry run: every op placed on a GPU has a GPU kernel%s.',
+               f', and every device fits in {device_memory / GIB:.0f} GiB'
+               if device_memory else '')
