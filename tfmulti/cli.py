@@ -366,7 +366,8 @@ def _variable_layouts(shape, axes, layout_map, strategy):
         f'--layout_map={layout_map} returned {type(made).__name__}, not a '
         'keras.distribution.LayoutMap; return LayoutMap(device_mesh) with '
         'its keys set.')
-  return mesh_layouts.from_layout_map(made)
+  return mesh_layouts.same_mesh(layouts, mesh_layouts.from_layout_map(made),
+                                layout_map)
 
 
 def _image_size(values):

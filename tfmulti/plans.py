@@ -15,7 +15,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 HOST = '/device:CPU:0'
-_PLANNED = {}  # id(a variable's handle) -> its planned device.
+_PLANNED = {}  # id(a variable's handle) -> (the handle, its device).
 _ACTIVE = []  # The absent devices' names while planning.
 
 
@@ -27,12 +27,13 @@ def active():
 def planned_device(handle):
   """The planned device of the variable whose handle is `handle`, or None
   for one that lives where it was made."""
-  return _PLANNED.get(id(handle))
+  entry = _PLANNED.get(id(handle))  # The handle kept: its id not reused.
+  return entry[1] if entry and entry[0] is handle else None
 
 
 def plan(variable, device):
   """Records `device` as where `variable` (a `tf.Variable`) is planned."""
-  _PLANNED[id(variable.handle)] = _canonical(device)
+  _PLANNED[id(variable.handle)] = (variable.handle, _canonical(device))
 
 
 def absent(device):

@@ -282,11 +282,60 @@ def _refused_at_build(layouts, optimizer=None, model=None, **options):
         num_clones=2, num_stages=2, clone_on_cpu=True,
         variable_layouts=mesh_layouts.VariableLayouts((2,), ('a',))),
      errors.UnsupportedError, r'variable layouts with num_stages=2'),
+    (lambda: deploy.DeploymentConfig(
+        num_clones=2, num_ps_tasks=1, clone_on_cpu=True,
+        variable_layouts=mesh_layouts.VariableLayouts((2,), ('a',))),
+     errors.UnsupportedError, r'num_ps_tasks=1: the towers shard variables'),
+    (lambda: _refused_at_build({'hidden/kernel': (None, 'model')},
+                               model=_constrained()),
+     errors.UnsupportedError, r'variable hidden/kernel: layout \(None, '
+     r"'model'\) on a variable with a constraint"),
+    (lambda: mesh_layouts.VariableLayouts(
+        (2,), ('a',), (('d1/kernel', [None, 'a']),)), errors.ConfigError,
+     r"layout_map\['d1/kernel'\] = \[None, 'a'\]: give a tuple"),
+    (lambda: mesh_layouts.VariableLayouts((2,), ('a',), (('d1/(', ('a',)),)),
+     errors.ConfigError, r"layout_map\['d1/\('\]: the key is not a regular "
+     'expression'),
+    (lambda: mesh_layouts.resolved(mesh_layouts.VariableLayouts(
+        (2, 2), ('data', 'model'), mesh_layouts.MODEL_OWN), _Owned()),
+     errors.ConfigError, r"layout_map='model': _Owned.get_layout_map on mesh "
+     r"axes \('data', 'model'\) failed"),
+    (lambda: mesh_layouts.same_mesh(
+        mesh_layouts.VariableLayouts((2, 2), ('batch', 'model')),
+        mesh_layouts.VariableLayouts((4,), ('model',)), 'm:f'),
+     errors.ConfigError, r'layout_map=m:f: its mesh \(4,\) of axes '
+     r"\('model',\) is not the mesh \(2, 2\)"),
 ])
 def test_a_layout_the_towers_cannot_honour_is_one_line(make, error, message):
   with pytest.raises(error, match=message) as refused:
     make()
   assert '\n' not in str(refused.value)
+
+
+def _constrained():
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input(shape=(6,))
+  return keras.Model(inputs, keras.layers.Dense(
+      4, kernel_constraint=keras.constraints.NonNeg(), name='hidden')(inputs))
+
+
+class _Owned(keras.Model):
+  """A model whose layout map, as keras-hub's, wants 'batch' and 'model'."""
+
+  def get_layout_map(self, device_mesh):
+    if 'batch' not in device_mesh.axis_names:
+      raise ValueError(f'batch is not found in {device_mesh.axis_names}')
+    return keras.distribution.LayoutMap(device_mesh)
+
+
+def test_a_model_sharded_before_trains_whole_again():
+  model = _model()
+  _fit(fit.TowersModel(model, _parallel(*LAYOUTS['two axes'])), epochs=1)
+  again = fit.TowersModel(model, deploy.DeploymentConfig(  # Spread there.
+      num_clones=4, clone_on_cpu=True, variables_device='spread'))
+  _fit(again, epochs=1)
+  assert not any(isinstance(v._value, sharding.ShardedValue)
+                 for v in model.weights)
 
 
 def _odd_model():

@@ -11,8 +11,10 @@ outputs a gradient op reads), the bytes it sends and receives and over
 which links (host-GPU, GPU-GPU), its FLOPs (TensorFlow's registered op
 statistics), its ops, and each op placed on a GPU with no GPU kernel for
 its dtypes (TensorFlow's kernel registry lists GPU kernels on a machine
-without CUDA). `over_memory` names the devices a memory size cannot hold,
-with their biggest holders.
+without CUDA). Under XLA (on by default for GPU clones) a clone's pass is
+compiled, and XLA's lowering decides, not the kernels: the check is then
+of what the pass would need without XLA. `over_memory` names the devices
+a memory size cannot hold, with their biggest holders.
 """
 
 import collections
@@ -83,7 +85,8 @@ def _plan_slots(optimizer):
   variables = list(optimizer._trainable_variables)
   for child in optimizer._trackable_children('checkpoint').values():
     if (isinstance(child, (list, tuple)) and len(child) == len(variables)
-        and child is not optimizer._trainable_variables):
+        and child is not optimizer._trainable_variables
+        and child is not optimizer._variables):  # Its own scalars.
       for slot, variable in zip(child, variables):
         if slot is not None and hasattr(slot, 'value'):
           plans.plan(keras_internals.storage(slot),
@@ -134,7 +137,8 @@ def _walk(graph, placement, device=''):
 def _link(source, reader):
   kinds = {tf.DeviceSpec.from_string(d).device_type for d in (source,
                                                               reader)}
-  return 'gpu-gpu' if kinds == {'GPU'} else 'host-gpu'
+  return {frozenset({'GPU'}): 'gpu-gpu',
+          frozenset({'CPU'}): 'cpu-cpu'}.get(frozenset(kinds), 'host-gpu')
 
 
 def _flops(op):

@@ -64,7 +64,8 @@ def clones_of(distribution):
   'cpu:N-1' (logical CPUs, `clone_on_cpu`) or 'gpu:0' to 'gpu:N-1', in
   the mesh's row-major order, as clone i runs on device i."""
   names = [str(d) for d in distribution.device_mesh.devices.flatten()]
-  kinds = {name.split(':')[-2].split('/')[-1].lower() for name in names}
+  kinds = {name.split(':')[-2].split('/')[-1].lower() if ':' in name
+           else None for name in names}
   kind = kinds.pop() if len(kinds) == 1 else None
   if kind not in ('cpu', 'gpu') or [
       name.split(':')[-1] for name in names] != [

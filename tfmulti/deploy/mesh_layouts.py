@@ -17,6 +17,7 @@ axes, because one update writes it.
 import dataclasses
 import itertools
 import math
+import re
 
 import keras
 import numpy as np
@@ -55,6 +56,16 @@ class VariableLayouts:
       raise errors.ConfigError(
           f'mesh axes {self.axis_names}: name each axis once.')
     for key, axes in () if self.rules == MODEL_OWN else self.rules:
+      if not isinstance(axes, tuple):
+        raise errors.ConfigError(
+            f'layout_map[{key!r}] = {axes!r}: give a tuple of axis names '
+            'or None, one a dimension.')
+      try:
+        re.compile(key)
+      except re.error as e:
+        raise errors.ConfigError(
+            f'layout_map[{key!r}]: the key is not a regular expression '
+            f'({e}); escape it (re.escape).') from None
       for axis in axes:
         if axis is not None and axis not in self.axis_names:
           raise errors.ConfigError(
@@ -79,8 +90,9 @@ class VariableLayouts:
       errors.ConfigError: several keys match, or the layout does not fit
         the shape (its rank, or a dimension the axis does not divide).
     """
+    layout_map = self._layout_map()
     try:
-      layout = self._layout_map()[path]
+      layout = layout_map[path]
     except ValueError as e:  # Keras: several keys match.
       raise errors.ConfigError(
           f'variable {path}: {str(e).splitlines()[0]}') from None
@@ -172,8 +184,26 @@ def resolved(layouts, model):
         'MODULE:FUNCTION returning a keras.distribution.LayoutMap.')
   try:
     layout_map = owner.get_layout_map(layouts.mesh())
-  except ValueError as e:  # keras-hub: a mesh without its axis names.
+  except (ValueError, AttributeError) as e:  # keras-hub: an axis it lacks.
     raise errors.ConfigError(
         f"layout_map='model': {type(owner).__name__}.get_layout_map on mesh "
-        f'axes {layouts.axis_names}: {str(e).splitlines()[0]}') from None
-  return from_layout_map(layout_map)
+        f'axes {layouts.axis_names} failed ({str(e).splitlines()[0]}); '
+        "name the mesh's axes as it names them (keras-hub: batch, "
+        'model).') from None
+  return same_mesh(layouts, from_layout_map(layout_map), 'model')
+
+
+def same_mesh(layouts, made, source):
+  """`made` (the `VariableLayouts` of a layout map from `source`), checked
+  to be on the mesh `layouts` describes.
+
+  Raises:
+    errors.ConfigError: it is on another mesh.
+  """
+  if (made.mesh_shape, made.axis_names) != (layouts.mesh_shape,
+                                            layouts.axis_names):
+    raise errors.ConfigError(
+        f'layout_map={source}: its mesh {made.mesh_shape} of axes '
+        f'{made.axis_names} is not the mesh {layouts.mesh_shape} of axes '
+        f'{layouts.axis_names} given; build the map on the mesh passed in.')
+  return made

@@ -176,9 +176,11 @@ def storage_of(config, model, optimizer):
     errors.UserError: a layout that cannot be honoured (see `check`).
   """
   if config.variable_layouts is None:
+    _join_all(model, config.variable_devices()[0])
     return Whole(model)
   layouts = mesh_layouts.resolved(config.variable_layouts, model)
   plan = check(layouts, model, optimizer)
+  _join_all(model, config.compute_devices()[0], keep=plan)
   held = dict.fromkeys(config.compute_devices(), 0)
   variables, grids, sharded = [], [], []
   for variable in model.trainable_variables:
@@ -251,6 +253,11 @@ def check(layouts, model, optimizer):
           f'variable {variable.path}: layout {axes} on a non-trainable '
           'variable: the towers shard trainable variables; leave it '
           'replicated (no key matching it).')
+    if variable.constraint is not None or variable.overwrite_with_gradient:
+      raise errors.UnsupportedError(
+          f'variable {variable.path}: layout {axes} on a variable with a '
+          'constraint (or overwritten by its gradient), which Keras applies '
+          'to the whole; leave it replicated, or drop the constraint.')
     plan[id(variable)] = axes
   inner = getattr(optimizer, 'inner_optimizer', optimizer)
   if plan and not isinstance(inner, ELEMENTWISE):
@@ -292,6 +299,19 @@ def _shard(config, layouts, variable, axes, parts, held):
 def shard_path(path, block):
   """The path of a variable's shard `block`: 'd1/kernel/shard_0_1'."""
   return f'{path}/shard_' + '_'.join(str(i) for i in block)
+
+
+def _join_all(model, device, keep=()):
+  """Each variable of `model` sharded before (and not in `keep`, ids of
+  those sharded again) stored whole on `device` again, with its value."""
+  for variable in model.variables:
+    value = keras_internals.storage(variable)
+    if isinstance(value, ShardedValue) and id(variable) not in keep:
+      with tf.init_scope():
+        whole = value.read_value()
+        with tf.device(device):
+          keras_internals.store_in(variable, tf.Variable(
+              whole, trainable=value.trainable, name=variable.name))
 
 
 def _move(variable, device):

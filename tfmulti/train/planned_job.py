@@ -46,7 +46,12 @@ def memory_bytes(value):
         f'--device_memory={value}: give a size (80GB, 16384MB) or a device '
         f'name ({", ".join(sorted(KNOWN_MEMORY))}).')
   scale = GIB if match.group(2).startswith('G') else 2**20
-  return int(float(match.group(1)) * scale)
+  size = int(float(match.group(1)) * scale)
+  if size <= 0:
+    raise errors.ConfigError(
+        f'--device_memory={value}: a device holds more than nothing; give '
+        'its size, e.g. 80GB.')
+  return size
 
 
 def run(config, deploy_config, device_memory=None):
@@ -56,6 +61,10 @@ def run(config, deploy_config, device_memory=None):
     errors.UserError: a strategy the dry run does not plan, an op without
       a GPU kernel, or a device over `device_memory` (bytes).
   """
+  if device_memory is not None and deploy_config.clone_on_cpu:
+    raise errors.ConfigError(
+        '--device_memory with --clone_on_cpu: the dry run checks GPUs; '
+        'leave --clone_on_cpu out to plan GPU:0 to GPU:N-1.')
   if config.strategy != registry.TOWERS:
     raise errors.ConfigError(
         f'--dry_run with --strategy={config.strategy}: the dry run plans '
@@ -102,11 +111,12 @@ def _check(found, device_memory):
         f'{len(missing)} op(s) placed on a GPU have no GPU kernel for their '
         f'dtypes; the first: {missing[0]}. Move it to the input pipeline or '
         'cast it to a type a GPU computes.')
-  over = dry_run.over_memory(found, device_memory) if device_memory else []
+  over = (dry_run.over_memory(found, device_memory)
+          if device_memory is not None else [])
   if over:
     raise errors.DeviceError(
         f'{len(over)} device(s) do not fit: {over[0]}. Spread or shard the '
         'variables, or lower --batch_size.')
   logging.info('dry run: every op placed on a GPU has a GPU kernel%s.',
                f', and every device fits in {device_memory / GIB:.0f} GiB'
-               if device_memory else '')
+               if device_memory is not None else '')
