@@ -19,6 +19,7 @@ a memory size cannot hold, with their biggest holders.
 
 import collections
 import dataclasses
+import functools
 
 import tensorflow as tf
 from tensorflow.python.framework import kernels
@@ -169,23 +170,38 @@ def _missing_kernel(op, device):
   if (tf.DeviceSpec.from_string(device).device_type != 'GPU'
       or op.type in _NO_KERNEL_NEEDED):
     return None
-  for kernel in kernels.get_registered_kernels_for_op(op.type).kernel:
-    if kernel.device_type in _GPU_KERNELS and all(
-        _allowed(op, constraint) for constraint in kernel.constraint):
+  types = {}  # Each attribute's dtype enums, read once.
+  for constraints in _gpu_kernels(op.type):
+    if all(_types(op, name, types) <= allowed
+           for name, allowed in constraints):
       return None
   dtypes = sorted({t.dtype.name for t in list(op.inputs) + op.outputs})
   return (f'{op.type} {op.name!r} on {device}: no GPU kernel for '
           f'{", ".join(dtypes) or "its attributes"}')
 
 
-def _allowed(op, constraint):
-  try:
-    value = op.get_attr(constraint.name)
-  except ValueError:
-    return True
-  values = value if isinstance(value, list) else [value]
-  allowed = set(constraint.allowed_values.list.type)
-  return all(tf.as_dtype(v).as_datatype_enum in allowed for v in values)
+@functools.lru_cache(maxsize=None)
+def _gpu_kernels(op_type):
+  """The type constraints of each GPU kernel of `op_type`: a tuple of
+  (attribute, frozenset of allowed dtype enums) a kernel (read once: the
+  registry parses its proto at each call)."""
+  return tuple(
+      tuple((c.name, frozenset(c.allowed_values.list.type))
+            for c in kernel.constraint)
+      for kernel in kernels.get_registered_kernels_for_op(op_type).kernel
+      if kernel.device_type in _GPU_KERNELS)
+
+
+def _types(op, name, types):
+  """The dtype enums of `op`'s attribute `name` (none: no such one)."""
+  if name not in types:
+    try:
+      value = op.get_attr(name)
+    except ValueError:
+      value = []
+    types[name] = frozenset(tf.as_dtype(v).as_datatype_enum for v in (
+        value if isinstance(value, list) else [value]))
+  return types[name]
 
 
 def over_memory(found, memory_bytes, top=3):
@@ -201,7 +217,9 @@ def over_memory(found, memory_bytes, top=3):
     biggest = [f'{path} {size / 2**20:.0f} MiB'
                for size, path, d in found.holders if d == device][:top]
     over = (need - memory_bytes) / 2**30
+    held, kept = report.held_bytes / 2**30, report.activation_bytes / 2**30
     lines.append(
-        f'{device} needs {need / 2**30:.2f} GiB, {over:.2f} GiB over its '
+        f'{device} needs {need / 2**30:.2f} GiB ({held:.2f} of variables and '
+        f'slots, {kept:.2f} of kept activations), {over:.2f} GiB over its '
         f'{memory_bytes / 2**30:.0f} GiB; its biggest: {", ".join(biggest)}')
   return lines
