@@ -450,3 +450,17 @@ def layout_map_of(distribution):
   """A `keras.distribution.ModelParallel`'s `LayoutMap` (Keras keeps it
   private)."""
   return distribution._layout_map
+
+
+def slot_lists(optimizer):
+  """{kind: slots}: each of `optimizer`'s lists of slot variables, one slot
+  a trainable variable in their order (Keras keeps one list a kind:
+  Adam's '_momentums' and '_velocities'); a loss scale optimizer's inner
+  one's."""
+  optimizer = getattr(optimizer, 'inner_optimizer', optimizer)
+  variables = optimizer._trainable_variables
+  return {name: list(child) for name, child in
+          optimizer._trackable_children('checkpoint').items()
+          if isinstance(child, (list, tuple)) and len(child) == len(variables)
+          and child is not variables and child is not optimizer._variables
+          and all(hasattr(slot, 'value') for slot in child)}

@@ -33,7 +33,7 @@ def planned_device(handle):
 
 def plan(variable, device):
   """Records `device` as where `variable` (a `tf.Variable`) is planned."""
-  _PLANNED[id(variable.handle)] = (variable.handle, _canonical(device))
+  _PLANNED[id(variable.handle)] = (variable.handle, device)
 
 
 def absent(device):
@@ -65,10 +65,3 @@ def planning():
     _ACTIVE.pop()
     if not _ACTIVE:
       _PLANNED.clear()
-
-
-def _canonical(device):
-  spec = tf.DeviceSpec.from_string(device)
-  if spec.job in (None, 'localhost'):
-    spec = spec.replace(job=None, replica=None, task=None)
-  return spec.to_string()

@@ -422,3 +422,76 @@ def test_a_sharded_model_saves_as_plain_keras_loads_it(tmp_path):
   assert len(loaded.optimizer.variables) == len(view._variables)
   for a, b in zip(loaded.optimizer.variables, view._variables):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+class _Subclassed(keras.Model):
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.d1 = keras.layers.Dense(12, activation='relu', name='d1')
+    self.d2 = keras.layers.Dense(4, name='d2')
+
+  def call(self, inputs):
+    return self.d2(self.d1(keras.ops.cast(inputs, 'float32')))
+
+
+def _sequential():
+  keras.utils.set_random_seed(0)
+  return keras.Sequential([
+      keras.Input((3,), dtype='int32'),
+      keras.layers.Embedding(16, 8, name='table'), keras.layers.Flatten(),
+      keras.layers.Dense(12, activation='relu', name='d1'),
+      keras.layers.Dense(4, name='d2')])
+
+
+def _subclassed():
+  keras.utils.set_random_seed(0)
+  model = _Subclassed(name='subclassed')
+  model(np.zeros((1, 3), np.int32))
+  return model
+
+
+@pytest.mark.parametrize('make, layouts', [
+    (_sequential, {'.*table/embeddings': ('model', 'batch'),  # Paths start
+                   '.*d1/kernel': ('batch', 'model')}),  # 'sequential_1/'.
+    (_subclassed, {'subclassed/d1/kernel': (None, 'model'),
+                   'subclassed/d2/kernel': ('batch', None)}),
+])
+def test_sequential_and_subclassed_models_shard_as_one_device(make, layouts):
+  plain = make()
+  want = _fit(plain)
+  model = make()
+  towers = fit.TowersModel(model, _parallel((2, 2), ['batch', 'model'],
+                                            layouts))
+  _same(_fit(towers), want, plain, model)
+  assert isinstance(model.get_layer('d1').kernel._value,
+                    sharding.ShardedValue)
+
+
+class _OwnStep(keras.Model):
+  def train_step(self, data):
+    return super().train_step(data)
+
+
+def test_a_models_own_step_refuses_variable_layouts():
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((6,))
+  model = _OwnStep(inputs, keras.layers.Dense(4, name='d1')(inputs))
+  with pytest.raises(errors.UnsupportedError, match=r'has its own '
+                     'train_step, which reads and updates whole variables: '
+                     'variable layouts are not honoured') as refused:
+    fit.TowersModel(model, _parallel(
+        (4,), ['model'], {'d1/kernel': (None, 'model')})).compile(
+            optimizer='adam', loss='mse')
+  assert '\n' not in str(refused.value)
+  assert not isinstance(model.get_layer('d1').kernel._value,
+                        sharding.ShardedValue)
+
+
+def test_keys_that_match_no_variable_are_named(caplog):
+  model = _sequential()  # Its paths start with the model's name.
+  with caplog.at_level('WARNING', logger='absl'):
+    fit.TowersModel(model, _parallel((4,), ['model'], {
+        'd1/kernel': (None, 'model')})).compile(optimizer='adam', loss='mse')
+  assert (f"layout map keys matching no variable of '{model.name}' (its "
+          f"paths start as '{model.name}/table/embeddings'): ['d1/kernel']"
+          in caplog.text)

@@ -80,18 +80,12 @@ def plan(config, model, loss_fn, optimizer, images, labels, options=None,
 
 
 def _plan_slots(optimizer):
-  """Each slot planned beside its variable: Keras keeps a slot list per
-  kind, in the order of its trainable variables."""
-  optimizer = getattr(optimizer, 'inner_optimizer', optimizer)
-  variables = list(optimizer._trainable_variables)
-  for child in optimizer._trackable_children('checkpoint').values():
-    if (isinstance(child, (list, tuple)) and len(child) == len(variables)
-        and child is not optimizer._trainable_variables
-        and child is not optimizer._variables):  # Its own scalars.
-      for slot, variable in zip(child, variables):
-        if slot is not None and hasattr(slot, 'value'):
-          plans.plan(keras_internals.storage(slot),
-                     devices.device_of(variable))
+  """Each slot planned beside its variable (`keras_internals.slot_lists`)."""
+  variables = getattr(optimizer, 'inner_optimizer',
+                      optimizer)._trainable_variables
+  for slots in keras_internals.slot_lists(optimizer).values():
+    for slot, variable in zip(slots, variables):
+      plans.plan(keras_internals.storage(slot), devices.device_of(variable))
 
 
 def _read(deployed, graph):

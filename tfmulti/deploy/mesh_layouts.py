@@ -112,6 +112,12 @@ class VariableLayouts:
             'do not divide it; use a mesh axis that divides it, or None.')
     return axes
 
+  def unmatched(self, paths):
+    """The layout map's keys that match none of `paths` (Keras's rule: an
+    exact key, or one that fully matches)."""
+    return [key for key, _ in self.rules
+            if not any(re.fullmatch(key, path) for path in paths)]
+
   def parts_of(self, axis):
     """How many parts a dimension named `axis` splits into (1: None)."""
     return 1 if axis is None else self.mesh_shape[self.axis_names.index(axis)]

@@ -57,18 +57,19 @@ def whole_state(optimizer):
 
 
 def _groups(storage, optimizer):
-  """{id(variable): (whole index, slot name or None, block)} of each shard
-  and each shard's slot, from the slots' names (Keras names a slot
-  '<its variable's path, / as _>_<slot>')."""
-  groups, prefixes = {}, []
+  """{id(variable): (whole index, slot kind or None, block)} of each shard
+  and each shard's slot (`keras_internals.slot_lists`)."""
+  groups = {}
   for k, (*_, shards) in enumerate(storage.sharded):
     for block, shard in enumerate(shards):
       groups[id(shard)] = (k, None, block)
-      prefixes.append((shard.path.replace('/', '_') + '_', k, block))
-  for variable in optimizer.variables:
-    for prefix, k, block in prefixes:
-      if variable.name.startswith(prefix):
-        groups[id(variable)] = (k, variable.name[len(prefix):], block)
+  variables = getattr(optimizer, 'inner_optimizer',
+                      optimizer)._trainable_variables
+  for kind, slots in keras_internals.slot_lists(optimizer).items():
+    for slot, variable in zip(slots, variables):
+      if id(variable) in groups:
+        k, _, block = groups[id(variable)]
+        groups[id(slot)] = (k, kind, block)
   return groups
 
 

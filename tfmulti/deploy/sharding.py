@@ -180,6 +180,11 @@ def storage_of(config, model, optimizer):
     return Whole(model)
   layouts = mesh_layouts.resolved(config.variable_layouts, model)
   plan = check(layouts, model, optimizer)
+  unmatched = layouts.unmatched([v.path for v in model.variables])
+  if unmatched:  # Keys for a layer's outputs are JAX's; a typo is silent.
+    logging.warning(
+        'layout map keys matching no variable of %r (its paths start as '
+        '%r): %s', model.name, model.variables[0].path, unmatched)
   _join_all(model, config.compute_devices()[0], keep=plan)
   held = dict.fromkeys(config.compute_devices(), 0)
   variables, grids, sharded = [], [], []
@@ -305,19 +310,20 @@ def _join_all(model, device, keep=()):
   """Each variable of `model` sharded before (and not in `keep`, ids of
   those sharded again) stored whole on `device` again, with its value."""
   for variable in model.variables:
-    value = keras_internals.storage(variable)
-    if isinstance(value, ShardedValue) and id(variable) not in keep:
-      with tf.init_scope():
-        whole = value.read_value()
-        with tf.device(device):
-          keras_internals.store_in(variable, tf.Variable(
-              whole, trainable=value.trainable, name=variable.name))
+    if (isinstance(keras_internals.storage(variable), ShardedValue)
+        and id(variable) not in keep):
+      _store_whole(variable, device)
 
 
 def _move(variable, device):
   """`variable` (a Keras variable) stored on `device` from now on."""
-  if devices.on_device(variable, device):
-    return
+  if not devices.on_device(variable, device):
+    _store_whole(variable, device)
+
+
+def _store_whole(variable, device):
+  """`variable` stored whole in a new `tf.Variable` on `device`, with the
+  value its storage (whole or shards) holds."""
   old = keras_internals.storage(variable)
   with tf.init_scope():
     value = old.read_value()  # Read where it is (a dry run plans GPUs).
