@@ -68,28 +68,34 @@ class Body:
   included); the gradients are of the loss times the loss scale.
   """
 
-  def __init__(self, model, loss_fn, scope='clone', gathered=list):
+  def __init__(self, model, loss_fn, scope='clone', storage=None):
     """`scope`: the name scope the pass opens where it is traced at the
     root (lockstep replica 0, an XLA function; `trainer.off_the_root`);
-    `gathered`: the model's trainable values from `trainable` (sharded
-    variables' shards joined, `sharding`), inside the tape, so the
-    gradients are the shards'."""
+    `storage`: how `trainable` holds the model's trainable values
+    (`deploy.sharding`): its `gathered(trainable)` makes them (sharded
+    variables' shards joined), the tape watches them, and its
+    `cut_gradients(gradients)` makes their gradients those of `trainable`
+    (the joins are not differentiated); None: `trainable` are the
+    model's values."""
     self.model = model
     self.loss_fn = loss_fn
     self.scope = scope
-    self.gathered = gathered
+    self.storage = storage
 
   def __call__(self, trainable, non_trainable, images, labels,
                penalty_weight, offset, terms):
-    with trainer.off_the_root(self.scope), tf.GradientTape() as tape:
-      tape.watch(trainable)
-      outputs, new_non_trainable, model_losses, penalties = forward(
-          self.model, self.gathered(trainable), non_trainable, images,
-          offset)
-      loss, regularization, scaled_loss = trainer.objective(
-          self.loss_fn, labels, outputs, global_rows=terms.global_rows,
-          model_losses=model_losses, penalties=penalties,
-          penalty_weight=penalty_weight, loss_scale=terms.loss_scale)
-    gradients = tape.gradient(scaled_loss, trainable)
+    with trainer.off_the_root(self.scope):
+      values = self.storage.gathered(trainable) if self.storage else trainable
+      with tf.GradientTape() as tape:
+        tape.watch(values)
+        outputs, new_non_trainable, model_losses, penalties = forward(
+            self.model, values, non_trainable, images, offset)
+        loss, regularization, scaled_loss = trainer.objective(
+            self.loss_fn, labels, outputs, global_rows=terms.global_rows,
+            model_losses=model_losses, penalties=penalties,
+            penalty_weight=penalty_weight, loss_scale=terms.loss_scale)
+    gradients = tape.gradient(scaled_loss, values)
+    if self.storage:
+      gradients = self.storage.cut_gradients(gradients)
     return (keras_internals.with_logits(outputs), loss, regularization,
             gradients, new_non_trainable)

@@ -145,7 +145,7 @@ def test_each_clone_gathers_and_each_shard_is_summed_beside_it():
   # Each clone cuts its gradients into the shards' pieces (the gathers'
   # gradients), and each piece is summed on its shard's device.
   cuts = {op.device.split('device:')[-1] for op in operations
-          if op.type == 'Slice' and 'gather_shards' in op.name}
+          if op.type == 'Split' and 'cut_shards' in op.name}
   assert cuts == {'CPU:0', 'CPU:1', 'CPU:2', 'CPU:3'}
   shards = [v for v in towers.towers.parts.storage.variables
             if '/shard_' in v.path]

@@ -42,6 +42,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import models
+from tfmulti import step_options
 from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
 from tfmulti.deploy import mesh_layouts
@@ -102,7 +103,8 @@ def _deployed(variant, args):
   loss = keras.losses.SparseCategoricalCrossentropy(
       from_logits=args.model == LLAMA or models.ends_in_logits(args.model))
   return towers_lib.deploy(config, model, loss,
-                           keras.optimizers.SGD(0.1, momentum=0.9))
+                           keras.optimizers.SGD(0.1, momentum=0.9),
+                           gradient_packs=args.gradient_packs)
 
 
 def _batch(args):
@@ -156,7 +158,8 @@ def run(args):
   report = {'environment': bench.environment(), 'model': args.model,
             'num_clones': n, 'rows_per_clone': args.rows_per_clone,
             'image_size': args.image_size,
-            'sequence_length': args.sequence_length, 'variants': {},
+            'sequence_length': args.sequence_length,
+            'gradient_packs': args.gradient_packs, 'variants': {},
             'targets': {'held_of_total': HELD_SLACK / n,
                         'moved_of_p': MOVED_SLACK * 2 * (n - 1) / n,
                         'step_vs_spread': STEP_SLACK}}
@@ -202,6 +205,9 @@ def parser():
   p.add_argument('--rows_per_clone', type=int, default=2)
   p.add_argument('--sequence_length', type=int, default=16,
                  help="--model=llama's tokens a row (default: %(default)s)")
+  p.add_argument('--gradient_packs', default='0',
+                 help="both variants' StepOptions.gradient_packs: 'auto' or "
+                 'a count (default: %(default)s, none)')
   p.add_argument('--steps', type=int, default=5)
   p.add_argument('--rounds', type=int, default=3)
   return p
@@ -219,6 +225,7 @@ def main(argv=None):
           '(2, N/2); use an even count.')
     if args.model != LLAMA:
       models.check_any(args.model)
+    step_options.StepOptions(gradient_packs=args.gradient_packs)
     devices.create_logical_cpus(args.num_clones)
     tf.config.set_soft_device_placement(False)
   except errors.UserError as e:

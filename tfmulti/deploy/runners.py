@@ -49,8 +49,7 @@ class WholeClones:
     self.config = config
     self.model = model
     self.storage = storage or sharding.Whole(model)
-    self.body = pieces.Body(model, loss_fn,
-                            gathered=self.storage.gathered)
+    self.body = pieces.Body(model, loss_fn, storage=self.storage)
     if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
       self.body = tf.function(self.body, jit_compile=True)
     self.run_pieces = run_pieces
@@ -185,19 +184,20 @@ def _each_clone(config, clone_pieces, images, labels, run_clone):
 
 
 def _packed_reads(config, variables, packs):
-  """`reads(device)`: the variables' values read on `device`, those of
-  each pack from another device as one tensor, packed once on its owner."""
+  """`reads(device)`: the variables' values for a clone on `device`, each
+  read once where it lives (TensorFlow sends a tensor once to each device
+  that reads it: one read a variable, not one a clone), those of each pack
+  from another device as one tensor, packed once on its owner."""
   owners = [config.owner_device(devices.device_of(v)) for v in variables]
   packed = {group: packs_lib.read_packed(variables, group, owners[group[0]])
             for group in packs}
+  values = [tf.convert_to_tensor(v) for v in variables]
 
   def reads(device):
-    values = {}
+    unpacked = {}
     for group, tensor in packed.items():
       if not devices.same_device(owners[group[0]], device):
-        values.update(zip(group, packs_lib.unpack(
+        unpacked.update(zip(group, packs_lib.unpack(
             tensor, [variables[k].shape for k in group])))
-    return [values[k] if k in values else tf.convert_to_tensor(v)
-            for k, v in enumerate(variables)]
+    return [unpacked.get(k, value) for k, value in enumerate(values)]
   return reads
-

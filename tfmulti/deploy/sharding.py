@@ -10,9 +10,10 @@ and updates:
            other variable moved whole to the least-loaded device
 
 Under `Sharded` the step reads each shard on each clone and joins them
-there, inside the gradient tape (`gathered`: an all-gather), so the tape
-hands back each shard's gradient, cut on the clone; the combiners sum each
-beside its shard (a reduce-scatter) and the optimizer updates the shards,
+there, inside the gradient tape (`gathered`: an all-gather); each clone
+cuts the whole variable's gradient into the shards' pieces
+(`cut_gradients`) and the combiners sum each beside its shard (a
+reduce-scatter) and the optimizer updates the shards,
 its slots beside them. The model's own variable keeps its name, shape and
 path, and its storage becomes a `ShardedValue`: reading it (predict, a
 checkpoint, `get_weights`) joins the shards where it is read, and
@@ -21,9 +22,11 @@ device holds the whole variable.
 """
 
 import contextlib
+import math
 
 from absl import logging
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmulti import devices
@@ -51,6 +54,11 @@ class Whole:
     """The model's trainable values from the step's reads: themselves."""
     return values
 
+  @staticmethod
+  def cut_gradients(gradients):
+    """The gradients of `variables` from the model's: themselves."""
+    return gradients
+
 
 class Sharded:
   """Each laid-out variable as its shards; the rest whole.
@@ -62,12 +70,14 @@ class Sharded:
     grids: for each of the model's trainable variables, its parts along
       each dimension, or None for a whole one.
     sharded: (variable, parts, shards) of each sharded variable.
+    shapes: the model's trainable variables' shapes.
   """
 
-  def __init__(self, variables, grids, sharded):
+  def __init__(self, variables, grids, sharded, shapes):
     self.variables = variables
     self.grids = grids
     self.sharded = sharded
+    self.shapes = shapes
 
   def gathered(self, values):
     """The model's trainable values from reads of `variables`: each
@@ -81,27 +91,82 @@ class Sharded:
         at += count
     return whole
 
+  def cut_gradients(self, gradients):
+    """The gradients of `variables` from those of the model's trainable
+    variables: each sharded one's cut into its shards' pieces on the
+    current device, by one split a dimension (differentiating the joins
+    would slice each shard apart, a few ops a shard), an Embedding's
+    `tf.IndexedSlices` kept as slices."""
+    pieces = []
+    with tf.name_scope('cut_shards'):
+      for parts, gradient, shape in zip(self.grids, gradients, self.shapes):
+        if parts is None:
+          pieces.append(gradient)
+        elif gradient is None:
+          pieces.extend([None] * len(mesh_layouts.blocks(parts)))
+        elif isinstance(gradient, tf.IndexedSlices):
+          pieces.extend(cut_slices(parts, gradient, shape))
+        else:
+          pieces.extend(cut(parts, gradient))
+    return pieces
+
 
 def join(parts, shards):
   """The whole tensor of `shards` (row-major over `parts`, the parts along
-  each dimension), joined on the current device: each dimension in turn
-  from the last."""
-  for dim in reversed(range(len(parts))):
-    if parts[dim] > 1:
-      n = parts[dim]
-      shards = [tf.concat(shards[i:i + n], axis=dim)
-                for i in range(0, len(shards), n)]
-  (whole,) = shards
-  return whole
+  each dimension), joined on the current device in one copy: a concat
+  where one dimension is split; where several are, one stitch of the
+  shards' rows into the whole's (a concat a dimension would copy the
+  bytes once a dimension)."""
+  split = [dim for dim, n in enumerate(parts) if n > 1]
+  if len(split) == 1:
+    return tf.concat(shards, axis=split[0])
+  whole = [n * d for n, d in zip(parts, shards[0].shape)]
+  last = split[-1]
+  # The whole as rows of `chunk` elements, each inside one shard: a row
+  # is the whole's dimensions past `last`, and a shard's part of `last`.
+  chunk = math.prod(whole[last + 1:]) * shards[0].shape[last]
+  rows = np.arange(math.prod(whole[:last]) * parts[last]).reshape(
+      whole[:last] + [parts[last]])
+  indices = [tf.constant(block.reshape(-1), tf.int32)
+             for block in cut(parts[:last + 1], rows, np.split)]
+  stitched = tf.dynamic_stitch(
+      indices, [tf.reshape(shard, [-1, chunk]) for shard in shards])
+  return tf.reshape(stitched, whole)
 
 
-def cut(parts, value):
-  """`value` cut into shards along each dimension, in row-major order."""
+def cut(parts, value, split=tf.split):
+  """`value` cut into shards along each dimension, in row-major order
+  (`split`: `np.split` for an array)."""
   shards = [value]
   for dim, n in enumerate(parts):
     if n > 1:
-      shards = [s for whole in shards for s in tf.split(whole, n, axis=dim)]
+      shards = [s for whole in shards for s in split(whole, n, axis=dim)]
   return shards
+
+
+def cut_slices(parts, value, shape):
+  """`value` (`tf.IndexedSlices` of a whole variable of `shape`) cut into
+  its shards' slices, in row-major order: along the first dimension each
+  row goes to its shard (in the order it came), along another each
+  slice's values are split."""
+  shards, shape = [value], list(shape)
+  for dim, n in enumerate(parts):
+    if n > 1:
+      shape[dim] //= n
+      shards = [s for whole in shards
+                for s in _cut_slices(whole, n, dim, tuple(shape))]
+  return shards
+
+
+def _cut_slices(value, n, dim, shape):
+  """`value`'s n slices along `dim`, each of dense shape `shape`."""
+  if dim:
+    return [tf.IndexedSlices(v, value.indices, shape)
+            for v in tf.split(value.values, n, axis=dim)]
+  owner = tf.cast(value.indices // shape[0], tf.int32)
+  return [tf.IndexedSlices(v, i, shape) for v, i in zip(
+      tf.dynamic_partition(value.values, owner, n),
+      tf.dynamic_partition(value.indices % shape[0], owner, n))]
 
 
 class ShardedValue(tf.__internal__.tracking.Trackable):
@@ -208,7 +273,8 @@ def storage_of(config, model, optimizer):
   logging.info('Variables sharded by their layouts: %d of %d; bytes a '
                'device: %s.', len(plan), len(model.variables),
                sorted(held.values()))
-  return Sharded(variables, grids, sharded)
+  return Sharded(variables, grids, sharded,
+                 [v.shape for v in model.trainable_variables])
 
 
 def stored_variables(deployed):

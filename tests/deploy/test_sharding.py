@@ -1,0 +1,55 @@
+"""Shards joined and gradients cut: the whole's bits, in one copy, and an
+Embedding's gradient kept as slices."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmulti.deploy import sharding
+
+GRIDS = [((8, 12), (1, 3)), ((8, 12), (2, 1)), ((8, 12), (2, 3)),
+         ((4, 6, 10), (2, 1, 5)), ((4, 6, 10), (1, 2, 5)),
+         ((6, 4, 10), (3, 2, 1)), ((4, 6, 10), (2, 3, 5))]
+
+
+@pytest.mark.parametrize('shape, parts', GRIDS)
+def test_join_undoes_cut(shape, parts):
+  whole = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+  shards = sharding.cut(parts, tf.constant(whole))
+  assert all(tuple(s.shape) == tuple(d // n for d, n in zip(shape, parts))
+             for s in shards)
+  np.testing.assert_array_equal(sharding.join(parts, shards), whole)
+
+
+@pytest.mark.parametrize('parts, copies', [((1, 4), {'ConcatV2': 1}),
+                                           ((2, 2), {'DynamicStitch': 1})])
+def test_a_join_copies_the_bytes_once(parts, copies):
+  shards = [tf.TensorSpec((4, 3), tf.float32)] * 4
+  graph = tf.function(lambda *s: sharding.join(parts, list(s))
+                      ).get_concrete_function(*shards).graph
+  types = [op.type for op in graph.get_operations()]
+  assert {t: types.count(t) for t in ('ConcatV2', 'DynamicStitch')
+          if t in types} == copies
+
+
+@pytest.mark.parametrize('parts', [(2, 1), (1, 4), (2, 4)])
+def test_an_embeddings_gradient_is_cut_into_slices(parts):
+  table = tf.constant(np.arange(8 * 16, dtype=np.float32).reshape(8, 16))
+  ids = tf.constant([5, 0, 5, 7, 2])
+  with tf.GradientTape() as tape:
+    tape.watch(table)
+    loss = tf.reduce_sum(tf.gather(table, ids) * tf.range(16.0))
+  gradient = tape.gradient(loss, table)
+  assert isinstance(gradient, tf.IndexedSlices)
+  storage = sharding.Sharded([], [parts], [], [table.shape])
+  pieces = storage.cut_gradients([gradient])
+  assert all(isinstance(p, tf.IndexedSlices) for p in pieces)
+  want = sharding.cut(parts, tf.convert_to_tensor(gradient))
+  for piece, dense in zip(pieces, want):
+    np.testing.assert_array_equal(tf.convert_to_tensor(piece), dense)
+  # Each shard keeps its ids' slices apart, in the order they came, as
+  # one device's optimizer would apply them.
+  rows = 8 // parts[0]
+  for i in range(parts[0]):
+    mine = [int(r) % rows for r in ids if int(r) // rows == i]
+    assert list(pieces[i * parts[1]].indices.numpy()) == mine
