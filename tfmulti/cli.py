@@ -437,6 +437,8 @@ def _cluster(path):
           'this process alone and does not use it.', info.num_workers,
           _STRATEGY.value)
     return None
+  if _DRY_RUN.value:  # Worker 0 of --num_workers, planned: no cluster.
+    return None
   source = resolvers.source_of(_CLUSTER.value, os.environ)
   if source == resolvers.NONE:
     raise errors.ClusterError(
@@ -583,7 +585,8 @@ def configs_from_flags():
       variables_device=_variables_device(_VARIABLES_DEVICE.value,
                                          variables_gpu),
       replica_id=cluster_info.index if cluster_info else 0,
-      num_replicas=cluster_info.num_workers if cluster_info else 1,
+      num_replicas=(cluster_info.num_workers if cluster_info else
+                    _NUM_WORKERS.value or 1),
       num_stages=_NUM_STAGES.value,
       variable_layouts=_variable_layouts(
           _MESH_SHAPE.value, _MESH_AXES.value, _LAYOUT_MAP.value,

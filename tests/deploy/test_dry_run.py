@@ -11,25 +11,33 @@ import pytest
 import tensorflow as tf
 
 from tfmulti import cli
+from tfmulti import errors
+from tfmulti import fit
 from tfmulti import plans
 from tfmulti.deploy import dry_run
 from tfmulti.deploy import mesh_layouts
+from tfmulti.deploy import peaks as peaks_lib
 from tfmulti.deploy import placement
+from tfmulti.deploy import towers
+from tfmulti.deploy import traffic
+from tfmulti.fit import planned
 
 GPUS = [f'/device:GPU:{i}' for i in range(8)]
 
 
-def _model(with_strings=False):
+def _model(with_strings=False, dtype=None):
   keras.utils.set_random_seed(0)
   inputs = keras.Input((8, 8, 3))
-  x = keras.layers.Conv2D(16, 3, name='conv')(inputs)
+  x = keras.layers.Conv2D(16, 3, name='conv', dtype=dtype)(inputs)
   x = keras.layers.BatchNormalization(name='norm')(x)
   if with_strings:  # A user's op that has no GPU kernel.
     x = keras.layers.Lambda(lambda t: t + tf.strings.to_number(
         tf.strings.as_string(t)), name='through_strings')(x)
   x = keras.layers.GlobalAveragePooling2D()(x)
-  x = keras.layers.Dense(64, activation='relu', name='hidden')(x)
-  return keras.Model(inputs, keras.layers.Dense(8, name='logits')(x))
+  x = keras.layers.Dense(64, activation='relu', name='hidden',
+                         dtype=dtype)(x)
+  return keras.Model(inputs, keras.layers.Dense(8, name='logits',
+                                                dtype=dtype)(x))
 
 
 def _batch(rows=16):
@@ -38,15 +46,19 @@ def _batch(rows=16):
           rng.integers(0, 8, rows).astype(np.int32))
 
 
-def _plan(config, model=None, **fields):
+def _plan(config, model=None, dtype=None, rows=16, **fields):
+  """The dry run of `config` (a model of `dtype` layers: 'mixed_float16'
+  trains under a loss scale) on a batch of `rows`."""
   with plans.planning():
     with config.variables_scope():
-      model = model or _model()
+      model = model or _model(dtype=dtype)
     with tf.device(config.optimizer_variables_device()):
       optimizer = keras.optimizers.Adam()
+      if dtype:
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     return dry_run.plan(
         config, model, keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True), optimizer, *_batch(), **fields)
+            from_logits=True), optimizer, *_batch(rows), **fields)
 
 
 SHARDED = mesh_layouts.VariableLayouts(
@@ -58,18 +70,31 @@ def _slow(make, fields):
   return pytest.param(make, fields, marks=pytest.mark.slow)
 
 
+def _clones(**config):
+  return lambda: placement.DeploymentConfig(num_clones=8, **config)
+
+
+def _stages(**config):
+  return lambda: placement.DeploymentConfig(num_clones=4, num_stages=2,
+                                            **config)
+
+
 @pytest.mark.parametrize('make, fields', [
-    (lambda: placement.DeploymentConfig(num_clones=8), {}),
-    _slow(lambda: placement.DeploymentConfig(num_clones=8,
-                                             variables_device='spread'), {}),
-    _slow(lambda: placement.DeploymentConfig(num_clones=8,
-                                             variable_layouts=SHARDED), {}),
-    _slow(lambda: placement.DeploymentConfig(num_clones=4, num_stages=2),
-          dict(num_microbatches=2, pipeline_schedule='zb_h1')),
-    _slow(lambda: placement.DeploymentConfig(num_clones=8),
-          dict(accumulation_steps=2)),
-    _slow(lambda: placement.DeploymentConfig(num_clones=8),
-          dict(reproducible_rows=2)),
+    (_clones(), {}),
+    _slow(_clones(variables_device='spread'), {}),
+    _slow(_clones(variable_layouts=SHARDED), {}),
+    _slow(_stages(), dict(num_microbatches=2, pipeline_schedule='zb_h1')),
+    _slow(_stages(), dict(num_microbatches=2, virtual_stages=2,
+                          pipeline_schedule='interleaved_1f1b')),
+    _slow(_stages(), dict(num_microbatches=4, pipeline_schedule='zb_v',
+                          stage_boundaries=('norm', 'hidden', 'logits'))),
+    _slow(_stages(), dict(num_microbatches=2, recompute=True)),
+    _slow(_clones(), dict(accumulation_steps=2)),
+    _slow(_clones(), dict(reproducible_rows=2)),
+    _slow(_clones(), dict(clone_shares=(3, 1, 1, 1, 1, 1, 1, 1))),
+    _slow(_clones(variables_device='spread'), dict(gradient_packs='auto')),
+    _slow(_clones(), dict(dtype='mixed_float16')),
+    _slow(_clones(), dict(xla=False)),
 ])
 def test_every_op_on_eight_gpus_has_a_gpu_kernel(make, fields):
   config = make()
@@ -150,3 +175,128 @@ def test_the_command_line_plans_eight_gpus_and_writes_nothing(
     with pytest.raises(SystemExit, match=r'--device_memory=lots: give a '
                        r'size \(80GB, 16384MB\) or a device name'):
       cli.main(['train.py'])
+
+
+def test_the_peak_counts_the_tensors_live_at_once():
+  size = 1000 * 4
+
+  @tf.function
+  def step(x):
+    with tf.device('/device:CPU:0'):
+      a = x + 1.0
+      b = a * 2.0
+      c = a + b  # a, b and c live at once.
+    with tf.device('/device:CPU:1'):
+      d = c * c  # c read here too: a copy lives on CPU:1.
+    return d
+
+  graph = step.get_concrete_function(
+      tf.TensorSpec((1000,), tf.float32)).graph
+  peaks = peaks_lib.peaks(graph)
+  assert peaks['/device:CPU:0'] == 3 * size
+  assert peaks['/device:CPU:1'] == 2 * size  # c's copy and d.
+
+
+@pytest.mark.slow
+def test_more_rows_a_clone_raise_each_gpus_peak_not_its_holdings():
+  small, large = (_plan(placement.DeploymentConfig(num_clones=8), rows=rows)
+                  for rows in (16, 64))
+  for device in GPUS:
+    assert small.devices[device].held_bytes == large.devices[device].held_bytes
+    assert large.devices[device].peak_bytes > (
+        2 * small.devices[device].peak_bytes)
+
+
+@pytest.mark.slow
+def test_accumulation_lowers_each_gpus_peak():
+  whole, halves = (_plan(placement.DeploymentConfig(num_clones=8), rows=64,
+                         accumulation_steps=steps) for steps in (1, 2))
+  for device in GPUS:
+    assert halves.devices[device].peak_bytes < (
+        0.75 * whole.devices[device].peak_bytes)
+
+
+def test_a_towers_model_plans_as_the_towers_do():
+  config = placement.DeploymentConfig(num_clones=8, variables_device='spread')
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  images, labels = _batch()
+  with plans.planning():
+    with config.variables_scope():
+      model = _model()
+    towers = fit.TowersModel(model, config)
+    towers.compile(optimizer=keras.optimizers.Adam(), loss=loss)
+    found = planned.plan(towers, images, labels)
+  want = _plan(config)
+  for device in GPUS:
+    got = found.devices[device]
+    assert got.missing_kernels == [], device
+    assert got.held_bytes == want.devices[device].held_bytes, device
+    assert got.received_bytes == want.devices[device].received_bytes, device
+    assert got.flops >= want.devices[device].flops > 0, device
+
+
+def test_synchronized_batch_norm_is_refused_in_one_line():
+  with pytest.raises(errors.UnsupportedError, match=r'sync_batch_norm=True '
+                     r'in a dry run: .* /device:GPU:0 is not; plan without'):
+    _plan(placement.DeploymentConfig(num_clones=8), sync_batch_norm=True)
+
+
+def test_a_towers_model_not_compiled_is_refused():
+  towers = fit.TowersModel(_model(), placement.DeploymentConfig(
+      num_clones=2, clone_on_cpu=True))
+  with pytest.raises(errors.ConfigError, match='not compiled: call compile'):
+    planned.plan(towers, *_batch())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('config', [dict(variables_device='spread'),
+                                    dict(variable_layouts=SHARDED)])
+def test_the_plans_bytes_are_the_traffic_benchmarks(config):
+  """Clone i on GPU:i moves what it moves on logical CPU:i, where the
+  traffic benchmark counts it (CPU:0 is the host there too)."""
+  planned_run = _plan(placement.DeploymentConfig(num_clones=8, **config))
+  cpus = placement.DeploymentConfig(num_clones=8, clone_on_cpu=True, **config)
+  with cpus.variables_scope():
+    model = _model()
+  with tf.device(cpus.optimizer_variables_device()):
+    optimizer = keras.optimizers.Adam()
+  measured = traffic.step_traffic(towers.deploy(
+      cpus, model, keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True), optimizer), *_batch())
+  for i in range(1, 8):
+    gpu = planned_run.devices[GPUS[i]]
+    cpu = measured[f'/device:CPU:{i}']
+    assert sum(gpu.sent_bytes.values()) == sum(cpu.sent.values()), i
+    assert sum(gpu.received_bytes.values()) == sum(cpu.received.values()), i
+    assert gpu.held_bytes == cpu.held, i
+
+
+@pytest.mark.slow
+def test_a_worker_is_planned_with_the_workers_all_reduce():
+  parameters = sum(v.numpy().nbytes for v in _model().trainable_variables)
+  alone = _plan(placement.DeploymentConfig(num_clones=8))
+  four = _plan(placement.DeploymentConfig(num_clones=8, num_replicas=4))
+  host = '/device:CPU:0'  # Central variables: the sums are on the host.
+  for way in ('sent_bytes', 'received_bytes'):
+    network = getattr(four.devices[host], way)[dry_run.NETWORK]
+    assert network == pytest.approx(2 * 3 / 4 * parameters, rel=1e-3)
+    assert dry_run.NETWORK not in getattr(alone.devices[host], way)
+  for device in GPUS:  # Each worker runs the same towers.
+    assert four.devices[device].received_bytes == (
+        alone.devices[device].received_bytes)
+
+
+@pytest.mark.slow
+def test_the_command_line_plans_a_worker_of_several(
+    tmp_path, digits_dir, caplog):
+  values = dict(model_dir=str(tmp_path / 'run'), data_dir=digits_dir,
+                dry_run=True, num_clones=8, clone_on_cpu=False,
+                variables_device='spread', batch_size=4,
+                strategy='multi_worker', num_workers=2)
+  with caplog.at_level('INFO', logger='absl'):
+    with flagsaver.flagsaver(**values):
+      cli.main(['train.py'])
+  for i in range(8):
+    assert re.search(rf'/device:GPU:{i}: .*network [\d.]+ MiB out',
+                     caplog.text), i
+  assert not (tmp_path / 'run').exists()

@@ -21,6 +21,7 @@ library's own modules import the module that defines a name.
   packs               gradients and reads packed a transfer
   traffic             each device's bytes held and moved, from the graph
   dry_run             a step traced for absent GPUs: kernels, bytes, FLOPs
+  peaks               each device's most tensor bytes at once, from the graph
   batch_norm          the moving statistics after a step of several clones
   balance             clone shares for unequal devices (measured, pinned)
   feeds               each clone's shard prefetched to its device

@@ -4,11 +4,13 @@
 for `config`'s devices (GPU:0 to GPU:N-1 need not exist) inside
 `plans.planning()`: variables are made on the host, each with its planned
 device (the clones' GPUs when spread or sharded, its slots beside it),
-and the step is traced on a batch of the given shapes; nothing runs. Read
-from the traced graph, each device's `DeviceReport`: the variable and slot
-bytes it holds, the activation bytes its backward pass keeps (forward
-outputs a gradient op reads), the bytes it sends and receives and over
-which links (host-GPU, GPU-GPU), its FLOPs (TensorFlow's registered op
+and the step is traced on a batch of the given shapes; nothing runs
+(`read` does the same for towers built already: a `TowersModel`'s,
+`fit.planned`). Read from the traced graph, each device's `DeviceReport`:
+the variable and slot bytes it holds, the most bytes of the step's
+tensors live on it at once (`deploy.peaks`), the bytes it sends and
+receives and over which links (host-GPU, GPU-GPU; with several workers,
+the all-reduce over the network), its FLOPs (TensorFlow's registered op
 statistics), its ops, and each op placed on a GPU with no GPU kernel for
 its dtypes (TensorFlow's kernel registry lists GPU kernels on a machine
 without CUDA). Under XLA (on by default for GPU clones) a clone's pass is
@@ -29,6 +31,7 @@ from tensorflow.python.util import deprecation
 from tfmulti import devices
 from tfmulti import keras_internals
 from tfmulti import plans
+from tfmulti.deploy import peaks
 from tfmulti.deploy import sharding
 from tfmulti.deploy import towers
 from tfmulti.deploy import traffic
@@ -38,7 +41,9 @@ from tfmulti.deploy import traffic
 _NO_KERNEL_NEEDED = frozenset((
     'PartitionedCall', 'StatefulPartitionedCall', 'While', 'StatelessWhile',
     'If', 'StatelessIf', 'NoOp', 'Placeholder', '_Arg', '_Retval'))
-_FUNCTION_ATTRS = ('f', 'body', 'cond', 'then_branch', 'else_branch')
+# The workers' all-reduce (`_across_workers`): its link and its op.
+NETWORK = 'network'
+_ALL_REDUCE = 'CollectiveReduceV2'
 # Kernels a GPU runs: its own, and those registered for any device (int32
 # constants and shapes, kept in host memory).
 _GPU_KERNELS = ('GPU', 'DEFAULT')
@@ -48,7 +53,7 @@ _GPU_KERNELS = ('GPU', 'DEFAULT')
 class DeviceReport:
   """One device's part of one step (see the module)."""
   held_bytes: int = 0
-  activation_bytes: int = 0
+  peak_bytes: int = 0
   sent_bytes: dict = dataclasses.field(default_factory=collections.Counter)
   received_bytes: dict = dataclasses.field(
       default_factory=collections.Counter)
@@ -74,6 +79,14 @@ def plan(config, model, loss_fn, optimizer, images, labels, options=None,
   with plans.planning():
     deployed = towers.deploy(config, model, loss_fn, optimizer, options,
                              **fields)
+    return read(deployed, images, labels)
+
+
+def read(deployed, images, labels):
+  """The `Plan` of one step of `deployed` (a `towers.DeployedModel` built
+  inside `plans.planning()`, as `fit.planned` does for a `TowersModel`)
+  on a batch of `images` and `labels`' shapes: traced, never run."""
+  with plans.planning():
     _plan_slots(deployed.optimizer)
     graph = deployed.traced_step(images, labels).graph
     return _read(deployed, graph)
@@ -100,12 +113,15 @@ def _read(deployed, graph):
     link = _link(source, reader)
     table[source].sent_bytes[link] += size
     table[reader].received_bytes[link] += size
+  if deployed.config.num_workers > 1:
+    _across_workers(table, deployed)
   placement = devices.GraphPlacement()
+  for device, peak in peaks.peaks(graph, placement).items():
+    table[device].peak_bytes = peak
   for op, device in _walk(graph, placement):
     report = table[device]
     report.ops += 1
     report.flops += _flops(op)
-    report.activation_bytes += _kept(op)
     missing = _missing_kernel(op, device)
     if missing:
       report.missing_kernels.append(missing)
@@ -119,14 +135,31 @@ def _walk(graph, placement, device=''):
   for op in graph.get_operations():
     here = placement.of_op(op) or device
     yield op, here
-    for attr in _FUNCTION_ATTRS:
-      try:
-        name = op.get_attr(attr).name
-      except (ValueError, AttributeError):
-        continue
-      body = graph._get_function(name)  # pylint: disable=protected-access
-      if body is not None:
-        yield from _walk(body.graph, placement, here)
+    for body in peaks.bodies(op):
+      yield from _walk(body, placement, here)
+
+
+def _across_workers(table, deployed):
+  """Adds the workers' all-reduce of this worker's gradient sums (Keras's
+  `apply_gradients` under the workers' strategy, outside the towers'
+  traced step): a ring's bytes, 2 (W-1)/W of each sum each way over the
+  network from the device it is summed on, and one line for a sum on a
+  GPU with no GPU kernel of the collective for its dtype."""
+  config = deployed.config
+  share = 2 * (config.num_workers - 1) / config.num_workers
+  for variable in deployed.parts.storage.variables:
+    owner = devices.canonical(config.owner_device(
+        devices.device_of(variable)))
+    size = int(devices.variable_bytes(variable) * share)
+    table[owner].sent_bytes[NETWORK] += size
+    table[owner].received_bytes[NETWORK] += size
+    dtype = tf.as_dtype(variable.dtype)
+    if (tf.DeviceSpec.from_string(owner).device_type == 'GPU' and not any(
+        all(dtype.as_datatype_enum in allowed for name, allowed in kernel
+            if name == 'T') for kernel in _gpu_kernels(_ALL_REDUCE))):
+      table[owner].missing_kernels.append(
+          f'{_ALL_REDUCE} of {variable.path} on {owner}: no GPU kernel for '
+          f'{dtype.name}')
 
 
 def _link(source, reader):
@@ -144,18 +177,6 @@ def _flops(op):
   except (ValueError, TypeError):  # No statistics, or unknown shapes.
     return 0
   return value or 0
-
-
-def _kept(op):
-  """Bytes of `op`'s outputs a gradient op reads, for a forward op."""
-  if 'gradient_tape' in op.name:
-    return 0
-  kept = 0
-  for tensor in op.outputs:
-    if tensor.shape.is_fully_defined() and tensor.dtype != tf.resource and any(
-        'gradient_tape' in reader.name for reader in tensor.consumers()):
-      kept += tensor.shape.num_elements() * tensor.dtype.size
-  return kept
 
 
 def _missing_kernel(op, device):
@@ -200,20 +221,20 @@ def _types(op, name, types):
 
 def over_memory(found, memory_bytes, top=3):
   """One line for each device of `found` (a `Plan`) whose variables,
-  slots and kept activations exceed `memory_bytes`, naming by how much
+  slots and peak of tensors exceed `memory_bytes`, naming by how much
   and its biggest holders; none when all fit."""
   lines = []
   for device, report in found.devices.items():
-    need = report.held_bytes + report.activation_bytes
+    need = report.held_bytes + report.peak_bytes
     if tf.DeviceSpec.from_string(device).device_type != 'GPU' or (
         need <= memory_bytes):
       continue
     biggest = [f'{path} {size / 2**20:.0f} MiB'
                for size, path, d in found.holders if d == device][:top]
     over = (need - memory_bytes) / 2**30
-    held, kept = report.held_bytes / 2**30, report.activation_bytes / 2**30
+    held, peak = report.held_bytes / 2**30, report.peak_bytes / 2**30
     lines.append(
         f'{device} needs {need / 2**30:.2f} GiB ({held:.2f} of variables and '
-        f'slots, {kept:.2f} of kept activations), {over:.2f} GiB over its '
+        f'slots, {peak:.2f} of tensors at their peak), {over:.2f} GiB over its '
         f'{memory_bytes / 2**30:.0f} GiB; its biggest: {", ".join(biggest)}')
   return lines

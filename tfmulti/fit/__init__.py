@@ -14,6 +14,7 @@ across workers. It imports nothing of the command line's job (`train/`).
   own_steps       a model's own train_step / test_step / compute_loss,
                   run on every clone as tf.distribute runs it on replicas
   in_turn         the clones' own steps traced in turn, meeting at updates
+  planned         a dry run: a compiled TowersModel planned for GPUs
 """
 
 from tfmulti.fit.towers_model import TowersModel  # noqa: F401

@@ -3,10 +3,13 @@
 Builds the model and the towers the flags describe for GPU:0 to GPU:N-1
 (`deploy.dry_run`: none of them need exist), traces one step on a batch
 of the data's shapes (zeros: nothing is read beyond the data's shapes and
-counts), and logs each device's report. It ends with one line and a
+counts), and logs each device's report. With `--strategy=multi_worker`
+and `--num_workers=W` (no cluster needed) it plans worker 0, whose towers
+every worker runs on its part of the global batch, and counts the
+workers' all-reduce over the network. It ends with one line and a
 non-zero exit where an op placed on a GPU has no GPU kernel for its
 dtypes, or where `--device_memory` cannot hold a device's variables,
-slots and kept activations.
+slots and the step's tensors at their peak.
 """
 
 import re
@@ -16,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import layouts
 from tfmulti import plans
 from tfmulti.deploy import dry_run
 from tfmulti.engine import registry
@@ -65,12 +69,16 @@ def run(config, deploy_config, device_memory=None):
     raise errors.ConfigError(
         '--device_memory with --clone_on_cpu: the dry run checks GPUs; '
         'leave --clone_on_cpu out to plan GPU:0 to GPU:N-1.')
-  if config.strategy != registry.TOWERS:
+  if config.strategy not in (registry.TOWERS, registry.MULTI_WORKER):
     raise errors.ConfigError(
         f'--dry_run with --strategy={config.strategy}: the dry run plans '
-        f'the towers; use --strategy={registry.TOWERS}.')
+        f'the towers, in one process or on each worker; use --strategy='
+        f'{registry.TOWERS} or {registry.MULTI_WORKER}.')
   dataset = job.load_shapes(config, deploy_config)
-  rows = job.global_batch_size(config, deploy_config)
+  # A worker's rows of the global batch: each worker runs the same towers.
+  _, rows = layouts.worker_span(
+      job.global_batch_size(config, deploy_config), 0,
+      deploy_config.num_workers, config.step_options.worker_parts)
   images = np.zeros((rows, *dataset.input_shape), np.float32)
   labels = np.zeros((rows,), np.int32)
   with plans.planning():
@@ -94,10 +102,10 @@ def _log(found):
                       for link in sorted(set(report.sent_bytes) |
                                          set(report.received_bytes)))
     logging.info(
-        '%s: holds %.1f MiB of variables and slots, keeps %.1f MiB of '
-        'activations; moves %s; %.2f GFLOP a step in %d ops; %d without a '
+        '%s: holds %.1f MiB of variables and slots, its tensors peak at '
+        '%.1f MiB; moves %s; %.2f GFLOP a step in %d ops; %d without a '
         'GPU kernel', device, report.held_bytes / 2**20,
-        report.activation_bytes / 2**20, moved or 'nothing',
+        report.peak_bytes / 2**20, moved or 'nothing',
         report.flops / 1e9, report.ops, len(report.missing_kernels))
   for size, path, device in found.holders[:5]:
     logging.info('biggest: %s, %.1f MiB on %s', path, size / 2**20, device)
