@@ -237,9 +237,11 @@ _EXPORT = flags.DEFINE_bool(
 _DRY_RUN = flags.DEFINE_bool(
     'dry_run', False, 'Plan the job for its GPUs on any machine, none '
     'needed: build it, trace one step on a batch of the data\'s shapes '
-    '(nothing runs), log what each device holds, keeps and moves and its '
-    'FLOPs, and stop with one line where an op placed on a GPU has no GPU '
-    'kernel for its dtypes, or a device does not fit --device_memory.')
+    '(nothing runs), log what each device holds, its tensors\' peak, what '
+    'it moves and its FLOPs, and stop with one line where an op placed on a '
+    'GPU has no GPU kernel for its dtypes, or a device does not fit '
+    '--device_memory. With --strategy=multi_worker, worker 0 of '
+    '--num_workers, no cluster needed.')
 _DEVICE_MEMORY = flags.DEFINE_string(
     'device_memory', None, 'With --dry_run, the memory of each GPU: a size '
     '(80GB, 16384MB) or a name (h100, a100, a100_40gb, v100, l4, t4, ...).')

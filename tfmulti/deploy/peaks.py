@@ -13,7 +13,11 @@ import tensorflow as tf
 
 from tfmulti import devices
 
-_FUNCTION_ATTRS = ('f', 'body', 'cond', 'then_branch', 'else_branch')
+# The ops that run function bodies: their attributes naming them.
+_CALLS = {'PartitionedCall': ('f',), 'StatefulPartitionedCall': ('f',),
+          'While': ('cond', 'body'), 'StatelessWhile': ('cond', 'body'),
+          'If': ('then_branch', 'else_branch'),
+          'StatelessIf': ('then_branch', 'else_branch')}
 # Ops whose outputs alias memory counted elsewhere: variables' reads (held)
 # and a body's arguments (its call's inputs).
 _ALIASES = frozenset(('ReadVariableOp', 'Placeholder', '_Arg'))
@@ -72,12 +76,13 @@ def _bytes(tensor):
 
 
 def bodies(op):
-  """The function graphs `op` runs (calls, loops, branches)."""
-  for attr in _FUNCTION_ATTRS:
-    try:
-      name = op.get_attr(attr).name
-    except (ValueError, AttributeError):
-      continue
-    body = op.graph._get_function(name)  # pylint: disable=protected-access
+  """The function graphs `op` runs (calls, loops, branches; a function
+  called by its own name), its attributes read only for those."""
+  # pylint: disable=protected-access
+  called = op.graph._get_function(op.type)
+  if called is not None:
+    yield called.graph
+  for attr in _CALLS.get(op.type, ()):
+    body = op.graph._get_function(op.get_attr(attr).name)
     if body is not None:
       yield body.graph

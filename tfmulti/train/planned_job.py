@@ -122,9 +122,15 @@ def _check(found, device_memory):
   over = (dry_run.over_memory(found, device_memory)
           if device_memory is not None else [])
   if over:
+    worst = max(found.devices.values(),
+                key=lambda report: report.held_bytes + report.peak_bytes)
+    fix = ("its step's tensors are the most of it: lower --batch_size, or "
+           'raise --accumulation_steps to keep the global batch'
+           if worst.peak_bytes > worst.held_bytes else
+           'its variables and slots are the most of it: spread or shard '
+           'them (--variables_device=spread, --mesh_shape)')
     raise errors.DeviceError(
-        f'{len(over)} device(s) do not fit: {over[0]}. Spread or shard the '
-        'variables, or lower --batch_size.')
+        f'{len(over)} device(s) do not fit: {over[0]}; {fix}.')
   logging.info('dry run: every op placed on a GPU has a GPU kernel%s.',
                f', and every device fits in {device_memory / GIB:.0f} GiB'
                if device_memory is not None else '')
