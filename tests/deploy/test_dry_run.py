@@ -95,6 +95,7 @@ def _stages(**config):
     _slow(_clones(variables_device='spread'), dict(gradient_packs='auto')),
     _slow(_clones(), dict(dtype='mixed_float16')),
     _slow(_clones(), dict(xla=False)),
+    _slow(_clones(variables_device='spread', num_replicas=2), {}),
 ])
 def test_every_op_on_eight_gpus_has_a_gpu_kernel(make, fields):
   config = make()
