@@ -240,7 +240,7 @@ _DRY_RUN = flags.DEFINE_bool(
     '(nothing runs), log what each device holds, its tensors\' peak, what '
     'it moves and its FLOPs, and stop with one line where an op placed on a '
     'GPU has no GPU kernel for its dtypes, or a device does not fit '
-    '--device_memory. With --strategy=multi_worker, worker 0 of '
+    '--device_memory. With --strategy=multi_worker, one worker of '
     '--num_workers, no cluster needed.')
 _DEVICE_MEMORY = flags.DEFINE_string(
     'device_memory', None, 'With --dry_run, the memory of each GPU: a size '
@@ -422,7 +422,8 @@ def _clone_shares(values):
 
 
 def _cluster(path):
-  """This task's `cluster.Cluster` for a multi-worker path, else None.
+  """This task's `cluster.Cluster` for a multi-worker path, else None (a
+  dry run plans a worker of `--num_workers` without one).
 
   A TF_CONFIG is checked under every strategy; a one-process strategy
   says once that it runs alone.
@@ -439,7 +440,7 @@ def _cluster(path):
           'this process alone and does not use it.', info.num_workers,
           _STRATEGY.value)
     return None
-  if _DRY_RUN.value:  # Worker 0 of --num_workers, planned: no cluster.
+  if _DRY_RUN.value:  # A worker of --num_workers, planned: no cluster.
     return None
   source = resolvers.source_of(_CLUSTER.value, os.environ)
   if source == resolvers.NONE:

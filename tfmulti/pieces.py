@@ -68,24 +68,24 @@ class Body:
   included); the gradients are of the loss times the loss scale.
   """
 
-  def __init__(self, model, loss_fn, scope='clone', storage=None):
+  def __init__(self, model, loss_fn, scope='clone', gathered=None):
     """`scope`: the name scope the pass opens where it is traced at the
     root (lockstep replica 0, an XLA function; `trainer.off_the_root`);
-    `storage`: how `trainable` holds the model's trainable values
-    (`deploy.sharding`): its `gathered(trainable)` makes them (sharded
-    variables' shards joined), the tape watches them, and its
-    `cut_gradients(gradients)` makes their gradients those of `trainable`
-    (the joins are not differentiated); None: `trainable` are the
+    `gathered`: the model's trainable values from `trainable` (sharded
+    variables' shards joined, `deploy.sharding`), which the tape watches:
+    the gradients are theirs (a sharded storage cuts them into its shards'
+    outside the pass, `Sharded.cutting`); None: `trainable` are the
     model's values."""
     self.model = model
     self.loss_fn = loss_fn
     self.scope = scope
-    self.storage = storage
+    self.gathered = gathered
 
   def __call__(self, trainable, non_trainable, images, labels,
                penalty_weight, offset, terms):
     with trainer.off_the_root(self.scope):
-      values = self.storage.gathered(trainable) if self.storage else trainable
+      values = (trainable if self.gathered is None else
+                self.gathered(trainable))
       with tf.GradientTape() as tape:
         tape.watch(values)
         outputs, new_non_trainable, model_losses, penalties = forward(
@@ -95,7 +95,5 @@ class Body:
             model_losses=model_losses, penalties=penalties,
             penalty_weight=penalty_weight, loss_scale=terms.loss_scale)
     gradients = tape.gradient(scaled_loss, values)
-    if self.storage:
-      gradients = self.storage.cut_gradients(gradients)
     return (keras_internals.with_logits(outputs), loss, regularization,
             gradients, new_non_trainable)

@@ -46,6 +46,20 @@ def absent(device):
 
 
 @contextlib.contextmanager
+def on_the_host_if_absent():
+  """Inside, an op run now on an absent device runs on the host (soft
+  placement), for objects that make their own tensors as they are made on
+  the devices they are given (a `MirroredStrategy`'s collectives' ordering
+  tokens); the step's traced ops keep their planned devices."""
+  was = tf.config.get_soft_device_placement()
+  tf.config.set_soft_device_placement(True)
+  try:
+    yield
+  finally:
+    tf.config.set_soft_device_placement(was)
+
+
+@contextlib.contextmanager
 def planning():
   """Inside, variables made on absent devices are made on the host with
   their device planned (see the module); on exit the plan is forgotten."""

@@ -96,6 +96,7 @@ def _stages(**config):
     _slow(_clones(), dict(dtype='mixed_float16')),
     _slow(_clones(), dict(xla=False)),
     _slow(_clones(variables_device='spread', num_replicas=2), {}),
+    _slow(_clones(), dict(sync_batch_norm=True)),
 ])
 def test_every_op_on_eight_gpus_has_a_gpu_kernel(make, fields):
   config = make()
@@ -154,6 +155,19 @@ def test_a_model_too_big_for_the_memory_names_its_biggest_holders():
   assert dry_run.over_memory(found, memory_bytes=2**30) == []
 
 
+def test_the_fix_for_a_device_over_its_memory_follows_what_fills_it():
+  gib = 2**30
+  found = dry_run.Plan(
+      {GPUS[0]: dry_run.DeviceReport(held_bytes=3 * gib, peak_bytes=gib),
+       GPUS[1]: dry_run.DeviceReport(held_bytes=gib, peak_bytes=3 * gib)},
+      [(3 * gib, 'table/embeddings', GPUS[0])])
+  variables, tensors = dry_run.over_memory(found, memory_bytes=2 * gib)
+  assert variables.startswith(f'{GPUS[0]} needs 4.00 GiB (3.00 of variables')
+  assert 'its biggest: table/embeddings 3072 MiB' in variables
+  assert variables.endswith(dry_run.VARIABLES_FIX)
+  assert tensors.endswith(dry_run.TENSORS_FIX)
+
+
 def test_the_command_line_plans_eight_gpus_and_writes_nothing(
     tmp_path, digits_dir, caplog):
   values = dict(model_dir=str(tmp_path / 'run'), data_dir=digits_dir,
@@ -170,8 +184,8 @@ def test_the_command_line_plans_eight_gpus_and_writes_nothing(
   assert not (tmp_path / 'run').exists()
   with flagsaver.flagsaver(**values, device_memory='0.1MB'):
     with pytest.raises(SystemExit, match=r'8 device\(s\) do not fit: '
-                       r'/device:GPU:\d needs [\d.]+ GiB.*; its '
-                       r"(step's tensors|variables and slots) are the most"):
+                       r'/device:GPU:\d needs [\d.]+ GiB.*; its step.s '
+                       r'tensors are the most of it: lower --batch_size'):
       cli.main(['train.py'])
   with flagsaver.flagsaver(**values, device_memory='lots'):
     with pytest.raises(SystemExit, match=r'--device_memory=lots: give a '
@@ -179,24 +193,27 @@ def test_the_command_line_plans_eight_gpus_and_writes_nothing(
       cli.main(['train.py'])
 
 
-def test_the_peak_counts_the_tensors_live_at_once():
+def test_the_peak_counts_the_buffers_live_at_once():
   size = 1000 * 4
+  weights = tf.Variable(tf.ones(1000))  # On CPU:0, the host.
 
   @tf.function
   def step(x):
     with tf.device('/device:CPU:0'):
       a = x + 1.0
-      b = a * 2.0
-      c = a + b  # a, b and c live at once.
+      b = tf.reshape(a * 2.0, [10, 100])  # A view: b's buffer once.
+      c = a + tf.reshape(b, [1000])  # a, b and c live at once.
+      unread = a * 3.0  # Pruned: nothing the step returns reads it.
+      del unread
     with tf.device('/device:CPU:1'):
-      d = c * c  # c read here too: a copy lives on CPU:1.
+      d = c * weights  # c and the weights copied here.
     return d
 
   graph = step.get_concrete_function(
       tf.TensorSpec((1000,), tf.float32)).graph
-  peaks = peaks_lib.peaks(graph)
-  assert peaks['/device:CPU:0'] == 3 * size
-  assert peaks['/device:CPU:1'] == 2 * size  # c's copy and d.
+  found = peaks_lib.peaks(graph)
+  assert found['/device:CPU:0'] == 3 * size  # The weights' read: held.
+  assert found['/device:CPU:1'] == 3 * size  # c's, the weights', d.
 
 
 @pytest.mark.slow
@@ -237,17 +254,14 @@ def test_a_towers_model_plans_as_the_towers_do():
     assert got.flops >= want.devices[device].flops > 0, device
 
 
-def test_synchronized_batch_norm_is_refused_in_one_line():
-  with pytest.raises(errors.UnsupportedError, match=r'sync_batch_norm=True '
-                     r'in a dry run: .* /device:GPU:0 is not; plan without'):
-    _plan(placement.DeploymentConfig(num_clones=8), sync_batch_norm=True)
-
-
-def test_a_towers_model_not_compiled_is_refused():
+def test_a_towers_model_not_compiled_or_not_planning_is_refused():
   towers = fit.TowersModel(_model(), placement.DeploymentConfig(
       num_clones=2, clone_on_cpu=True))
-  with pytest.raises(errors.ConfigError, match='not compiled: call compile'):
+  with pytest.raises(errors.ConfigError, match='inside the plans.planning'):
     planned.plan(towers, *_batch())
+  with plans.planning():
+    with pytest.raises(errors.ConfigError, match='not compiled: call'):
+      planned.plan(towers, *_batch())
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tfmulti.deploy import sharding
 
-GRIDS = [((8, 12), (1, 3)), ((8, 12), (2, 1)), ((8, 12), (2, 3)),
+GRIDS = [((8, 12), (1, 1)), ((8, 12), (1, 3)), ((8, 12), (2, 1)), ((8, 12), (2, 3)),
          ((4, 6, 10), (2, 1, 5)), ((4, 6, 10), (1, 2, 5)),
          ((6, 4, 10), (3, 2, 1)), ((4, 6, 10), (2, 3, 5))]
 
@@ -43,6 +43,8 @@ def test_an_embeddings_gradient_is_cut_into_slices(parts):
   assert isinstance(gradient, tf.IndexedSlices)
   storage = sharding.Sharded([], [parts], [], [table.shape])
   pieces = storage.cut_gradients([gradient])
+  assert all(p.dense_shape.dtype == gradient.dense_shape.dtype
+             for p in pieces)
   assert all(isinstance(p, tf.IndexedSlices) for p in pieces)
   want = sharding.cut(parts, tf.convert_to_tensor(gradient))
   for piece, dense in zip(pieces, want):
@@ -53,3 +55,21 @@ def test_an_embeddings_gradient_is_cut_into_slices(parts):
   for i in range(parts[0]):
     mine = [int(r) % rows for r in ids if int(r) // rows == i]
     assert list(pieces[i * parts[1]].indices.numpy()) == mine
+
+
+def test_a_compiled_pass_returns_whole_gradients_and_they_are_cut_after():
+  """An XLA-compiled pass returns the joined table's slices; the cut into
+  shards, in numbers that vary, runs after it."""
+  table = tf.Variable(np.arange(8 * 4, dtype=np.float32).reshape(8, 4))
+  storage = sharding.Sharded([], [(2, 2)], [], [table.shape])
+
+  def body(ids):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.gather(table, ids))
+    return 0, loss, 0, [tape.gradient(loss, table)], 0
+
+  run = storage.cutting(tf.function(body, jit_compile=True))
+  pieces = tf.function(run)(tf.constant([7, 1, 7]))[3]
+  assert len(pieces) == 4
+  assert [list(p.indices.numpy()) for p in pieces] == [[1], [1], [3, 3],
+                                                        [3, 3]]

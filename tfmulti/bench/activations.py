@@ -4,20 +4,11 @@ What each stage (chunk) keeps of micro-batch 0 between its passes: from
 its forward pass to its backward pass B, and, where the schedule splits W
 off, from B to W (`activation_bytes`); and the most a device holds at once
 in its order of passes (`peak_bytes`). `schedule_timelines` reports them.
-A buffer counts once, whatever views of it are read.
+A buffer counts once, whatever views of it are read (`deploy.peaks`'s
+rules, which a dry run's peaks follow too).
 """
 
-def _reachable(graph):
-  """The names of the ops the step's outputs and updates need: what the
-  runtime runs (it prunes the rest: ops no result reads)."""
-  seen, todo = set(), [t.op for t in graph.outputs] + list(
-      graph.control_outputs)
-  while todo:
-    op = todo.pop()
-    if op.name not in seen:
-      seen.add(op.name)
-      todo += [t.op for t in op.inputs] + list(op.control_inputs)
-  return seen
+from tfmulti.deploy import peaks
 
 
 def _descendants(ops, among):
@@ -39,19 +30,6 @@ def _descendants(ops, among):
   return seen
 
 
-# Ops whose output is their input's buffer, seen another way: a tensor and
-# its views are held once.
-_VIEWS = ('Identity', 'Reshape', 'Squeeze', 'ExpandDims')
-
-
-def _buffer(tensor):
-  """The tensor whose buffer `tensor` is (through views on one device)."""
-  while (tensor.op.type in _VIEWS and tensor.op.inputs and
-         tensor.op.inputs[0].op.device == tensor.op.device):
-    tensor = tensor.op.inputs[0]
-  return tensor.name
-
-
 def activation_bytes(graph, num_stages):
   """Per stage, what micro-batch 0 holds between its passes, counted from
   the traced step's graph: (bytes held from its forward pass to its
@@ -61,8 +39,8 @@ def activation_bytes(graph, num_stages):
   output gradients; under recomputation, B's forward tensors). W's ops are
   those that follow its gates (the ops it releases and what reads them);
   B's the stage's other reachable backward ops. A buffer is counted once,
-  whatever views of it are read (`_VIEWS`)."""
-  live = _reachable(graph)
+  whatever views of it are read (`deploy.peaks.VIEWS`)."""
+  live = peaks.reachable(graph)
   held = []
   for s in range(num_stages):
     gates = [op for op in graph.get_operations()
@@ -77,7 +55,7 @@ def activation_bytes(graph, num_stages):
         if not tensor.shape.is_fully_defined():
           continue
         readers = {c.name for c in tensor.consumers()} & live
-        size = {_buffer(tensor): tensor.shape.num_elements() *
+        size = {peaks.buffer_of(tensor).name: tensor.shape.num_elements() *
                 tensor.dtype.size}
         if readers & reads_in_w:
           to_w.update(size)

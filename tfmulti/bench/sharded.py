@@ -225,7 +225,8 @@ def main(argv=None):
           '(2, N/2); use an even count.')
     if args.model != LLAMA:
       models.check_any(args.model)
-    step_options.StepOptions(gradient_packs=args.gradient_packs)
+    args.gradient_packs = step_options.StepOptions(
+        gradient_packs=args.gradient_packs).gradient_packs
     devices.create_logical_cpus(args.num_clones)
     tf.config.set_soft_device_placement(False)
   except errors.UserError as e:

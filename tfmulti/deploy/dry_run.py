@@ -143,8 +143,9 @@ def _across_workers(table, deployed):
   """Adds the workers' all-reduce of this worker's gradient sums (Keras's
   `apply_gradients` under the workers' strategy, outside the towers'
   traced step): a ring's bytes, 2 (W-1)/W of each sum each way over the
-  network from the device it is summed on, and one line for a sum on a
-  GPU with no GPU kernel of the collective for its dtype."""
+  network from the device it is summed on (each sum dense: an Embedding's
+  slices, all-gathered, may move less), and one line for a sum on a GPU
+  with no GPU kernel of the collective for its dtype."""
   config = deployed.config
   share = 2 * (config.num_workers - 1) / config.num_workers
   for variable in deployed.parts.storage.variables:
@@ -154,9 +155,9 @@ def _across_workers(table, deployed):
     table[owner].sent_bytes[NETWORK] += size
     table[owner].received_bytes[NETWORK] += size
     dtype = tf.as_dtype(variable.dtype)
-    if (tf.DeviceSpec.from_string(owner).device_type == 'GPU' and not any(
-        all(dtype.as_datatype_enum in allowed for name, allowed in kernel
-            if name == 'T') for kernel in _gpu_kernels(_ALL_REDUCE))):
+    if (tf.DeviceSpec.from_string(owner).device_type == 'GPU' and
+        not _has_gpu_kernel(_ALL_REDUCE, lambda name, d=dtype: frozenset(
+            (d.as_datatype_enum,)) if name == 'T' else frozenset())):
       table[owner].missing_kernels.append(
           f'{_ALL_REDUCE} of {variable.path} on {owner}: no GPU kernel for '
           f'{dtype.name}')
@@ -186,13 +187,18 @@ def _missing_kernel(op, device):
       or op.type in _NO_KERNEL_NEEDED):
     return None
   types = {}  # Each attribute's dtype enums, read once.
-  for constraints in _gpu_kernels(op.type):
-    if all(_types(op, name, types) <= allowed
-           for name, allowed in constraints):
-      return None
+  if _has_gpu_kernel(op.type, lambda name: _types(op, name, types)):
+    return None
   dtypes = sorted({t.dtype.name for t in list(op.inputs) + op.outputs})
   return (f'{op.type} {op.name!r} on {device}: no GPU kernel for '
           f'{", ".join(dtypes) or "its attributes"}')
+
+
+def _has_gpu_kernel(op_type, types):
+  """Whether a GPU kernel of `op_type` takes the dtypes `types(attribute)`
+  gives (frozensets of dtype enums) for its constrained attributes."""
+  return any(all(types(name) <= allowed for name, allowed in constraints)
+             for constraints in _gpu_kernels(op_type))
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,8 +227,9 @@ def _types(op, name, types):
 
 def over_memory(found, memory_bytes, top=3):
   """One line for each device of `found` (a `Plan`) whose variables,
-  slots and peak of tensors exceed `memory_bytes`, naming by how much
-  and its biggest holders; none when all fit."""
+  slots and peak of tensors exceed `memory_bytes`, naming by how much,
+  its biggest holders and the fix for what fills most of it; none when
+  all fit."""
   lines = []
   for device, report in found.devices.items():
     need = report.held_bytes + report.peak_bytes
@@ -236,5 +243,12 @@ def over_memory(found, memory_bytes, top=3):
     lines.append(
         f'{device} needs {need / 2**30:.2f} GiB ({held:.2f} of variables and '
         f'slots, {peak:.2f} of tensors at their peak), {over:.2f} GiB over its '
-        f'{memory_bytes / 2**30:.0f} GiB; its biggest: {", ".join(biggest)}')
+        f'{memory_bytes / 2**30:.0f} GiB; its biggest: {", ".join(biggest)}; '
+        + (TENSORS_FIX if peak > held else VARIABLES_FIX))
   return lines
+
+
+TENSORS_FIX = ("its step's tensors are the most of it: lower --batch_size, or "
+               'raise --accumulation_steps to keep the global batch')
+VARIABLES_FIX = ('its variables and slots are the most of it: spread or '
+                 'shard them (--variables_device=spread, --mesh_shape)')

@@ -1,10 +1,12 @@
 """The most bytes a step's tensors take on each device at once.
 
 A dry run (`deploy.dry_run`) reads the traced step, which never runs, so
-the memory a device needs is counted from the graph: `peaks` runs its ops
-in the order they were made and keeps a tally of the tensors live on each
-device (activations kept for the backward pass, gradients, copies
-received), the most of which is the device's peak.
+the memory a device needs is counted from the graph: `peaks` runs the ops
+the runtime would run (`reachable`) in the order they were made and keeps
+a tally of the buffers live on each device (activations kept for the
+backward pass, gradients, copies received), the most of which is the
+device's peak. The pipeline benchmark's activation count
+(`bench.activations`) reads buffers by the same rules (`buffer_of`).
 """
 
 import collections
@@ -18,58 +20,89 @@ _CALLS = {'PartitionedCall': ('f',), 'StatefulPartitionedCall': ('f',),
           'While': ('cond', 'body'), 'StatelessWhile': ('cond', 'body'),
           'If': ('then_branch', 'else_branch'),
           'StatelessIf': ('then_branch', 'else_branch')}
-# Ops whose outputs alias memory counted elsewhere: variables' reads (held)
-# and a body's arguments (its call's inputs).
+# Ops whose output is their input's buffer, seen another way: a tensor and
+# its views are held once.
+VIEWS = frozenset(('Identity', 'Reshape', 'Squeeze', 'ExpandDims'))
+# Ops whose output on their own device is memory counted elsewhere: a
+# variable's read (held) and a body's arguments (its call's inputs).
+# Another device reading one receives a copy.
 _ALIASES = frozenset(('ReadVariableOp', 'Placeholder', '_Arg'))
 
 
-def peaks(graph, placement=None, device=''):
-  """{device: the most bytes of `graph`'s tensors live on it at once},
-  running its ops in the order they were made (a valid order: each
-  clone's forward pass, then its backward pass, as its tape made it).
+def reachable(graph):
+  """The names of the ops the step's outputs and updates need: what the
+  runtime runs (it prunes the rest: ops no result reads)."""
+  seen, todo = set(), [t.op for t in graph.outputs] + list(
+      graph.control_outputs)
+  while todo:
+    op = todo.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      todo += [t.op for t in op.inputs] + list(op.control_inputs)
+  return seen
 
-  A tensor lives on the device that makes it until its last reader
+
+def buffer_of(tensor):
+  """The tensor whose buffer `tensor` is (through views on one device)."""
+  while (tensor.op.type in VIEWS and tensor.op.inputs and
+         tensor.op.inputs[0].op.device == tensor.op.device):
+    tensor = tensor.op.inputs[0]
+  return tensor
+
+
+def peaks(graph, placement=None, device=''):
+  """{device: the most bytes of `graph`'s buffers live on it at once}.
+
+  A buffer lives on the device that makes it until its last reader
   anywhere has run (a transfer reads it), and on each other device that
-  reads it from when it is made until that device's last reader of it.
-  Variables' reads alias the variables (counted as held), a function
-  body's arguments alias its call's inputs, and a body (an XLA pass, an
-  accumulation loop's) adds its own peak while its call runs."""
+  reads it (a copy) from when it is made until that device's last reader;
+  readers of its views are its readers. A function body (an XLA pass, an
+  accumulation loop's) adds its own peak while its call runs.
+  """
   placement = placement or devices.GraphPlacement()
-  where = {op: placement.of_op(op) or device
-           for op in graph.get_operations()}
-  readers = collections.Counter()
-  for op, here in where.items():
+  needed = reachable(graph)
+  ops = [op for op in graph.get_operations() if op.name in needed]
+  where = {op.name: placement.of_op(op) or device for op in ops}
+  readers, homes = collections.Counter(), collections.defaultdict(set)
+  for op in ops:
     for tensor in op.inputs:
-      readers[tensor.ref(), here] += 1
-      if where[tensor.op] != here:
-        readers[tensor.ref(), where[tensor.op]] += 1
-  live, peak = collections.Counter(), collections.Counter()
-  for op, here in where.items():
+      root = buffer_of(tensor)
+      for home in {where[op.name], where[root.op.name]}:
+        readers[root.ref(), home] += 1
+        homes[root.ref()].add(home)
+  live, peak, held = (collections.Counter(), collections.Counter(), {})
+
+  def free(root, home):
+    readers[root.ref(), home] -= 1
+    if not readers[root.ref(), home]:
+      live[home] -= held.pop((root.ref(), home), 0)
+
+  for op in ops:
+    here = where[op.name]
     for body in bodies(op):
       for inner, size in peaks(body, placement, here).items():
         peak[inner] = max(peak[inner], live[inner] + size)
     for tensor in op.outputs:
+      if buffer_of(tensor).name != tensor.name:
+        continue  # A view: its buffer is its input's.
       size = _bytes(tensor)
-      homes = {here} | {where[r] for r in tensor.consumers() if r in where}
-      for home in homes:
-        live[home] += size
+      for home in homes[tensor.ref()] | {here}:
+        held[tensor.ref(), home] = (
+            0 if home == here and op.type in _ALIASES else size)
+        live[home] += held[tensor.ref(), home]
         peak[home] = max(peak[home], live[home])
-      for home in homes:  # Read by nothing: freed once made.
-        if not readers[tensor.ref(), home]:
-          live[home] -= size
+        if not readers[tensor.ref(), home]:  # Read by nothing: freed.
+          live[home] -= held.pop((tensor.ref(), home))
     for tensor in op.inputs:
-      homes = {here, where[tensor.op]}
-      for home in homes:
-        readers[tensor.ref(), home] -= 1
-        if not readers[tensor.ref(), home]:
-          live[home] -= _bytes(tensor)
+      root = buffer_of(tensor)
+      for home in {here, where[root.op.name]}:
+        free(root, home)
   return peak
 
 
 def _bytes(tensor):
-  """Bytes a tensor takes on its own: none for a variable's read or
-  handle, a body's argument, or a shape not known."""
-  if (tensor.op.type in _ALIASES or tensor.dtype in (tf.resource, tf.variant)
+  """Bytes of a tensor's buffer: none for a handle or a shape not known."""
+  if (tensor.dtype in (tf.resource, tf.variant)
       or not tensor.shape.is_fully_defined()):
     return 0
   return tensor.shape.num_elements() * tensor.dtype.size

@@ -49,9 +49,10 @@ class WholeClones:
     self.config = config
     self.model = model
     self.storage = storage or sharding.Whole(model)
-    self.body = pieces.Body(model, loss_fn, storage=self.storage)
+    self.body = pieces.Body(model, loss_fn, gathered=self.storage.gathered)
     if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
       self.body = tf.function(self.body, jit_compile=True)
+    self.body = self.storage.cutting(self.body)
     self.run_pieces = run_pieces
     self.packs = packs
 
@@ -186,12 +187,18 @@ def _each_clone(config, clone_pieces, images, labels, run_clone):
 def _packed_reads(config, variables, packs):
   """`reads(device)`: the variables' values for a clone on `device`, each
   read once where it lives (TensorFlow sends a tensor once to each device
-  that reads it: one read a variable, not one a clone), those of each pack
-  from another device as one tensor, packed once on its owner."""
+  that reads it: one read a variable, not one a clone) when a clone first
+  needs it, those of each pack from another device as one tensor, packed
+  once on its owner."""
   owners = [config.owner_device(devices.device_of(v)) for v in variables]
   packed = {group: packs_lib.read_packed(variables, group, owners[group[0]])
             for group in packs}
-  values = [tf.convert_to_tensor(v) for v in variables]
+  values = {}
+
+  def value(k):
+    if k not in values:
+      values[k] = tf.convert_to_tensor(variables[k])
+    return values[k]
 
   def reads(device):
     unpacked = {}
@@ -199,5 +206,6 @@ def _packed_reads(config, variables, packs):
       if not devices.same_device(owners[group[0]], device):
         unpacked.update(zip(group, packs_lib.unpack(
             tensor, [variables[k].shape for k in group])))
-    return [unpacked.get(k, value) for k, value in enumerate(values)]
+    return [unpacked[k] if k in unpacked else value(k)
+            for k in range(len(variables))]
   return reads

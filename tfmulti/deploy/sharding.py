@@ -9,11 +9,11 @@ and updates:
            shards, each a Keras variable on one mesh device, and every
            other variable moved whole to the least-loaded device
 
-Under `Sharded` the step reads each shard on each clone and joins them
-there, inside the gradient tape (`gathered`: an all-gather); each clone
-cuts the whole variable's gradient into the shards' pieces
-(`cut_gradients`) and the combiners sum each beside its shard (a
-reduce-scatter) and the optimizer updates the shards,
+Under `Sharded` each shard is read once where it lives and sent to each
+clone, which joins the shards (`gathered`: an all-gather) for its pass,
+whose tape watches the joined variables; each clone cuts their gradients
+into the shards' pieces after its pass (`cutting`) and the combiners sum
+each beside its shard (a reduce-scatter) and the optimizer updates the shards,
 its slots beside them. The model's own variable keeps its name, shape and
 path, and its storage becomes a `ShardedValue`: reading it (predict, a
 checkpoint, `get_weights`) joins the shards where it is read, and
@@ -55,9 +55,9 @@ class Whole:
     return values
 
   @staticmethod
-  def cut_gradients(gradients):
-    """The gradients of `variables` from the model's: themselves."""
-    return gradients
+  def cutting(body):
+    """`body` itself: its gradients are `variables`'."""
+    return body
 
 
 class Sharded:
@@ -91,6 +91,17 @@ class Sharded:
         at += count
     return whole
 
+  def cutting(self, body):
+    """`body` (a `pieces.Body`, compiled or not) with its gradients, of
+    the model's trainable values, cut into `variables`' after it has run
+    (`cut_gradients`): a compiled pass keeps static shapes, and an
+    Embedding's slices go to their shards in numbers that vary."""
+    def run(*args):
+      outputs, loss, regularization, gradients, new = body(*args)
+      return (outputs, loss, regularization, self.cut_gradients(gradients),
+              new)
+    return run
+
   def cut_gradients(self, gradients):
     """The gradients of `variables` from those of the model's trainable
     variables: each sharded one's cut into its shards' pieces on the
@@ -118,8 +129,8 @@ def join(parts, shards):
   shards' rows into the whole's (a concat a dimension would copy the
   bytes once a dimension)."""
   split = [dim for dim, n in enumerate(parts) if n > 1]
-  if len(split) == 1:
-    return tf.concat(shards, axis=split[0])
+  if len(split) <= 1:  # One shard (axes of size 1), or one dimension.
+    return tf.concat(shards, axis=split[0]) if split else shards[0]
   whole = [n * d for n, d in zip(parts, shards[0].shape)]
   last = split[-1]
   # The whole as rows of `chunk` elements, each inside one shard: a row
@@ -160,13 +171,15 @@ def cut_slices(parts, value, shape):
 
 def _cut_slices(value, n, dim, shape):
   """`value`'s n slices along `dim`, each of dense shape `shape`."""
+  shape = tf.constant(shape, value.dense_shape.dtype)
   if dim:
     return [tf.IndexedSlices(v, value.indices, shape)
             for v in tf.split(value.values, n, axis=dim)]
-  owner = tf.cast(value.indices // shape[0], tf.int32)
+  rows = tf.cast(shape[0], value.indices.dtype)
+  owner = tf.cast(value.indices // rows, tf.int32)
   return [tf.IndexedSlices(v, i, shape) for v, i in zip(
       tf.dynamic_partition(value.values, owner, n),
-      tf.dynamic_partition(value.indices % shape[0], owner, n))]
+      tf.dynamic_partition(value.indices % rows, owner, n))]
 
 
 class ShardedValue(tf.__internal__.tracking.Trackable):

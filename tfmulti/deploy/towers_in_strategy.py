@@ -25,7 +25,6 @@ Neither imports `deploy.towers`: the towers hand in what they need.
 import tensorflow as tf
 
 from tfmulti import devices
-from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import layouts
 from tfmulti import plans
@@ -37,18 +36,12 @@ def lockstep_strategy(config):
   """The `MirroredStrategy` whose replicas run `config`'s clones at once:
   its all-reduces (synchronized BatchNorm's statistics, three a layer and
   two in its gradient) are collective ops, which keep the trace linear in
-  the model's depth (`devices.collective_strategy`).
-
-  Raises:
-    errors.UnsupportedError: in a dry run, clones on absent devices
-      (TensorFlow makes the strategy's collectives on its devices).
-  """
-  absent = [d for d in config.clone_devices() if plans.absent(d)]
-  if plans.active() and absent:
-    raise errors.UnsupportedError(
-        f'sync_batch_norm=True in a dry run: its MirroredStrategy needs its '
-        f'devices present, and {absent[0]} is not; plan without it (its '
-        'all-reduces move 3 numbers a channel a layer).')
+  the model's depth (`devices.collective_strategy`). In a dry run the
+  strategy's own small variables (its collectives' ordering tokens, made
+  as it is made) go to the host (`plans.on_the_host_if_absent`)."""
+  if plans.active():
+    with plans.on_the_host_if_absent():
+      return devices.collective_strategy(config)
   return devices.collective_strategy(config)
 
 

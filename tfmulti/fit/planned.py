@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti import plans
 from tfmulti.deploy import dry_run
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.fit import compiled
@@ -27,9 +28,14 @@ def plan(towers, x, y, sample_weight=None):
   compiled inside `plans.planning()`) on a batch like `x`, `y`.
 
   Raises:
-    errors.ConfigError: towers not compiled yet, or run across workers
+    errors.ConfigError: outside `plans.planning()`, towers not compiled
+      yet, or run across workers
       (each worker plans its own devices: plan one in one process).
   """
+  if not plans.active():
+    raise errors.ConfigError(
+        'plan a TowersModel inside the plans.planning() block it was made '
+        'and compiled in: outside it, its variables read as on the host.')
   if towers.towers is None:
     raise errors.ConfigError(
         'the TowersModel is not compiled: call compile(optimizer, loss) '

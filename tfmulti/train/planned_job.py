@@ -4,12 +4,12 @@ Builds the model and the towers the flags describe for GPU:0 to GPU:N-1
 (`deploy.dry_run`: none of them need exist), traces one step on a batch
 of the data's shapes (zeros: nothing is read beyond the data's shapes and
 counts), and logs each device's report. With `--strategy=multi_worker`
-and `--num_workers=W` (no cluster needed) it plans worker 0, whose towers
-every worker runs on its part of the global batch, and counts the
-workers' all-reduce over the network. It ends with one line and a
-non-zero exit where an op placed on a GPU has no GPU kernel for its
-dtypes, or where `--device_memory` cannot hold a device's variables,
-slots and the step's tensors at their peak.
+and `--num_workers=W` (no cluster needed) it plans one worker, whose
+towers every worker runs on its part of the global batch (the largest
+part), and counts the workers' all-reduce over the network. It ends with
+one line and a non-zero exit where an op placed on a GPU has no GPU
+kernel for its dtypes, or where `--device_memory` cannot hold a device's
+variables, slots and the step's tensors at their peak.
 """
 
 import re
@@ -74,11 +74,17 @@ def run(config, deploy_config, device_memory=None):
         f'--dry_run with --strategy={config.strategy}: the dry run plans '
         f'the towers, in one process or on each worker; use --strategy='
         f'{registry.TOWERS} or {registry.MULTI_WORKER}.')
+  workers = deploy_config.num_workers
+  if config.strategy == registry.MULTI_WORKER and workers < 2:
+    raise errors.ConfigError(
+        f'--dry_run with --strategy={registry.MULTI_WORKER} plans a worker '
+        'of --num_workers: give --num_workers=W, 2 or more.')
   dataset = job.load_shapes(config, deploy_config)
-  # A worker's rows of the global batch: each worker runs the same towers.
-  _, rows = layouts.worker_span(
-      job.global_batch_size(config, deploy_config), 0,
-      deploy_config.num_workers, config.step_options.worker_parts)
+  # The largest worker's rows: each worker runs the same towers.
+  global_rows = job.global_batch_size(config, deploy_config)
+  rows = max(layouts.worker_span(global_rows, i, workers,
+                                 config.step_options.worker_parts)[1]
+             for i in range(workers))
   images = np.zeros((rows, *dataset.input_shape), np.float32)
   labels = np.zeros((rows,), np.int32)
   with plans.planning():
@@ -122,15 +128,8 @@ def _check(found, device_memory):
   over = (dry_run.over_memory(found, device_memory)
           if device_memory is not None else [])
   if over:
-    worst = max(found.devices.values(),
-                key=lambda report: report.held_bytes + report.peak_bytes)
-    fix = ("its step's tensors are the most of it: lower --batch_size, or "
-           'raise --accumulation_steps to keep the global batch'
-           if worst.peak_bytes > worst.held_bytes else
-           'its variables and slots are the most of it: spread or shard '
-           'them (--variables_device=spread, --mesh_shape)')
     raise errors.DeviceError(
-        f'{len(over)} device(s) do not fit: {over[0]}; {fix}.')
+        f'{len(over)} device(s) do not fit: {over[0]}.')
   logging.info('dry run: every op placed on a GPU has a GPU kernel%s.',
                f', and every device fits in {device_memory / GIB:.0f} GiB'
                if device_memory is not None else '')
