@@ -89,6 +89,8 @@ def _stages(**config):
     _slow(_stages(), dict(num_microbatches=4, pipeline_schedule='zb_v',
                           stage_boundaries=('norm', 'hidden', 'logits'))),
     _slow(_stages(), dict(num_microbatches=2, recompute=True)),
+    _slow(_stages(), dict(num_microbatches=2, pipeline_schedule='gpipe')),
+    _slow(_clones(), dict(summarize_gradients=True)),
     _slow(_clones(), dict(accumulation_steps=2)),
     _slow(_clones(), dict(reproducible_rows=2)),
     _slow(_clones(), dict(clone_shares=(3, 1, 1, 1, 1, 1, 1, 1))),
@@ -174,8 +176,11 @@ def test_the_command_line_plans_eight_gpus_and_writes_nothing(
                 dry_run=True, num_clones=8, clone_on_cpu=False,
                 variables_device='spread', batch_size=4)
   with caplog.at_level('INFO', logger='absl'):
-    with flagsaver.flagsaver(**values):
+    with flagsaver.flagsaver(**values, device_memory='h100'):
       cli.main(['train.py'])
+  assert re.search(r'every device fits in 80 GiB \(the busiest, '
+                   r'/device:GPU:\d, needs [\d.]+: [\d.]+ GiB spare\)',
+                   caplog.text)
   for i in range(8):
     assert re.search(rf'/device:GPU:{i}: holds [\d.]+ MiB of variables and '
                      r'slots.*GFLOP a step in \d+ ops; 0 without a GPU kernel',
@@ -315,4 +320,22 @@ def test_the_command_line_plans_a_worker_of_several(
   for i in range(8):
     assert re.search(rf'/device:GPU:{i}: .*network [\d.]+ MiB out',
                      caplog.text), i
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('flags, message', [
+    (dict(strategy='multi_worker'), r'plans a worker of --num_workers: give '
+     r'--num_workers=W, 2 or more'),
+    (dict(strategy='multi_worker', num_workers=2, num_microbatches=2),
+     r"num_microbatches=2 is not available with strategy='multi_worker'"),
+    (dict(strategy='mirrored'), r'--dry_run with --strategy=mirrored: the '
+     r'dry run plans the towers'),
+])
+def test_a_dry_run_the_real_run_would_refuse_is_one_line(
+    tmp_path, digits_dir, flags, message):
+  values = dict(model_dir=str(tmp_path / 'run'), data_dir=digits_dir,
+                dry_run=True, num_clones=8, clone_on_cpu=False, **flags)
+  with flagsaver.flagsaver(**values):
+    with pytest.raises(SystemExit, match=message):
+      cli.main(['train.py'])
   assert not (tmp_path / 'run').exists()

@@ -62,23 +62,12 @@ def run(config, deploy_config, device_memory=None):
   """Plans the job (see the module); returns the `dry_run.Plan`.
 
   Raises:
-    errors.UserError: a strategy the dry run does not plan, an op without
-      a GPU kernel, or a device over `device_memory` (bytes).
+    errors.UserError: a strategy the dry run does not plan, a job the
+      strategy would refuse (`registry.check`), an op without a GPU
+      kernel, or a device over `device_memory` (bytes).
   """
-  if device_memory is not None and deploy_config.clone_on_cpu:
-    raise errors.ConfigError(
-        '--device_memory with --clone_on_cpu: the dry run checks GPUs; '
-        'leave --clone_on_cpu out to plan GPU:0 to GPU:N-1.')
-  if config.strategy not in (registry.TOWERS, registry.MULTI_WORKER):
-    raise errors.ConfigError(
-        f'--dry_run with --strategy={config.strategy}: the dry run plans '
-        f'the towers, in one process or on each worker; use --strategy='
-        f'{registry.TOWERS} or {registry.MULTI_WORKER}.')
+  options = _checked(config, deploy_config, device_memory)
   workers = deploy_config.num_workers
-  if config.strategy == registry.MULTI_WORKER and workers < 2:
-    raise errors.ConfigError(
-        f'--dry_run with --strategy={registry.MULTI_WORKER} plans a worker '
-        'of --num_workers: give --num_workers=W, 2 or more.')
   dataset = job.load_shapes(config, deploy_config)
   # The largest worker's rows: each worker runs the same towers.
   global_rows = job.global_batch_size(config, deploy_config)
@@ -95,10 +84,31 @@ def run(config, deploy_config, device_memory=None):
           learning_rate=config.learning_rate)(
               deploy_config.variables_scope())
     found = dry_run.plan(deploy_config, model, build.make_loss(), optimizer,
-                         images, labels, config.step_options)
+                         images, labels, options)
   _log(found)
   _check(found, device_memory)
   return found
+
+
+def _checked(config, deploy_config, device_memory):
+  """The step options as the strategy runs them, after the real run's
+  gate (`registry.check`: its options, workers, layouts) and the dry
+  run's own rules."""
+  if device_memory is not None and deploy_config.clone_on_cpu:
+    raise errors.ConfigError(
+        '--device_memory with --clone_on_cpu: the dry run checks GPUs; '
+        'leave --clone_on_cpu out to plan GPU:0 to GPU:N-1.')
+  if config.strategy not in (registry.TOWERS, registry.MULTI_WORKER):
+    raise errors.ConfigError(
+        f'--dry_run with --strategy={config.strategy}: the dry run plans '
+        f'the towers, in one process or on each worker; use --strategy='
+        f'{registry.TOWERS} or {registry.MULTI_WORKER}.')
+  if (config.strategy == registry.MULTI_WORKER and
+      deploy_config.num_workers < 2):
+    raise errors.ConfigError(
+        f'--dry_run with --strategy={registry.MULTI_WORKER} plans a worker '
+        'of --num_workers: give --num_workers=W, 2 or more.')
+  return registry.check(config, deploy_config)
 
 
 def _log(found):
@@ -131,5 +141,19 @@ def _check(found, device_memory):
     raise errors.DeviceError(
         f'{len(over)} device(s) do not fit: {over[0]}.')
   logging.info('dry run: every op placed on a GPU has a GPU kernel%s.',
-               f', and every device fits in {device_memory / GIB:.0f} GiB'
-               if device_memory is not None else '')
+               _fits(found, device_memory))
+
+
+def _fits(found, device_memory):
+  """', and every device fits ...' naming the busiest GPU and its spare
+  memory; '' without a memory given."""
+  if device_memory is None:
+    return ''
+  gpus = {device: report for device, report in found.devices.items()
+          if tf.DeviceSpec.from_string(device).device_type == 'GPU'}
+  busiest, report = max(gpus.items(), key=lambda item: (
+      item[1].held_bytes + item[1].peak_bytes))
+  need = (report.held_bytes + report.peak_bytes) / GIB
+  return (f', and every device fits in {device_memory / GIB:.0f} GiB (the '
+          f'busiest, {busiest}, needs {need:.2f}: '
+          f'{device_memory / GIB - need:.2f} GiB spare)')
