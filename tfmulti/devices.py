@@ -7,6 +7,7 @@ run go to GPUs or to logical CPUs.
 """
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -308,6 +309,7 @@ def same_kernels_everywhere():
   tf.config.optimizer.set_experimental_options({'remapping': False})
 
 
+@functools.lru_cache(maxsize=None)  # A graph names a few devices often.
 def canonical(device):
   """`device` without a local job's '/job:localhost/replica:0/task:0'."""
   if not device:

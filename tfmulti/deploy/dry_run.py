@@ -155,9 +155,10 @@ def _across_workers(table, deployed):
     table[owner].sent_bytes[NETWORK] += size
     table[owner].received_bytes[NETWORK] += size
     dtype = tf.as_dtype(variable.dtype)
-    if (tf.DeviceSpec.from_string(owner).device_type == 'GPU' and
-        not _has_gpu_kernel(_ALL_REDUCE, lambda name, d=dtype: frozenset(
-            (d.as_datatype_enum,)) if name == 'T' else frozenset())):
+    if _device_type(owner) == 'GPU' and not _has_gpu_kernel(
+        _ALL_REDUCE, tuple(
+            frozenset((dtype.as_datatype_enum,) if name == 'T' else ())
+            for name in _constrained(_ALL_REDUCE))):
       table[owner].missing_kernels.append(
           f'{_ALL_REDUCE} of {variable.path} on {owner}: no GPU kernel for '
           f'{dtype.name}')
@@ -183,22 +184,37 @@ def _flops(op):
 def _missing_kernel(op, device):
   """One line naming `op` if it is on a GPU with no GPU kernel for its
   dtypes, else None."""
-  if (tf.DeviceSpec.from_string(device).device_type != 'GPU'
+  if (_device_type(device) != 'GPU'
       or op.type in _NO_KERNEL_NEEDED):
     return None
-  types = {}  # Each attribute's dtype enums, read once.
-  if _has_gpu_kernel(op.type, lambda name: _types(op, name, types)):
+  if _has_gpu_kernel(op.type, tuple(_types(op, name)
+                                    for name in _constrained(op.type))):
     return None
   dtypes = sorted({t.dtype.name for t in list(op.inputs) + op.outputs})
   return (f'{op.type} {op.name!r} on {device}: no GPU kernel for '
           f'{", ".join(dtypes) or "its attributes"}')
 
 
+@functools.lru_cache(maxsize=None)
+def _device_type(device):
+  return tf.DeviceSpec.from_string(device).device_type
+
+
+@functools.lru_cache(maxsize=None)
 def _has_gpu_kernel(op_type, types):
-  """Whether a GPU kernel of `op_type` takes the dtypes `types(attribute)`
-  gives (frozensets of dtype enums) for its constrained attributes."""
-  return any(all(types(name) <= allowed for name, allowed in constraints)
+  """Whether a GPU kernel of `op_type` takes `types`: the dtype enums
+  (frozensets) of its constrained attributes, in `_constrained` order
+  (asked once a signature: a graph repeats a few)."""
+  named = dict(zip(_constrained(op_type), types))
+  return any(all(named[name] <= allowed for name, allowed in constraints)
              for constraints in _gpu_kernels(op_type))
+
+
+@functools.lru_cache(maxsize=None)
+def _constrained(op_type):
+  """The attributes some GPU kernel of `op_type` constrains, sorted."""
+  return tuple(sorted({name for constraints in _gpu_kernels(op_type)
+                       for name, _ in constraints}))
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,16 +229,14 @@ def _gpu_kernels(op_type):
       if kernel.device_type in _GPU_KERNELS)
 
 
-def _types(op, name, types):
+def _types(op, name):
   """The dtype enums of `op`'s attribute `name` (none: no such one)."""
-  if name not in types:
-    try:
-      value = op.get_attr(name)
-    except ValueError:
-      value = []
-    types[name] = frozenset(tf.as_dtype(v).as_datatype_enum for v in (
-        value if isinstance(value, list) else [value]))
-  return types[name]
+  try:
+    value = op.get_attr(name)
+  except ValueError:
+    value = []
+  return frozenset(tf.as_dtype(v).as_datatype_enum for v in (
+      value if isinstance(value, list) else [value]))
 
 
 def over_memory(found, memory_bytes, top=3):
