@@ -155,7 +155,7 @@ def _across_workers(table, deployed):
     table[owner].sent_bytes[NETWORK] += size
     table[owner].received_bytes[NETWORK] += size
     dtype = tf.as_dtype(variable.dtype)
-    if _device_type(owner) == 'GPU' and not _has_gpu_kernel(
+    if device_type(owner) == 'GPU' and not _has_gpu_kernel(
         _ALL_REDUCE, tuple(
             frozenset((dtype.as_datatype_enum,) if name == 'T' else ())
             for name in _constrained(_ALL_REDUCE))):
@@ -165,8 +165,7 @@ def _across_workers(table, deployed):
 
 
 def _link(source, reader):
-  kinds = {tf.DeviceSpec.from_string(d).device_type for d in (source,
-                                                              reader)}
+  kinds = {device_type(d) for d in (source, reader)}
   return {frozenset({'GPU'}): 'gpu-gpu',
           frozenset({'CPU'}): 'cpu-cpu'}.get(frozenset(kinds), 'host-gpu')
 
@@ -184,7 +183,7 @@ def _flops(op):
 def _missing_kernel(op, device):
   """One line naming `op` if it is on a GPU with no GPU kernel for its
   dtypes, else None."""
-  if (_device_type(device) != 'GPU'
+  if (device_type(device) != 'GPU'
       or op.type in _NO_KERNEL_NEEDED):
     return None
   if _has_gpu_kernel(op.type, tuple(_types(op, name)
@@ -196,7 +195,8 @@ def _missing_kernel(op, device):
 
 
 @functools.lru_cache(maxsize=None)
-def _device_type(device):
+def device_type(device):
+  """'GPU', 'CPU', ... of a device name (a graph names a few, often)."""
   return tf.DeviceSpec.from_string(device).device_type
 
 
@@ -247,7 +247,7 @@ def over_memory(found, memory_bytes, top=3):
   lines = []
   for device, report in found.devices.items():
     need = report.held_bytes + report.peak_bytes
-    if tf.DeviceSpec.from_string(device).device_type != 'GPU' or (
+    if device_type(device) != 'GPU' or (
         need <= memory_bytes):
       continue
     biggest = [f'{path} {size / 2**20:.0f} MiB'

@@ -150,7 +150,7 @@ def _fits(found, device_memory):
   if device_memory is None:
     return ''
   gpus = {device: report for device, report in found.devices.items()
-          if tf.DeviceSpec.from_string(device).device_type == 'GPU'}
+          if dry_run.device_type(device) == 'GPU'}
   busiest, report = max(gpus.items(), key=lambda item: (
       item[1].held_bytes + item[1].peak_bytes))
   need = (report.held_bytes + report.peak_bytes) / GIB
