@@ -387,6 +387,20 @@ def test_xla_clones_train_like_the_plain_step():
   np.testing.assert_allclose(results[1], results[0], rtol=1e-4)
 
 
+def test_xla_clones_share_one_compiled_pass():
+  """Four compiled clones call a pass traced once for the clones without
+  the penalty (and once for the one with it), each call on its clone's
+  device: the offsets that differ go in as tensors."""
+  config = deploy.DeploymentConfig(num_clones=4, clone_on_cpu=True)
+  deployed = make_deployed(config, xla=True)
+  graph = deployed.traced_step(*make_batch(8)).graph
+  compiled = [op for op in graph.get_operations()
+              if op.node_def.attr['_XlaMustCompile'].b]
+  assert sorted(devices.canonical(op.device) for op in compiled) == [
+      devices.canonical(f'/device:CPU:{i}') for i in range(4)]
+  assert len({op.get_attr('f').name for op in compiled}) == 2
+
+
 def _learnable(rows=64):
   rng = np.random.default_rng(0)
   centers = rng.normal(scale=3.0, size=(3, 6)).astype(np.float32)

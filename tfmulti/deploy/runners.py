@@ -51,7 +51,7 @@ class WholeClones:
     self.storage = storage or sharding.Whole(model)
     self.body = pieces.Body(model, loss_fn, gathered=self.storage.gathered)
     if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
-      self.body = tf.function(self.body, jit_compile=True)
+      self.body = compiled(self.body)
     self.body = self.storage.cutting(self.body)
     self.run_pieces = run_pieces
     self.packs = packs
@@ -169,6 +169,21 @@ class StagedClones:
           self._variables(), (images, labels),
           pieces.StepTerms(layout.global_rows), self.fold)
     return result[1], result[3]
+
+
+def compiled(body):
+  """`body` (a `pieces.Body`) as one XLA-compiled function, traced once
+  for every piece of the same shapes and penalty weight: the piece's
+  offset goes in as a tensor (a Python int differs from clone to clone,
+  and each value would be traced and compiled again). Its ops carry no
+  device: each call runs it on the device it is called on."""
+  function = tf.function(body, jit_compile=True)
+
+  def call(trainable, non_trainable, images, labels, penalty_weight,
+           offset, terms):
+    return function(trainable, non_trainable, images, labels,
+                    penalty_weight, tf.convert_to_tensor(offset), terms)
+  return call
 
 
 def _each_clone(config, clone_pieces, images, labels, run_clone):
