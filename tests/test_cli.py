@@ -78,6 +78,7 @@ def test_every_pipeline_schedule_trains_through_the_command_line(
     assert devices_ == f"'/device:CPU:{d}', '/device:CPU:{2 + d}'"
 
 
+@pytest.mark.slow
 def test_steps_per_loop_trains_the_bits_of_one_step_a_call(run_train):
   """7 steps, a progress line every 5: calls of 1, 3 and 1 steps to the
   line, then 2; the checkpoint equals one step a call's, bit for bit, and
@@ -174,6 +175,7 @@ def test_batch_norm_model_learns_alike_on_every_path(run_train):
   assert max(accuracy.values()) - min(accuracy.values()) <= 0.04, accuracy
 
 
+@pytest.mark.slow
 def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog,
                                                      tmp_path):
   """`python train.py` on a machine without a GPU: one clone, on CPU:0."""

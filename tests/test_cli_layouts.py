@@ -55,6 +55,7 @@ def user_module(tmp_path):
   return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('model, layout_map', [
     ('dense', 'layout_map'), ('owned', 'model')])
 def test_a_mesh_run_shards_and_one_device_resumes_it(

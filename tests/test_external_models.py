@@ -91,6 +91,7 @@ def test_a_users_function_builds_the_model(user_module):
   assert model.count_params() == 40 + (6 * 6 * 4 * 16 + 16) + 17 * 10
 
 
+@pytest.mark.slow
 def test_keras_applications_end_in_logits():
   model = models.get_model('keras.applications.MobileNetV2',
                            input_shape=(32, 32, 3), num_classes=10)
@@ -161,8 +162,8 @@ def test_a_users_model_trains_from_the_command_line_as_on_one_device(
     assert name in f.read()
 
 
-@pytest.mark.parametrize('function', [
-    'sequential_cnn', pytest.param('subclassed_cnn', marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('function', ['sequential_cnn', 'subclassed_cnn'])
 def test_a_sequential_or_subclassed_model_trains_and_exports(
     run_train, tmp_path, user_module, function):
   """On 2 clones as on one device, then exported: the SavedModel serves
@@ -217,6 +218,7 @@ def test_a_weights_file_of_the_same_model_is_its_start(user_module,
   assert not shown, shown  # The refusal is the one line.
 
 
+@pytest.mark.slow
 def test_an_applications_backbone_file_starts_it_under_new_logits(tmp_path):
   backbone = keras.applications.MobileNetV2(
       weights=None, include_top=False, input_shape=(32, 32, 3),

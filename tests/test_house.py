@@ -8,6 +8,7 @@ drives the trainer through its contract, and what else it needs lives in
 `fit`'s modules below it."""
 
 import ast
+import functools
 import os
 
 from tests.helpers import REPO
@@ -19,7 +20,14 @@ MAX_PARAMETERS = 8
 MAX_DOOR_LINES = 150  # TowersModel.
 
 
+@functools.cache
 def _definitions():
+  """(path, node) of each class and function of the package (parsed
+  once: every test here reads them)."""
+  return tuple(_walk())
+
+
+def _walk():
   for folder, _, files in os.walk(PACKAGE):
     if os.path.relpath(folder, PACKAGE).split(os.sep)[0] == 'bench':
       continue

@@ -276,6 +276,7 @@ def _places(tmp_path, start):
           for path in tmp_path.glob(f'start{start}-worker*')}
 
 
+@pytest.mark.slow
 def test_an_elastic_job_goes_on_with_the_workers_left(tmp_path,
                                                       worker_script):
   launcher = _launch('--num_workers=3', '--min_workers=2', '--',
@@ -293,6 +294,7 @@ def test_an_elastic_job_goes_on_with_the_workers_left(tmp_path,
   assert not list(tmp_path.glob('start2-*'))  # One restart.
 
 
+@pytest.mark.slow
 def test_a_worker_that_stops_answering_is_the_one_lost(tmp_path,
                                                        worker_script):
   """Its peers exit with the lost-peer status; it is killed and the job
@@ -306,6 +308,7 @@ def test_a_worker_that_stops_answering_is_the_one_lost(tmp_path,
   assert sorted(_places(tmp_path, 1)) == [0, 1]
 
 
+@pytest.mark.slow
 def test_fewer_than_min_workers_left_stops_with_one_line(tmp_path,
                                                          worker_script):
   launcher = _launch('--num_workers=3', '--min_workers=2', '--',

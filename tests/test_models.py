@@ -21,6 +21,7 @@ def _trainable_params(model):
   return sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name, shape, trainable, total', [
     # LeNet: 156 + 2,416 + 48,120 + 10,164 + 850 (D2L 7.6, no BatchNorm).
     ('lenet', MNIST, 61_706, 61_706),

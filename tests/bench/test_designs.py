@@ -59,6 +59,7 @@ def test_the_report_is_computed_from_the_rates():
       {'comparison': report})
 
 
+@pytest.mark.slow
 def test_central_storage_is_skipped_with_its_reason_for_batch_norm():
   config = bench.BenchConfig(model='resnet8_thin', batch_size=2,
                              clone_on_cpu=True, reproducible_rows=2)

@@ -38,6 +38,7 @@ def test_a_summary_sums_each_part_per_step():
                             'sum': 0, 'update': 0, 'host': 0}
 
 
+@pytest.mark.slow
 def test_the_towers_update_once_and_mirrored_updates_each_replica():
   """Read from the profiled steps of LeNet on 2 logical CPUs: the towers
   split, copy and sum inside their compiled step and update each variable

@@ -15,6 +15,7 @@ def _epoch(digits_dir, augment, epoch=0, skip_batches=0, seed=0):
       epoch, skip_batches=skip_batches)])
 
 
+@pytest.mark.slow
 def test_flip_mirrors_about_half_the_rows_each_its_own_draw(digits_dir):
   plain = _epoch(digits_dir, ())
   flipped = _epoch(digits_dir, ('flip',))
@@ -24,6 +25,7 @@ def test_flip_mirrors_about_half_the_rows_each_its_own_draw(digits_dir):
   assert 0.4 < np.mean(mirrored & ~kept) < 0.6
 
 
+@pytest.mark.slow
 def test_crop_shifts_rows_within_an_eighth_and_keeps_the_shape(digits_dir):
   plain = _epoch(digits_dir, ())
   cropped = _epoch(digits_dir, ('crop',))
@@ -37,6 +39,7 @@ def test_crop_shifts_rows_within_an_eighth_and_keeps_the_shape(digits_dir):
                for i in range(7) for j in range(7))
 
 
+@pytest.mark.slow
 def test_the_draws_are_the_same_on_a_rerun_and_a_resumed_epoch(digits_dir):
   both = ('flip', 'crop')
   whole = _epoch(digits_dir, both, epoch=1)

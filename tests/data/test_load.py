@@ -39,6 +39,7 @@ def test_digits_is_real_and_offline(digits_dir):
   assert np.bincount(test_labels).min() >= 35  # Stratified: ~36 per class.
 
 
+@pytest.mark.slow
 def test_train_batches_are_full_and_shuffled_by_seed_and_epoch(digits_dir):
   def first_labels(seed, epoch=0):
     loaded = data.load('digits', global_batch_size=64, data_dir=digits_dir,
@@ -146,6 +147,7 @@ def test_workers_starting_together_prepare_a_dataset_once(tmp_path):
     assert out.split()[-1] == str(1797 - digits.TEST_EXAMPLES)  # TFDS talks.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('num_workers, shards_per_worker', [(2, 1), (4, 2)])
 def test_workers_read_every_row_of_an_epoch_once_between_them(
     digits_dir, num_workers, shards_per_worker):
@@ -171,6 +173,7 @@ def test_workers_read_every_row_of_an_epoch_once_between_them(
   assert rebuilt == one_process
 
 
+@pytest.mark.slow
 def test_workers_with_parts_of_their_own_read_every_row_once(digits_dir):
   """48-row global batches on 5 workers, in atoms of 4 (an elastic start):
   each worker takes its part of each, in worker order, and together they

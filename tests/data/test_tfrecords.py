@@ -59,6 +59,7 @@ def test_records_train_with_a_validation_glob_and_a_label_offset(tmp_path):
   assert images.shape == (40, 8, 8, 1) and images.max() == 255.0
 
 
+@pytest.mark.slow
 def test_without_a_validation_glob_a_seeded_share_is_held_out(tmp_path):
   pixels, _ = write_records(tmp_path, 'train', 200)
 
@@ -78,6 +79,7 @@ def test_without_a_validation_glob_a_seeded_share_is_held_out(tmp_path):
   assert split(0)[1] == test and split(1)[1] != test
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('damage, message', [
     ('no_files', 'no file matches; give a glob of TFRecord files'),
     ('keys', r"holds records with keys \['image/bytes', 'label'\]; "
@@ -175,6 +177,7 @@ def _rows(dataset):
   return [x.numpy().tobytes() for batch, _ in dataset for x in batch]
 
 
+@pytest.mark.slow
 def test_shard_files_gives_each_worker_its_files_and_equal_steps(tmp_path):
   write_records(tmp_path, 'train', 150, files=3)  # 50 rows a file.
   write_records(tmp_path, 'validation', 20, files=1, start=150)

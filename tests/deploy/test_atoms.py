@@ -104,11 +104,10 @@ def test_every_layout_trains_the_same_bits(name, mlp_reference):
                        mlp_reference, staged='stages' in name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', [
-    pytest.param('shares 3:1'),
-    pytest.param('2 clones x 2 accumulation steps', marks=pytest.mark.slow),
-    pytest.param('4 clones x 2 stages x 2 micro-batches',
-                 marks=pytest.mark.slow)])
+    'shares 3:1', '2 clones x 2 accumulation steps',
+    '4 clones x 2 stages x 2 micro-batches'])
 def test_the_input_feed_trains_the_same_bits(name, mlp_reference):
   """Each clone's shard prefetched to its device: still one clone's bits."""
   assert_bit_identical(

@@ -79,6 +79,7 @@ def _stages(**config):
                                             **config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('make, fields', [
     (_clones(), {}),
     _slow(_clones(variables_device='spread'), {}),
@@ -170,6 +171,7 @@ def test_the_fix_for_a_device_over_its_memory_follows_what_fills_it():
   assert tensors.endswith(dry_run.TENSORS_FIX)
 
 
+@pytest.mark.slow
 def test_the_command_line_plans_eight_gpus_and_writes_nothing(
     tmp_path, digits_dir, caplog):
   values = dict(model_dir=str(tmp_path / 'run'), data_dir=digits_dir,
@@ -240,6 +242,7 @@ def test_accumulation_lowers_each_gpus_peak():
         0.75 * whole.devices[device].peak_bytes)
 
 
+@pytest.mark.slow
 def test_a_towers_model_plans_as_the_towers_do():
   config = placement.DeploymentConfig(num_clones=8, variables_device='spread')
   loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

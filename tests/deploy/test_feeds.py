@@ -110,6 +110,7 @@ def test_each_clone_reads_its_shard_on_its_device():
               if op.name.startswith('split_batch')]
 
 
+@pytest.mark.slow
 def test_a_short_batch_cut_by_clone_trains_as_the_split_batch():
   """Unequal accumulation steps (a short last batch, which the job's
   pipeline drops): each clone cuts its own shard into them."""
@@ -128,6 +129,7 @@ def test_a_short_batch_cut_by_clone_trains_as_the_split_batch():
     assert np.array_equal(mine.numpy(), theirs.numpy())
 
 
+@pytest.mark.slow
 def test_the_cut_follows_automatic_shares():
   """The first cut waits for the first measurement (3:1); a split measured
   during an epoch (1:3, at its last step) cuts the next epoch's batches."""

@@ -220,6 +220,7 @@ def test_clones_draw_their_own_masks(options):
   assert _generator_counter(towers.model) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('options', [
     dict(accumulation_steps=2),
     dict(accumulation_steps=2, clone_shares=(3, 1)),
@@ -237,6 +238,7 @@ def test_accumulation_steps_draw_their_own_masks_and_advance_once(options):
   assert _generator_counter(towers.model) == 2
 
 
+@pytest.mark.slow
 def test_each_new_state_goes_to_its_own_variable():
   """A random layer before BatchNorm: the step assigns every new value to
   its own variable (the generators' once, at the end), as the atoms'
@@ -300,10 +302,10 @@ def flip_cnn():
   return keras.Model(inputs, keras.layers.Dense(3, name='out')(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('config_fields, options', [
     (dict(num_clones=2), {}),
-    pytest.param(dict(num_clones=4), dict(accumulation_steps=2),
-                 marks=pytest.mark.slow),
+    (dict(num_clones=4), dict(accumulation_steps=2)),
 ])
 def test_random_flip_keeps_the_same_bits_on_every_layout(config_fields,
                                                          options):
@@ -338,6 +340,7 @@ def test_recomputation_replays_the_forward_passs_masks():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_piece_draws_from_its_offset_alone():
   # The atoms of a step under one generator state: every atom a new mask.
   towers = make_deployed(deploy.DeploymentConfig(clone_on_cpu=True),

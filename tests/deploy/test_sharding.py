@@ -22,14 +22,15 @@ def test_join_undoes_cut(shape, parts):
   np.testing.assert_array_equal(sharding.join(parts, shards), whole)
 
 
-@pytest.mark.parametrize('parts, copies', [((1, 4), {'ConcatV2': 1}),
-                                           ((2, 2), {'DynamicStitch': 1})])
+@pytest.mark.parametrize('parts, copies', [
+    ((1, 4), {'ConcatV2': 1}), ((2, 2), {'DynamicStitch': 1, 'Reshape': 1})])
 def test_a_join_copies_the_bytes_once(parts, copies):
+  """One copy of the bytes, and no op a shard but the stitch's index."""
   shards = [tf.TensorSpec((4, 3), tf.float32)] * 4
   graph = tf.function(lambda *s: sharding.join(parts, list(s))
                       ).get_concrete_function(*shards).graph
   types = [op.type for op in graph.get_operations()]
-  assert {t: types.count(t) for t in ('ConcatV2', 'DynamicStitch')
+  assert {t: types.count(t) for t in ('ConcatV2', 'DynamicStitch', 'Reshape')
           if t in types} == copies
 
 

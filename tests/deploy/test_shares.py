@@ -134,6 +134,7 @@ def test_accumulation_on_mirrored_equals_one_device_on_k_batches(optimizer):
                              want.total, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_shares_accumulation_and_stages_compose():
   config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True,
                                    num_stages=2)

@@ -377,6 +377,7 @@ def test_step_traces_once_per_input_signature():
   assert deployed.trace_count == 2
 
 
+@pytest.mark.slow
 def test_xla_clones_train_like_the_plain_step():
   batches = [make_batch(8, seed=s) for s in range(3)]
   results = []

@@ -69,6 +69,7 @@ def test_sequential_and_subclassed_models_agree_on_every_path(model_fn):
                                  err_msg=name)
 
 
+@pytest.mark.slow
 def test_an_embedding_under_adam_agrees_on_every_path():
   """The table's gradient stays slices on every path (tf.distribute joins
   the replicas' slices), so Adam applies the slices one device would."""
@@ -116,6 +117,7 @@ def test_towers_mirrored_and_single_agree():
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_synchronized_batch_norm_equals_one_device_on_both_paths():
   """Statistics of the global batch: 2 clones train like one device."""
   def model_fn():
@@ -161,6 +163,7 @@ def test_lockstep_replicas_are_the_clone_devices():
     make_deployed(CLONES, sync_batch_norm=True, xla=True)
 
 
+@pytest.mark.slow
 def test_batch_norm_towers_equal_mirrored():
   """Both normalise each shard by its own statistics and keep shard 0's."""
   def model_fn():

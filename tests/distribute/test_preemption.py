@@ -86,6 +86,7 @@ def test_a_signal_one_step_before_the_end_lets_the_run_end():
     assert _run(workers, {(0, 9): 'SIGTERM'}, last_step=10) == {}
 
 
+@pytest.mark.slow
 def test_a_worker_that_never_reads_the_step_is_named():
   with _workers(3, present=2) as workers:  # Worker 2 is gone.
     with pytest.raises(errors.ClusterError,

@@ -42,6 +42,7 @@ def test_round_trip_restores_weights_slots_and_position(tmp_path):
     np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
+@pytest.mark.slow
 def test_a_resumed_run_draws_what_the_uninterrupted_run_drew(tmp_path):
   def dropout():
     return mlp(dropout=True)
@@ -185,6 +186,7 @@ def test_spread_variables_and_one_clone_continue_each_other(
                                err_msg=key)
 
 
+@pytest.mark.slow
 def test_a_resume_at_another_global_batch_is_one_line(run_train, tmp_path):
   """Clones and workers may change on resume; the global batch may not."""
   model_dir = str(tmp_path / 'job')

@@ -62,6 +62,7 @@ def _restored_by_the_command_line(directory):
   return weights(model), position
 
 
+@pytest.mark.slow
 def test_a_command_line_checkpoint_restores_into_towers_model(run_train):
   ran = run_train(**_flags())
   towers = _towers()
@@ -76,6 +77,7 @@ def test_a_command_line_checkpoint_restores_into_towers_model(run_train):
   assert int(towers.optimizer.iterations.numpy()) == STEPS
 
 
+@pytest.mark.slow
 def test_a_fit_backup_resumes_the_command_line(run_train, tmp_path):
   towers = _towers()
   rng = np.random.default_rng(0)

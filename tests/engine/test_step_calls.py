@@ -219,6 +219,7 @@ def _interrupted_then_resumed(tmp_path):
   return raised.value, restored, outcome, resumed
 
 
+@pytest.mark.slow
 def test_a_signal_in_a_call_stops_after_it_and_resumes_exactly(tmp_path):
   """SIGTERM in step 6, inside the call of steps 6-9 (the calls: 1, 2-5,
   6-9, 10-12): the call finishes, step 9 is saved, and the resumed run

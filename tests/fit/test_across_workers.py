@@ -183,6 +183,7 @@ def test_fit_across_workers_refuses_input_the_workers_cannot_share():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_only_the_chief_keeps_the_callbacks_that_write_files(tmp_path):
   """ModelCheckpoint, TensorBoard and CSVLogger write on worker 0 alone;
   worker 1 trains the same epoch and writes nothing (each worker given a
@@ -212,6 +213,7 @@ def test_only_the_chief_keeps_the_callbacks_that_write_files(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_a_worker_evaluates_its_rows_and_gathers_everyones():
   """Worker 1 of 2 runs its 2 rows of a batch of 5 and gathers its peers'
   outputs; in the stand-in both replicas are worker 1, so the gathered

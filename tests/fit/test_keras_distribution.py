@@ -41,6 +41,7 @@ def _fit(model):
                    verbose=0).history
 
 
+@pytest.mark.slow
 def test_the_guides_data_parallel_trains_on_its_devices_as_one_device(
     distribution):
   plain = _model()

@@ -56,12 +56,12 @@ def _devices(variable):
   return [shard.device.split('device:')[-1] for shard in value.shards]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('make, backbone, embedding, query', [
     (_llama, keras_hub.models.LlamaBackbone, (32, 8),
      'transformer_layer_0/self_attention/query/kernel'),
-    pytest.param(_gemma, keras_hub.models.GemmaBackbone, (32, 8),
-                 'decoder_block_0/attention/query/kernel',
-                 marks=pytest.mark.slow),
+    (_gemma, keras_hub.models.GemmaBackbone, (32, 8),
+     'decoder_block_0/attention/query/kernel'),
 ])
 def test_a_keras_hub_layout_map_trains_as_one_device(make, backbone,
                                                      embedding, query):

@@ -98,6 +98,7 @@ def mnist_convnet():
       layers.Dense(10, activation='softmax')])
 
 
+@pytest.mark.slow
 def test_mnist_convnet():
   x = _rng().random((ROWS, 12, 12, 1)).astype('float32')
   y = keras.utils.to_categorical(_rng().integers(0, 10, ROWS), 10)

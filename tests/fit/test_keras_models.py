@@ -212,6 +212,7 @@ def _assert_same_weights(got, want, inputs=None):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('model_fn, plain_fn', [
     (_sequential, _sequential), (_subclassed, _named_subclassed)])
 def test_sequential_and_subclassed_models_train_as_plain_fit(model_fn,
@@ -328,7 +329,7 @@ def test_dropout_many_steps_a_call_draws_the_masks_of_one_a_call():
 
 
 @pytest.mark.parametrize('model_fn, data', [
-    (_transformer, _tokens),
+    pytest.param(_transformer, _tokens, marks=pytest.mark.slow),
     pytest.param(_gru, _tokens, marks=pytest.mark.slow),
     (_categorical_beside_float, _ids_and_features),
     pytest.param(_tied, _next_tokens, marks=pytest.mark.slow)],
@@ -451,6 +452,7 @@ def _batch_norm(synchronized=(True, True), seed=0):
       keras.layers.Dense(3)])
 
 
+@pytest.mark.slow
 def test_a_models_own_synchronized_batch_norm_is_synchronized():
   """BatchNormalization(synchronized=True), with no option: statistics of
   the whole batch, as plain fit's on one device (each clone's own were
@@ -478,6 +480,7 @@ def test_partly_synchronized_batch_norm_is_refused_in_one_line():
                  deploy.StepOptions(xla=False))
 
 
+@pytest.mark.slow
 def test_positions_under_adam_train_as_plain_fit():
   """keras.io's text transformer: its positions are looked up by
   `arange`, once a batch; the optimizer gets one slice a position summed
@@ -522,6 +525,7 @@ def test_positions_give_the_same_bits_on_every_layout_of_atoms():
       np.testing.assert_array_equal(got, want, err_msg=want.path)
 
 
+@pytest.mark.slow
 def test_the_optimizer_receives_one_slice_a_position_and_a_token():
   """A lookup whose indices come from no row (positions) gives one slice
   a row for the batch; the tokens' lookup, one a looked-up row."""
@@ -561,6 +565,7 @@ def _saturated(activation, units):
           kernel_initializer=keras.initializers.RandomNormal(stddev=100.0))])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('activation, units, loss, labels', [
     ('sigmoid', 1, 'binary_crossentropy', lambda y: (y > 0)[:, None]),
     ('softmax', 3, 'sparse_categorical_crossentropy', lambda y: y)])
@@ -629,6 +634,7 @@ def _lm_data():
           ids[:, 1:], padding.astype(np.float32))
 
 
+@pytest.mark.slow
 def test_a_keras_hub_style_causal_lm_trains_as_plain_fit():
   adam = lambda: keras.optimizers.Adam(0.02)  # noqa: E731
   x, y, weights = _lm_data()

@@ -81,7 +81,9 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize('layout, optimizer', [
-    *((layout, 'adam') for layout in LAYOUTS),
+    ('two axes', 'adam'),  # The rest run in the slow suite.
+    *(pytest.param(layout, 'adam', marks=pytest.mark.slow)
+      for layout in LAYOUTS if layout != 'two axes'),
     pytest.param('table both ways, all by regex', 'adagrad',
                  marks=pytest.mark.slow),
     pytest.param('table both ways, all by regex', 'sgd',
@@ -106,6 +108,7 @@ def _stored(model):
   return stored
 
 
+@pytest.mark.slow
 def test_no_device_holds_a_whole_sharded_variable():
   model = _model()
   towers = fit.TowersModel(model, _parallel(*LAYOUTS['two axes']))
@@ -131,6 +134,7 @@ def test_no_device_holds_a_whole_sharded_variable():
       assert slot.shape == owner[0].shape, slot.path
 
 
+@pytest.mark.slow
 def test_each_clone_gathers_and_each_shard_is_summed_beside_it():
   model = _model()
   towers = fit.TowersModel(model, _parallel(*LAYOUTS['one axis']))
@@ -154,6 +158,7 @@ def test_each_clone_gathers_and_each_shard_is_summed_beside_it():
   assert {v.value.device for v in shards} <= sums
 
 
+@pytest.mark.slow
 def test_the_same_bits_on_every_mesh_under_reproducible_rows():
   weights = []
   for shape, names, layouts in [LAYOUTS['two axes'],
@@ -168,6 +173,7 @@ def test_the_same_bits_on_every_mesh_under_reproducible_rows():
       np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_the_guides_model_parallel_code_trains_sharded():
   # The keras.io distribution guide's code, and the wrap (its Dropout
   # draws other numbers on each clone: learning, not equality).
@@ -328,6 +334,7 @@ class _Owned(keras.Model):
     return keras.distribution.LayoutMap(device_mesh)
 
 
+@pytest.mark.slow
 def test_a_model_sharded_before_trains_whole_again():
   model = _model()
   _fit(fit.TowersModel(model, _parallel(*LAYOUTS['two axes'])), epochs=1)
@@ -370,6 +377,7 @@ def test_the_export_is_a_whole_model_plain_tensorflow_serves(tmp_path):
                     sharding.ShardedValue)
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_is_one_devices_and_resumes_anywhere(tmp_path):
   """The checkpoint of a sharded run holds what one device's would (whole
   weights and whole slots, same keys): restored into a plain model and
@@ -450,6 +458,7 @@ def _subclassed():
   return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('make, layouts', [
     (_sequential, {'.*table/embeddings': ('model', 'batch'),  # Paths start
                    '.*d1/kernel': ('batch', 'model')}),  # 'sequential_1/'.

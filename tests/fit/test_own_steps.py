@@ -51,6 +51,7 @@ def _data():
           rng.normal(size=(ROWS, 1)).astype(np.float32))
 
 
+@pytest.mark.slow
 def test_the_guides_own_train_step_trains_as_plain_fit():
   x, y = _data()
   histories, models = _fit_both(
@@ -250,6 +251,7 @@ def _trainer(seed=0):
   return MyTrainer(model)
 
 
+@pytest.mark.slow
 def test_the_trainer_pattern_trains_as_plain_fit():
   x, _ = _data()
   y = np.random.default_rng(5).integers(0, 3, ROWS).astype(np.int32)
@@ -457,6 +459,7 @@ class CompiledStep(GuideModel):
   train_step = tf.function(GuideModel.train_step)
 
 
+@pytest.mark.slow
 def test_a_compiled_own_step_runs_as_its_python_on_every_clone():
   x, y = _data()
   histories, models = _fit_both(

@@ -123,6 +123,7 @@ def _counted_fit(steps_per_execution, epochs=2):
   return towers, history.history, len(eager)
 
 
+@pytest.mark.slow
 def test_steps_per_execution_runs_the_full_batches_in_one_call_exactly():
   """compile(steps_per_execution=3), 5 batches an epoch (the last of 4
   rows): the fit's first call runs Keras's eager steps (they fix the full
@@ -159,6 +160,7 @@ def test_steps_per_execution_with_measured_shares_is_refused_in_one_line():
     towers.compile(optimizer='sgd', loss=_loss(), steps_per_execution=2)
 
 
+@pytest.mark.slow
 def test_a_last_batch_of_fewer_rows_than_clones_trains_as_plain_fit():
   """tf.data's last batch of 2 rows on 3 clones: clone 2 takes none."""
   images, labels = make_batch(34, seed=3)
@@ -202,6 +204,7 @@ def test_a_last_batch_the_layout_refuses_stops_fit_before_a_step(options,
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_evaluate_and_predict_equal_the_plain_model():
   towers, _ = _towers_fit('momentum', num_clones=2, epochs=1)
   images, labels = make_batch(ROWS, seed=4)
@@ -330,7 +333,8 @@ class _StopMidEpoch(keras.callbacks.Callback):
 @pytest.mark.parametrize('steps_per_execution, save_freq', [
     (1, 'epoch'),
     pytest.param(2, 'epoch', marks=pytest.mark.slow),
-    (2, 2)])  # Resumed mid-epoch: the steps passed over run one a call.
+    # Resumed mid-epoch: the steps passed over run one a call.
+    pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_backup_and_restore_resumes_an_interrupted_fit_exactly(
     tmp_path, steps_per_execution, save_freq):
   want, _ = _towers_fit('momentum', num_clones=2, epochs=3)

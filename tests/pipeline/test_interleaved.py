@@ -119,6 +119,7 @@ def _device_orders_in(graph, num_devices, device_of=None):
   return chains
 
 
+@pytest.mark.slow
 def test_each_device_runs_its_chunks_in_the_order():
   deployed = _interleaved(2, 2, 4)
   graph = deployed.traced_step(*make_batch(8)).graph
@@ -131,14 +132,10 @@ def test_each_device_runs_its_chunks_in_the_order():
       assert op.device.endswith(f'CPU:{int(found.group(1)) % 2}'), op.name
 
 
-_QUICK = ((2, 2, 2),)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize('k, v, m', [
-    pytest.param(k, v, m, marks=[] if (k, v, m) in _QUICK else
-                 [pytest.mark.slow])
-    for k, v, m in [(2, 2, 2), (2, 2, 4), (2, 3, 4), (3, 2, 3), (3, 2, 6),
-                    (4, 2, 4), (4, 3, 8)]])
+    (2, 2, 2), (2, 2, 4), (2, 3, 4), (3, 2, 3), (3, 2, 6), (4, 2, 4),
+    (4, 3, 8)])
 def test_interleaved_equals_one_device(k, v, m):
   for recompute in (False, True):
     deployed = _interleaved(k, v, m, recompute=recompute)

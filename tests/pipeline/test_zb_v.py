@@ -114,6 +114,7 @@ def test_each_device_holds_as_many_micro_batches_as_1f1bs_first_stage():
       assert peak / 2 <= k, (k, m, peak)
 
 
+@pytest.mark.slow
 def test_each_device_runs_its_chunks_in_the_order():
   """Read back from the traced step's gates, and each chunk's layers on
   its device of the V."""
@@ -148,12 +149,9 @@ def test_a_chunk_without_weights_keeps_its_order():
       _zb_v(2, 4, stage_boundaries=('d5', 'skip', 'out')), rows=8)
 
 
-_QUICK = ((2, 4),)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize('k, m', [
-    pytest.param(k, m, marks=[] if (k, m) in _QUICK else [pytest.mark.slow])
-    for k in (2, 3, 4) for m in (k, 2 * k, 4 * k)])
+    (k, m) for k in (2, 3, 4) for m in (k, 2 * k, 4 * k)])
 def test_zb_v_equals_one_device(k, m):
   for recompute in (False, True):
     deployed = _zb_v(k, m, recompute=recompute)
@@ -183,6 +181,7 @@ def test_the_same_bits_as_1f1b_with_reproducible_rows():
                        staged=True)
 
 
+@pytest.mark.slow
 def test_each_half_of_each_gradient_runs_once():
   """The very gradient ops of the fused interleaved 1F1B step on the same
   4 chunks (2 a device), each as often: the matmul and bias gradients (B

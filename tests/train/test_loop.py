@@ -163,6 +163,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path):
   assert len(fake.rows) == 3
 
 
+@pytest.mark.slow
 def test_train_and_evaluate_takes_its_data_and_trainer(tmp_path):
   """The job around the loop: resume, metrics.json; no flags, no model."""
   train_config = config.TrainConfig(model_dir=str(tmp_path), batch_size=BATCH,

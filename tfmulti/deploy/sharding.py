@@ -133,15 +133,14 @@ def join(parts, shards):
     return tf.concat(shards, axis=split[0]) if split else shards[0]
   whole = [n * d for n, d in zip(parts, shards[0].shape)]
   last = split[-1]
-  # The whole as rows of `chunk` elements, each inside one shard: a row
-  # is the whole's dimensions past `last`, and a shard's part of `last`.
-  chunk = math.prod(whole[last + 1:]) * shards[0].shape[last]
+  # The whole as rows, each a shard's slab past its dimensions before
+  # `last` (its part of `last` and all after): each shard is stitched as
+  # it is, its index a row number for each of its leading positions.
   rows = np.arange(math.prod(whole[:last]) * parts[last]).reshape(
       whole[:last] + [parts[last]])
-  indices = [tf.constant(block.reshape(-1), tf.int32)
+  indices = [tf.constant(block[..., 0], tf.int32)
              for block in cut(parts[:last + 1], rows, np.split)]
-  stitched = tf.dynamic_stitch(
-      indices, [tf.reshape(shard, [-1, chunk]) for shard in shards])
+  stitched = tf.dynamic_stitch(indices, shards)
   return tf.reshape(stitched, whole)
 
 
