@@ -12,6 +12,7 @@ the lockstep clones, the tf.distribute replicas and (through `forward`,
 under their own tapes) the stages all run these, and nothing else.
 """
 
+import contextlib
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -54,6 +55,13 @@ def forward(model, trainable, non_trainable, inputs, offset):
           penalties)
 
 
+def whole(trainable, watch):
+  """`Body`'s reading of the model's own values: watched, and the
+  gradients theirs."""
+  watch(trainable)
+  return trainable, trainable, contextlib.nullcontext()
+
+
 class Body:
   """A piece's forward and backward pass; changes no variable.
 
@@ -68,32 +76,31 @@ class Body:
   included); the gradients are of the loss times the loss scale.
   """
 
-  def __init__(self, model, loss_fn, scope='clone', gathered=None):
+  def __init__(self, model, loss_fn, scope='clone', read=None):
     """`scope`: the name scope the pass opens where it is traced at the
     root (lockstep replica 0, an XLA function; `trainer.off_the_root`);
-    `gathered`: the model's trainable values from `trainable` (sharded
-    variables' shards joined, `deploy.sharding`), which the tape watches:
-    the gradients are theirs (a sharded storage cuts them into its shards'
-    outside the pass, `Sharded.cutting`); None: `trainable` are the
-    model's values."""
+    `read(trainable, watch)`: the storage's reading of `trainable` for the
+    pass, under its tape's `watch` (`deploy.sharding`): (the model's
+    trainable values, what the gradients are taken of, a context the
+    pass runs in); None: `trainable` are the model's values and the
+    gradients theirs."""
     self.model = model
     self.loss_fn = loss_fn
     self.scope = scope
-    self.gathered = gathered
+    self.read = read or whole
 
   def __call__(self, trainable, non_trainable, images, labels,
                penalty_weight, offset, terms):
     with trainer.off_the_root(self.scope):
-      values = (trainable if self.gathered is None else
-                self.gathered(trainable))
       with tf.GradientTape() as tape:
-        tape.watch(values)
-        outputs, new_non_trainable, model_losses, penalties = forward(
-            self.model, values, non_trainable, images, offset)
+        values, sources, context = self.read(trainable, tape.watch)
+        with context:
+          outputs, new_non_trainable, model_losses, penalties = forward(
+              self.model, values, non_trainable, images, offset)
         loss, regularization, scaled_loss = trainer.objective(
             self.loss_fn, labels, outputs, global_rows=terms.global_rows,
             model_losses=model_losses, penalties=penalties,
             penalty_weight=penalty_weight, loss_scale=terms.loss_scale)
-    gradients = tape.gradient(scaled_loss, values)
+    gradients = tape.gradient(scaled_loss, sources)
     return (keras_internals.with_logits(outputs), loss, regularization,
             gradients, new_non_trainable)

@@ -17,6 +17,7 @@ clone's inference) and `probe` (one clone's forward and backward pass
 alone, for timing it).
 """
 
+from absl import logging
 import tensorflow as tf
 
 from tfmulti import devices
@@ -49,9 +50,13 @@ class WholeClones:
     self.config = config
     self.model = model
     self.storage = storage or sharding.Whole(model)
-    self.body = pieces.Body(model, loss_fn, gathered=self.storage.gathered)
+    self.body = pieces.Body(model, loss_fn, read=self.storage.read)
     if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
-      self.body = compiled(self.body)
+      if getattr(self.storage, 'tables', None):
+        logging.info('xla: the passes are not compiled: they look Embedding '
+                     'tables up on the devices their shards live on.')
+      else:
+        self.body = compiled(self.body)
     self.body = self.storage.cutting(self.body)
     self.run_pieces = run_pieces
     self.packs = packs

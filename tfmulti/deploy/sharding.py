@@ -7,7 +7,9 @@ and updates:
            without variable layouts)
   Sharded  each variable a layout splits (`mesh_layouts`) stored as its
            shards, each a Keras variable on one mesh device, and every
-           other variable moved whole to the least-loaded device
+           other variable moved whole to the least-loaded device; a
+           plain Embedding's table among them looked up where its shards
+           live, never joined (`lookups`)
 
 Under `Sharded` each shard is read once where it lives and sent to each
 clone, which joins the shards (`gathered`: an all-gather) for its pass,
@@ -32,6 +34,8 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti import pieces
+from tfmulti.deploy import lookups
 from tfmulti.deploy import mesh_layouts
 
 # Optimizers whose update of an element reads only that element's gradient
@@ -49,10 +53,7 @@ class Whole:
   def __init__(self, model):
     self.variables = model.trainable_variables
 
-  @staticmethod
-  def gathered(values):
-    """The model's trainable values from the step's reads: themselves."""
-    return values
+  read = staticmethod(pieces.whole)
 
   @staticmethod
   def cutting(body):
@@ -71,25 +72,46 @@ class Sharded:
       each dimension, or None for a whole one.
     sharded: (variable, parts, shards) of each sharded variable.
     shapes: the model's trainable variables' shapes.
+    tables: {index among the model's trainable variables: its Embedding
+      layer} of each table looked up (`lookups`).
+    devices: the device of each of `variables`.
   """
 
-  def __init__(self, variables, grids, sharded, shapes):
+  def __init__(self, variables, grids, sharded, shapes, tables=None):
     self.variables = variables
     self.grids = grids
     self.sharded = sharded
     self.shapes = shapes
+    self.tables = tables or {}
+    self.devices = [devices.device_of(v) for v in variables]
 
-  def gathered(self, values):
-    """The model's trainable values from reads of `variables`: each
-    sharded one joined from its shards on the current device."""
-    whole, at = [], 0
+  def _spans(self):
+    """(k, parts, where) of each of the model's trainable variables: its
+    index, its grid and the slice of `variables` storing it."""
+    at = 0
+    for k, parts in enumerate(self.grids):
+      count = 1 if parts is None else len(mesh_layouts.blocks(parts))
+      yield k, parts, slice(at, at + count)
+      at += count
+
+  def read(self, values, watch):
+    """`pieces.Body`'s reading of `values` (reads of `variables`): the
+    model's trainable values, each sharded one joined from its shards on
+    the current device (`join`), whose tape watches them; and each
+    looked-up table's shards watched as they are read, and looked up
+    where they live (`lookups`) in the pass. A join no op reads (a
+    looked-up table's) is never run."""
+    tables = [(self.tables[k], parts, values[where], self.devices[where])
+              for k, parts, where in self._spans() if k in self.tables]
+    looked_up = [read for _, _, reads, _ in tables for read in reads]
+    watch(looked_up)
+    whole = []
     with tf.name_scope('gather_shards'):
-      for parts in self.grids:
-        count = 1 if parts is None else len(mesh_layouts.blocks(parts))
-        mine = values[at:at + count]
+      for _, parts, where in self._spans():
+        mine = values[where]
         whole.append(mine[0] if parts is None else join(parts, mine))
-        at += count
-    return whole
+    watch(whole)
+    return whole, whole + looked_up, lookups.looking_up(tables)
 
   def cutting(self, body):
     """`body` (a `pieces.Body`, compiled or not) with its gradients, of
@@ -107,19 +129,25 @@ class Sharded:
     variables: each sharded one's cut into its shards' pieces on the
     current device, by one split a dimension (differentiating the joins
     would slice each shard apart, a few ops a shard), an Embedding's
-    `tf.IndexedSlices` kept as slices."""
-    pieces = []
+    `tf.IndexedSlices` kept as slices; a looked-up table's are its
+    shards' own (`read` takes them of the shards' reads), after the
+    model's."""
+    looked_up = iter(gradients[len(self.grids):])
+    cuts = []
     with tf.name_scope('cut_shards'):
-      for parts, gradient, shape in zip(self.grids, gradients, self.shapes):
-        if parts is None:
-          pieces.append(gradient)
+      for k, parts, where in self._spans():
+        gradient, shape = gradients[k], self.shapes[k]
+        if k in self.tables:  # Its shards' own: the join's reached them.
+          cuts.extend(next(looked_up) for _ in range(where.stop - where.start))
+        elif parts is None:
+          cuts.append(gradient)
         elif gradient is None:
-          pieces.extend([None] * len(mesh_layouts.blocks(parts)))
+          cuts.extend([None] * (where.stop - where.start))
         elif isinstance(gradient, tf.IndexedSlices):
-          pieces.extend(cut_slices(parts, gradient, shape))
+          cuts.extend(cut_slices(parts, gradient, shape))
         else:
-          pieces.extend(cut(parts, gradient))
-    return pieces
+          cuts.extend(cut(parts, gradient))
+    return cuts
 
 
 def join(parts, shards):
@@ -285,8 +313,11 @@ def storage_of(config, model, optimizer):
   logging.info('Variables sharded by their layouts: %d of %d; bytes a '
                'device: %s.', len(plan), len(model.variables),
                sorted(held.values()))
+  found = lookups.tables(model, plan)
   return Sharded(variables, grids, sharded,
-                 [v.shape for v in model.trainable_variables])
+                 [v.shape for v in model.trainable_variables],
+                 {k: found[id(v)] for k, v in enumerate(
+                     model.trainable_variables) if id(v) in found})
 
 
 def stored_variables(deployed):

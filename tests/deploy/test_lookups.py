@@ -1,0 +1,150 @@
+"""Embedding tables looked up where their shards live: the rows and the
+gradient slices one device would have, the table never joined on a
+clone, and training equal to plain `fit`."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmulti import devices
+from tfmulti import fit
+from tfmulti.deploy import lookups
+from tfmulti.deploy import peaks
+from tfmulti.deploy import sharding
+
+ROWS, WIDTH = 64, 8
+
+
+@pytest.mark.parametrize('parts', [(4, 1), (1, 2), (2, 2)])
+def test_a_lookup_gives_one_devices_rows_and_slices(parts):
+  table = tf.constant(np.arange(ROWS * WIDTH, dtype=np.float32).reshape(
+      ROWS, WIDTH))
+  ids = tf.constant([[5, 63, 5], [40, 0, 17]])
+  shards = sharding.cut(parts, table)
+  owners = [f'/device:CPU:{i}' for i in range(len(shards))]
+  weights = tf.reshape(tf.range(6 * WIDTH, dtype=tf.float32), [2, 3, WIDTH])
+  with tf.GradientTape(persistent=True) as tape:
+    tape.watch([table, *shards])
+    got = lookups.look_up(parts, shards, owners, ids)
+    want = tf.gather(table, ids)
+    loss_got, loss_want = (tf.reduce_sum(x * weights) for x in (got, want))
+  np.testing.assert_array_equal(got, want)
+  slices = tape.gradient(loss_got, shards)
+  assert all(isinstance(s, tf.IndexedSlices) for s in slices)
+  one_device = sharding.cut_slices(parts, tape.gradient(loss_want, table),
+                                   table.shape)
+  for piece, expected in zip(slices, one_device):
+    np.testing.assert_array_equal(piece.indices, expected.indices)
+    np.testing.assert_array_equal(piece.values, expected.values)
+
+
+def _parallel(layout, shape=(4,), names=('model',)):
+  mesh = keras.distribution.DeviceMesh(
+      shape, list(names), keras.distribution.list_devices()[:4])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map['table/embeddings'] = layout
+  return keras.distribution.ModelParallel(layout_map=layout_map,
+                                          batch_dim_name=names[0])
+
+
+class TiedLogits(keras.layers.Layer):
+  """Logits against a table read whole: a tied output layer."""
+
+  def __init__(self, table, **kwargs):
+    super().__init__(**kwargs)
+    self.table = table
+
+  def call(self, x):
+    return keras.ops.matmul(x, keras.ops.transpose(self.table.embeddings))
+
+
+def _model(tied=False):
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input(shape=(5,), dtype='int32')
+  table = keras.layers.Embedding(ROWS, WIDTH, name='table')
+  x = keras.layers.GlobalAveragePooling1D()(table(inputs))
+  if tied:
+    return keras.Model(inputs, TiedLogits(table, name='tied')(x))
+  return keras.Model(inputs, keras.layers.Dense(4, name='out')(x))
+
+
+def _data(classes=4):
+  rng = np.random.default_rng(5)
+  # Few ids, so a batch repeats rows: Adam's update differs for two slices
+  # of a row and one, and each shard must get one device's.
+  ids = rng.integers(0, ROWS, (32, 5)).astype('int32')
+  ids[:, 0] = 7
+  return ids, rng.integers(0, classes, 32).astype('int32')
+
+
+def _fit(model, optimizer, classes=4, **arguments):
+  model.compile(optimizer=optimizer, loss=keras.losses.
+                SparseCategoricalCrossentropy(from_logits=True))
+  arguments = {'epochs': 2, **arguments}
+  return model.fit(*_data(classes), batch_size=8, shuffle=False, verbose=0,
+                   **arguments).history['loss']
+
+
+OPTIMIZERS = {'sgd': lambda: keras.optimizers.SGD(0.5, momentum=0.9),
+              'adam': lambda: keras.optimizers.Adam(0.05),
+              'adagrad': lambda: keras.optimizers.Adagrad(0.5)}
+
+
+def _assert_trains_as_one_device(layout, optimizer, tied=False, **kwargs):
+  classes = ROWS if tied else 4
+  plain = _model(tied)
+  want = _fit(plain, OPTIMIZERS[optimizer](), classes)
+  model = _model(tied)
+  towers = fit.TowersModel(model, _parallel(layout, **kwargs))
+  got = _fit(towers, OPTIMIZERS[optimizer](), classes)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, w in zip(model.weights, plain.weights):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
+  return towers
+
+
+def test_a_row_sharded_table_trains_as_one_device_under_adam():
+  _assert_trains_as_one_device(('model', None), 'adam')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('optimizer', ['sgd', 'adagrad'])
+@pytest.mark.parametrize('layout', [('model', None), (None, 'model')])
+def test_each_table_layout_trains_as_one_device(layout, optimizer):
+  _assert_trains_as_one_device(layout, optimizer)
+
+
+@pytest.mark.slow
+def test_a_table_split_both_ways_trains_as_one_device():
+  _assert_trains_as_one_device(('batch', 'model'), 'adam', shape=(2, 2),
+                               names=('batch', 'model'))
+
+
+@pytest.mark.slow
+def test_a_table_read_whole_too_trains_as_one_device():
+  """A tied output layer reads the table whole: that read joins the
+  shards, and its gradient reaches them beside the lookup's."""
+  _assert_trains_as_one_device(('model', None), 'adam', tied=True)
+
+
+def test_no_clone_joins_a_looked_up_table():
+  """Read from the traced step: of the ops it runs, none makes a tensor
+  of the whole table's shape; each shard's rows leave its device only as
+  the rows a clone looks up."""
+  model = _model()
+  towers = fit.TowersModel(model, _parallel(('model', None)))
+  _fit(towers, OPTIMIZERS['adam'](), epochs=1)
+  ids, labels = _data()
+  graph = towers.towers.traced_step(tf.constant(ids[:16]),
+                                    (tf.constant(labels[:16]),)).graph
+  runs = peaks.reachable(graph)
+  shapes = {tuple(t.shape) for op in graph.get_operations()
+            if op.name in runs for t in op.outputs}
+  assert (ROWS, WIDTH) not in shapes
+  gathers = [op for op in graph.get_operations()
+             if op.name in runs and op.type == 'GatherV2'
+             and tuple(op.inputs[0].shape) == (ROWS // 4, WIDTH)]
+  owners = {devices.canonical(op.device) for op in gathers}
+  assert owners == {devices.canonical(f'/device:CPU:{i}') for i in range(4)}
+  assert len(gathers) == 4 * 4  # Each clone's ids, on each shard.
