@@ -91,12 +91,13 @@ OPTIMIZERS = {'sgd': lambda: keras.optimizers.SGD(0.5, momentum=0.9),
               'adagrad': lambda: keras.optimizers.Adagrad(0.5)}
 
 
-def _assert_trains_as_one_device(layout, optimizer, tied=False, **kwargs):
+def _assert_trains_as_one_device(layout, optimizer, tied=False, fields=(),
+                                 **kwargs):
   classes = ROWS if tied else 4
   plain = _model(tied)
   want = _fit(plain, OPTIMIZERS[optimizer](), classes)
   model = _model(tied)
-  towers = fit.TowersModel(model, _parallel(layout, **kwargs))
+  towers = fit.TowersModel(model, _parallel(layout, **kwargs), **dict(fields))
   got = _fit(towers, OPTIMIZERS[optimizer](), classes)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for g, w in zip(model.weights, plain.weights):
@@ -113,6 +114,14 @@ def test_a_row_sharded_table_trains_as_one_device_under_adam():
 @pytest.mark.parametrize('layout', [('model', None), (None, 'model')])
 def test_each_table_layout_trains_as_one_device(layout, optimizer):
   _assert_trains_as_one_device(layout, optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('fields', [dict(accumulation_steps=2),
+                                    dict(clone_shares=(3, 1, 2, 2))])
+def test_accumulation_and_shares_train_as_one_device(fields):
+  _assert_trains_as_one_device(('model', None), 'adam',
+                               fields=fields.items())
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ and updates:
            live, never joined (`lookups`)
 
 Under `Sharded` each shard is read once where it lives and sent to each
-clone, which joins the shards (`gathered`: an all-gather) for its pass,
+clone, which joins the shards (`read`: an all-gather) for its pass,
 whose tape watches the joined variables; each clone cuts their gradients
 into the shards' pieces after its pass (`cutting`) and the combiners sum
 each beside its shard (a reduce-scatter) and the optimizer updates the shards,
