@@ -157,3 +157,60 @@ def test_no_clone_joins_a_looked_up_table():
   owners = {devices.canonical(op.device) for op in gathers}
   assert owners == {devices.canonical(f'/device:CPU:{i}') for i in range(4)}
   assert len(gathers) == 4 * 4  # Each clone's ids, on each shard.
+
+
+def _dlrm(sizes=(1_000_000, 1000, 100), width=16):
+  """A DLRM as users write it: dense features through a bottom MLP, one
+  Embedding a categorical feature (the first of a million rows), every
+  pair of them dotted, and a top MLP to a click's logit."""
+  keras.utils.set_random_seed(0)
+  dense = keras.Input((4,), name='dense')
+  ids = [keras.Input((1,), dtype='int32', name=f'c{i}')
+         for i in range(len(sizes))]
+  bottom = keras.layers.Dense(width, activation='relu', name='bottom')(dense)
+  features = [bottom] + [
+      keras.layers.Flatten()(keras.layers.Embedding(
+          rows, width, name=f'table_{i}')(x))
+      for i, (rows, x) in enumerate(zip(sizes, ids))]
+  stacked = keras.ops.stack(features, axis=1)
+  dots = keras.layers.Flatten()(
+      keras.ops.matmul(stacked, keras.ops.transpose(stacked, (0, 2, 1))))
+  x = keras.layers.Concatenate()([bottom, dots])
+  x = keras.layers.Dense(16, activation='relu', name='top')(x)
+  return keras.Model([dense, *ids], keras.layers.Dense(1, name='click')(x))
+
+
+def _clicks(rows=64, sizes=(1_000_000, 1000, 100)):
+  rng = np.random.default_rng(11)
+  features = {'dense': rng.normal(size=(rows, 4)).astype('float32')}
+  for i, size in enumerate(sizes):
+    # Popular ids repeat, as clicks do.
+    features[f'c{i}'] = rng.zipf(1.5, (rows, 1)).astype('int32') % size
+  return features, rng.integers(0, 2, rows).astype('float32')
+
+
+@pytest.mark.slow
+def test_a_dlrm_with_a_million_row_table_trains_as_one_device():
+  """Its big table by rows and the next by columns over 4 clones, the
+  third whole; Adagrad: equal to plain `fit` on one device."""
+  def train(model):
+    model.compile(optimizer=keras.optimizers.Adagrad(0.05),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    return model.fit(*_clicks(), batch_size=16, epochs=2, shuffle=False,
+                     verbose=0).history['loss']
+  plain = _dlrm()
+  want = train(plain)
+  mesh = keras.distribution.DeviceMesh(
+      (4,), ['model'], keras.distribution.list_devices()[:4])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map['table_0/embeddings'] = ('model', None)
+  layout_map['table_1/embeddings'] = (None, 'model')
+  model = _dlrm()
+  towers = fit.TowersModel(model, keras.distribution.ModelParallel(
+      layout_map=layout_map, batch_dim_name='model'))
+  np.testing.assert_allclose(train(towers), want, rtol=1e-5)
+  storage = towers.towers.parts.storage
+  assert sorted(layer.name for layer in storage.tables.values()) == [
+      'table_0', 'table_1']
+  for g, w in zip(model.weights, plain.weights):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)

@@ -29,11 +29,15 @@ VIEWS = frozenset(('Identity', 'Reshape', 'Squeeze', 'ExpandDims'))
 _ALIASES = frozenset(('ReadVariableOp', 'Placeholder', '_Arg'))
 
 
-def reachable(graph):
+def reachable(graph, stateful=False):
   """The names of the ops the step's outputs and updates need: what the
-  runtime runs (it prunes the rest: ops no result reads)."""
+  runtime runs (it prunes the rest: ops no result reads). `stateful`: its
+  stateful ops are its updates too (a graph without automatic control
+  dependencies, as `tf.compat.v1.wrap_function` traces)."""
   seen, todo = set(), [t.op for t in graph.outputs] + list(
-      graph.control_outputs)
+      graph.control_outputs) + [
+          op for op in graph.get_operations()
+          if stateful and op._is_stateful]  # pylint: disable=protected-access
   while todo:
     op = todo.pop()
     if op.name not in seen:

@@ -21,7 +21,10 @@ count once, as the loop op.
 import collections
 import dataclasses
 
+import tensorflow as tf
+
 from tfmulti import devices
+from tfmulti.deploy import peaks
 from tfmulti.deploy import sharding
 
 KINDS = ('variables', 'gradients', 'other')
@@ -58,33 +61,72 @@ def held_bytes(variables):
 
 def _kind(tensor, reader):
   """What a transfer carries: a variable's value (read, or packed in
-  'pack_variables'), a gradient (made under
-  the tape's 'gradient_tape' scope, or summed in 'sum_gradients'), or
-  other."""
+  'pack_variables'), a gradient (made under the tape's 'gradient_tape'
+  scope or packed in 'pack_gradients', or read to be summed in
+  'sum_gradients'), or other (a scalar a gradient op reads is not one)."""
   if tensor.op.type == 'ReadVariableOp' or 'pack_variables' in (
       tensor.op.name):
     return 'variables'
-  if 'gradient' in tensor.op.name or 'gradient' in reader.name:
+  if 'gradient' in tensor.op.name or 'sum_gradients' in reader.name:
     return 'gradients'
   return 'other'
 
 
-def transfers(graph):
-  """[(source device, reading device, kind, bytes)] of `graph`: each
-  tensor that crosses devices, once a reading device."""
+def _crossings(graph, stateful=False):
+  """(tensor, source device, reading device, kind) of each tensor of
+  `graph` that crosses devices, once a reading device, among the ops the
+  step runs (`peaks.reachable`: a join no op reads is never run)."""
   placement = devices.GraphPlacement()
-  found = {}
+  runs = peaks.reachable(graph, stateful)
+  seen = set()
   for op in graph.get_operations():
+    if op.name not in runs:
+      continue
     reader = placement.of_op(op)
     for tensor in op.inputs:
       source = placement.of_tensor(tensor)
-      if not reader or not source or reader == source:
+      if (not reader or not source or reader == source
+          or (tensor.name, reader) in seen):
         continue
-      key = (tensor.name, reader)
-      if key not in found and tensor.shape.is_fully_defined():
-        found[key] = (source, reader, _kind(tensor, op),
-                      tensor.shape.num_elements() * tensor.dtype.size)
-  return list(found.values())
+      seen.add((tensor.name, reader))
+      yield tensor, source, reader, _kind(tensor, op)
+
+
+def transfers(graph, stateful=False):
+  """[(source device, reading device, kind, bytes)] of `graph`: each
+  tensor that crosses devices, once a reading device (those of a size
+  the graph does not know left out: `sized_by_values` counts them).
+  `stateful`: as `peaks.reachable` takes it."""
+  return [(source, reader, kind,
+           tensor.shape.num_elements() * tensor.dtype.size)
+          for tensor, source, reader, kind in _crossings(graph, stateful)
+          if tensor.shape.is_fully_defined()]
+
+
+def sized_by_values(deployed, images, labels):
+  """[(source device, reading device, kind, bytes)] of the tensors that
+  cross devices in one step of `deployed` on this batch whose size the
+  batch's values decide, which `transfers` leaves out (the ids a table's
+  lookup sends each shard, the rows it returns, their gradient's
+  slices): the step traced as a graph, pruned to those tensors' sizes
+  and evaluated on the batch; nothing is updated."""
+  images, labels, layout, cut = deployed._step_arguments(  # pylint: disable=protected-access
+      images, labels)
+  specs = [tf.nest.map_structure(tf.TensorSpec.from_tensor, nest)
+           for nest in (images, labels)]
+  wrapped = tf.compat.v1.wrap_function(
+      lambda x, y: deployed.step_graph(x, y, layout, cut).total, specs)
+  dynamic = [crossing for crossing in _crossings(wrapped.graph, True)
+             if not crossing[0].shape.is_fully_defined()]
+  if not dynamic:
+    return []
+  with wrapped.graph.as_default():
+    sizes = [tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
+             for tensor, *_ in dynamic]
+  counted = wrapped.prune(wrapped.inputs, sizes)(
+      *tf.nest.flatten((images, labels)))
+  return [(source, reader, kind, int(size))
+          for (_, source, reader, kind), size in zip(dynamic, counted)]
 
 
 def step_traffic(deployed, images, labels):
