@@ -9,8 +9,12 @@ import tensorflow as tf
 
 from tfmulti import devices
 from tfmulti import fit
+from tfmulti import plans
+from tfmulti.deploy import dry_run
 from tfmulti.deploy import lookups
+from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import peaks
+from tfmulti.deploy import placement
 from tfmulti.deploy import sharding
 
 ROWS, WIDTH = 64, 8
@@ -214,3 +218,25 @@ def test_a_dlrm_with_a_million_row_table_trains_as_one_device():
       'table_0', 'table_1']
   for g, w in zip(model.weights, plain.weights):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
+
+
+def test_a_looked_up_table_places_on_gpus_with_every_kernel():
+  """Traced for 4 GPUs (none here: `plans.planning`): each op of the
+  lookups (partitions, gathers, stitches) has a GPU kernel for its
+  dtypes, and each GPU holds a quarter of the table and its slots."""
+  layouts = mesh_layouts.VariableLayouts(
+      (4,), ('model',), (('table/embeddings', ('model', None)),))
+  config = placement.DeploymentConfig(num_clones=4, variable_layouts=layouts)
+  with plans.planning():
+    model = _model()
+    with tf.device(config.optimizer_variables_device()):
+      optimizer = OPTIMIZERS['adam']()
+    found = dry_run.plan(config, model, keras.losses.
+                         SparseCategoricalCrossentropy(from_logits=True),
+                         optimizer, *_data())
+  gpus = {d: r for d, r in found.devices.items() if 'GPU' in d}
+  assert len(gpus) == 4
+  assert not [line for r in gpus.values() for line in r.missing_kernels]
+  quarter = 3 * ROWS * WIDTH * 4 // 4  # The table and Adam's two slots.
+  assert all(r.held_bytes >= quarter for r in gpus.values())
+  assert all(r.held_bytes < 2 * quarter for r in gpus.values())
