@@ -36,7 +36,8 @@ METRIC_KEYS = {'eval_accuracy', 'train_loss', 'steps', 'images_per_sec',
 # resnet18 trains through the towers in test_models.py: its evaluation here
 # would take most of this file's time.
 @pytest.mark.parametrize('model, num_clones', [
-    ('lenet', 1), pytest.param('lenet', 2, marks=pytest.mark.slow),
+    pytest.param('lenet', 1, marks=pytest.mark.slow),
+    pytest.param('lenet', 2, marks=pytest.mark.slow),
     pytest.param('resnet20', 1, marks=pytest.mark.slow),
     pytest.param('resnet8_thin', 2, marks=pytest.mark.slow)])
 def test_each_model_trains(run_train, model, num_clones):
@@ -104,7 +105,7 @@ def test_zb_v_through_the_command_line_equals_one_device(run_train):
 
 
 @pytest.mark.parametrize('dataset, num_clones', [
-    ('digits', 1), ('synthetic', 1)] + [
+    pytest.param('digits', 1, marks=pytest.mark.slow), ('synthetic', 1)] + [
         pytest.param(name, 2, marks=pytest.mark.slow)
         for name in ('digits', 'mnist', 'fashion_mnist', 'cifar10',
                      'synthetic')])

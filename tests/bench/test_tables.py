@@ -9,6 +9,7 @@ import pytest
 from tfmulti.bench import tables as bench
 
 
+@pytest.mark.slow
 def test_a_row_sharded_table_moves_the_rows_its_ids_touch():
   args = argparse.Namespace(num_clones=4, vocab=4096, width=8, tokens=4,
                             rows_per_clone=8)
