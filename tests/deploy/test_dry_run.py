@@ -79,7 +79,6 @@ def _stages(**config):
                                             **config)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize('make, fields', [
     (_clones(), {}),
     _slow(_clones(variables_device='spread'), {}),

@@ -16,6 +16,7 @@ from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import peaks
 from tfmulti.deploy import placement
 from tfmulti.deploy import sharding
+from tfmulti.deploy import traffic
 
 ROWS, WIDTH = 64, 8
 
@@ -41,6 +42,27 @@ def test_a_lookup_gives_one_devices_rows_and_slices(parts):
   for piece, expected in zip(slices, one_device):
     np.testing.assert_array_equal(piece.indices, expected.indices)
     np.testing.assert_array_equal(piece.values, expected.values)
+
+
+@pytest.mark.parametrize('dtype', ['int32', 'int64'])
+def test_a_looked_up_layer_reads_ids_as_keras_does(dtype):
+  """Negative ids count from the end, int64 ids and ids of unknown shape
+  look up what Keras's own call gives."""
+  layer = keras.layers.Embedding(ROWS, WIDTH)
+  layer.build((None,))
+  parts = (2, 2)
+  shards = sharding.cut(parts, tf.convert_to_tensor(layer.embeddings))
+  homes = [f'/device:CPU:{i}' for i in range(4)]
+  ids = tf.constant([[3, -1, 63], [-64, 0, 40]], dtype)
+  want = layer(ids)
+
+  @tf.function(input_signature=[tf.TensorSpec([None, None], dtype)])
+  def unknown_shape(ids):
+    return layer(ids)
+  with lookups.looking_up([(layer, parts, shards, homes)]):
+    np.testing.assert_array_equal(layer(ids), want)
+    np.testing.assert_array_equal(unknown_shape(ids), want)
+  assert 'call' not in layer.__dict__  # Keras's own call again.
 
 
 def _parallel(layout, shape=(4,), names=('model',)):
@@ -141,12 +163,14 @@ def test_a_table_read_whole_too_trains_as_one_device():
   _assert_trains_as_one_device(('model', None), 'adam', tied=True)
 
 
-def test_no_clone_joins_a_looked_up_table():
+@pytest.mark.parametrize('packs', [0, 'auto'])
+def test_no_clone_joins_a_looked_up_table(packs):
   """Read from the traced step: of the ops it runs, none makes a tensor
   of the whole table's shape; each shard's rows leave its device only as
-  the rows a clone looks up."""
+  the rows a clone looks up (packed reads leave the shards out)."""
   model = _model()
-  towers = fit.TowersModel(model, _parallel(('model', None)))
+  towers = fit.TowersModel(model, _parallel(('model', None)),
+                           gradient_packs=packs)
   _fit(towers, OPTIMIZERS['adam'](), epochs=1)
   ids, labels = _data()
   graph = towers.towers.traced_step(tf.constant(ids[:16]),
@@ -155,6 +179,10 @@ def test_no_clone_joins_a_looked_up_table():
   shapes = {tuple(t.shape) for op in graph.get_operations()
             if op.name in runs for t in op.outputs}
   assert (ROWS, WIDTH) not in shapes
+  # Nothing of a shard's size crosses devices, packed or not: the
+  # transfers of a size the graph knows are the head's and the batch's.
+  shard = ROWS // 4 * WIDTH * 4
+  assert all(size < shard for *_, size in traffic.transfers(graph))
   gathers = [op for op in graph.get_operations()
              if op.name in runs and op.type == 'GatherV2'
              and tuple(op.inputs[0].shape) == (ROWS // 4, WIDTH)]

@@ -13,9 +13,10 @@ by device:
 
 * held: the bytes of the variables and slots on it (`traffic.held_bytes`),
   against (table + slot) / N; the target: at most 1.1x;
-* moved: the bytes of the table's transfers it sends and receives (those
-  whose size the ids decide: ids, rows and their gradient's slices,
-  evaluated on this batch by `traffic.sized_by_values`), against what
+* moved: the bytes it sends and receives of variables, gradients and
+  lookups (`traffic` kinds: the batch's split and the loss aside), those
+  whose size the ids decide (the ids, the rows, their gradient's slices)
+  evaluated on this batch (`traffic.measured_transfers`), against what
   the ids touch: for each id of a clone's rows whose row lives on another
   device, the id (4 bytes) there and its row back, and its gradient row
   and index there; the target: at most 1.1x each way. Ids are counted as
@@ -84,10 +85,11 @@ def run(args):
   ids = rng.integers(0, args.vocab, (rows, args.tokens)).astype(np.int32)
   labels = rng.integers(0, 2, rows).astype(np.float32)
   moved = collections.defaultdict(lambda: [0, 0])
-  for source, reader, _, size in traffic.sized_by_values(
+  for source, reader, kind, size in traffic.measured_transfers(
       deployed, tf.constant(ids), tf.constant(labels)):
-    moved[source][0] += size
-    moved[reader][1] += size
+    if kind != 'other':  # The batch's split, its loss: not the table's.
+      moved[source][0] += size
+      moved[reader][1] += size
   table = args.vocab * args.width * 4
   held = traffic.held_bytes(deployed.parts.storage.variables +
                             deployed.optimizer.variables)
@@ -147,6 +149,10 @@ def main(argv=None):
   try:
     for name in ('vocab', 'width', 'tokens', 'num_clones', 'rows_per_clone'):
       errors.check_count(name, getattr(args, name), 1)
+    if args.num_clones < 2:
+      raise errors.ConfigError(
+          f'--num_clones={args.num_clones}: a table split over one device '
+          'moves nothing; give 2 or more.')
     if args.vocab % args.num_clones:
       raise errors.ConfigError(
           f'--vocab={args.vocab} does not split into --num_clones='

@@ -21,7 +21,10 @@ gradient reaches the shards through the join.
 
 A table is looked up when its layer is a plain `keras.layers.Embedding`
 (its own `call`, no LoRA, not quantized); a subclass's `call` (keras-hub's
-`ReversibleEmbedding`) reads the table whole and is joined.
+`ReversibleEmbedding`) reads the table whole and is joined, as are
+sparse or ragged ids (Keras's own call), and a table's weight penalty
+(its regularizer reads the whole table, on the piece that counts it).
+A negative id counts from the end, as Keras's `take` counts it.
 """
 
 import contextlib
@@ -56,44 +59,62 @@ def looking_up(layers_and_tables):
       del layer.__dict__['call']
 
 
-def _call(layer, parts, shards, owners):
+def _call(layer, parts, shards, homes):
+  keras_call = type(layer).call.__get__(layer)
+  vocabulary = parts[0] * shards[0].shape[0]
+
   def call(inputs):
+    if isinstance(inputs, (tf.SparseTensor, tf.RaggedTensor)):
+      return keras_call(inputs)  # Keras's own take: the table joined.
     if inputs.dtype not in (tf.int32, tf.int64):
       inputs = tf.cast(inputs, tf.int32)
-    return tf.cast(look_up(parts, shards, owners, inputs),
+    # Keras's take counts a negative id from the end.
+    inputs = tf.where(inputs < 0, inputs + vocabulary, inputs)
+    return tf.cast(look_up(parts, shards, homes, inputs),
                    layer.compute_dtype)
   return call
 
 
-def look_up(parts, shards, owners, ids):
+def owners(ids, rows_per_shard):
+  """(the shard of each of `ids`' rows, as int32; its row there) for a
+  table split by rows into shards of `rows_per_shard` rows."""
+  rows = tf.cast(rows_per_shard, ids.dtype)
+  return tf.cast(ids // rows, tf.int32), ids % rows
+
+
+def look_up(parts, shards, homes, ids):
   """The rows `ids` name of a table stored as `shards` (row-major over
   `parts`: (row blocks, column blocks)), each gathered on its shard's
-  device in `owners`, joined on the current device in the ids' order."""
-  rows_per_shard = shards[0].shape[0]
-  flat = tf.reshape(ids, [-1])
+  device in `homes`, joined on the current device in the ids' order."""
+  with tf.name_scope('lookup'):
+    found = _looked_up(parts, shards, homes, tf.reshape(ids, [-1]))
+  width = found.shape[-1]
+  if ids.shape.is_fully_defined():
+    return tf.reshape(found, [*ids.shape, width])
+  return tf.reshape(found, tf.concat([tf.shape(ids), [width]], axis=0))
+
+
+def _looked_up(parts, shards, homes, flat):
+  """`look_up` of `flat` ids: each sent to its row block's shards, its
+  row back, stitched in the ids' order."""
   row_blocks, column_blocks = parts
   if row_blocks == 1:
-    found = _gathered(shards, owners, flat)
-  else:
-    owner = tf.cast(flat // rows_per_shard, tf.int32)
-    positions = tf.dynamic_partition(tf.range(tf.size(flat)), owner,
-                                     row_blocks)
-    local = tf.dynamic_partition(flat % rows_per_shard, owner, row_blocks)
-    found = tf.dynamic_stitch(positions, [
-        _gathered(shards[r * column_blocks:(r + 1) * column_blocks],
-                  owners[r * column_blocks:(r + 1) * column_blocks],
-                  local[r])
-        for r in range(row_blocks)])
-  shape = (ids.shape.as_list() if ids.shape.is_fully_defined()
-           else tf.unstack(tf.shape(ids)))
-  return tf.reshape(found, [*shape, found.shape[-1]])
+    return _gathered(shards, homes, flat)
+  owner, local = owners(flat, shards[0].shape[0])
+  positions = tf.dynamic_partition(tf.range(tf.size(flat)), owner,
+                                   row_blocks)
+  local = tf.dynamic_partition(local, owner, row_blocks)
+  return tf.dynamic_stitch(positions, [
+      _gathered(shards[r * column_blocks:(r + 1) * column_blocks],
+                homes[r * column_blocks:(r + 1) * column_blocks], local[r])
+      for r in range(row_blocks)])
 
 
-def _gathered(shards, owners, ids):
+def _gathered(shards, homes, ids):
   """Rows `ids` of one row block's column shards, each gathered on its
   device, the columns joined here."""
   columns = []
-  for shard, owner in zip(shards, owners):
-    with tf.device(owner):
+  for shard, home in zip(shards, homes):
+    with tf.device(home):
       columns.append(tf.gather(shard, ids))
   return columns[0] if len(columns) == 1 else tf.concat(columns, axis=-1)

@@ -29,13 +29,15 @@ from tfmulti import slices
 from tfmulti import step_options
 
 
-def groups(variables, owners, packs):
+def groups(variables, owners, packs, apart=()):
   """The packs, as tuples of indices into `variables`.
 
   Args:
     variables: the trainable variables.
     owners: each variable's owner device.
     packs: `StepOptions.gradient_packs`: 0 (none), 'auto' or a count.
+    apart: indices left out of every pack (a looked-up table's shards,
+      which no clone reads whole).
 
   Returns:
     A tuple of index tuples; empty for `packs=0`.
@@ -44,6 +46,8 @@ def groups(variables, owners, packs):
     return ()
   by_owner = {}
   for index, (variable, owner) in enumerate(zip(variables, owners)):
+    if index in apart:
+      continue
     by_owner.setdefault((owner, tf.as_dtype(variable.dtype)), []).append(
         index)
   count = 1 if packs == step_options.AUTO else packs

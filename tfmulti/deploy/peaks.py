@@ -34,10 +34,11 @@ def reachable(graph, stateful=False):
   runtime runs (it prunes the rest: ops no result reads). `stateful`: its
   stateful ops are its updates too (a graph without automatic control
   dependencies, as `tf.compat.v1.wrap_function` traces)."""
-  seen, todo = set(), [t.op for t in graph.outputs] + list(
-      graph.control_outputs) + [
-          op for op in graph.get_operations()
-          if stateful and op._is_stateful]  # pylint: disable=protected-access
+  todo = [t.op for t in graph.outputs] + list(graph.control_outputs)
+  if stateful:
+    todo += [op for op in graph.get_operations()
+             if op._is_stateful]  # pylint: disable=protected-access
+  seen = set()
   while todo:
     op = todo.pop()
     if op.name not in seen:

@@ -39,7 +39,8 @@ class WholeClones:
   With `reproducible_rows` each atom of a clone runs alone and the
   results come stacked, atom first (`atoms.run_atoms`); with XLA, each
   piece's pass is one compiled cluster on its clone's device (compiling
-  the whole step would fuse every clone into one cluster on one device).
+  the whole step would fuse every clone into one cluster on one device),
+  unless it looks tables up on other devices (`lookups`).
   """
 
   def __init__(self, config, model, loss_fn, options, packs=(),
@@ -52,7 +53,7 @@ class WholeClones:
     self.storage = storage or sharding.Whole(model)
     self.body = pieces.Body(model, loss_fn, read=self.storage.read)
     if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
-      if getattr(self.storage, 'tables', None):
+      if self.storage.tables:
         logging.info('xla: the passes are not compiled: they look Embedding '
                      'tables up on the devices their shards live on.')
       else:

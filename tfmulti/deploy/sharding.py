@@ -9,10 +9,12 @@ and updates:
            shards, each a Keras variable on one mesh device, and every
            other variable moved whole to the least-loaded device; a
            plain Embedding's table among them looked up where its shards
-           live, never joined (`lookups`)
+           live (`lookups`)
 
 Under `Sharded` each shard is read once where it lives and sent to each
-clone, which joins the shards (`read`: an all-gather) for its pass,
+clone, which joins the shards (`read`: an all-gather) for its pass (a
+looked-up table's join runs only where a layer reads the table whole:
+a tied output layer, a weight penalty),
 whose tape watches the joined variables; each clone cuts their gradients
 into the shards' pieces after its pass (`cutting`) and the combiners sum
 each beside its shard (a reduce-scatter) and the optimizer updates the shards,
@@ -54,6 +56,8 @@ class Whole:
     self.variables = model.trainable_variables
 
   read = staticmethod(pieces.whole)
+  tables = {}  # No table is looked up: each is read whole.
+  looked_up = frozenset()
 
   @staticmethod
   def cutting(body):
@@ -75,6 +79,8 @@ class Sharded:
     tables: {index among the model's trainable variables: its Embedding
       layer} of each table looked up (`lookups`).
     devices: the device of each of `variables`.
+    looked_up: the indices into `variables` of the tables' shards (read
+      where they live, never packed).
   """
 
   def __init__(self, variables, grids, sharded, shapes, tables=None):
@@ -84,6 +90,9 @@ class Sharded:
     self.shapes = shapes
     self.tables = tables or {}
     self.devices = [devices.device_of(v) for v in variables]
+    self.looked_up = frozenset(
+        i for k, _, where in self._spans() if k in self.tables
+        for i in range(where.start, where.stop))
 
   def _spans(self):
     """(k, parts, where) of each of the model's trainable variables: its
@@ -202,11 +211,10 @@ def _cut_slices(value, n, dim, shape):
   if dim:
     return [tf.IndexedSlices(v, value.indices, shape)
             for v in tf.split(value.values, n, axis=dim)]
-  rows = tf.cast(shape[0], value.indices.dtype)
-  owner = tf.cast(value.indices // rows, tf.int32)
+  owner, local = lookups.owners(value.indices, shape[0])
   return [tf.IndexedSlices(v, i, shape) for v, i in zip(
       tf.dynamic_partition(value.values, owner, n),
-      tf.dynamic_partition(value.indices % rows, owner, n))]
+      tf.dynamic_partition(local, owner, n))]
 
 
 class ShardedValue(tf.__internal__.tracking.Trackable):

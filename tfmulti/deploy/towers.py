@@ -417,7 +417,7 @@ def compose(config, model, loss_fn, options, shares=None, storage=None):
   owners = [config.owner_device(devices.device_of(v))
             for v in storage.variables]
   gradient_packs = packs.groups(storage.variables, owners,
-                                options.gradient_packs)
+                                options.gradient_packs, storage.looked_up)
   combine = combiners.of(options)
   if layouts.is_staged(config, options):
     # Interleaved 1F1B and ZB-V cut several chunks a stage device.

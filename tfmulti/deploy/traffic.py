@@ -9,7 +9,8 @@ receives every clone's gradients; spread variables share that out.
 * sent and received: the bytes of every tensor one device's op makes and
   another device's op reads, split by what they are ('variables': a
   variable's value read for a clone; 'gradients': a gradient on its way to
-  be summed; 'other': input shards, losses, BatchNorm statistics, scalars),
+  be summed; 'lookups': a table's ids and rows (`lookups`); 'other': input
+  shards, losses, BatchNorm statistics, scalars),
   with the number of such transfers. TensorFlow sends a tensor once to each
   device that reads it, so a transfer is one (tensor, reading device) pair.
 
@@ -27,7 +28,7 @@ from tfmulti import devices
 from tfmulti.deploy import peaks
 from tfmulti.deploy import sharding
 
-KINDS = ('variables', 'gradients', 'other')
+KINDS = ('variables', 'gradients', 'lookups', 'other')
 
 
 @dataclasses.dataclass
@@ -63,12 +64,16 @@ def _kind(tensor, reader):
   """What a transfer carries: a variable's value (read, or packed in
   'pack_variables'), a gradient (made under the tape's 'gradient_tape'
   scope or packed in 'pack_gradients', or read to be summed in
-  'sum_gradients'), or other (a scalar a gradient op reads is not one)."""
+  'sum_gradients'), a table's lookup (its ids and rows, made in
+  'lookup': `deploy.lookups`), or other (a scalar a gradient op reads is
+  not a gradient)."""
   if tensor.op.type == 'ReadVariableOp' or 'pack_variables' in (
       tensor.op.name):
     return 'variables'
   if 'gradient' in tensor.op.name or 'sum_gradients' in reader.name:
     return 'gradients'
+  if '/lookup/' in f'/{tensor.op.name}':
+    return 'lookups'
   return 'other'
 
 
@@ -95,7 +100,7 @@ def _crossings(graph, stateful=False):
 def transfers(graph, stateful=False):
   """[(source device, reading device, kind, bytes)] of `graph`: each
   tensor that crosses devices, once a reading device (those of a size
-  the graph does not know left out: `sized_by_values` counts them).
+  the graph does not know left out: `measured_transfers` counts them).
   `stateful`: as `peaks.reachable` takes it."""
   return [(source, reader, kind,
            tensor.shape.num_elements() * tensor.dtype.size)
@@ -103,11 +108,10 @@ def transfers(graph, stateful=False):
           if tensor.shape.is_fully_defined()]
 
 
-def sized_by_values(deployed, images, labels):
-  """[(source device, reading device, kind, bytes)] of the tensors that
-  cross devices in one step of `deployed` on this batch whose size the
-  batch's values decide, which `transfers` leaves out (the ids a table's
-  lookup sends each shard, the rows it returns, their gradient's
+def measured_transfers(deployed, images, labels):
+  """As `transfers` of one step of `deployed` on this batch, with the
+  tensors whose size the batch's values decide counted too (the ids a
+  table's lookup sends each shard, the rows it returns, their gradient's
   slices): the step traced as a graph, pruned to those tensors' sizes
   and evaluated on the batch; nothing is updated."""
   images, labels, layout, cut = deployed._step_arguments(  # pylint: disable=protected-access
@@ -118,15 +122,16 @@ def sized_by_values(deployed, images, labels):
       lambda x, y: deployed.step_graph(x, y, layout, cut).total, specs)
   dynamic = [crossing for crossing in _crossings(wrapped.graph, True)
              if not crossing[0].shape.is_fully_defined()]
-  if not dynamic:
-    return []
-  with wrapped.graph.as_default():
-    sizes = [tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
-             for tensor, *_ in dynamic]
-  counted = wrapped.prune(wrapped.inputs, sizes)(
-      *tf.nest.flatten((images, labels)))
-  return [(source, reader, kind, int(size))
-          for (_, source, reader, kind), size in zip(dynamic, counted)]
+  counted = []
+  if dynamic:
+    with wrapped.graph.as_default():
+      sizes = [tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
+               for tensor, *_ in dynamic]
+    counted = wrapped.prune(wrapped.inputs, sizes)(
+        *tf.nest.flatten((images, labels)))
+  return transfers(wrapped.graph, stateful=True) + [
+      (source, reader, kind, int(size))
+      for (_, source, reader, kind), size in zip(dynamic, counted)]
 
 
 def step_traffic(deployed, images, labels):
