@@ -268,3 +268,18 @@ def test_a_looked_up_table_places_on_gpus_with_every_kernel():
   quarter = 3 * ROWS * WIDTH * 4 // 4  # The table and Adam's two slots.
   assert all(r.held_bytes >= quarter for r in gpus.values())
   assert all(r.held_bytes < 2 * quarter for r in gpus.values())
+
+
+def test_predict_looks_the_table_up_too():
+  """Inference reads the table where it lives as the step does: the
+  plain model's outputs, and no whole table on any device."""
+  model = _model()
+  towers = fit.TowersModel(model, _parallel(('model', None)))
+  _fit(towers, OPTIMIZERS['adam'](), epochs=1)
+  ids = tf.constant(_data()[0][:16])
+  np.testing.assert_allclose(towers.towers.predict(ids), model(ids),
+                             rtol=1e-6)
+  graph = towers.towers._predict.get_concrete_function(ids).graph
+  runs = peaks.reachable(graph)
+  assert (ROWS, WIDTH) not in {tuple(t.shape) for op in graph.get_operations()
+                               if op.name in runs for t in op.outputs}

@@ -86,12 +86,16 @@ class WholeClones:
 
   def infer(self, clone_index, images, variables):
     """Clone `clone_index`'s inference on `images`, from `variables`
-    (trainable and non-trainable values): (outputs, a `with_logits`
-    nest, its `add_loss`
-    terms, its weight penalties). Call it on the clone's device."""
+    (the values of `storage.variables` and of the non-trainable ones):
+    (outputs, a `with_logits` nest, its `add_loss` terms, its weight
+    penalties), its tables looked up where they live. Call it on the
+    clone's device."""
     del clone_index  # The whole model, on the device it is called on.
-    output, _, losses = keras_internals.stateless_run(
-        self.model, *variables, images, training=False)
+    trainable, _, context = self.storage.read(variables[0],
+                                              lambda sources: None)
+    with context:
+      output, _, losses = keras_internals.stateless_run(
+          self.model, trainable, variables[1], images, training=False)
     return (keras_internals.with_logits(output),
             *keras_internals.split_losses(self.model, losses))
 

@@ -311,7 +311,7 @@ class DeployedModel(trainer.Trainer):
     for i in (i for i, size in enumerate(sizes) if size):
       with on_clone(config, i):
         output, model_losses, penalties = self.parts.runner.infer(
-            i, shards[i], (values_of(model.trainable_variables),
+            i, shards[i], (values_of(self.parts.storage.variables),
                            values_of(model.non_trainable_variables)))
         outputs.append(output)
         # The weight penalties once; the add_loss terms by rows, as a step.
