@@ -118,7 +118,7 @@ def _towers(kind, num_clones, variables_device=None, **options):
 
 
 @pytest.mark.parametrize('kind, num_clones, options', [
-    ('dict', 4, {}),
+    pytest.param('dict', 4, {}, marks=pytest.mark.slow),
     pytest.param('dict', 4, dict(variables_device=deploy.SPREAD,
                                  gradient_packs='auto'),
                  marks=pytest.mark.slow),

@@ -68,8 +68,8 @@ def test_tensorboard_tags_are_the_same_on_every_path(run_train, tmp_path,
   assert found[summaries.EVAL_LOSS][4] > 0
 
 
-@pytest.mark.parametrize('strategy', [
-    'towers', pytest.param('mirrored', marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('strategy', ['towers', 'mirrored'])
 def test_gradient_summaries(run_train, tmp_path, strategy):
   model_dir = str(tmp_path / strategy)
   run_train(model_dir=model_dir, strategy=strategy, num_clones=2,
