@@ -329,6 +329,12 @@ def on(device, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def current():
+  """The device ops made here are placed on (canonical; '' for none): the
+  innermost `tf.device`, or in eager mode where an op runs."""
+  return canonical(tf.zeros([]).device)
+
+
 def same_device(first, second):
   """Whether two device strings name one device."""
   return canonical(first) == canonical(second)

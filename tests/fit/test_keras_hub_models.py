@@ -86,3 +86,10 @@ def test_a_keras_hub_layout_map_trains_as_one_device(make, backbone,
       embedding}
   kernel = next(v for v in model.weights if v.path == query)
   assert sorted(_devices(kernel)) == ['CPU:0', 'CPU:1', 'CPU:2', 'CPU:3']
+  # Its attention and feed-forward projections compute where their
+  # blocks live (tensor parallelism over 'model'), stored split over
+  # 'batch' too.
+  split = {layer.kernel.path for layer, *_ in
+           towers.towers.parts.storage.splits.values()}
+  assert query in split
+  assert len(split) == 7 * 2  # Seven projections a layer, two layers.

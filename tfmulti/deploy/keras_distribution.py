@@ -10,10 +10,12 @@ order, and a `ModelParallel` into the same clones with its layout map's
 variable layouts (`mesh_layouts`): each variable a layout splits is stored
 as its shards over the mesh (`sharding`). Every device of the mesh is a
 clone with its own rows (where JAX feeds the rows over the batch axis
-alone and computes each layer's shards in place): the same update, to
-round-off, with each clone gathering the shards it computes with. Tensor
-layouts (a layer's outputs) name how JAX computes, not what is trained:
-the towers compute each clone's layers whole.
+alone): the same update, to round-off. Each clone gathers the shards it
+computes with over the batch axis; a Dense kernel split over another
+axis is computed where its blocks live, in the devices of the clone's
+mesh row along it (`tensor_parallel`), and a table looked up where its
+rows live (`lookups`). Tensor layouts (a layer's outputs) name how JAX
+computes, not what is trained: the towers do not read them.
 """
 
 import keras

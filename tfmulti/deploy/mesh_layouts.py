@@ -41,12 +41,19 @@ class VariableLayouts:
     rules: (key, axes) pairs of the layout map, in its order; `axes` a
       tuple of axis names or None, one a dimension; or `MODEL_OWN`, the
       model's own map (`resolved`).
+    batch_axis: the axis Keras splits the batch over (`ModelParallel`'s
+      `batch_dim_name`; None: the first, as Keras's default). A kernel
+      dimension it names is storage alone; one another axis names is
+      computed where its blocks live (`tensor_parallel`).
   """
   mesh_shape: tuple
   axis_names: tuple
   rules: tuple = ()
+  batch_axis: str = None
 
   def __post_init__(self):
+    if self.batch_axis is None and self.axis_names:
+      object.__setattr__(self, 'batch_axis', self.axis_names[0])
     if (not self.mesh_shape or len(self.mesh_shape) != len(self.axis_names)
         or any(not isinstance(n, int) or n < 1 for n in self.mesh_shape)):
       raise errors.ConfigError(
@@ -76,6 +83,12 @@ class VariableLayouts:
         raise errors.ConfigError(
             f'layout_map[{key!r}] = {axes}: a mesh axis splits one '
             'dimension; name each axis once.')
+
+  @property
+  def compute_axes(self):
+    """The mesh axes other than the batch axis: a kernel dimension one
+    of them names is computed where its blocks live."""
+    return tuple(a for a in self.axis_names if a != self.batch_axis)
 
   @property
   def num_devices(self):
@@ -160,16 +173,18 @@ def blocks(parts):
 def from_keras(distribution):
   """The `VariableLayouts` of a `keras.distribution.ModelParallel`: its
   mesh and its layout map's rules."""
-  return from_layout_map(keras_internals.layout_map_of(distribution))
+  return from_layout_map(keras_internals.layout_map_of(distribution),
+                         distribution.batch_dim_name)
 
 
-def from_layout_map(layout_map):
+def from_layout_map(layout_map, batch_axis=None):
   """The `VariableLayouts` of a `keras.distribution.LayoutMap`: its mesh
   and its rules, each key with the axes Keras stored."""
   mesh = layout_map.device_mesh
   return VariableLayouts(
       tuple(mesh.shape), tuple(mesh.axis_names),
-      tuple((key, tuple(layout_map[key].axes)) for key in layout_map))
+      tuple((key, tuple(layout_map[key].axes)) for key in layout_map),
+      batch_axis)
 
 
 def resolved(layouts, model):
@@ -196,7 +211,8 @@ def resolved(layouts, model):
         f'axes {layouts.axis_names} failed ({str(e).splitlines()[0]}); '
         "name the mesh's axes as it names them (keras-hub: batch, "
         'model).') from None
-  return same_mesh(layouts, from_layout_map(layout_map), 'model')
+  return same_mesh(layouts, from_layout_map(layout_map, layouts.batch_axis),
+                   'model')
 
 
 def same_mesh(layouts, made, source):

@@ -40,7 +40,8 @@ class WholeClones:
   results come stacked, atom first (`atoms.run_atoms`); with XLA, each
   piece's pass is one compiled cluster on its clone's device (compiling
   the whole step would fuse every clone into one cluster on one device),
-  unless it looks tables up on other devices (`lookups`).
+  unless it looks tables up or computes layers on other devices
+  (`lookups`, `tensor_parallel`).
   """
 
   def __init__(self, config, model, loss_fn, options, packs=(),
@@ -53,9 +54,9 @@ class WholeClones:
     self.storage = storage or sharding.Whole(model)
     self.body = pieces.Body(model, loss_fn, read=self.storage.read)
     if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
-      if self.storage.tables:
-        logging.info('xla: the passes are not compiled: they look Embedding '
-                     'tables up on the devices their shards live on.')
+      if self.storage.in_place:
+        logging.info('xla: the passes are not compiled: they look tables up '
+                     'or compute layers on the devices their shards live on.')
       else:
         self.body = compiled(self.body)
     self.body = self.storage.cutting(self.body)

@@ -39,6 +39,7 @@ from tfmulti import keras_internals
 from tfmulti import pieces
 from tfmulti.deploy import lookups
 from tfmulti.deploy import mesh_layouts
+from tfmulti.deploy import tensor_parallel
 
 # Optimizers whose update of an element reads only that element's gradient
 # and slots, so a shard's update is the whole update's (and their
@@ -57,7 +58,7 @@ class Whole:
 
   read = staticmethod(pieces.whole)
   tables = {}  # No table is looked up: each is read whole.
-  looked_up = frozenset()
+  in_place = frozenset()
 
   @staticmethod
   def cutting(body):
@@ -78,20 +79,29 @@ class Sharded:
     shapes: the model's trainable variables' shapes.
     tables: {index among the model's trainable variables: its Embedding
       layer} of each table looked up (`lookups`).
+    splits: {index among the model's trainable variables: (its layer,
+      the kernel's dimension a compute axis splits, that axis's index in
+      the mesh)} of each kernel computed where its blocks live
+      (`tensor_parallel`).
+    mesh: (the mesh's shape, the clones' devices in its order).
     devices: the device of each of `variables`.
-    looked_up: the indices into `variables` of the tables' shards (read
-      where they live, never packed).
+    in_place: the indices into `variables` of the shards read where they
+      are (the tables' and the split kernels': never packed).
   """
 
-  def __init__(self, variables, grids, sharded, shapes, tables=None):
+  def __init__(self, variables, grids, sharded, shapes, tables=None,
+               splits=None, mesh=None):
     self.variables = variables
     self.grids = grids
     self.sharded = sharded
     self.shapes = shapes
     self.tables = tables or {}
+    self.splits = splits or {}
+    self.mesh = mesh
     self.devices = [devices.device_of(v) for v in variables]
-    self.looked_up = frozenset(
-        i for k, _, where in self._spans() if k in self.tables
+    self.in_place = frozenset(
+        i for k, _, where in self._spans()
+        if k in self.tables or k in self.splits
         for i in range(where.start, where.stop))
 
   def _spans(self):
@@ -106,21 +116,59 @@ class Sharded:
   def read(self, values, watch):
     """`pieces.Body`'s reading of `values` (reads of `variables`): the
     model's trainable values, each sharded one joined from its shards on
-    the current device (`join`), whose tape watches them; and each
+    the current device (`join`), whose tape watches them; each
     looked-up table's shards watched as they are read, and looked up
-    where they live (`lookups`) in the pass. A join no op reads (a
-    looked-up table's) is never run."""
+    where they live (`lookups`) in the pass; each split kernel's blocks
+    joined and watched where they compute (`tensor_parallel`). A join no
+    op reads (a looked-up table's, a split kernel's) is never run."""
     tables = [(self.tables[k], parts, values[where], self.devices[where])
               for k, parts, where in self._spans() if k in self.tables]
     looked_up = [read for _, _, reads, _ in tables for read in reads]
-    watch(looked_up)
+    blocks = [(layer, dim, joined, homes) for (layer, dim, _), homes, joined
+              in self._blocks(values)]
+    in_place = looked_up + [b for *_, joined, _ in blocks for b in joined]
+    watch(in_place)
     whole = []
     with tf.name_scope('gather_shards'):
       for _, parts, where in self._spans():
         mine = values[where]
         whole.append(mine[0] if parts is None else join(parts, mine))
     watch(whole)
-    return whole, whole + looked_up, lookups.looking_up(tables)
+    return whole, whole + in_place, _in_place(tables, blocks)
+
+  def _blocks(self, values):
+    """(split, homes, blocks) of each split kernel: its blocks, each
+    joined (over the batch axis, where its layout splits that too) on
+    its device of the current clone's mesh row along the compute axis."""
+    here = self._here()
+    found = []
+    for k, parts, where in self._spans():
+      if k not in self.splits:
+        continue
+      _, dim, axis = self.splits[k]
+      homes = self._homes(here, axis, parts[dim])
+      rest = parts[:dim] + (1,) + parts[dim + 1:]
+      joined = []
+      for j, home in enumerate(homes):
+        mine = [v for v, block in zip(values[where],
+                                      mesh_layouts.blocks(parts))
+                if block[dim] == j]
+        with tf.device(home), tf.name_scope('gather_blocks'):
+          joined.append(join(rest, mine))
+      found.append((self.splits[k], homes, joined))
+    return found
+
+  def _homes(self, here, axis, count):
+    """The devices of clone `here`'s mesh row along mesh axis `axis`."""
+    return [self.mesh[1][i] for i in tensor_parallel.homes(
+        self.mesh[0], here, axis, count)]
+
+  def _here(self):
+    """The mesh index of the clone on whose device ops are made now (the
+    first clone's where no clone's device is current)."""
+    here = devices.current()
+    return next((i for i, device in enumerate(self.mesh[1])
+                 if devices.same_device(device, here)), 0)
 
   def cutting(self, body):
     """`body` (a `pieces.Body`, compiled or not) with its gradients, of
@@ -140,8 +188,12 @@ class Sharded:
     would slice each shard apart, a few ops a shard), an Embedding's
     `tf.IndexedSlices` kept as slices; a looked-up table's are its
     shards' own (`read` takes them of the shards' reads), after the
-    model's."""
-    looked_up = iter(gradients[len(self.grids):])
+    model's; a split kernel's add its blocks' (`_cut_blocks`)."""
+    count = len(self.grids)
+    looked = sum(w.stop - w.start for k, _, w in self._spans()
+                 if k in self.tables)
+    looked_up = iter(gradients[count:count + looked])
+    blocks = iter(self._cut_blocks(gradients[count + looked:]))
     cuts = []
     with tf.name_scope('cut_shards'):
       for k, parts, where in self._spans():
@@ -151,12 +203,46 @@ class Sharded:
         elif parts is None:
           cuts.append(gradient)
         elif gradient is None:
-          cuts.extend([None] * (where.stop - where.start))
+          cuts.extend(next(blocks) if k in self.splits else
+                      [None] * (where.stop - where.start))
         elif isinstance(gradient, tf.IndexedSlices):
           cuts.extend(cut_slices(parts, gradient, shape))
+        elif k in self.splits:  # Read whole too: both reads' gradients.
+          cuts.extend(g if b is None else g + b
+                      for g, b in zip(cut(parts, gradient), next(blocks)))
         else:
           cuts.extend(cut(parts, gradient))
     return cuts
+
+  def _cut_blocks(self, gradients):
+    """For each split kernel, its shards' pieces of its blocks'
+    `gradients` (None: a block its pass did not use), each block's cut
+    where it was joined."""
+    gradients, here = iter(gradients), self._here()
+    for k, parts, where in self._spans():
+      if k not in self.splits:
+        continue
+      _, dim, axis = self.splits[k]
+      rest = parts[:dim] + (1,) + parts[dim + 1:]
+      positions = mesh_layouts.blocks(parts)
+      pieces = [None] * (where.stop - where.start)
+      for j, home in enumerate(self._homes(here, axis, parts[dim])):
+        gradient = next(gradients)
+        if gradient is None:
+          continue
+        mine = [i for i, block in enumerate(positions) if block[dim] == j]
+        with tf.device(home):
+          for i, piece in zip(mine, cut(rest, gradient)):
+            pieces[i] = piece
+      yield pieces
+
+
+@contextlib.contextmanager
+def _in_place(tables, blocks):
+  """Inside, `tables` are looked up and the split kernels' layers computed
+  as their `blocks` where they are."""
+  with lookups.looking_up(tables), tensor_parallel.computing(blocks):
+    yield
 
 
 def join(parts, shards):
@@ -279,11 +365,13 @@ tf.register_tensor_conversion_function(
     tf.cast(value.read_value(), dtype) if dtype else value.read_value())
 
 
-def storage_of(config, model, optimizer):
+def storage_of(config, model, optimizer, split_compute=True):
   """The model's storage under `config`: `Whole`, or, with variable
   layouts, `Sharded`: the model's variables moved into their shards and
   devices now, with their current values (a model sharded before is
-  sharded again from its shards).
+  sharded again from its shards); with `split_compute`, each kernel a
+  compute axis splits computed where its blocks live
+  (`tensor_parallel`).
 
   Raises:
     errors.UserError: a layout that cannot be honoured (see `check`).
@@ -322,10 +410,17 @@ def storage_of(config, model, optimizer):
                'device: %s.', len(plan), len(model.variables),
                sorted(held.values()))
   found = lookups.tables(model, plan)
-  return Sharded(variables, grids, sharded,
-                 [v.shape for v in model.trainable_variables],
-                 {k: found[id(v)] for k, v in enumerate(
-                     model.trainable_variables) if id(v) in found})
+  split = tensor_parallel.layers(
+      model, plan, layouts.compute_axes if split_compute else ())
+  trainable = model.trainable_variables
+  return Sharded(
+      variables, grids, sharded, [v.shape for v in trainable],
+      {k: found[id(v)] for k, v in enumerate(trainable) if id(v) in found},
+      {k: (*split[id(v)], layouts.axis_names.index(
+          plan[id(v)][split[id(v)][1]]))
+       for k, v in enumerate(trainable) if id(v) in split},
+      (layouts.mesh_shape, [config.clone_device(i)
+                            for i in range(layouts.num_devices)]))
 
 
 def stored_variables(deployed):

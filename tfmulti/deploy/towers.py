@@ -392,7 +392,9 @@ def build(config, model, loss_fn, optimizer, options, *, shares=None):
       config.variable_devices() + [config.optimizer_device(),
                                    config.inputs_device()] +
       config.compute_devices())
-  storage = sharding.storage_of(config, model, optimizer)
+  storage = sharding.storage_of(
+      config, model, optimizer,
+      split_compute=not options.reproducible_rows)
   parts = compose(config, model, loss_fn, options, shares, storage)
   if not optimizer.built:  # Keras puts each slot beside its variable.
     with tf.device(config.optimizer_variables_device()):
@@ -417,7 +419,7 @@ def compose(config, model, loss_fn, options, shares=None, storage=None):
   owners = [config.owner_device(devices.device_of(v))
             for v in storage.variables]
   gradient_packs = packs.groups(storage.variables, owners,
-                                options.gradient_packs, storage.looked_up)
+                                options.gradient_packs, storage.in_place)
   combine = combiners.of(options)
   if layouts.is_staged(config, options):
     # Interleaved 1F1B and ZB-V cut several chunks a stage device.

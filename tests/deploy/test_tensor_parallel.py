@@ -1,0 +1,204 @@
+"""Dense and EinsumDense layers computed where their kernels' blocks live:
+training equal to plain `fit`, each device holding its part of a split
+block's activations (read from the traced step), and each block's
+products on its device of the clone's mesh row."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmulti import devices
+from tfmulti import fit
+from tfmulti import plans
+from tfmulti.deploy import dry_run
+from tfmulti.deploy import mesh_layouts
+from tfmulti.deploy import peaks
+from tfmulti.deploy import placement
+from tfmulti.deploy import tensor_parallel
+
+FEATURES, HIDDEN, OUT = 6, 20, 3
+
+# Keras-hub Llama's feed-forward map on (batch, model): the input
+# projections split by output features over 'model' (and stored split
+# over 'batch'), the output projection by input features.
+FEED_FORWARD = {'up/kernel': ('batch', 'model'),
+                'gate/kernel': ('batch', 'model'),
+                'down/kernel': ('model', 'batch')}
+
+
+def _model(gated=False, activation='relu'):
+  """Features to classes through a feed-forward block (column-parallel
+  `up`, row-parallel `down`), gated as Llama's where asked."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((FEATURES,))
+  hidden = keras.layers.Dense(HIDDEN, activation=activation, name='up')(
+      inputs)
+  if gated:
+    gate = keras.layers.Dense(HIDDEN, use_bias=False, name='gate')(inputs)
+    hidden = keras.layers.Multiply()(
+        [keras.layers.Activation('silu')(gate), hidden])
+  x = keras.layers.Dense(12, name='down')(hidden)
+  return keras.Model(inputs, keras.layers.Dense(OUT, name='out')(x))
+
+
+def _einsum_model():
+  """A sequence through per-head projections: EinsumDense by heads
+  (column), then back to features (row, two contracted labels)."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((5, FEATURES))
+  heads = keras.layers.EinsumDense('btm,mnh->btnh', (5, 4, 3),
+                                   bias_axes='nh', activation='gelu',
+                                   name='heads')(inputs)
+  x = keras.layers.EinsumDense('btnh,nhm->btm', (5, 8), name='merge')(heads)
+  x = keras.layers.GlobalAveragePooling1D()(x)
+  return keras.Model(inputs, keras.layers.Dense(OUT, name='out')(x))
+
+
+def _data(sequence=False):
+  rng = np.random.default_rng(0)
+  shape = (32, 5, FEATURES) if sequence else (32, FEATURES)
+  return (rng.normal(size=shape).astype('float32'),
+          rng.integers(0, OUT, 32).astype('int32'))
+
+
+def _parallel(layouts, shape=(2, 2), names=('batch', 'model')):
+  mesh = keras.distribution.DeviceMesh(
+      shape, list(names), keras.distribution.list_devices()[:int(
+          np.prod(shape))])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  for key, axes in layouts.items():
+    layout_map[key] = axes
+  return keras.distribution.ModelParallel(layout_map=layout_map,
+                                          batch_dim_name=names[0])
+
+
+def _fit(model, data, epochs=2, **options):
+  model.compile(optimizer=keras.optimizers.Adam(0.01),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  return model.fit(*data, batch_size=16, epochs=epochs, shuffle=False,
+                   verbose=0, **options).history['loss']
+
+
+def _assert_trains_as_one_device(make, layouts, sequence=False, **kwargs):
+  plain = make()
+  want = _fit(plain, _data(sequence))
+  model = make()
+  towers = fit.TowersModel(model, _parallel(layouts, **kwargs))
+  np.testing.assert_allclose(_fit(towers, _data(sequence)), want, rtol=1e-5)
+  for g, w in zip(model.weights, plain.weights):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
+  return towers
+
+
+def test_a_gated_feed_forward_block_trains_as_one_device():
+  towers = _assert_trains_as_one_device(lambda: _model(gated=True),
+                                        FEED_FORWARD)
+  splits = towers.towers.parts.storage.splits
+  assert sorted(layer.name for layer, *_ in splits.values()) == [
+      'down', 'gate', 'up']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('layouts, shape, names', [
+    ({'up/kernel': (None, 'model')}, (1, 4), ('batch', 'model')),  # Column.
+    ({'down/kernel': ('model', None)}, (2, 2), ('batch', 'model')),  # Row.
+    ({'up/kernel': (None, 'model'), 'up/bias': ('model',),
+      'down/kernel': ('model', None)}, (2, 4), ('data', 'model')),
+])
+def test_each_split_trains_as_one_device(layouts, shape, names):
+  _assert_trains_as_one_device(_model, layouts, shape=shape, names=names)
+
+
+@pytest.mark.slow
+def test_einsum_dense_by_heads_trains_as_one_device():
+  _assert_trains_as_one_device(
+      _einsum_model, {'heads/kernel': (None, 'model', None),
+                      'merge/kernel': ('model', None, 'batch')},
+      sequence=True)
+
+
+def test_a_split_blocks_activations_never_meet_on_one_device():
+  """Read from the traced step: of the ops it runs, none makes a matrix
+  of the hidden width (each device's parts are half of it: activations,
+  kernels and their gradients; the bias, which the map leaves whole, is
+  a vector), through the gate's product, forward and backward; each block's product runs on
+  its device of the clone's mesh row ((b, 0) and (b, 1) for clone (b, m))
+  and each clone adds the row-parallel partial sums on its own device."""
+  model = _model(gated=True)
+  towers = fit.TowersModel(model, _parallel(FEED_FORWARD))
+  _fit(towers, _data(), epochs=1)
+  x, y = _data()
+  graph = towers.towers.traced_step(tf.constant(x[:16]),
+                                    (tf.constant(y[:16]),)).graph
+  runs = peaks.reachable(graph)
+  ran = [op for op in graph.get_operations() if op.name in runs]
+  assert HIDDEN not in {d for op in ran for t in op.outputs
+                        if t.shape.rank and t.shape.rank > 1
+                        for d in t.shape}
+  cpu = [devices.canonical(f'/device:CPU:{i}') for i in range(4)]
+  products = {}
+  for op in ran:
+    if op.type == 'MatMul' and tuple(op.inputs[1].shape) == (
+        FEATURES, HIDDEN // 2):
+      clone = int(op.name.split('clone_')[1].split('/')[0])
+      products.setdefault(clone, set()).add(devices.canonical(op.device))
+  assert products == {0: {cpu[0], cpu[1]}, 1: {cpu[0], cpu[1]},
+                      2: {cpu[2], cpu[3]}, 3: {cpu[2], cpu[3]}}
+  sums = {op.name.split('/')[0]: devices.canonical(op.device) for op in ran
+          if op.type == 'AddN' and '/down' in op.name}
+  assert sums == {f'clone_{i}': cpu[i] for i in range(4)}
+
+
+def test_predict_computes_the_blocks_too():
+  model = _model(gated=True)
+  towers = fit.TowersModel(model, _parallel(FEED_FORWARD))
+  _fit(towers, _data(), epochs=1)
+  x = tf.constant(_data()[0][:16])
+  np.testing.assert_allclose(towers.towers.predict(x), model(x), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_softmax_and_sparse_inputs_are_computed_whole():
+  """A softmax reads every output feature: a column-parallel layer with
+  it applies it to the joined outputs. Sparse inputs take Keras's own
+  product."""
+  layer = keras.layers.Dense(4, activation='softmax')
+  layer.build((None, 3))
+  blocks = tf.split(tf.convert_to_tensor(layer.kernel), 2, axis=1)
+  homes = ['/device:CPU:0', '/device:CPU:1']
+  x = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3))
+  sparse = tf.sparse.from_dense(x)
+  want = layer(x)
+  with tensor_parallel.computing([(layer, 1, blocks, homes)]):
+    got, from_sparse = layer(x), layer(sparse)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  np.testing.assert_allclose(from_sparse, want, rtol=1e-6)
+
+
+def test_reproducible_rows_join_the_kernels():
+  """Row-parallel partial sums round otherwise than one product: under
+  `reproducible_rows` (the same bits on every layout) nothing splits."""
+  towers = fit.TowersModel(_model(), _parallel(FEED_FORWARD),
+                           reproducible_rows=4)
+  _fit(towers, _data(), epochs=1)
+  assert not towers.towers.parts.storage.splits
+
+
+def test_a_split_layer_places_on_gpus_with_every_kernel():
+  """Traced for 4 GPUs (none here: `plans.planning`): each op of the
+  split blocks and their parts has a GPU kernel for its dtypes."""
+  layouts = mesh_layouts.VariableLayouts(
+      (2, 2), ('batch', 'model'), tuple(FEED_FORWARD.items()))
+  config = placement.DeploymentConfig(num_clones=4, variable_layouts=layouts)
+  with plans.planning():
+    model = _model(gated=True)
+    with tf.device(config.optimizer_variables_device()):
+      optimizer = keras.optimizers.Adam()
+    found = dry_run.plan(config, model, keras.losses.
+                         SparseCategoricalCrossentropy(from_logits=True),
+                         optimizer, *_data())
+  gpus = {d: r for d, r in found.devices.items() if 'GPU' in d}
+  assert len(gpus) == 4
+  assert not [line for r in gpus.values() for line in r.missing_kernels]

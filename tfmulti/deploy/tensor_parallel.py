@@ -1,0 +1,240 @@
+"""Dense and EinsumDense layers computed where their kernels' blocks live.
+
+A sharded kernel is joined on each clone for its pass (`sharding`), so
+each clone holds the layer's whole activations. Where a layout splits a
+plain `keras.layers.Dense` or `EinsumDense` kernel along a dimension
+named by a *compute axis* (a mesh axis other than the batch axis: what
+JAX computes in place), the layer is computed as blocks instead
+(Megatron's tensor parallelism, read from Keras's layouts): block j of
+the kernel (its shards along that dimension's part j, joined over the
+batch axis where the layout splits it there too: sharded storage) is
+joined on the device of the clone's mesh row with coordinate j on that
+axis, and there it multiplies the rows' features it needs:
+
+  an output dimension split    (column-parallel) block j makes part j of
+                               the outputs, its bias and activation
+                               added there; the clone keeps the parts
+                               where they were made
+  an input dimension split     (row-parallel) block j multiplies part j
+                               of the inputs' features; the partial
+                               sums are added on the clone's device,
+                               then its bias and activation
+
+An output's parts stay where they were made for the next layer: a
+row-parallel layer takes its input's part j from where a column-parallel
+layer made it, through the elementwise ops between them (an activation,
+a gate's product: `Parts`), so a column-then-row pair (a feed-forward
+block) sends the rows once to each device and the partial sums once
+back, and each device holds its part of the block's activations. The
+joined output is only a name for its parts: no op runs it unless
+another layer reads it whole.
+
+The gradient needs nothing of its own: the tape watches each block where
+it is joined, and the storage cuts each block's gradient into its shards'
+pieces there (`sharding`). Row-parallel layers add their partial sums in
+another order than one device's product (equal to round-off, not to the
+bit), so `reproducible_rows` joins the kernels instead. A layer with
+LoRA, quantized, a subclass with its own `call`, sparse inputs, or a
+kernel split along two compute axes is computed whole (joined).
+"""
+
+import contextlib
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+# One-output ops whose output at a position reads only that position of
+# each input (broadcast aside): a part of their output is made from the
+# same part of their inputs, on the part's device.
+ELEMENTWISE = frozenset((
+    'Identity', 'Cast', 'Relu', 'Relu6', 'Elu', 'Selu', 'LeakyRelu',
+    'Sigmoid', 'Tanh', 'Softplus', 'Softsign', 'Erf', 'Exp', 'Log', 'Neg',
+    'Square', 'Sqrt', 'Rsqrt', 'Abs', 'Mul', 'AddV2', 'Sub', 'RealDiv',
+    'Maximum', 'Minimum', 'Pow', 'SquaredDifference'))
+
+
+# Keras activations that act on each element alone (softmax does not).
+ELEMENTWISE_ACTIVATIONS = frozenset((
+    'linear', 'relu', 'relu6', 'elu', 'selu', 'leaky_relu', 'gelu', 'silu',
+    'swish', 'sigmoid', 'hard_sigmoid', 'hard_silu', 'hard_swish', 'tanh',
+    'softplus', 'softsign', 'exponential', 'mish', 'celu', 'sparse_plus',
+    'squareplus', 'tanh_shrink', 'hard_tanh', 'soft_shrink', 'hard_shrink'))
+
+
+def layers(model, axes_of, compute_axes):
+  """{id(kernel): (its layer, the kernel's dimension split over a compute
+  axis)} of `model`'s plain Dense and EinsumDense layers whose kernel's
+  layout (`axes_of[id(kernel)]`) splits one dimension over one of
+  `compute_axes`."""
+  found = {}
+  for layer in model._flatten_layers():  # pylint: disable=protected-access
+    if (type(layer).call not in (keras.layers.Dense.call,
+                                 keras.layers.EinsumDense.call)
+        or layer.lora_enabled or layer.quantization_mode):
+      continue
+    axes = axes_of.get(id(layer.kernel))
+    split = [d for d, axis in enumerate(axes or ()) if axis in compute_axes]
+    if len(split) == 1:
+      found[id(layer.kernel)] = (layer, split[0])
+  return found
+
+
+@contextlib.contextmanager
+def computing(layers_and_blocks):
+  """Inside, each layer of `layers_and_blocks` (layer, split dimension,
+  kernel blocks, their devices) computes as blocks where they are, its
+  outputs' parts kept for the next (`Parts`)."""
+  parts = Parts()
+  for layer, dim, blocks, homes in layers_and_blocks:
+    layer.__dict__['call'] = _call(layer, dim, blocks, homes, parts)
+  try:
+    yield
+  finally:
+    for layer, *_ in layers_and_blocks:
+      del layer.__dict__['call']
+
+
+def specs(layer):
+  """(inputs, kernel, outputs) subscripts of `layer`'s product."""
+  equation = getattr(layer, 'equation', '...a,ab->...b')  # Dense's.
+  operands, outputs = equation.split('->')
+  inputs, kernel = operands.split(',')
+  return inputs, kernel, outputs
+
+
+def axis_of(subscripts, label, rank):
+  """The axis (counted from the end) of `label` in a tensor of `rank`
+  with `subscripts` (which may hold '...')."""
+  after = subscripts.split('...')[-1]
+  if label in after:
+    return after.index(label) - len(after)
+  return subscripts.index(label) - rank
+
+
+def _call(layer, dim, blocks, homes, parts):
+  keras_call = type(layer).call.__get__(layer)
+  inputs_spec, kernel_spec, outputs_spec = specs(layer)
+  label = kernel_spec[dim]
+  product = (keras.ops.matmul if isinstance(layer, keras.layers.Dense) else
+             lambda x, kernel: keras.ops.einsum(layer.equation, x, kernel))
+
+  def call(inputs, training=None):
+    if not isinstance(inputs, tf.Tensor):  # Sparse: Keras's own product.
+      return keras_call(inputs, training=training)
+    pieces = [inputs] * len(blocks)
+    if label in inputs_spec:
+      pieces = parts.of(inputs, axis_of(inputs_spec, label,
+                                        inputs.shape.rank), homes)
+    products = []
+    for x, kernel, home in zip(pieces, blocks, homes):
+      with tf.device(home):
+        products.append(product(x, tf.cast(kernel, layer.compute_dtype)))
+    if label not in outputs_spec:  # Partial sums: added here.
+      return _whole_activation(layer, _finished(layer, tf.add_n(products)))
+    axis = axis_of(outputs_spec, label, products[0].shape.rank)
+    if _activation(layer) not in ELEMENTWISE_ACTIVATIONS:  # Softmax.
+      return _whole_activation(layer, _finished(layer, tf.concat(products,
+                                                               axis)))
+    made = []
+    for j, (y, home) in enumerate(zip(products, homes)):
+      with tf.device(home):
+        made.append(_finished(layer, y, (axis, j, len(blocks))))
+    return parts.joined(made, axis, homes)
+  return call
+
+
+def _whole_activation(layer, y):
+  return layer.activation(y) if layer.activation is not None else y
+
+
+def _activation(layer):
+  """The name of `layer`'s activation ('linear' for none)."""
+  return getattr(layer.activation, '__name__', None) or 'linear'
+
+
+def _finished(layer, y, part=None):
+  """`y` with `layer`'s bias (its `part`: (axis, index, count) where `y`
+  is one part of the outputs) and, for a part, its activation."""
+  if layer.bias is not None:
+    bias = tf.convert_to_tensor(layer.bias)
+    axis, index, count = part or (None, 0, 1)
+    if part and bias.shape.rank >= -axis and bias.shape[axis] != 1:
+      bias = tf.split(bias, count, axis=axis)[index]
+    y = y + tf.cast(bias, y.dtype)
+  if part is None or layer.activation is None:
+    return y
+  return layer.activation(y)
+
+
+class Parts:
+  """The parts of the outputs the split layers made in one pass, each on
+  its device, and those of tensors made from them elementwise."""
+
+  def __init__(self):
+    self._made = {}  # tensor.ref() -> (axis, parts, homes)
+
+  def joined(self, made, axis, homes):
+    """The whole of `made` (parts along `axis`), kept by its parts."""
+    whole = tf.concat(made, axis)
+    self._made[whole.ref()] = (axis, made, tuple(homes))
+    return whole
+
+  def of(self, tensor, axis, homes):
+    """`tensor`'s parts along `axis`, one for each of `homes`: where they
+    were made (`joined`, and what elementwise ops made of them), else
+    split here and each sent to its home."""
+    found = self._derived(tensor, axis, tuple(homes))
+    if found is not None:
+      return found
+    return tf.split(tensor, len(homes), axis=axis)
+
+  def _derived(self, tensor, axis, homes):
+    known = self._made.get(tensor.ref())
+    if known is not None:
+      return known[1] if known[0] == axis and known[2] == homes else None
+    if tf.executing_eagerly() or tensor.op.type not in ELEMENTWISE | {
+        'IdentityN'}:
+      return None
+    op = tensor.op
+    if op.type == 'IdentityN':  # A custom gradient's: the output is input.
+      return self._derived(op.inputs[tensor.value_index], axis, homes)
+    arguments, found = [], False
+    for x in op.inputs:
+      if x.shape.rank is None:
+        return None
+      if x.shape.rank < -axis or x.shape[axis] == 1:  # Broadcast.
+        arguments.append([x] * len(homes))
+        continue
+      derived = self._derived(x, axis, homes)
+      found = found or derived is not None
+      arguments.append(derived or tf.split(x, len(homes), axis=axis))
+    if not found:
+      return None
+    made = [_replayed(op, [a[j] for a in arguments], home)
+            for j, home in enumerate(homes)]
+    self._made[tensor.ref()] = (axis, made, homes)
+    return made
+
+
+def _replayed(op, inputs, device):
+  """`op` made again of `inputs` on `device` (its attributes kept), as
+  the tape records any op."""
+  run = getattr(tf.raw_ops, op.type)
+  given = inspect.signature(run).parameters
+  attributes = {k: op.get_attr(k) for k in op.node_def.attr if k in given}
+  names = [arg.name for arg in op.op_def.input_arg]
+  with tf.device(device):
+    return run(**dict(zip(names, inputs)), **attributes)
+
+
+def homes(mesh_shape, here, axis, count):
+  """The flat mesh indices of the devices of `here`'s mesh row along
+  `axis` (the device with each coordinate 0..count-1 on it)."""
+  coordinates = list(np.unravel_index(here, mesh_shape))
+  found = []
+  for j in range(count):
+    coordinates[axis] = j
+    found.append(int(np.ravel_multi_index(coordinates, mesh_shape)))
+  return found
