@@ -123,9 +123,10 @@ def test_a_split_blocks_activations_never_meet_on_one_device():
   """Read from the traced step: of the ops it runs, none makes a matrix
   of the hidden width (each device's parts are half of it: activations,
   kernels and their gradients; the bias, which the map leaves whole, is
-  a vector), through the gate's product, forward and backward; each block's product runs on
-  its device of the clone's mesh row ((b, 0) and (b, 1) for clone (b, m))
-  and each clone adds the row-parallel partial sums on its own device."""
+  a vector), through the gate's product, forward and backward. Each
+  block's product runs on its device of the clone's mesh row ((b, 0)
+  and (b, 1) for clone (b, m)), and each clone adds the row-parallel
+  partial sums on its own device."""
   model = _model(gated=True)
   towers = fit.TowersModel(model, _parallel(FEED_FORWARD))
   _fit(towers, _data(), epochs=1)
