@@ -22,7 +22,8 @@ _CALLS = {'PartitionedCall': ('f',), 'StatefulPartitionedCall': ('f',),
           'StatelessIf': ('then_branch', 'else_branch')}
 # Ops whose output is their input's buffer, seen another way: a tensor and
 # its views are held once.
-VIEWS = frozenset(('Identity', 'Reshape', 'Squeeze', 'ExpandDims'))
+VIEWS = frozenset(('Identity', 'IdentityN', 'Reshape', 'Squeeze',
+                   'ExpandDims'))
 # Ops whose output on their own device is memory counted elsewhere: a
 # variable's read (held) and a body's arguments (its call's inputs).
 # Another device reading one receives a copy.
@@ -49,9 +50,12 @@ def reachable(graph, stateful=False):
 
 def buffer_of(tensor):
   """The tensor whose buffer `tensor` is (through views on one device)."""
-  while (tensor.op.type in VIEWS and tensor.op.inputs and
-         tensor.op.inputs[0].op.device == tensor.op.device):
-    tensor = tensor.op.inputs[0]
+  while tensor.op.type in VIEWS and tensor.op.inputs:
+    source = tensor.op.inputs[
+        tensor.value_index if tensor.op.type == 'IdentityN' else 0]
+    if source.op.device != tensor.op.device:
+      break
+    tensor = source
   return tensor
 
 

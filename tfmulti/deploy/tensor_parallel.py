@@ -120,6 +120,12 @@ def _call(layer, dim, blocks, homes, parts):
   product = (keras.ops.matmul if isinstance(layer, keras.layers.Dense) else
              lambda x, kernel: keras.ops.einsum(layer.equation, x, kernel))
 
+  def part(x, kernel, *bias):
+    """One block's product (with its part of the bias and the activation
+    where `bias` is given: a part of the outputs)."""
+    y = product(x, tf.cast(kernel, layer.compute_dtype))
+    return layer.activation(y + tf.cast(bias[0], y.dtype)) if bias else y
+
   def call(inputs, training=None):
     if not isinstance(inputs, tf.Tensor):  # Sparse: Keras's own product.
       return keras_call(inputs, training=training)
@@ -127,26 +133,30 @@ def _call(layer, dim, blocks, homes, parts):
     if label in inputs_spec:
       pieces = parts.of(inputs, axis_of(inputs_spec, label,
                                         inputs.shape.rank), homes)
-    products = []
-    for x, kernel, home in zip(pieces, blocks, homes):
-      with tf.device(home):
-        products.append(product(x, tf.cast(kernel, layer.compute_dtype)))
     if label not in outputs_spec:  # Partial sums: added here.
-      return _whole_activation(layer, _finished(layer, tf.add_n(products)))
-    axis = axis_of(outputs_spec, label, products[0].shape.rank)
+      return _finished(layer, tf.add_n(
+          [on(home, part, x, kernel)
+           for x, kernel, home in zip(pieces, blocks, homes)]))
+    axis = axis_of(outputs_spec, label, _rank(inputs, inputs_spec,
+                                              outputs_spec))
     if _activation(layer) not in ELEMENTWISE_ACTIVATIONS:  # Softmax.
-      return _whole_activation(layer, _finished(layer, tf.concat(products,
-                                                               axis)))
-    made = []
-    for j, (y, home) in enumerate(zip(products, homes)):
-      with tf.device(home):
-        made.append(_finished(layer, y, (axis, j, len(blocks))))
-    return parts.joined(made, axis, homes)
+      return _finished(layer, tf.concat(
+          [on(home, part, x, kernel)
+           for x, kernel, home in zip(pieces, blocks, homes)], axis))
+    biases = _bias_parts(layer, axis, len(blocks))
+    return parts.joined(
+        [on(home, part, x, kernel, bias)
+         for x, kernel, home, bias in zip(pieces, blocks, homes, biases)],
+        axis, homes)
   return call
 
 
-def _whole_activation(layer, y):
-  return layer.activation(y) if layer.activation is not None else y
+def _rank(inputs, inputs_spec, outputs_spec):
+  """The rank of the product of `inputs` by the subscripts."""
+  rank = len(outputs_spec.replace('...', ''))
+  if '...' in outputs_spec:
+    rank += inputs.shape.rank - len(inputs_spec.replace('...', ''))
+  return rank
 
 
 def _activation(layer):
@@ -154,18 +164,45 @@ def _activation(layer):
   return getattr(layer.activation, '__name__', None) or 'linear'
 
 
-def _finished(layer, y, part=None):
-  """`y` with `layer`'s bias (its `part`: (axis, index, count) where `y`
-  is one part of the outputs) and, for a part, its activation."""
+def _bias_parts(layer, axis, count):
+  """`layer`'s bias cut along the outputs' `axis` (counted from the end)
+  into `count` parts where it spans it; else itself each (zeros: none)."""
+  if layer.bias is None:
+    return [tf.zeros([], layer.compute_dtype)] * count
+  bias = tf.convert_to_tensor(layer.bias)
+  if bias.shape.rank < -axis or bias.shape[axis] == 1:
+    return [bias] * count
+  return tf.split(bias, count, axis=axis)
+
+
+def _finished(layer, y):
+  """`y` (the whole product) with `layer`'s bias and activation."""
   if layer.bias is not None:
-    bias = tf.convert_to_tensor(layer.bias)
-    axis, index, count = part or (None, 0, 1)
-    if part and bias.shape.rank >= -axis and bias.shape[axis] != 1:
-      bias = tf.split(bias, count, axis=axis)[index]
-    y = y + tf.cast(bias, y.dtype)
-  if part is None or layer.activation is None:
-    return y
+    y = y + tf.cast(tf.convert_to_tensor(layer.bias), y.dtype)
   return layer.activation(y)
+
+
+def on(home, fn, *inputs):
+  """`fn(*inputs)` run on `home`, and its gradient made there too: a tape
+  makes each op's gradient on the device current where the gradient is
+  taken (the clone's), which would run every part's backward pass on the
+  clone. Eager ops (no tape to steer) run on `home` alone."""
+  if tf.executing_eagerly():
+    with tf.device(home):
+      return fn(*inputs)
+
+  @tf.custom_gradient
+  def run(*xs):
+    with tf.device(home), tf.GradientTape() as tape:
+      tape.watch(xs)
+      y = fn(*xs)
+
+    def gradient(dy):
+      with tf.device(home):
+        return tape.gradient(y, xs, output_gradients=dy)
+    return y, gradient
+  with tf.device(home):  # Its outputs' identities too.
+    return run(*inputs)
 
 
 class Parts:
@@ -225,8 +262,8 @@ def _replayed(op, inputs, device):
   given = inspect.signature(run).parameters
   attributes = {k: op.get_attr(k) for k in op.node_def.attr if k in given}
   names = [arg.name for arg in op.op_def.input_arg]
-  with tf.device(device):
-    return run(**dict(zip(names, inputs)), **attributes)
+  return on(device, lambda *xs: run(**dict(zip(names, xs)), **attributes),
+            *inputs)
 
 
 def homes(mesh_shape, here, axis, count):

@@ -77,7 +77,7 @@ def _kind(tensor, reader):
   return 'other'
 
 
-def _crossings(graph, stateful=False):
+def crossings(graph, stateful=False):
   """(tensor, source device, reading device, kind) of each tensor of
   `graph` that crosses devices, once a reading device, among the ops the
   step runs (`peaks.reachable`: a join no op reads is never run)."""
@@ -104,7 +104,7 @@ def transfers(graph, stateful=False):
   `stateful`: as `peaks.reachable` takes it."""
   return [(source, reader, kind,
            tensor.shape.num_elements() * tensor.dtype.size)
-          for tensor, source, reader, kind in _crossings(graph, stateful)
+          for tensor, source, reader, kind in crossings(graph, stateful)
           if tensor.shape.is_fully_defined()]
 
 
@@ -120,7 +120,7 @@ def measured_transfers(deployed, images, labels):
            for nest in (images, labels)]
   wrapped = tf.compat.v1.wrap_function(
       lambda x, y: deployed.step_graph(x, y, layout, cut).total, specs)
-  dynamic = [crossing for crossing in _crossings(wrapped.graph, True)
+  dynamic = [crossing for crossing in crossings(wrapped.graph, True)
              if not crossing[0].shape.is_fully_defined()]
   counted = []
   if dynamic:
