@@ -27,6 +27,7 @@ from tfmulti.bench import sharded
 from tfmulti.bench import step_profile
 from tfmulti.bench import sync_batch_norm
 from tfmulti.bench import tables
+from tfmulti.bench import tensor_parallel
 from tfmulti.bench import transfers
 from tfmulti.bench import unequal_clones
 
@@ -46,6 +47,7 @@ COMMANDS = {
     'tfmulti.bench.step_profile': step_profile,
     'tfmulti.bench.sync_batch_norm': sync_batch_norm,
     'tfmulti.bench.tables': tables,
+    'tfmulti.bench.tensor_parallel': tensor_parallel,
     'tfmulti.bench.transfers': transfers,
     'tfmulti.bench.unequal_clones': unequal_clones,
 }
@@ -71,6 +73,7 @@ SHARED = {
                                        clone_on_cpu=False, output=None),
     'tfmulti.bench.sync_batch_norm': dict(model='resnet20', output=None),
     'tfmulti.bench.tables': dict(num_clones=4, output=None),
+    'tfmulti.bench.tensor_parallel': dict(num_clones=4, output=None),
     'tfmulti.bench.transfers': dict(model='resnet50', num_clones=4,
                                     output=None),
     'tfmulti.bench.unequal_clones': dict(model='lenet', output=None),

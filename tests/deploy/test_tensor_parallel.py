@@ -16,6 +16,7 @@ from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import peaks
 from tfmulti.deploy import placement
 from tfmulti.deploy import tensor_parallel
+from tfmulti.deploy import traffic
 
 FEATURES, HIDDEN, OUT = 6, 20, 3
 
@@ -150,6 +151,11 @@ def test_a_split_blocks_activations_never_meet_on_one_device():
   sums = {op.name.split('/')[0]: devices.canonical(op.device) for op in ran
           if op.type == 'AddN' and '/down' in op.name}
   assert sums == {f'clone_{i}': cpu[i] for i in range(4)}
+  # The backward pass runs where the forward did: no part of the hidden
+  # activations (4 rows a clone), nor of their gradients, crosses devices.
+  crossing = {tuple(t.shape) for t, *_ in traffic.crossings(graph)}
+  assert (4, HIDDEN // 2) not in crossing
+  assert (4, FEATURES) in crossing  # The rows, to each block's device.
 
 
 def test_predict_computes_the_blocks_too():

@@ -21,6 +21,7 @@ four that hold what the others share:
   emulated            (shared) devices whose passes wait, not compute
   sync_batch_norm     synchronized BatchNorm's first step, against plain
   tables              a table by rows: bytes held, and moved against touched
+  tensor_parallel     split feed-forward blocks: activations, all-reduces
   transfers           each device's bytes held and moved, from the graph
   unequal_clones      automatic shares on an unequal pair of clones
 """

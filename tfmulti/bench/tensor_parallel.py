@@ -180,11 +180,13 @@ def main(argv=None):
       raise errors.ConfigError(
           f'--hidden={args.hidden} --width={args.width}: the hidden width '
           'splits over N/2 devices and the width over 2; give multiples.')
-    if len({args.width, args.rows_per_clone, FEATURES}) < 3:
+    part = args.hidden // (args.num_clones // 2)
+    if len({args.width, args.rows_per_clone, FEATURES, part}) < 4:
       raise errors.ConfigError(
-          f'--rows_per_clone={args.rows_per_clone} --width={args.width}: '
-          f'the report tells tensors by their shape; give two values other '
-          f'than each other and {FEATURES}.')
+          f'--rows_per_clone={args.rows_per_clone} --width={args.width} '
+          f'--hidden={args.hidden}: the report tells tensors by their '
+          'shape; give rows, a width and a hidden part (hidden / (N/2)) '
+          f'other than each other and {FEATURES}.')
     devices.create_logical_cpus(args.num_clones)
     tf.config.set_soft_device_placement(False)
   except errors.UserError as e:

@@ -39,6 +39,7 @@ kernel split along two compute axes is computed whole (joined).
 """
 
 import contextlib
+import functools
 import inspect
 
 import keras
@@ -228,42 +229,82 @@ class Parts:
     return tf.split(tensor, len(homes), axis=axis)
 
   def _derived(self, tensor, axis, homes):
+    """`tensor`'s parts made where the parts it is made of live: known,
+    or each part's elementwise ops replayed on its device as one pass
+    (`on`: a tensor two of them read has its gradients added there
+    too), or None."""
     known = self._made.get(tensor.ref())
     if known is not None:
       return known[1] if known[0] == axis and known[2] == homes else None
-    if tf.executing_eagerly() or tensor.op.type not in ELEMENTWISE | {
-        'IdentityN'}:
+    if tf.executing_eagerly():
       return None
-    op = tensor.op
-    if op.type == 'IdentityN':  # A custom gradient's: the output is input.
-      return self._derived(op.inputs[tensor.value_index], axis, homes)
-    arguments, found = [], False
-    for x in op.inputs:
-      if x.shape.rank is None:
-        return None
-      if x.shape.rank < -axis or x.shape[axis] == 1:  # Broadcast.
-        arguments.append([x] * len(homes))
-        continue
-      derived = self._derived(x, axis, homes)
-      found = found or derived is not None
-      arguments.append(derived or tf.split(x, len(homes), axis=axis))
-    if not found:
+    found = self._chain(tensor, axis, homes)
+    if found is None or not any(kind == 'parts'
+                                for kind, _ in found[1].values()):
       return None
-    made = [_replayed(op, [a[j] for a in arguments], home)
+    steps, leaves = found
+    values = {key: (value if kind == 'parts' else
+                    [value] * len(homes) if kind == 'whole' else
+                    tf.split(value, len(homes), axis=axis))
+              for key, (kind, value) in leaves.items()}
+    made = [on(home, functools.partial(_replay, steps, list(values), tensor),
+               *[parts[j] for parts in values.values()])
             for j, home in enumerate(homes)]
     self._made[tensor.ref()] = (axis, made, homes)
     return made
 
+  def _chain(self, tensor, axis, homes):
+    """(steps, leaves) that make `tensor`'s parts elementwise: the
+    elementwise tensors on the way ({ref: tensor}, inputs first) and
+    what they start from ({ref: ('parts', known parts) | ('whole', a
+    tensor each part reads whole, broadcast) | ('split', a tensor to
+    split)}); None where `tensor` is not made elementwise."""
+    known = self._made.get(tensor.ref())
+    if known is not None:
+      if known[0] != axis or known[2] != homes:
+        return None
+      return {}, {tensor.ref(): ('parts', known[1])}
+    op = tensor.op
+    if op.type == 'IdentityN':  # A custom gradient's: the output is input.
+      inputs = [op.inputs[tensor.value_index]]
+    elif op.type in ELEMENTWISE:
+      inputs = list(op.inputs)
+    else:
+      return None
+    steps, leaves = {}, {}
+    for x in inputs:
+      if x.shape.rank is None:
+        return None
+      found = None
+      if x.shape.rank < -axis or x.shape[axis] == 1:  # Broadcast.
+        leaves[x.ref()] = ('whole', x)
+      else:
+        found = self._chain(x, axis, homes)
+      if found is not None:
+        steps.update(found[0])
+        leaves.update(found[1])
+      elif x.ref() not in leaves:
+        leaves[x.ref()] = ('split', x)
+    steps[tensor.ref()] = tensor
+    return steps, leaves
 
-def _replayed(op, inputs, device):
-  """`op` made again of `inputs` on `device` (its attributes kept), as
-  the tape records any op."""
-  run = getattr(tf.raw_ops, op.type)
-  given = inspect.signature(run).parameters
-  attributes = {k: op.get_attr(k) for k in op.node_def.attr if k in given}
-  names = [arg.name for arg in op.op_def.input_arg]
-  return on(device, lambda *xs: run(**dict(zip(names, xs)), **attributes),
-            *inputs)
+
+def _replay(steps, keys, target, *values):
+  """`target` made again of `values` (those of the leaves `keys`) by
+  `steps` (`Parts._chain`), each op with its attributes kept."""
+  made = dict(zip(keys, values))
+  for key, tensor in steps.items():
+    op = tensor.op
+    if op.type == 'IdentityN':
+      made[key] = made[op.inputs[tensor.value_index].ref()]
+      continue
+    run = getattr(tf.raw_ops, op.type)
+    given = inspect.signature(run).parameters
+    attributes = {k: op.get_attr(k) for k in op.node_def.attr if k in given}
+    names = [arg.name for arg in op.op_def.input_arg]
+    made[key] = run(**dict(zip(names, [made[x.ref()] for x in op.inputs])),
+                    **attributes)
+  return made[target.ref()]
 
 
 def homes(mesh_shape, here, axis, count):
