@@ -26,9 +26,9 @@ def test_a_split_block_holds_its_part_and_moves_an_all_reduce_each_way():
 
 @pytest.mark.parametrize('argv, message', [
     (['--num_clones=3'], '--num_clones=3: the mesh is'),
-    (['--hidden=30', '--num_clones=8'], '--hidden=30 --width=64'),
-    (['--rows_per_clone=64'], '--rows_per_clone=64 --width=64'),
-    (['--hidden=128'], '--hidden=128: the report tells tensors'),
+    (['--hidden=30', '--num_clones=8'], '--hidden=30 --width=48'),
+    (['--rows_per_clone=48'], '--rows_per_clone=48 --width=48'),
+    (['--hidden=96'], '--hidden=96: the report tells tensors'),
     (['--blocks=0'], 'blocks=0: must be an integer >= 1'),
 ])
 def test_bad_arguments_stop_with_one_line(argv, message):

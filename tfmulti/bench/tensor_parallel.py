@@ -161,7 +161,7 @@ def parser():
       description=__doc__.split('\n')[0],
       parents=[flags.shared(num_clones=4)])
   p.add_argument('--blocks', type=int, default=2)
-  p.add_argument('--width', type=int, default=64)
+  p.add_argument('--width', type=int, default=48)
   p.add_argument('--hidden', type=int, default=256)
   p.add_argument('--rows_per_clone', type=int, default=24)
   return p
