@@ -135,6 +135,26 @@ def test_a_row_sharded_table_trains_as_one_device_under_adam():
   _assert_trains_as_one_device(('model', None), 'adam')
 
 
+def test_a_table_no_layout_splits_is_looked_up_where_it_lives():
+  """Table-wise: a table left whole lives on one device, and each clone
+  looks its ids up there (one device's training), never reading it whole:
+  nothing of the table's size crosses devices."""
+  towers = _assert_trains_as_one_device((None, None), 'adam')
+  storage = towers.towers.parts.storage
+  assert [layer.name for layer in storage.tables.values()] == ['table']
+  ids, labels = _data()
+  graph = towers.towers.traced_step(tf.constant(ids[:16]),
+                                    (tf.constant(labels[:16]),)).graph
+  assert all(size < ROWS * WIDTH * 4
+             for *_, size in traffic.transfers(graph))
+  runs = peaks.reachable(graph)
+  gathers = {devices.canonical(op.device) for op in graph.get_operations()
+             if op.name in runs and op.type == 'GatherV2'
+             and tuple(op.inputs[0].shape) == (ROWS, WIDTH)}
+  assert gathers == {devices.canonical(devices.device_of(
+      towers.towers.model.get_layer('table').embeddings))}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('optimizer', ['sgd', 'adagrad'])
 @pytest.mark.parametrize('layout', [('model', None), (None, 'model')])
@@ -224,7 +244,7 @@ def _clicks(rows=64, sizes=(1_000_000, 1000, 100)):
 @pytest.mark.slow
 def test_a_dlrm_with_a_million_row_table_trains_as_one_device():
   """Its big table by rows and the next by columns over 4 clones, the
-  third whole; Adagrad: equal to plain `fit` on one device."""
+  third whole on one; Adagrad: equal to plain `fit` on one device."""
   def train(model):
     model.compile(optimizer=keras.optimizers.Adagrad(0.05),
                   loss=keras.losses.BinaryCrossentropy(from_logits=True))
@@ -242,8 +262,9 @@ def test_a_dlrm_with_a_million_row_table_trains_as_one_device():
       layout_map=layout_map, batch_dim_name='model'))
   np.testing.assert_allclose(train(towers), want, rtol=1e-5)
   storage = towers.towers.parts.storage
+  # The third, whole, is looked up where it lives (table-wise).
   assert sorted(layer.name for layer in storage.tables.values()) == [
-      'table_0', 'table_1']
+      'table_0', 'table_1', 'table_2']
   for g, w in zip(model.weights, plain.weights):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
 

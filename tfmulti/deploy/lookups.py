@@ -1,13 +1,16 @@
 """Embedding tables looked up where their shards live, never joined.
 
 A sharded variable is joined on each clone for its pass (`sharding`); a
-table of a million rows cannot be. An Embedding layer whose table a
-layout splits (by rows, by columns, or both) is looked up instead: each
-clone sends each id to the shards that hold its row (an all-to-all: rows
-split, the ids partitioned by their row's shard; columns split, every id
-to each column's shard), each shard gathers its rows on its own device,
-and the clone puts the rows back in the ids' order. What crosses devices
-is the ids and the rows they touch, each way.
+table of a million rows cannot be. Under a layout map every plain
+Embedding is looked up instead, where its table lives: split by rows, by
+columns or both as its layout says, or whole on one device where no
+layout names it (table-wise: whole tables are spread over the devices by
+bytes, as every variable no layout splits). Each clone sends each id to
+the shards that hold its row (an all-to-all: rows split, the ids
+partitioned by their row's shard; columns split, every id to each
+column's shard), each shard gathers its rows on its own device, and the
+clone puts the rows back in the ids' order. What crosses devices is the
+ids and the rows they touch, each way.
 
 The gradient needs nothing of its own: TensorFlow's gradient of each
 shard's gather is a `tf.IndexedSlices` of the rows it gathered, in the
@@ -33,14 +36,14 @@ import keras
 import tensorflow as tf
 
 
-def tables(model, sharded_ids):
+def tables(model, ids):
   """{id(table variable): its Embedding layer} of `model`'s plain
-  Embedding layers whose table is sharded (its id in `sharded_ids`)."""
+  Embedding layers whose table's id is in `ids`."""
   found = {}
   for layer in model._flatten_layers():  # pylint: disable=protected-access
     if (type(layer).call is keras.layers.Embedding.call
         and not layer.lora_enabled and not layer.quantization_mode
-        and id(layer.embeddings) in sharded_ids):
+        and id(layer.embeddings) in ids):
       found[id(layer.embeddings)] = layer
   return found
 

@@ -7,9 +7,9 @@ and updates:
            without variable layouts)
   Sharded  each variable a layout splits (`mesh_layouts`) stored as its
            shards, each a Keras variable on one mesh device, and every
-           other variable moved whole to the least-loaded device; a
-           plain Embedding's table among them looked up where its shards
-           live (`lookups`)
+           other variable moved whole to the least-loaded device; each
+           plain Embedding's table looked up where its shards live, or
+           where it lives whole (`lookups`: row-, column- or table-wise)
 
 Under `Sharded` each shard is read once where it lives and sent to each
 clone, which joins the shards (`read`: an all-gather) for its pass (a
@@ -121,7 +121,8 @@ class Sharded:
     where they live (`lookups`) in the pass; each split kernel's blocks
     joined and watched where they compute (`tensor_parallel`). A join no
     op reads (a looked-up table's, a split kernel's) is never run."""
-    tables = [(self.tables[k], parts, values[where], self.devices[where])
+    tables = [(self.tables[k], parts or (1, 1), values[where],
+               self.devices[where])
               for k, parts, where in self._spans() if k in self.tables]
     looked_up = [read for _, _, reads, _ in tables for read in reads]
     blocks = [(layer, dim, joined, homes) for (layer, dim, _), homes, joined
@@ -409,7 +410,7 @@ def storage_of(config, model, optimizer, split_compute=True):
   logging.info('Variables sharded by their layouts: %d of %d; bytes a '
                'device: %s.', len(plan), len(model.variables),
                sorted(held.values()))
-  found = lookups.tables(model, plan)
+  found = lookups.tables(model, {id(v) for v in model.trainable_variables})
   split = tensor_parallel.layers(
       model, plan, layouts.compute_axes if split_compute else ())
   trainable = model.trainable_variables
