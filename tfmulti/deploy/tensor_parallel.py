@@ -46,6 +46,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+# The name scope of each part's ops, forward and backward (`on`): what
+# crosses into or out of it is a split layer's activations (`traffic`).
+SCOPE = 'tensor_parallel'
+
 # One-output ops whose output at a position reads only that position of
 # each input (broadcast aside): a part of their output is made from the
 # same part of their inputs, on the part's device.
@@ -189,20 +193,20 @@ def on(home, fn, *inputs):
   taken (the clone's), which would run every part's backward pass on the
   clone. Eager ops (no tape to steer) run on `home` alone."""
   if tf.executing_eagerly():
-    with tf.device(home):
+    with tf.device(home), tf.name_scope(SCOPE):
       return fn(*inputs)
 
   @tf.custom_gradient
   def run(*xs):
-    with tf.device(home), tf.GradientTape() as tape:
+    with tf.GradientTape() as tape:
       tape.watch(xs)
       y = fn(*xs)
 
     def gradient(dy):
-      with tf.device(home):
+      with tf.device(home), tf.name_scope(SCOPE):
         return tape.gradient(y, xs, output_gradients=dy)
     return y, gradient
-  with tf.device(home):  # Its outputs' identities too.
+  with tf.device(home), tf.name_scope(SCOPE):  # Its identities too.
     return run(*inputs)
 
 

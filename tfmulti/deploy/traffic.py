@@ -9,7 +9,9 @@ receives every clone's gradients; spread variables share that out.
 * sent and received: the bytes of every tensor one device's op makes and
   another device's op reads, split by what they are ('variables': a
   variable's value read for a clone; 'gradients': a gradient on its way to
-  be summed; 'lookups': a table's ids and rows (`lookups`); 'other': input
+  be summed; 'lookups': a table's ids and rows (`lookups`); 'activations':
+  a split layer's rows, parts and partial sums, and their gradients, on
+  their way to or from a block's device (`tensor_parallel`); 'other': input
   shards, losses, BatchNorm statistics, scalars),
   with the number of such transfers. TensorFlow sends a tensor once to each
   device that reads it, so a transfer is one (tensor, reading device) pair.
@@ -27,8 +29,9 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti.deploy import peaks
 from tfmulti.deploy import sharding
+from tfmulti.deploy import tensor_parallel
 
-KINDS = ('variables', 'gradients', 'lookups', 'other')
+KINDS = ('variables', 'gradients', 'lookups', 'activations', 'other')
 
 
 @dataclasses.dataclass
@@ -62,14 +65,19 @@ def held_bytes(variables):
 
 def _kind(tensor, reader):
   """What a transfer carries: a variable's value (read, or packed in
-  'pack_variables'), a gradient (made under the tape's 'gradient_tape'
-  scope or packed in 'pack_gradients', or read to be summed in
-  'sum_gradients'), a table's lookup (its ids and rows, made in
-  'lookup': `deploy.lookups`), or other (a scalar a gradient op reads is
-  not a gradient)."""
+  'pack_variables'), a split layer's activations or their gradients
+  (made or read in its parts' scope, `tensor_parallel.SCOPE`), a
+  gradient (made under the tape's 'gradient_tape' scope or packed in
+  'pack_gradients', or read to be summed in 'sum_gradients'), a table's
+  lookup (its ids and rows, made in 'lookup': `deploy.lookups`), or other
+  (a scalar a gradient op reads is not a gradient)."""
   if tensor.op.type == 'ReadVariableOp' or 'pack_variables' in (
       tensor.op.name):
     return 'variables'
+  if 'sum_gradients' not in reader.name and any(
+      f'/{tensor_parallel.SCOPE}/' in f'/{name}'
+      for name in (tensor.op.name, reader.name)):
+    return 'activations'
   if 'gradient' in tensor.op.name or 'sum_gradients' in reader.name:
     return 'gradients'
   if '/lookup/' in f'/{tensor.op.name}':
