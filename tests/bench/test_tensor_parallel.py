@@ -1,6 +1,6 @@
 """`python -m tfmulti.bench.tensor_parallel`: a split feed-forward block
-holds 1/N of one device's hidden activations a device, and moves one
-all-reduce's bytes forward and one backward."""
+holds 1/M of a clone's hidden activations a device (M: the devices it
+spans), and moves one all-reduce's bytes forward and one backward."""
 
 import argparse
 
@@ -15,9 +15,11 @@ def test_a_split_block_holds_its_part_and_moves_an_all_reduce_each_way():
                             rows_per_clone=8)
   report = bench.run(args)
   assert set(report['devices']) == {f'/device:CPU:{i}' for i in range(4)}
-  assert report['max_activations_of_share'] <= report['target']
+  # Computed whole, a clone's device would hold all its rows': M = 2x.
+  assert report['max_clone_part'] <= report['target']
   # Each device holds at least its part: a count that missed a part
   # (a tensor left unread) would fail here.
+  assert report['max_clone_part'] >= 1.0
   assert min(report['devices'].values()) >= 1.0
   assert report['forward_all_reduces_a_block'] == pytest.approx(1.0)
   assert report['backward_all_reduces_a_block'] == pytest.approx(1.0)

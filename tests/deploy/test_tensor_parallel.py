@@ -74,20 +74,28 @@ def _parallel(layouts, shape=(2, 2), names=('batch', 'model')):
                                           batch_dim_name=names[0])
 
 
-def _fit(model, data, epochs=2, **options):
-  model.compile(optimizer=keras.optimizers.Adam(0.01),
+OPTIMIZERS = {'adam': lambda: keras.optimizers.Adam(0.01),
+              'sgd': lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+              'adagrad': lambda: keras.optimizers.Adagrad(0.1)}
+
+
+def _fit(model, data, epochs=2, optimizer='adam', **options):
+  model.compile(optimizer=OPTIMIZERS[optimizer](),
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True))
   return model.fit(*data, batch_size=16, epochs=epochs, shuffle=False,
                    verbose=0, **options).history['loss']
 
 
-def _assert_trains_as_one_device(make, layouts, sequence=False, **kwargs):
+def _assert_trains_as_one_device(make, layouts, sequence=False,
+                                 optimizer='adam', fields=(), **kwargs):
   plain = make()
-  want = _fit(plain, _data(sequence))
+  want = _fit(plain, _data(sequence), optimizer=optimizer)
   model = make()
-  towers = fit.TowersModel(model, _parallel(layouts, **kwargs))
-  np.testing.assert_allclose(_fit(towers, _data(sequence)), want, rtol=1e-5)
+  towers = fit.TowersModel(model, _parallel(layouts, **kwargs),
+                           **dict(fields))
+  np.testing.assert_allclose(
+      _fit(towers, _data(sequence), optimizer=optimizer), want, rtol=1e-5)
   for g, w in zip(model.weights, plain.weights):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
   return towers
@@ -110,6 +118,17 @@ def test_a_gated_feed_forward_block_trains_as_one_device():
 ])
 def test_each_split_trains_as_one_device(layouts, shape, names):
   _assert_trains_as_one_device(_model, layouts, shape=shape, names=names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('optimizer, fields', [
+    ('sgd', ()), ('adagrad', ()),
+    ('adam', (('accumulation_steps', 2),)),
+    ('adam', (('clone_shares', (3, 1, 2, 2)),))])
+def test_optimizers_accumulation_and_shares_train_as_one_device(optimizer,
+                                                                fields):
+  _assert_trains_as_one_device(lambda: _model(gated=True), FEED_FORWARD,
+                               optimizer=optimizer, fields=fields)
 
 
 @pytest.mark.slow
@@ -167,21 +186,24 @@ def test_predict_computes_the_blocks_too():
                              atol=1e-6)
 
 
-def test_softmax_and_sparse_inputs_are_computed_whole():
-  """A softmax reads every output feature: a column-parallel layer with
-  it applies it to the joined outputs. Sparse inputs take Keras's own
-  product."""
-  layer = keras.layers.Dense(4, activation='softmax')
+@pytest.mark.parametrize('activation', [
+    'softmax', keras.layers.Softmax(), 'gelu'])
+def test_a_column_parallel_layer_gives_keras_outputs(activation):
+  """Traced and eagerly, with sparse inputs too: a softmax (or an
+  activation not known to act elementwise: a layer) reads every output
+  feature, so it is applied to the joined outputs; sparse inputs take
+  Keras's own product."""
+  layer = keras.layers.Dense(4, activation=activation)
   layer.build((None, 3))
   blocks = tf.split(tf.convert_to_tensor(layer.kernel), 2, axis=1)
   homes = ['/device:CPU:0', '/device:CPU:1']
-  x = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3))
-  sparse = tf.sparse.from_dense(x)
+  x = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3) / 6)
   want = layer(x)
   with tensor_parallel.computing([(layer, 1, blocks, homes)]):
-    got, from_sparse = layer(x), layer(sparse)
-  np.testing.assert_allclose(got, want, rtol=1e-6)
-  np.testing.assert_allclose(from_sparse, want, rtol=1e-6)
+    got, traced = layer(x), tf.function(layer)(x)
+    from_sparse = layer(tf.sparse.from_dense(x))
+  for outputs in (got, traced, from_sparse):
+    np.testing.assert_allclose(outputs, want, rtol=1e-6)
 
 
 def test_reproducible_rows_join_the_kernels():

@@ -20,7 +20,11 @@ variable and slot bytes held and the variable and gradient bytes sent and
 received. A clone gathers each shard it does not own and sends each
 shard's gradient piece to its owner, so a device that owns 1/N receives
 (N-1)/N x P of shards and (N-1) x P/N of pieces, 2 (N-1)/N x P, and sends
-as much: a ring all-gather and reduce-scatter's bytes. The targets: the
+as much: a ring all-gather and reduce-scatter's bytes (Llama's kernels
+split over 'model' are computed where their blocks live,
+`deploy.tensor_parallel`: joined over 'batch' alone, they move less, and
+the rows and partial sums that cross instead are activations, counted
+apart by `python -m tfmulti.bench.tensor_parallel`). The targets: the
 busiest device holds at most 1.1 / N of the bytes and moves at most
 1.1 x 2 (N-1)/N x P each way. Then it times `--steps` steps of each in
 alternating `--rounds` (the target: sharded at most 1.15x spread's

@@ -13,10 +13,14 @@ map: each block's first kernel split by output features over 'model'
 stored split over 'batch' too (`deploy.tensor_parallel`). From its
 traced step, and from one device's on the whole batch, it counts:
 
-* activations: per device, the bytes of the hidden activations the
-  forward pass makes (each tensor of the clones' rows by the hidden width
-  or a part of it), against one device's for the whole batch / N; the
-  target: at most 1.1x;
+* activations: the bytes of the hidden activations the forward pass
+  makes (each tensor of a clone's rows by the hidden width or a part of
+  it). What tensor parallelism saves: the most any device holds of one
+  clone's, against one device's for that clone's rows / M (M: the model
+  axis's devices, a block's span); the target: at most 1.1x (computed
+  whole, M). And each device's for all its clones, against one device's
+  for the whole batch / N (1.0 computed whole too: each clone's rows are
+  1/N of the batch);
 * crossings: each clone's tensors of its rows by the width that cross
   devices a block (forward: its input to the model axis's other M - 1
   devices, their partial sums back; backward: the output's gradient out,
@@ -43,7 +47,7 @@ from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.deploy import traffic
 
-TARGET = 1.1  # Activations over one device's / N.
+TARGET = 1.1  # A clone's activations a device, over one device's / M.
 FEATURES = 16  # The inputs' width: not the blocks' (`--width`).
 RULES = (('block_.*_up/kernel', ('batch', 'model')),
          ('block_.*_down/kernel', ('model', 'batch')))
@@ -76,9 +80,10 @@ def _graph(args, num_clones, layouts, rows):
 
 
 def activations(graph, rows, widths):
-  """{device: bytes of the blocks' forward buffers of `rows` rows whose
-  last dimension is one of `widths`} among the ops the step runs (a
-  buffer once, whatever views of it there are: `peaks.buffer_of`)."""
+  """{(device, clone scope): bytes of the blocks' forward buffers of
+  `rows` rows whose last dimension is one of `widths`} among the ops the
+  step runs (a buffer once, whatever views of it there are:
+  `peaks.buffer_of`)."""
   placement_of, runs = devices.GraphPlacement(), peaks.reachable(graph)
   held = collections.Counter()
   for op in graph.get_operations():
@@ -88,7 +93,8 @@ def activations(graph, rows, widths):
     for t in op.outputs:
       if (t.shape.rank and t.shape.rank > 1 and t.shape[0] == rows
           and t.shape[-1] in widths and peaks.buffer_of(t) is t):
-        held[placement_of.of_op(op)] += t.shape.num_elements() * 4
+        held[placement_of.of_op(op), op.name.split('/')[0]] += (
+            t.shape.num_elements() * 4)
   return held
 
 
@@ -120,6 +126,9 @@ def run(args):
   mine = activations(split, rows, {args.hidden, args.hidden // m})
   one = sum(activations(_graph(args, 1, None, rows * n), rows * n,
                         {args.hidden}).values())
+  held = collections.Counter()
+  for (device, _), size in mine.items():
+    held[device] += size
   forward, backward = crossings(split, (rows, args.width))
   all_reduce = 2 * (m - 1) * rows * args.width * 4
   per_block = n * args.blocks * all_reduce
@@ -127,11 +136,11 @@ def run(args):
             'num_clones': n, 'mesh': [2, m], 'blocks': args.blocks,
             'width': args.width, 'hidden': args.hidden,
             'rows_per_clone': rows, 'one_device_mb': one / 2**20,
-            'devices': {device: held / (one / n)
-                        for device, held in sorted(mine.items())},
+            'devices': {device: size / (one / n)
+                        for device, size in sorted(held.items())},
+            'max_clone_part': max(mine.values()) / (one / n / m),
             'forward_all_reduces_a_block': forward / per_block,
             'backward_all_reduces_a_block': backward / per_block}
-  report['max_activations_of_share'] = max(report['devices'].values())
   report['target'] = TARGET
   return report
 
@@ -147,8 +156,9 @@ def format_report(report):
     lines.append(f'{device}: hidden activations {share:.3f} x one '
                  "device's / N")
   lines.append(
-      f"busiest: {report['max_activations_of_share']:.3f} x (target "
-      f"{report['target']}); a block's crossings a clone: "
+      f"most of one clone's on a device: {report['max_clone_part']:.3f} x "
+      f"its rows' on one device / M (target {report['target']}; whole: M)"
+      "; a block's crossings a clone: "
       f"{report['forward_all_reduces_a_block']:.3f} all-reduce forward, "
       f"{report['backward_all_reduces_a_block']:.3f} backward")
   return '\n'.join(lines)

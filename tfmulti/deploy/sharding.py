@@ -1,7 +1,7 @@
 """Variables stored as their layouts say: each shard on its device.
 
-`storage_of(config, model)` is the one place the step learns what it reads
-and updates:
+`storage_of(config, model, optimizer)` is the one place the step learns
+what it reads and updates:
 
   Whole    the model's trainable variables themselves (every config
            without variable layouts)
@@ -13,8 +13,9 @@ and updates:
 
 Under `Sharded` each shard is read once where it lives and sent to each
 clone, which joins the shards (`read`: an all-gather) for its pass (a
-looked-up table's join runs only where a layer reads the table whole:
-a tied output layer, a weight penalty),
+looked-up table's join, or a split kernel's, runs only where a layer
+reads the variable whole: a tied output layer, a weight penalty; a split
+kernel's blocks are joined where they compute, `tensor_parallel`),
 whose tape watches the joined variables; each clone cuts their gradients
 into the shards' pieces after its pass (`cutting`) and the combiners sum
 each beside its shard (a reduce-scatter) and the optimizer updates the shards,
@@ -57,8 +58,7 @@ class Whole:
     self.variables = model.trainable_variables
 
   read = staticmethod(pieces.whole)
-  tables = {}  # No table is looked up: each is read whole.
-  in_place = frozenset()
+  in_place = frozenset()  # Nothing is read where it lives.
 
   @staticmethod
   def cutting(body):
@@ -201,16 +201,17 @@ class Sharded:
         gradient, shape = gradients[k], self.shapes[k]
         if k in self.tables:  # Its shards' own: the join's reached them.
           cuts.extend(next(looked_up) for _ in range(where.stop - where.start))
+        elif k in self.splits:  # Its blocks', and a whole read's if any.
+          blocks_cut = next(blocks)
+          cuts.extend(blocks_cut if gradient is None else [
+              g if b is None else g + b
+              for g, b in zip(cut(parts, gradient), blocks_cut)])
         elif parts is None:
           cuts.append(gradient)
         elif gradient is None:
-          cuts.extend(next(blocks) if k in self.splits else
-                      [None] * (where.stop - where.start))
+          cuts.extend([None] * (where.stop - where.start))
         elif isinstance(gradient, tf.IndexedSlices):
           cuts.extend(cut_slices(parts, gradient, shape))
-        elif k in self.splits:  # Read whole too: both reads' gradients.
-          cuts.extend(g if b is None else g + b
-                      for g, b in zip(cut(parts, gradient), next(blocks)))
         else:
           cuts.extend(cut(parts, gradient))
     return cuts

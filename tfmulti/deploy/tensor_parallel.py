@@ -29,18 +29,24 @@ back, and each device holds its part of the block's activations. The
 joined output is only a name for its parts: no op runs it unless
 another layer reads it whole.
 
-The gradient needs nothing of its own: the tape watches each block where
+Each part runs under a custom gradient (`on`) that takes its backward
+pass on the part's device too: a tape makes each op's gradient where the
+gradient is taken, the clone's device. The tape watches each block where
 it is joined, and the storage cuts each block's gradient into its shards'
-pieces there (`sharding`). Row-parallel layers add their partial sums in
-another order than one device's product (equal to round-off, not to the
-bit), so `reproducible_rows` joins the kernels instead. A layer with
-LoRA, quantized, a subclass with its own `call`, sparse inputs, or a
+pieces there (`sharding`). Elementwise ops replayed on parts are
+differentiated as ops: a custom gradient of theirs (`tf.nn.silu`'s,
+which saves memory) gives way to their own, equal to round-off.
+Row-parallel layers add their partial sums in another order than one
+device's product (equal to round-off, not to the bit), so
+`reproducible_rows` joins the kernels instead. A layer with LoRA,
+quantized, a subclass with its own `call`, sparse inputs, or a
 kernel split along two compute axes is computed whole (joined).
 """
 
 import contextlib
 import functools
 import inspect
+import re
 
 import keras
 import numpy as np
@@ -49,6 +55,7 @@ import tensorflow as tf
 # The name scope of each part's ops, forward and backward (`on`): what
 # crosses into or out of it is a split layer's activations (`traffic`).
 SCOPE = 'tensor_parallel'
+_IN_SCOPE = re.compile(rf'(^|/){SCOPE}(_\d+)?/')
 
 # One-output ops whose output at a position reads only that position of
 # each input (broadcast aside): a part of their output is made from the
@@ -66,6 +73,12 @@ ELEMENTWISE_ACTIVATIONS = frozenset((
     'swish', 'sigmoid', 'hard_sigmoid', 'hard_silu', 'hard_swish', 'tanh',
     'softplus', 'softsign', 'exponential', 'mish', 'celu', 'sparse_plus',
     'squareplus', 'tanh_shrink', 'hard_tanh', 'soft_shrink', 'hard_shrink'))
+
+
+def in_scope(name):
+  """Whether the op named `name` is one of a part's (`SCOPE`, which
+  TensorFlow numbers on each use)."""
+  return bool(_IN_SCOPE.search(name))
 
 
 def layers(model, axes_of, compute_axes):
@@ -144,7 +157,7 @@ def _call(layer, dim, blocks, homes, parts):
            for x, kernel, home in zip(pieces, blocks, homes)]))
     axis = axis_of(outputs_spec, label, _rank(inputs, inputs_spec,
                                               outputs_spec))
-    if _activation(layer) not in ELEMENTWISE_ACTIVATIONS:  # Softmax.
+    if _activation(layer) not in ELEMENTWISE_ACTIVATIONS:  # A softmax.
       return _finished(layer, tf.concat(
           [on(home, part, x, kernel)
            for x, kernel, home in zip(pieces, blocks, homes)], axis))
@@ -165,8 +178,9 @@ def _rank(inputs, inputs_spec, outputs_spec):
 
 
 def _activation(layer):
-  """The name of `layer`'s activation ('linear' for none)."""
-  return getattr(layer.activation, '__name__', None) or 'linear'
+  """The name of `layer`'s activation, None for one without (a layer, a
+  partial): not known to act elementwise."""
+  return getattr(layer.activation, '__name__', None)
 
 
 def _bias_parts(layer, axis, count):
@@ -191,7 +205,8 @@ def on(home, fn, *inputs):
   """`fn(*inputs)` run on `home`, and its gradient made there too: a tape
   makes each op's gradient on the device current where the gradient is
   taken (the clone's), which would run every part's backward pass on the
-  clone. Eager ops (no tape to steer) run on `home` alone."""
+  clone. Eagerly (the towers' step is always traced) the forward runs on
+  `home` and the backward where the tape's gradient is taken."""
   if tf.executing_eagerly():
     with tf.device(home), tf.name_scope(SCOPE):
       return fn(*inputs)
@@ -257,12 +272,19 @@ class Parts:
     self._made[tensor.ref()] = (axis, made, homes)
     return made
 
-  def _chain(self, tensor, axis, homes):
+  def _chain(self, tensor, axis, homes, seen=None):
     """(steps, leaves) that make `tensor`'s parts elementwise: the
     elementwise tensors on the way ({ref: tensor}, inputs first) and
     what they start from ({ref: ('parts', known parts) | ('whole', a
     tensor each part reads whole, broadcast) | ('split', a tensor to
-    split)}); None where `tensor` is not made elementwise."""
+    split)}); None where `tensor` is not made elementwise. `seen`: the
+    chains found so far (a tensor two ops read is walked once)."""
+    seen = {} if seen is None else seen
+    if tensor.ref() not in seen:
+      seen[tensor.ref()] = self._walked(tensor, axis, homes, seen)
+    return seen[tensor.ref()]
+
+  def _walked(self, tensor, axis, homes, seen):
     known = self._made.get(tensor.ref())
     if known is not None:
       if known[0] != axis or known[2] != homes:
@@ -283,7 +305,7 @@ class Parts:
       if x.shape.rank < -axis or x.shape[axis] == 1:  # Broadcast.
         leaves[x.ref()] = ('whole', x)
       else:
-        found = self._chain(x, axis, homes)
+        found = self._chain(x, axis, homes, seen)
       if found is not None:
         steps.update(found[0])
         leaves.update(found[1])

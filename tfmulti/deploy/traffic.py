@@ -75,7 +75,7 @@ def _kind(tensor, reader):
       tensor.op.name):
     return 'variables'
   if 'sum_gradients' not in reader.name and any(
-      f'/{tensor_parallel.SCOPE}/' in f'/{name}'
+      tensor_parallel.in_scope(name)
       for name in (tensor.op.name, reader.name)):
     return 'activations'
   if 'gradient' in tensor.op.name or 'sum_gradients' in reader.name:
