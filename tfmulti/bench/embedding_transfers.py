@@ -15,14 +15,12 @@ target: at most 1.1 x the touched rows' bytes a clone a step.
 """
 
 import argparse
-import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfmulti import devices
-from tfmulti import errors
 from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
 from tfmulti.deploy import placement
@@ -104,12 +102,10 @@ def parser():
 
 def main(argv=None):
   args = parser().parse_args(argv)
-  try:
-    for name in ('vocab', 'width', 'tokens', 'num_clones', 'rows_per_clone'):
-      errors.check_count(name, getattr(args, name), 1)
-    devices.create_logical_cpus(args.num_clones + 1)  # And the host.
-  except errors.UserError as e:
-    sys.exit(f'python -m tfmulti.bench.embedding_transfers: error: {e}')
+  flags.on_logical_cpus(
+      'python -m tfmulti.bench.embedding_transfers', args,
+      ('vocab', 'width', 'tokens', 'num_clones', 'rows_per_clone'),
+      args.num_clones + 1)  # And the host.
   report = run(args)
   bench.emit(report, format_report(report), args.output)
 

@@ -5,10 +5,17 @@ Each benchmark's parser declares only its own flags and takes these from
 flag has one spelling, type and help. A benchmark picks the shared flags
 it takes and gives their defaults, which differ (LeNet for the quick
 ones, ResNet-50 for the transfers, 4 clones where the spread shows).
+`on_logical_cpus` checks a graph-reading benchmark's counts and makes its
+devices, in that order.
 """
 
 import argparse
+import sys
 
+import tensorflow as tf
+
+from tfmulti import devices
+from tfmulti import errors
 from tfmulti import models
 
 # What a benchmark's --model takes, and so how it is checked.
@@ -58,3 +65,19 @@ def shared(*, model=None, model_names=REGISTERED, num_clones=None,
   if output:
     parent.add_argument('--output', help='write the report here as JSON')
   return parent
+
+
+def on_logical_cpus(prog, args, counts, cpus, check=None):
+  """Checks `args` before any device is made (each flag named in `counts`
+  an integer of at least 1, then `check(args)`, which raises
+  `errors.UserError`), then makes `cpus` logical CPUs with soft placement
+  off. A bad value exits with one line: 'PROG: error: ...'."""
+  try:
+    for name in counts:
+      errors.check_count(name, getattr(args, name), 1)
+    if check is not None:
+      check(args)
+    devices.create_logical_cpus(cpus)
+    tf.config.set_soft_device_placement(False)
+  except errors.UserError as e:
+    sys.exit(f'{prog}: error: {e}')

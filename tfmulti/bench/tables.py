@@ -26,7 +26,6 @@ by device:
 
 import argparse
 import collections
-import sys
 
 import keras
 import numpy as np
@@ -144,23 +143,23 @@ def parser():
   return p
 
 
+def _check(args):
+  if args.num_clones < 2:
+    raise errors.ConfigError(
+        f'--num_clones={args.num_clones}: a table split over one device '
+        'moves nothing; give 2 or more.')
+  if args.vocab % args.num_clones:
+    raise errors.ConfigError(
+        f'--vocab={args.vocab} does not split into --num_clones='
+        f'{args.num_clones} equal shards; give a multiple of it.')
+
+
 def main(argv=None):
   args = parser().parse_args(argv)
-  try:
-    for name in ('vocab', 'width', 'tokens', 'num_clones', 'rows_per_clone'):
-      errors.check_count(name, getattr(args, name), 1)
-    if args.num_clones < 2:
-      raise errors.ConfigError(
-          f'--num_clones={args.num_clones}: a table split over one device '
-          'moves nothing; give 2 or more.')
-    if args.vocab % args.num_clones:
-      raise errors.ConfigError(
-          f'--vocab={args.vocab} does not split into --num_clones='
-          f'{args.num_clones} equal shards; give a multiple of it.')
-    devices.create_logical_cpus(args.num_clones)
-    tf.config.set_soft_device_placement(False)
-  except errors.UserError as e:
-    sys.exit(f'python -m tfmulti.bench.tables: error: {e}')
+  flags.on_logical_cpus(
+      'python -m tfmulti.bench.tables', args,
+      ('vocab', 'width', 'tokens', 'num_clones', 'rows_per_clone'),
+      args.num_clones, _check)
   report = run(args)
   bench.emit(report, format_report(report), args.output)
 

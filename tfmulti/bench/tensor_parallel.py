@@ -31,7 +31,6 @@ traced step, and from one device's on the whole batch, it counts:
 
 import argparse
 import collections
-import sys
 
 import keras
 import numpy as np
@@ -177,30 +176,30 @@ def parser():
   return p
 
 
+def _check(args):
+  if args.num_clones < 4 or args.num_clones % 2:
+    raise errors.ConfigError(
+        f'--num_clones={args.num_clones}: the mesh is (2, N/2); give an '
+        'even count of 4 or more.')
+  if args.hidden % (args.num_clones // 2) or args.width % 2:
+    raise errors.ConfigError(
+        f'--hidden={args.hidden} --width={args.width}: the hidden width '
+        'splits over N/2 devices and the width over 2; give multiples.')
+  part = args.hidden // (args.num_clones // 2)
+  if len({args.width, args.rows_per_clone, FEATURES, part}) < 4:
+    raise errors.ConfigError(
+        f'--rows_per_clone={args.rows_per_clone} --width={args.width} '
+        f'--hidden={args.hidden}: the report tells tensors by their '
+        'shape; give rows, a width and a hidden part (hidden / (N/2)) '
+        f'other than each other and {FEATURES}.')
+
+
 def main(argv=None):
   args = parser().parse_args(argv)
-  try:
-    for name in ('blocks', 'width', 'hidden', 'rows_per_clone'):
-      errors.check_count(name, getattr(args, name), 1)
-    if args.num_clones < 4 or args.num_clones % 2:
-      raise errors.ConfigError(
-          f'--num_clones={args.num_clones}: the mesh is (2, N/2); give an '
-          'even count of 4 or more.')
-    if args.hidden % (args.num_clones // 2) or args.width % 2:
-      raise errors.ConfigError(
-          f'--hidden={args.hidden} --width={args.width}: the hidden width '
-          'splits over N/2 devices and the width over 2; give multiples.')
-    part = args.hidden // (args.num_clones // 2)
-    if len({args.width, args.rows_per_clone, FEATURES, part}) < 4:
-      raise errors.ConfigError(
-          f'--rows_per_clone={args.rows_per_clone} --width={args.width} '
-          f'--hidden={args.hidden}: the report tells tensors by their '
-          'shape; give rows, a width and a hidden part (hidden / (N/2)) '
-          f'other than each other and {FEATURES}.')
-    devices.create_logical_cpus(args.num_clones)
-    tf.config.set_soft_device_placement(False)
-  except errors.UserError as e:
-    sys.exit(f'python -m tfmulti.bench.tensor_parallel: error: {e}')
+  flags.on_logical_cpus(
+      'python -m tfmulti.bench.tensor_parallel', args,
+      ('blocks', 'width', 'hidden', 'rows_per_clone'), args.num_clones,
+      _check)
   report = run(args)
   bench.emit(report, format_report(report), args.output)
 
