@@ -135,6 +135,7 @@ def test_a_row_sharded_table_trains_as_one_device_under_adam():
   _assert_trains_as_one_device(('model', None), 'adam')
 
 
+@pytest.mark.slow
 def test_a_table_no_layout_splits_is_looked_up_where_it_lives():
   """Table-wise: a table left whole lives on one device, and each clone
   looks its ids up there (one device's training), never reading it whole:
@@ -183,7 +184,8 @@ def test_a_table_read_whole_too_trains_as_one_device():
   _assert_trains_as_one_device(('model', None), 'adam', tied=True)
 
 
-@pytest.mark.parametrize('packs', [0, 'auto'])
+@pytest.mark.parametrize('packs', [
+    0, pytest.param('auto', marks=pytest.mark.slow)])
 def test_no_clone_joins_a_looked_up_table(packs):
   """Read from the traced step: of the ops it runs, none makes a tensor
   of the whole table's shape; each shard's rows leave its device only as
@@ -291,6 +293,7 @@ def test_a_looked_up_table_places_on_gpus_with_every_kernel():
   assert all(r.held_bytes < 2 * quarter for r in gpus.values())
 
 
+@pytest.mark.slow
 def test_predict_looks_the_table_up_too():
   """Inference reads the table where it lives as the step does: the
   plain model's outputs, and no whole table on any device."""

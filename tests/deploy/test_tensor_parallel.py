@@ -101,10 +101,16 @@ def _assert_trains_as_one_device(make, layouts, sequence=False,
   return towers
 
 
-def test_a_gated_feed_forward_block_trains_as_one_device():
-  towers = _assert_trains_as_one_device(lambda: _model(gated=True),
-                                        FEED_FORWARD)
-  splits = towers.towers.parts.storage.splits
+@pytest.fixture(scope='module')
+def gated():
+  """A gated block trained by Llama's feed-forward map, checked equal to
+  plain `fit` (the two quick tests read one training)."""
+  return _assert_trains_as_one_device(lambda: _model(gated=True),
+                                      FEED_FORWARD)
+
+
+def test_a_gated_feed_forward_block_trains_as_one_device(gated):
+  splits = gated.towers.parts.storage.splits
   assert sorted(layer.name for layer, *_ in splits.values()) == [
       'down', 'gate', 'up']
 
@@ -139,7 +145,7 @@ def test_einsum_dense_by_heads_trains_as_one_device():
       sequence=True)
 
 
-def test_a_split_blocks_activations_never_meet_on_one_device():
+def test_a_split_blocks_activations_never_meet_on_one_device(gated):
   """Read from the traced step: of the ops it runs, none makes a matrix
   of the hidden width (each device's parts are half of it: activations,
   kernels and their gradients; the bias, which the map leaves whole, is
@@ -147,11 +153,8 @@ def test_a_split_blocks_activations_never_meet_on_one_device():
   block's product runs on its device of the clone's mesh row ((b, 0)
   and (b, 1) for clone (b, m)), and each clone adds the row-parallel
   partial sums on its own device."""
-  model = _model(gated=True)
-  towers = fit.TowersModel(model, _parallel(FEED_FORWARD))
-  _fit(towers, _data(), epochs=1)
   x, y = _data()
-  graph = towers.towers.traced_step(tf.constant(x[:16]),
+  graph = gated.towers.traced_step(tf.constant(x[:16]),
                                     (tf.constant(y[:16]),)).graph
   runs = peaks.reachable(graph)
   ran = [op for op in graph.get_operations() if op.name in runs]
@@ -177,6 +180,7 @@ def test_a_split_blocks_activations_never_meet_on_one_device():
   assert (4, FEATURES) in crossing  # The rows, to each block's device.
 
 
+@pytest.mark.slow
 def test_predict_computes_the_blocks_too():
   model = _model(gated=True)
   towers = fit.TowersModel(model, _parallel(FEED_FORWARD))
@@ -206,6 +210,7 @@ def test_a_column_parallel_layer_gives_keras_outputs(activation):
     np.testing.assert_allclose(outputs, want, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_reproducible_rows_join_the_kernels():
   """Row-parallel partial sums round otherwise than one product: under
   `reproducible_rows` (the same bits on every layout) nothing splits."""
@@ -215,6 +220,7 @@ def test_reproducible_rows_join_the_kernels():
   assert not towers.towers.parts.storage.splits
 
 
+@pytest.mark.slow
 def test_a_split_layer_places_on_gpus_with_every_kernel():
   """Traced for 4 GPUs (none here: `plans.planning`): each op of the
   split blocks and their parts has a GPU kernel for its dtypes."""
