@@ -137,26 +137,33 @@ class Sharded:
     watch(whole)
     return whole, whole + in_place, _in_place(tables, blocks)
 
+  def _split_kernels(self):
+    """(k, where, rest, [(home, members)]) of each split kernel: its
+    index, its slice of `variables`, its parts with the compute
+    dimension whole, and for each block its device in the current
+    clone's mesh row along the compute axis and the positions (in
+    `variables[where]`) of the shards it joins."""
+    here = self._here()
+    for k, parts, where in self._spans():
+      if k in self.splits:
+        _, dim, axis = self.splits[k]
+        positions = mesh_layouts.blocks(parts)
+        yield k, where, parts[:dim] + (1,) + parts[dim + 1:], [
+            (home, [i for i, block in enumerate(positions) if block[dim] == j])
+            for j, home in enumerate(self._homes(here, axis, parts[dim]))]
+
   def _blocks(self, values):
     """(split, homes, blocks) of each split kernel: its blocks, each
     joined (over the batch axis, where its layout splits that too) on
     its device of the current clone's mesh row along the compute axis."""
-    here = self._here()
     found = []
-    for k, parts, where in self._spans():
-      if k not in self.splits:
-        continue
-      _, dim, axis = self.splits[k]
-      homes = self._homes(here, axis, parts[dim])
-      rest = parts[:dim] + (1,) + parts[dim + 1:]
+    for k, where, rest, blocks in self._split_kernels():
+      mine = values[where]
       joined = []
-      for j, home in enumerate(homes):
-        mine = [v for v, block in zip(values[where],
-                                      mesh_layouts.blocks(parts))
-                if block[dim] == j]
+      for home, members in blocks:
         with tf.device(home), tf.name_scope('gather_blocks'):
-          joined.append(join(rest, mine))
-      found.append((self.splits[k], homes, joined))
+          joined.append(join(rest, [mine[i] for i in members]))
+      found.append((self.splits[k], [home for home, _ in blocks], joined))
     return found
 
   def _homes(self, here, axis, count):
@@ -220,21 +227,15 @@ class Sharded:
     """For each split kernel, its shards' pieces of its blocks'
     `gradients` (None: a block its pass did not use), each block's cut
     where it was joined."""
-    gradients, here = iter(gradients), self._here()
-    for k, parts, where in self._spans():
-      if k not in self.splits:
-        continue
-      _, dim, axis = self.splits[k]
-      rest = parts[:dim] + (1,) + parts[dim + 1:]
-      positions = mesh_layouts.blocks(parts)
+    gradients = iter(gradients)
+    for _, where, rest, blocks in self._split_kernels():
       pieces = [None] * (where.stop - where.start)
-      for j, home in enumerate(self._homes(here, axis, parts[dim])):
+      for home, members in blocks:
         gradient = next(gradients)
         if gradient is None:
           continue
-        mine = [i for i, block in enumerate(positions) if block[dim] == j]
         with tf.device(home):
-          for i, piece in zip(mine, cut(rest, gradient)):
+          for i, piece in zip(members, cut(rest, gradient)):
             pieces[i] = piece
       yield pieces
 
