@@ -77,6 +77,10 @@ _LAYOUT_MAP = flags.DEFINE_string(
     "its backbone's: keras-hub's) or MODULE:FUNCTION, FUNCTION(device_mesh) "
     'returning a keras.distribution.LayoutMap (e.g. '
     'keras_hub.models:LlamaBackbone.get_layout_map).')
+_PLAN_TABLES = flags.DEFINE_bool(
+    'plan_tables', False, 'With --mesh_shape: lay out each Embedding table '
+    'the layout map does not name whole, by rows or by columns, balancing '
+    'the bytes each device holds and looks up (--layout_map optional).')
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 64, 'Examples per clone per step (as in slim); the global '
     'batch is batch_size * num_clones * workers.')
@@ -335,18 +339,20 @@ def _variables_device(value, variables_gpu):
   return None if variables_gpu is None else f'/device:GPU:{variables_gpu}'
 
 
-def _variable_layouts(shape, axes, layout_map, strategy):
-  """The `DeploymentConfig` value of --mesh_shape, --mesh_axes and
-  --layout_map: a `mesh_layouts.VariableLayouts`, or None without them."""
-  given = {'mesh_shape': shape, 'mesh_axes': axes, 'layout_map': layout_map}
+def _variable_layouts(shape, axes, layout_map, plan_tables, strategy):
+  """The `DeploymentConfig` value of --mesh_shape, --mesh_axes,
+  --layout_map and --plan_tables: a `mesh_layouts.VariableLayouts`, or
+  None without them."""
+  given = {'mesh_shape': shape, 'mesh_axes': axes,
+           'layout_map': layout_map or plan_tables}
   if not any(given.values()):
     return None
   if not all(given.values()):
     missing = ', '.join(f'--{k}' for k, v in given.items() if not v)
     raise errors.ConfigError(
         f'{missing} missing: a mesh needs its shape, its axis names and a '
-        'layout map, e.g. --mesh_shape=2,2 --mesh_axes=batch,model '
-        '--layout_map=model.')
+        'layout map or --plan_tables, e.g. --mesh_shape=2,2 '
+        '--mesh_axes=batch,model --layout_map=model.')
   if strategy != registry.TOWERS:
     raise errors.ConfigError(
         f'--mesh_shape with --strategy={strategy}: the towers shard '
@@ -355,9 +361,10 @@ def _variable_layouts(shape, axes, layout_map, strategy):
     raise errors.ConfigError(
         f'--mesh_shape={",".join(shape)}: give a device count an axis, '
         'e.g. 2,2.')
-  layouts = mesh_layouts.VariableLayouts(tuple(int(n) for n in shape),
-                                         tuple(axes), mesh_layouts.MODEL_OWN)
-  if layout_map == mesh_layouts.MODEL_OWN:
+  layouts = mesh_layouts.VariableLayouts(
+      tuple(int(n) for n in shape), tuple(axes),
+      mesh_layouts.MODEL_OWN if layout_map else (), plan_tables=plan_tables)
+  if layout_map in (None, mesh_layouts.MODEL_OWN):
     return layouts
   made = external.function_named(
       'layout_map', layout_map,
@@ -368,8 +375,9 @@ def _variable_layouts(shape, axes, layout_map, strategy):
         f'--layout_map={layout_map} returned {type(made).__name__}, not a '
         'keras.distribution.LayoutMap; return LayoutMap(device_mesh) with '
         'its keys set.')
-  return mesh_layouts.same_mesh(layouts, mesh_layouts.from_layout_map(made),
-                                layout_map)
+  return mesh_layouts.same_mesh(
+      layouts, mesh_layouts.from_layout_map(made, plan_tables=plan_tables),
+      layout_map)
 
 
 def _image_size(values):
@@ -593,7 +601,7 @@ def configs_from_flags():
       num_stages=_NUM_STAGES.value,
       variable_layouts=_variable_layouts(
           _MESH_SHAPE.value, _MESH_AXES.value, _LAYOUT_MAP.value,
-          train_config.strategy))
+          _PLAN_TABLES.value, train_config.strategy))
   train_config = job.keep_global_batch(train_config, deploy_config)
   return train_config, deploy_config, cluster_info
 
@@ -639,7 +647,8 @@ def main(argv):
 HELP_GROUPS = (
     ('Where the clones run', (
         'num_clones', 'clone_on_cpu', 'variables_device', 'mesh_shape',
-        'mesh_axes', 'layout_map', 'num_stages', 'strategy')),
+        'mesh_axes', 'layout_map', 'plan_tables', 'num_stages',
+        'strategy')),
     ('What trains, on what', (
         'model', 'weights', 'batch_norm_momentum', 'dataset', 'data_dir',
         'image_size', 'augment',

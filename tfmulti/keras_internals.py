@@ -50,6 +50,8 @@ The conventions read here:
   was built: TF's private `Operation._add_control_input`
   (`pipeline.backward.release` holds the ops of a split backward pass's
   weight gradients, built in B, until W's turn).
+* A layer records the input shape it was built on in its
+  `_build_shapes_dict` (functional or called eagerly alike).
 """
 
 import contextlib
@@ -450,6 +452,12 @@ def layout_map_of(distribution):
   """A `keras.distribution.ModelParallel`'s `LayoutMap` (Keras keeps it
   private)."""
   return distribution._layout_map
+
+
+def build_input_shape(layer):
+  """The input shape `layer` was built on (None: not known)."""
+  shapes = getattr(layer, '_build_shapes_dict', None) or {}
+  return shapes.get('input_shape')
 
 
 def slot_lists(optimizer):

@@ -54,12 +54,13 @@ def config_for(config):
   return DeploymentConfig(**clones_of(distribution))
 
 
-def from_model_parallel(distribution):
+def from_model_parallel(distribution, plan_tables=False):
   """One clone a device of `distribution`'s mesh (`clones_of`), its
-  variables laid out by its layout map."""
+  variables laid out by its layout map; with `plan_tables`, each plain
+  Embedding table it does not name laid out by `table_plan`."""
   return DeploymentConfig(
       **clones_of(distribution),
-      variable_layouts=mesh_layouts.from_keras(distribution))
+      variable_layouts=mesh_layouts.from_keras(distribution, plan_tables))
 
 
 def clones_of(distribution):

@@ -45,11 +45,15 @@ class VariableLayouts:
       `batch_dim_name`; None: the first, as Keras's default). A kernel
       dimension it names is storage alone; one another axis names is
       computed where its blocks live (`tensor_parallel`).
+    plan_tables: each plain Embedding table no rule names is laid out by
+      `table_plan` (whole, by rows or by columns), balancing the bytes
+      each device holds and looks up; False: whole, spread by bytes.
   """
   mesh_shape: tuple
   axis_names: tuple
   rules: tuple = ()
   batch_axis: str = None
+  plan_tables: bool = False
 
   def __post_init__(self):
     if self.batch_axis is None and self.axis_names:
@@ -170,21 +174,21 @@ def blocks(parts):
   return list(itertools.product(*(range(n) for n in parts)))
 
 
-def from_keras(distribution):
+def from_keras(distribution, plan_tables=False):
   """The `VariableLayouts` of a `keras.distribution.ModelParallel`: its
-  mesh and its layout map's rules."""
+  mesh and its layout map's rules (and `plan_tables`)."""
   return from_layout_map(keras_internals.layout_map_of(distribution),
-                         distribution.batch_dim_name)
+                         distribution.batch_dim_name, plan_tables)
 
 
-def from_layout_map(layout_map, batch_axis=None):
+def from_layout_map(layout_map, batch_axis=None, plan_tables=False):
   """The `VariableLayouts` of a `keras.distribution.LayoutMap`: its mesh
   and its rules, each key with the axes Keras stored."""
   mesh = layout_map.device_mesh
   return VariableLayouts(
       tuple(mesh.shape), tuple(mesh.axis_names),
       tuple((key, tuple(layout_map[key].axes)) for key in layout_map),
-      batch_axis)
+      batch_axis, plan_tables)
 
 
 def resolved(layouts, model):
@@ -211,8 +215,8 @@ def resolved(layouts, model):
         f'axes {layouts.axis_names} failed ({str(e).splitlines()[0]}); '
         "name the mesh's axes as it names them (keras-hub: batch, "
         'model).') from None
-  return same_mesh(layouts, from_layout_map(layout_map, layouts.batch_axis),
-                   'model')
+  return same_mesh(layouts, from_layout_map(
+      layout_map, layouts.batch_axis, layouts.plan_tables), 'model')
 
 
 def same_mesh(layouts, made, source):

@@ -40,6 +40,7 @@ from tfmulti import keras_internals
 from tfmulti import pieces
 from tfmulti.deploy import lookups
 from tfmulti.deploy import mesh_layouts
+from tfmulti.deploy import table_plan
 from tfmulti.deploy import tensor_parallel
 
 # Optimizers whose update of an element reads only that element's gradient
@@ -389,6 +390,8 @@ def storage_of(config, model, optimizer, split_compute=True):
     logging.warning(
         'layout map keys matching no variable of %r (its paths start as '
         '%r): %s', model.name, model.variables[0].path, unmatched)
+  choices = _planned(layouts, model, optimizer, plan)
+  plan.update({k: c.axes for k, c in choices.items() if c.axes})
   _join_all(model, config.compute_devices()[0], keep=plan)
   held = dict.fromkeys(config.compute_devices(), 0)
   variables, grids, sharded = [], [], []
@@ -399,16 +402,15 @@ def storage_of(config, model, optimizer, split_compute=True):
       grids.append(None)
       continue
     parts = mesh_layouts.grid(layouts, axes)
-    shards = _shard(config, layouts, variable, axes, parts, held)
+    shards = _shard(config, layouts, variable, axes, parts, held,
+                    choices.get(id(variable)))
     keras_internals.exclude_alike(optimizer, variable, shards)
     variables.extend(shards)
     grids.append(parts)
     sharded.append((variable, parts, shards))
-  whole = [v for v in model.variables if id(v) not in plan]
-  for variable in sorted(whole, key=devices.variable_bytes, reverse=True):
-    device = min(held, key=held.__getitem__)
-    _move(variable, device)
-    held[device] += devices.variable_bytes(variable)
+  _spread([v for v in model.variables if id(v) not in plan], held,
+          {k: config.clone_device(c.homes[0]) for k, c in choices.items()
+           if c.axes is None})
   logging.info('Variables sharded by their layouts: %d of %d; bytes a '
                'device: %s.', len(plan), len(model.variables),
                sorted(held.values()))
@@ -424,6 +426,32 @@ def storage_of(config, model, optimizer, split_compute=True):
        for k, v in enumerate(trainable) if id(v) in split},
       (layouts.mesh_shape, [config.clone_device(i)
                             for i in range(layouts.num_devices)]))
+
+
+def _planned(layouts, model, optimizer, named):
+  """{id(table): `table_plan.Choice`} of each plain Embedding table that
+  no rule names (`named`), planned where `layouts.plan_tables`; logged.
+  Whole alone where the optimizer cannot update shards (`_refusal`)."""
+  if not layouts.plan_tables:
+    return {}
+  tables = table_plan.tables_of(model, named)
+  choices = table_plan.plan(list(tables.values()), layouts,
+                            may_split=_refusal(optimizer) is None)
+  for table in tables.values():
+    logging.info('table %s: %s', table.path,
+                 choices[table.path].describe(layouts))
+  return {key: choices[table.path] for key, table in tables.items()}
+
+
+def _spread(whole, held, homes):
+  """Each of the variables `whole` moved to its device in `homes` (by id)
+  or, largest first, to the device of `held` (bytes, counted in) holding
+  the least."""
+  for variable in sorted(whole, key=lambda v: (
+      id(v) not in homes, -devices.variable_bytes(v))):
+    device = homes.get(id(variable)) or min(held, key=held.__getitem__)
+    _move(variable, device)
+    held[device] += devices.variable_bytes(variable)
 
 
 def stored_variables(deployed):
@@ -479,32 +507,44 @@ def check(layouts, model, optimizer):
           'constraint (or overwritten by its gradient), which Keras applies '
           'to the whole; leave it replicated, or drop the constraint.')
     plan[id(variable)] = axes
+  refusal = _refusal(optimizer)
+  if plan and refusal:
+    raise refusal
+  return plan
+
+
+def _refusal(optimizer):
+  """The error that says why `optimizer` cannot update shards as one
+  device updates the whole (an update that reads a whole variable,
+  per-variable `clipnorm`, or one built already), or None."""
   inner = getattr(optimizer, 'inner_optimizer', optimizer)
-  if plan and not isinstance(inner, ELEMENTWISE):
-    raise errors.UnsupportedError(
+  if not isinstance(inner, ELEMENTWISE):
+    return errors.UnsupportedError(
         f'optimizer {type(inner).__name__}: its update reads whole '
         'variables, so sharded variables would train otherwise; use an '
         'elementwise one (' +
         ', '.join(o.__name__ for o in ELEMENTWISE) + ').')
-  if plan and getattr(inner, 'clipnorm', None):
-    raise errors.UnsupportedError(
+  if getattr(inner, 'clipnorm', None):
+    return errors.UnsupportedError(
         f'clipnorm={inner.clipnorm}: it clips each variable by its own norm, '
         'which a shard does not know; use global_clipnorm.')
-  if plan and optimizer.built:
-    raise errors.ConfigError(
+  if optimizer.built:
+    return errors.ConfigError(
         'the optimizer is built already (its slots hold whole variables): '
         'pass an optimizer not yet used; the towers build it on the shards.')
-  return plan
+  return None
 
 
-def _shard(config, layouts, variable, axes, parts, held):
-  """`variable`'s shards as Keras variables, each on the least-loaded
-  device of those its layout allows; the variable stored in them."""
+def _shard(config, layouts, variable, axes, parts, held, choice=None):
+  """`variable`'s shards as Keras variables, each on the device `choice`
+  (a `table_plan.Choice`) gives it, else on the least-loaded device of
+  those its layout allows; the variable stored in them."""
   shards = []
   values = cut(parts, tf.convert_to_tensor(variable))
-  for block, value in zip(mesh_layouts.blocks(parts), values):
-    candidates = [config.clone_device(i)
-                  for i in layouts.candidates(axes, block)]
+  for k, (block, value) in enumerate(zip(mesh_layouts.blocks(parts),
+                                         values)):
+    candidates = [config.clone_device(i) for i in (
+        [choice.homes[k]] if choice else layouts.candidates(axes, block))]
     device = min(candidates, key=held.__getitem__)
     with tf.init_scope(), tf.device(device):
       storage = tf.Variable(value, trainable=True, name=variable.name)

@@ -1,0 +1,117 @@
+"""Tables planned whole, by rows or by columns: each device within 1.1x an
+even share of the bytes held and looked up, tables split only where
+balance needs it, and a planned DLRM training as one device."""
+
+import keras
+import numpy as np
+import pytest
+
+from tfmulti import devices
+from tfmulti import fit
+from tfmulti.deploy import keras_distribution
+from tfmulti.deploy import mesh_layouts
+from tfmulti.deploy import sharding
+from tfmulti.deploy import table_plan
+from tests.deploy.test_lookups import _clicks
+from tests.deploy.test_lookups import _dlrm
+
+MESH_4 = mesh_layouts.VariableLayouts((4,), ('model',))
+MESH_2_2 = mesh_layouts.VariableLayouts((2, 2), ('batch', 'model'))
+# A big table, then small ones of one id an example: the big one's bytes
+# need all four devices; the small ones' lookups fill them whole, one a
+# device, and the rest split: by rows, or by columns where 4 does not
+# divide the rows (50).
+SIZES = (100_000, 1000, 100, 100, 100, 100, 100, 50)
+
+
+def _tables(sizes=SIZES, width=16, ids=1):
+  return [table_plan.Table(f'table_{i}/embeddings', (rows, width), ids)
+          for i, rows in enumerate(sizes)]
+
+
+def test_a_table_splits_only_where_balance_needs_it():
+  tables = _tables()
+  choices = table_plan.plan(tables, MESH_4)
+  got = [choices[t.path].axes for t in tables]
+  assert got == [('model', None), None, None, None, None,
+                 ('model', None), ('model', None), (None, 'model')]
+  # The whole ones, one a device.
+  assert sorted(choices[t.path].homes[0] for t in tables[1:5]) == [0, 1, 2, 3]
+  held, looked = table_plan.peak(tables, choices, MESH_4)
+  assert held <= table_plan.TARGET and looked <= table_plan.TARGET
+
+
+def test_equal_tables_go_whole_one_a_device():
+  tables = _tables((64, 64, 64, 64))
+  choices = table_plan.plan(tables, MESH_4)
+  assert [choices[t.path] for t in tables] == [
+      table_plan.Choice(None, (d,)) for d in range(4)]
+  assert table_plan.peak(tables, choices, MESH_4) == (1.0, 1.0)
+
+
+def test_a_table_split_over_a_2d_mesh_takes_the_fewest_devices():
+  """Two equal tables on a (2, 2) mesh: each by rows over one axis, on
+  the two devices the other one leaves."""
+  tables = _tables((1024, 1024))
+  choices = table_plan.plan(tables, MESH_2_2)
+  homes = [set(choices[t.path].homes) for t in tables]
+  assert [len(h) for h in homes] == [2, 2] and not homes[0] & homes[1]
+  assert table_plan.peak(tables, choices, MESH_2_2) == (1.0, 1.0)
+
+
+def test_without_splits_every_table_stays_whole():
+  choices = table_plan.plan(_tables(), MESH_4, may_split=False)
+  assert all(c.axes is None for c in choices.values())
+
+
+def test_lookups_come_from_the_layer_input_shape():
+  keras.utils.set_random_seed(0)
+  ids = keras.Input((20,), dtype='int32')
+  x = keras.layers.Embedding(64, 8, name='seq')(ids)
+  model = keras.Model(ids, keras.layers.Dense(1)(x))
+  [table] = table_plan.tables_of(model, skip=()).values()
+  assert table == table_plan.Table('seq/embeddings', (64, 8), 20)
+
+
+def test_a_choice_says_where_each_shard_lives():
+  assert (table_plan.Choice(('model', None), (0, 1)).describe(MESH_4)
+          == 'by rows over model on devices 0, 1')
+  assert table_plan.Choice(None, (3,)).describe(MESH_4) == (
+      'whole on device 3')
+
+
+def _train(model):
+  model.compile(optimizer=keras.optimizers.Adagrad(0.05),
+                loss=keras.losses.BinaryCrossentropy(from_logits=True))
+  return model.fit(*_clicks(sizes=SIZES), batch_size=16, epochs=2,
+                   shuffle=False, verbose=0).history['loss']
+
+
+@pytest.mark.slow
+def test_a_planned_dlrm_trains_as_one_device_where_planned():
+  """Through `fit` with Keras's ModelParallel and no rules: the plan's
+  tables, each shard (or whole table) on the device the plan names, read
+  from the variables; Adagrad: equal to plain `fit` on one device."""
+  want = _train(plain := _dlrm(SIZES))
+  mesh = keras.distribution.DeviceMesh(
+      (4,), ['model'], keras.distribution.list_devices()[:4])
+  config = keras_distribution.from_model_parallel(
+      keras.distribution.ModelParallel(
+          layout_map=keras.distribution.LayoutMap(mesh),
+          batch_dim_name='model'), plan_tables=True)
+  model = _dlrm(SIZES)
+  towers = fit.TowersModel(model, config)
+  np.testing.assert_allclose(_train(towers), want, rtol=1e-5)
+  for g, w in zip(model.weights, plain.weights):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
+  tables = list(table_plan.tables_of(plain, skip=()).values())
+  choices = table_plan.plan(tables, config.variable_layouts)
+  stored = {v.path: devices.canonical(devices.device_of(v))
+            for v in towers.towers.parts.storage.variables}
+  for table in tables:
+    choice = choices[table.path]
+    paths = ([table.path] if choice.axes is None else [
+        sharding.shard_path(table.path, block) for block in
+        mesh_layouts.blocks(mesh_layouts.grid(MESH_4, choice.axes))])
+    assert [stored[p] for p in paths] == [
+        devices.canonical(config.clone_device(d)) for d in choice.homes]

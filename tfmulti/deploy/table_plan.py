@@ -1,0 +1,157 @@
+"""Where each embedding table lives, planned: whole, by rows or by columns.
+
+A recommender's tables differ by orders of magnitude, in rows and in the
+ids a step looks up. Under `VariableLayouts(plan_tables=True)`
+(`--plan_tables`) the towers plan each plain Embedding table the layout
+map does not name, as TorchRec's planner does, balancing two loads over
+the mesh's devices: the bytes of the tables each holds, and the bytes it
+looks up a step (each id's row, or its shard's piece of the row).
+
+A table whole on one device (table-wise) takes each clone's ids once and
+gathers them in one op; split, each clone's ids are partitioned over its
+shards (by rows), or sent to every shard (by columns). So the planner
+splits only where balance needs it. Largest first (by the larger of its
+two loads), each table goes:
+
+1. whole, to the device that keeps the busiest lowest, if every device
+   then stays within `TARGET` times an even share of both loads;
+2. else over the fewest devices that keep them within it, by rows before
+   columns (a column split sends every id to each shard);
+3. else split the way that keeps the busiest device lowest.
+
+Each shard goes to the device, of those its layout allows
+(`VariableLayouts.candidates`), that keeps the busiest lowest. A table's
+lookups are estimated from its layer's input shape (the ids an example
+gives: 20 for an input of shape (None, 20)), spread evenly over its rows:
+ids skewed to popular rows, as clicks are, load the shard of those rows
+more than the plan counts. The optimizer's slots scale every table alike,
+so they do not move the plan.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from tfmulti import keras_internals
+from tfmulti.deploy import lookups
+from tfmulti.deploy import mesh_layouts
+
+TARGET = 1.1  # The busiest device's load, over an even share.
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """What the planner knows of a table: its path, its (rows, width), and
+  the ids an example looks up in it."""
+  path: str
+  shape: tuple
+  ids: int
+
+  def loads(self):
+    """(bytes held, bytes looked up an example), whole."""
+    rows, width = self.shape
+    return np.array([rows * width * 4, self.ids * width * 4], float)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """A table's plan: its layout's `axes` (None: whole) and the flat mesh
+  index of the device of each shard, in row-major order."""
+  axes: tuple
+  homes: tuple
+
+  def describe(self, layouts):
+    """'whole on device 2', 'by rows over model on devices 0, 1, 2, 3'."""
+    on = ', '.join(map(str, self.homes))
+    if self.axes is None:
+      return f'whole on device {on}'
+    rows, columns = self.axes
+    how = ' and '.join(f'by {what} over {axis}' for what, axis in (
+        ('rows', rows), ('columns', columns)) if axis)
+    return f'{how} on devices {on}'
+
+
+def plan(tables, layouts, may_split=True):
+  """{path: `Choice`} for `tables` (`Table`s) over `layouts`' mesh, by
+  the rules of the module; whole tables alone unless `may_split`."""
+  n = layouts.num_devices
+  totals = np.maximum(sum(t.loads() for t in tables), 1)
+  loads = np.zeros((n, 2))  # Each device's loads, x an even share.
+  chosen = {}
+  for table in sorted(tables, key=lambda t: -max(t.loads() / totals)):
+    weight = table.loads() / totals * n
+    options = [_placed(axes, weight, loads, layouts)
+               for axes in _layouts(table.shape, layouts, may_split)]
+    fits = [option for option in options if option[0] <= TARGET]
+    _, choice, added = fits[0] if fits else min(options,
+                                                key=lambda o: o[0])
+    loads += added
+    chosen[table.path] = choice
+  return chosen
+
+
+def peak(tables, choices, layouts):
+  """The busiest device's (bytes held, bytes looked up) under `choices`,
+  each over an even share."""
+  n = layouts.num_devices
+  totals = np.maximum(sum(t.loads() for t in tables), 1)
+  loads = np.zeros((n, 2))
+  for table in tables:
+    homes = choices[table.path].homes
+    for home in homes:
+      loads[home] += table.loads() / totals * n / len(homes)
+  return tuple(loads.max(axis=0))
+
+
+def _layouts(shape, layouts, may_split):
+  """Whole, then each layout that splits `shape` over the mesh's axes
+  evenly: by the fewest parts, rows before columns."""
+  options = [None]
+  axes = [a for a in layouts.axis_names if layouts.parts_of(a) > 1]
+  for rows in (None, *axes) if may_split else ():
+    for columns in (None, *axes):
+      split = (rows, columns)
+      if (rows or columns) and rows != columns and all(
+          dim % layouts.parts_of(axis) == 0
+          for dim, axis in zip(shape, split)):
+        options.append(split)
+  return sorted(options, key=lambda split: (
+      math.prod(mesh_layouts.grid(layouts, split)) if split else 1,
+      split is not None and split[0] is None))
+
+
+def _placed(axes, weight, loads, layouts):
+  """(the busiest device's load, the `Choice`, the loads it adds) of a
+  table of `weight` laid out by `axes`, each shard where it keeps the
+  busiest lowest."""
+  parts = mesh_layouts.grid(layouts, axes) if axes else (1, 1)
+  share = weight / math.prod(parts)
+  added = np.zeros_like(loads)
+  homes = []
+  for block in mesh_layouts.blocks(parts):
+    allowed = (layouts.candidates(axes, block) if axes
+               else range(layouts.num_devices))
+    home = min(allowed, key=lambda d: max(loads[d] + added[d] + share))
+    added[home] += share
+    homes.append(home)
+  return (loads + added).max(), Choice(axes, tuple(homes)), added
+
+
+def tables_of(model, skip):
+  """{id(table variable): `Table`} of `model`'s plain Embeddings whose
+  table is trainable, unconstrained (a constraint reads it whole) and
+  not in `skip` (ids)."""
+  ids = {id(v) for v in model.trainable_variables
+         if id(v) not in skip and v.constraint is None
+         and not v.overwrite_with_gradient}
+  return {key: Table(layer.embeddings.path,
+                     tuple(layer.embeddings.shape), _ids_per_example(layer))
+          for key, layer in lookups.tables(model, ids).items()}
+
+
+def _ids_per_example(layer):
+  """The ids an example gives `layer` (an Embedding): its input's size
+  past the batch, as built (1 where a dimension is unknown)."""
+  shape = keras_internals.build_input_shape(layer) or (None,)
+  return math.prod(d or 1 for d in shape[1:])
