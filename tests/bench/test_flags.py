@@ -26,6 +26,7 @@ from tfmulti.bench import schedule_timelines
 from tfmulti.bench import sharded
 from tfmulti.bench import step_profile
 from tfmulti.bench import sync_batch_norm
+from tfmulti.bench import table_plan
 from tfmulti.bench import tables
 from tfmulti.bench import tensor_parallel
 from tfmulti.bench import transfers
@@ -46,6 +47,7 @@ COMMANDS = {
     'tfmulti.bench.sharded': sharded,
     'tfmulti.bench.step_profile': step_profile,
     'tfmulti.bench.sync_batch_norm': sync_batch_norm,
+    'tfmulti.bench.table_plan': table_plan,
     'tfmulti.bench.tables': tables,
     'tfmulti.bench.tensor_parallel': tensor_parallel,
     'tfmulti.bench.transfers': transfers,
@@ -72,6 +74,7 @@ SHARED = {
     'tfmulti.bench.step_profile': dict(model='lenet', num_clones=2,
                                        clone_on_cpu=False, output=None),
     'tfmulti.bench.sync_batch_norm': dict(model='resnet20', output=None),
+    'tfmulti.bench.table_plan': dict(num_clones=4, output=None),
     'tfmulti.bench.tables': dict(num_clones=4, output=None),
     'tfmulti.bench.tensor_parallel': dict(num_clones=4, output=None),
     'tfmulti.bench.transfers': dict(model='resnet50', num_clones=4,

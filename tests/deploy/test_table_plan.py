@@ -6,14 +6,14 @@ import keras
 import numpy as np
 import pytest
 
+from tests.deploy.test_lookups import _clicks
+from tests.deploy.test_lookups import _dlrm
 from tfmulti import devices
 from tfmulti import fit
 from tfmulti.deploy import keras_distribution
 from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import sharding
 from tfmulti.deploy import table_plan
-from tests.deploy.test_lookups import _clicks
-from tests.deploy.test_lookups import _dlrm
 
 MESH_4 = mesh_layouts.VariableLayouts((4,), ('model',))
 MESH_2_2 = mesh_layouts.VariableLayouts((2, 2), ('batch', 'model'))

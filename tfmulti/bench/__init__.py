@@ -20,6 +20,7 @@ four that hold what the others share:
   step_profile        where a step's op time goes, towers against mirrored
   emulated            (shared) devices whose passes wait, not compute
   sync_batch_norm     synchronized BatchNorm's first step, against plain
+  table_plan          a recommender's tables planned, against whole and rows
   tables              a table by rows: bytes held, and moved against touched
   tensor_parallel     split feed-forward blocks: activations, all-reduces
   transfers           each device's bytes held and moved, from the graph

@@ -122,24 +122,59 @@ def measured_transfers(deployed, images, labels):
   table's lookup sends each shard, the rows it returns, their gradient's
   slices): the step traced as a graph, pruned to those tensors' sizes
   and evaluated on the batch; nothing is updated."""
+  def dynamic(graph):
+    found = [crossing for crossing in crossings(graph, True)
+             if not crossing[0].shape.is_fully_defined()]
+    return found, [tensor for tensor, *_ in found]
+  graph, found, sizes = _measured(deployed, images, labels, dynamic)
+  return transfers(graph, stateful=True) + [
+      (source, reader, kind, size)
+      for (_, source, reader, kind), size in zip(found, sizes)]
+
+
+def measured_lookups(deployed, images, labels):
+  """{device: bytes} of the rows each device gathers from its tables (or
+  their shards) in one step of `deployed` on this batch: the gathers of
+  a table's lookup (`lookups`), evaluated as `measured_transfers`."""
+  def gathers(graph):
+    found = lookup_gathers(graph)
+    return found, [op.outputs[0] for op in found]
+  _, found, sizes = _measured(deployed, images, labels, gathers)
+  placement = devices.GraphPlacement()
+  looked = collections.Counter()
+  for op, size in zip(found, sizes):
+    looked[placement.of_op(op)] += size
+  return dict(looked)
+
+
+def lookup_gathers(graph):
+  """The ops of `graph`'s step that gather a table's rows (or a shard's)
+  for a lookup (`lookups`): not its gradient's gathers."""
+  runs = peaks.reachable(graph, True)
+  return [op for op in graph.get_operations()
+          if op.type == 'GatherV2' and op.name in runs
+          and '/lookup/' in f'/{op.name}'
+          and op.inputs[0].op.type == 'ReadVariableOp']
+
+
+def _measured(deployed, images, labels, pick):
+  """(the graph of one step of `deployed`, the items `pick(graph)` gives
+  with their tensors, the bytes of each tensor on this batch)."""
   images, labels, layout, cut = deployed._step_arguments(  # pylint: disable=protected-access
       images, labels)
   specs = [tf.nest.map_structure(tf.TensorSpec.from_tensor, nest)
            for nest in (images, labels)]
   wrapped = tf.compat.v1.wrap_function(
       lambda x, y: deployed.step_graph(x, y, layout, cut).total, specs)
-  dynamic = [crossing for crossing in crossings(wrapped.graph, True)
-             if not crossing[0].shape.is_fully_defined()]
-  counted = []
-  if dynamic:
-    with wrapped.graph.as_default():
-      sizes = [tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
-               for tensor, *_ in dynamic]
-    counted = wrapped.prune(wrapped.inputs, sizes)(
-        *tf.nest.flatten((images, labels)))
-  return transfers(wrapped.graph, stateful=True) + [
-      (source, reader, kind, int(size))
-      for (_, source, reader, kind), size in zip(dynamic, counted)]
+  found, tensors = pick(wrapped.graph)
+  if not found:
+    return wrapped.graph, found, []
+  with wrapped.graph.as_default():
+    sizes = [tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
+             for tensor in tensors]
+  counted = wrapped.prune(wrapped.inputs, sizes)(
+      *tf.nest.flatten((images, labels)))
+  return wrapped.graph, found, [int(size) for size in counted]
 
 
 def step_traffic(deployed, images, labels):
