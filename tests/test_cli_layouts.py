@@ -23,6 +23,17 @@ def dense(input_shape, num_classes):
                                                 name='logits')(x))
 
 
+def pixels(input_shape, num_classes):
+  # Each pixel's value an id of a table: the table a plan lays out.
+  inputs = keras.Input(input_shape)
+  ids = keras.ops.clip(keras.ops.cast(keras.layers.Flatten()(inputs),
+                                      'int32'), 0, 255)
+  x = keras.layers.Embedding(256, 8, name='pixels')(ids)
+  x = keras.layers.GlobalAveragePooling1D()(x)
+  return keras.Model(inputs, keras.layers.Dense(num_classes,
+                                                name='logits')(x))
+
+
 class _Owned(keras.Model):
   def get_layout_map(self, device_mesh):
     return layout_map(device_mesh)
@@ -79,7 +90,25 @@ def test_a_mesh_run_shards_and_one_device_resumes_it(
   assert resumed['resumed_from_step'] == 2 and resumed['steps'] == 3
 
 
+@pytest.mark.slow
+def test_planned_tables_train_as_plain_towers(run_train, user_module,
+                                              tmp_path, caplog):
+  """--plan_tables without a layout map: the one table, split both ways
+  over the (2, 2) mesh, trains to the checkpoint of plain towers."""
+  with caplog.at_level('INFO', logger='absl'):
+    planned = run_train(model=f'{user_module}:pixels', train_steps=2,
+                        plan_tables=True, **MESH,
+                        model_dir=str(tmp_path / 'run'))
+  assert ('table pixels/embeddings: by rows over batch and by columns over '
+          'model on devices 0, 1, 2, 3') in caplog.text
+  plain = run_train(model=f'{user_module}:pixels', train_steps=2,
+                    num_clones=4, model_dir=str(tmp_path / 'plain'))
+  assert_same_checkpoints(planned['checkpoint'], plain['checkpoint'])
+
+
 @pytest.mark.parametrize('values, message', [
+    (dict(plan_tables=True), r'--mesh_shape, --mesh_axes missing: a mesh '
+     'needs its shape, its axis names and a layout map or --plan_tables'),
     (dict(mesh_shape=['2', '2']), r'--mesh_axes, --layout_map missing: a '
      'mesh needs its shape, its axis names and a layout map'),
     (dict(MESH, mesh_shape=['2', 'x'], layout_map='model'),

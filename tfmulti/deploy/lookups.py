@@ -5,12 +5,12 @@ table of a million rows cannot be. Under a layout map every plain
 Embedding is looked up instead, where its table lives: split by rows, by
 columns or both as its layout says, or whole on one device where no
 layout names it (table-wise: whole tables are spread over the devices by
-bytes, as every variable no layout splits). Each clone sends each id to
-the shards that hold its row (an all-to-all: rows split, the ids
-partitioned by their row's shard; columns split, every id to each
-column's shard), each shard gathers its rows on its own device, and the
-clone puts the rows back in the ids' order. What crosses devices is the
-ids and the rows they touch, each way.
+bytes, as every variable no layout splits), or as `table_plan` lays it
+out. Each clone sends each id to the shards that hold its row (an
+all-to-all: rows split, the ids partitioned by their row's shard;
+columns split, every id to each column's shard), each shard gathers its
+rows on its own device, and the clone puts the rows back in the ids'
+order. What crosses devices is the ids and the rows they touch, each way.
 
 The gradient needs nothing of its own: TensorFlow's gradient of each
 shard's gather is a `tf.IndexedSlices` of the rows it gathered, in the
