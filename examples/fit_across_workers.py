@@ -10,7 +10,8 @@ builds the model in the workers' scope and fits a `TowersModel` on the same
 global batches of 64 rows (the same data and seed everywhere), taking its
 rows of each. The three commands train the same weights: the workers and
 the one process to 1e-5 of plain Keras `fit` on one device, and bit for bit
-each other with `--reproducible_rows`. Only worker 0 prints the epochs and
+each other with `--reproducible_rows`; `--layouts` shards the tables and
+Dense kernels over each worker's clones. Only worker 0 prints the epochs and
 writes to `--model_dir` (history.csv, final.weights.h5). With
 `--backup_dir`, Ctrl-C to the launcher (or SIGTERM to any worker) saves
 the step and the same command resumes it, ending as if never stopped.
@@ -36,6 +37,7 @@ from sklearn import datasets
 
 from tfmulti import deploy
 from tfmulti import devices
+from tfmulti.deploy import mesh_layouts
 from tfmulti.distribute import workers as workers_lib
 from tfmulti.fit import TowersModel
 
@@ -70,6 +72,9 @@ _BATCH_NORM_POLICY = flags.DEFINE_enum(
 _STEPS_PER_EXECUTION = flags.DEFINE_integer(
     'steps_per_execution', 1, "Keras's compile option: steps in one "
     'compiled call.')
+_LAYOUTS = flags.DEFINE_bool(
+    'layouts', False, "Shard the tables and Dense kernels over each "
+    "worker's clones (a mesh of them, each worker holding the shards).")
 _PLAIN = flags.DEFINE_bool('plain', False, 'Train with plain Keras fit on '
                            'one device instead: the reference.')
 _BACKUP_DIR = flags.DEFINE_string(
@@ -145,6 +150,15 @@ def make_model():
   return keras.Model(inputs, x, name='digits_cnn')
 
 
+def _layouts():
+  """A mesh of this worker's clones: the tables by columns, the Dense
+  kernels by output features (`--layouts`)."""
+  return mesh_layouts.VariableLayouts(
+      (_NUM_CLONES.value,), ('model',),
+      (('.*embedding.*/embeddings', (None, 'model')),
+       ('.*dense.*/kernel', (None, 'model'))))
+
+
 def fit(model_dir, epochs, callbacks=()):
   """Fits on this process's place in the job; returns (model, history).
   `callbacks`: more Keras callbacks."""
@@ -152,7 +166,8 @@ def fit(model_dir, epochs, callbacks=()):
   config = deploy.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=True,
       variables_device=_VARIABLES_DEVICE.value,
-      replica_id=workers.index, num_replicas=workers.num_workers)
+      replica_id=workers.index, num_replicas=workers.num_workers,
+      variable_layouts=_layouts() if _LAYOUTS.value else None)
   keras.utils.set_random_seed(0)  # The same weights and shuffles everywhere.
   with workers.scope(), config.variables_scope():
     model = make_model()
@@ -170,7 +185,9 @@ def fit(model_dir, epochs, callbacks=()):
                  else keras.optimizers.SGD(0.05, momentum=0.9)),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       metrics=['accuracy'], steps_per_execution=_STEPS_PER_EXECUTION.value)
-  held = model.variables + trained.optimizer.variables
+  # A sharded variable lives on several devices: its slots show where.
+  held = trained.optimizer.variables + (
+      [] if _LAYOUTS.value else model.variables)
   logging.info('variables and slots on %s',
                sorted({devices.device_of(v) for v in held}))
   train, validation = digits()

@@ -353,10 +353,11 @@ def _variable_layouts(shape, axes, layout_map, plan_tables, strategy):
         f'{missing} missing: a mesh needs its shape, its axis names and a '
         'layout map or --plan_tables, e.g. --mesh_shape=2,2 '
         '--mesh_axes=batch,model --layout_map=model.')
-  if strategy != registry.TOWERS:
+  if strategy not in (registry.TOWERS, registry.MULTI_WORKER):
     raise errors.ConfigError(
         f'--mesh_shape with --strategy={strategy}: the towers shard '
-        f'variables by a layout map; use --strategy={registry.TOWERS}.')
+        f'variables by a layout map; use --strategy={registry.TOWERS} (or '
+        f'{registry.MULTI_WORKER}, a mesh a worker).')
   if not all(n.isdigit() for n in shape):
     raise errors.ConfigError(
         f'--mesh_shape={",".join(shape)}: give a device count an axis, '

@@ -316,6 +316,50 @@ def test_two_workers_with_spread_variables_train_the_central_bits(
                           exact=True)
 
 
+_PIXELS = """
+import keras
+
+
+def pixels(input_shape, num_classes):
+  inputs = keras.Input(input_shape)
+  ids = keras.ops.clip(keras.ops.cast(keras.layers.Flatten()(inputs),
+                                      'int32'), 0, 255)
+  x = keras.layers.Embedding(256, 8, name='pixels')(ids)
+  x = keras.layers.GlobalAveragePooling1D()(x)
+  return keras.Model(inputs, keras.layers.Dense(num_classes,
+                                                name='logits')(x))
+"""
+
+
+@pytest.mark.slow
+def test_two_workers_with_a_mesh_each_train_as_one_process(
+    tmp_path, digits_dir, run_train):
+  """A mesh of each worker's 2 clones (--plan_tables: a pixel table split
+  by rows over them), on 2 workers: each worker's shards and slots on its
+  own two devices, the shards' gradients all-reduced across the workers,
+  and the weights one process of 4 clones trains, whole."""
+  module = tmp_path / 'user_models.py'
+  module.write_text(_PIXELS)
+  model = f'--model={module}:pixels'
+  reference = run_train(model_dir=str(tmp_path / 'one'), num_clones=4,
+                        batch_size=4, train_steps=3, optimizer='momentum',
+                        learning_rate=0.05, model=f'{module}:pixels')
+  logs = _run_job(tmp_path / 'job', digits_dir, tmp_path,
+                  '--strategy=multi_worker', '--num_clones=2', model,
+                  '--mesh_shape=2', '--mesh_axes=model', '--plan_tables',
+                  '--train_steps=3')
+  for index, log in enumerate(logs):
+    assert 'table pixels/embeddings: by rows over model' in log
+    held = re.search(r"this worker's variables and slots: (.*)", log)
+    task = f'/job:worker/replica:0/task:{index}/device:CPU:'
+    assert {device for device in re.findall(r'\d+ on (\S+?)(?:,|$)',
+                                            held.group(1))} == {
+        task + '0', task + '1'}, held.group(0)
+  metrics = json.loads((tmp_path / 'job' / 'metrics.json').read_text())
+  assert metrics['global_batch_size'] == 16 and metrics['steps'] == 3
+  assert_same_checkpoints(metrics['checkpoint'], reference['checkpoint'])
+
+
 @pytest.mark.slow
 def test_a_worker_without_its_peer_fails_with_the_address(tmp_path,
                                                           digits_dir):

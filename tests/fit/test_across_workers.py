@@ -386,6 +386,31 @@ def test_a_fixed_lookups_slices_meet_across_workers_as_on_one_device(
 
 
 @pytest.mark.slow
+def test_a_mesh_on_each_worker_trains_as_one_device(tmp_path):
+  """Each worker's tables and Dense kernel split over its 2 clones
+  (`--layouts`: a mesh of them), on 2 workers: under Adam with 2
+  accumulation steps, plain fit on one device to 1e-5, each worker's
+  slots on both of its devices; with reproducible rows, the bits of one
+  process of 2 clones without layouts."""
+  flags = ('--model=positions', '--optimizer=adam', '--epochs=1')
+  _run(tmp_path / 'plain', '--plain', *flags)
+  log, _ = _run(tmp_path / 'workers', '--num_clones=2', '--layouts',
+                '--accumulation_steps=2', *flags, workers=2)
+  for got, want in zip(_weights(tmp_path / 'workers'),
+                       _weights(tmp_path / 'plain')):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  for index in range(2):
+    where = re.search(rf'\[worker {index}\].*variables and slots on '
+                      r'(\[.*\])', log).group(1)
+    task = f'/job:worker/replica:0/task:{index}/device:CPU:'
+    assert f"'{task}0'" in where and f"'{task}1'" in where, where
+  atoms = ('--model=embedding', '--reproducible_rows=4', '--epochs=1')
+  _run(tmp_path / 'one', '--num_clones=2', *atoms)
+  _run(tmp_path / 'atoms', '--num_clones=2', '--layouts', *atoms, workers=2)
+  _assert_same_bits(tmp_path / 'atoms', tmp_path / 'one')
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('options', [
     (), ('--accumulation_steps=2',),
     # Each worker's calls run 4 steps in one compiled loop (`step_loop`).

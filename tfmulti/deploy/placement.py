@@ -33,8 +33,8 @@ def _normalise_device(device):
         "'/device:CPU:0' or '/device:GPU:0'.") from e
 
 
-def _check_layouts(layouts, num_clones, num_stages, num_replicas,
-                   variables_device, num_ps_tasks):
+def _check_layouts(layouts, num_clones, num_stages, variables_device,
+                   num_ps_tasks):
   """Raises `ConfigError` for variable layouts these clones cannot hold."""
   if layouts is None:
     return
@@ -46,12 +46,11 @@ def _check_layouts(layouts, num_clones, num_stages, num_replicas,
     raise errors.ConfigError(
         f'num_clones={num_clones} with a mesh of {layouts.mesh_shape}: one '
         f'clone a mesh device; use num_clones={layouts.num_devices}.')
-  if num_stages > 1 or num_replicas > 1 or num_ps_tasks:
+  if num_stages > 1 or num_ps_tasks:
     raise errors.UnsupportedError(
-        f'variable layouts with num_stages={num_stages}, num_replicas='
-        f'{num_replicas}, num_ps_tasks={num_ps_tasks}: the towers shard '
-        "variables over one worker's whole clones; use num_stages=1, one "
-        'worker and no parameter servers.')
+        f'variable layouts with num_stages={num_stages}, num_ps_tasks='
+        f'{num_ps_tasks}: the towers shard variables over a worker\'s whole '
+        'clones; use num_stages=1 and no parameter servers.')
   if variables_device not in (None, SPREAD):
     raise errors.ConfigError(
         f'variables_device={variables_device!r} with variable layouts: the '
@@ -128,7 +127,7 @@ class DeploymentConfig:
           raise errors.ConfigError(
               f'{name}={job!r}: a job name is needed with several workers '
               'or parameter servers.')
-    _check_layouts(variable_layouts, num_clones, num_stages, num_replicas,
+    _check_layouts(variable_layouts, num_clones, num_stages,
                    variables_device, num_ps_tasks)
     spread_variables = (variables_device == SPREAD or
                         variable_layouts is not None)

@@ -546,7 +546,7 @@ def _shard(config, layouts, variable, axes, parts, held, choice=None):
     candidates = [config.clone_device(i) for i in (
         [choice.homes[k]] if choice else layouts.candidates(axes, block))]
     device = min(candidates, key=held.__getitem__)
-    with tf.init_scope(), tf.device(device):
+    with tf.init_scope(), devices.made_on(device):  # A worker's too.
       storage = tf.Variable(value, trainable=True, name=variable.name)
       shards.append(keras_internals.adopting(
           variable, storage, shard_path(variable.path, block)))
@@ -582,6 +582,6 @@ def _store_whole(variable, device):
   old = keras_internals.storage(variable)
   with tf.init_scope():
     value = old.read_value()  # Read where it is (a dry run plans GPUs).
-    with tf.device(device):
+    with devices.made_on(device):
       keras_internals.store_in(variable, tf.Variable(
           value, trainable=old.trainable, name=variable.name))
