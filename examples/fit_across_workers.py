@@ -11,7 +11,8 @@ global batches of 64 rows (the same data and seed everywhere), taking its
 rows of each. The three commands train the same weights: the workers and
 the one process to 1e-5 of plain Keras `fit` on one device, and bit for bit
 each other with `--reproducible_rows`; `--layouts` shards the tables and
-Dense kernels over each worker's clones. Only worker 0 prints the epochs and
+Dense kernels over each worker's clones (Keras's `ModelParallel`, a mesh of
+them). Only worker 0 prints the epochs and
 writes to `--model_dir` (history.csv, final.weights.h5). With
 `--backup_dir`, Ctrl-C to the launcher (or SIGTERM to any worker) saves
 the step and the same command resumes it, ending as if never stopped.
@@ -37,7 +38,6 @@ from sklearn import datasets
 
 from tfmulti import deploy
 from tfmulti import devices
-from tfmulti.deploy import mesh_layouts
 from tfmulti.distribute import workers as workers_lib
 from tfmulti.fit import TowersModel
 
@@ -150,13 +150,17 @@ def make_model():
   return keras.Model(inputs, x, name='digits_cnn')
 
 
-def _layouts():
-  """A mesh of this worker's clones: the tables by columns, the Dense
-  kernels by output features (`--layouts`)."""
-  return mesh_layouts.VariableLayouts(
-      (_NUM_CLONES.value,), ('model',),
-      (('.*embedding.*/embeddings', (None, 'model')),
-       ('.*dense.*/kernel', (None, 'model'))))
+def model_parallel():
+  """Keras's ModelParallel on a mesh of this worker's clones: the tables
+  by columns, the Dense kernels by output features (`--layouts`)."""
+  mesh = keras.distribution.DeviceMesh(
+      (_NUM_CLONES.value,), ['model'],
+      keras.distribution.list_devices()[:_NUM_CLONES.value])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map['.*embedding.*/embeddings'] = (None, 'model')
+  layout_map['.*dense.*/kernel'] = (None, 'model')
+  return keras.distribution.ModelParallel(layout_map=layout_map,
+                                          batch_dim_name='model')
 
 
 def fit(model_dir, epochs, callbacks=()):
@@ -166,13 +170,12 @@ def fit(model_dir, epochs, callbacks=()):
   config = deploy.DeploymentConfig(
       num_clones=_NUM_CLONES.value, clone_on_cpu=True,
       variables_device=_VARIABLES_DEVICE.value,
-      replica_id=workers.index, num_replicas=workers.num_workers,
-      variable_layouts=_layouts() if _LAYOUTS.value else None)
+      replica_id=workers.index, num_replicas=workers.num_workers)
   keras.utils.set_random_seed(0)  # The same weights and shuffles everywhere.
   with workers.scope(), config.variables_scope():
     model = make_model()
   trained = model if _PLAIN.value else TowersModel(
-      model, config, workers=workers,
+      model, model_parallel() if _LAYOUTS.value else config, workers=workers,
       reproducible_rows=_REPRODUCIBLE_ROWS.value,
       accumulation_steps=_ACCUMULATION_STEPS.value,
       batch_norm_policy=_BATCH_NORM_POLICY.value)

@@ -31,6 +31,7 @@ from tfmulti import fit
 from tfmulti import launch
 from tfmulti import rows
 from tfmulti import tf_config
+from tfmulti.deploy import keras_distribution
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.distribute import cluster as cluster_lib
 from tfmulti.distribute import resolvers
@@ -128,6 +129,26 @@ def test_the_workers_must_match_the_config_and_hold_the_model():
   with pytest.raises(errors.ConfigError, match=r"variables \(.*\) were made "
                      "outside the workers' strategy; build the model in"):
     fit.TowersModel(mlp(), two, workers=workers)
+
+
+def test_a_keras_distribution_across_workers_takes_this_workers_place():
+  """Keras's DataParallel or ModelParallel across workers: a mesh of each
+  worker's devices, the config this worker's place in the job."""
+  mesh = keras.distribution.DeviceMesh(
+      (2,), ['model'], keras.distribution.list_devices()[:2])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map['dense/kernel'] = (None, 'model')
+  found = cluster_lib.Cluster(('a:1', 'b:2'), index=1, is_chief=False)
+  workers = workers_lib.Workers(found, _stand_in(deploy.DeploymentConfig(
+      num_clones=2, clone_on_cpu=True)).strategy)
+  devices_2 = keras.distribution.list_devices()[:2]
+  for distribution in (keras.distribution.DataParallel(devices=devices_2),
+                       keras.distribution.ModelParallel(
+                           layout_map=layout_map, batch_dim_name='model')):
+    config = keras_distribution.config_for(distribution, workers)
+    assert (config.num_clones, config.worker_index, config.num_workers) == (
+        2, 1, 2)
+  assert keras_distribution.config_for(distribution).num_workers == 1
 
 
 @pytest.mark.parametrize('option, message', [

@@ -26,11 +26,13 @@ from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy.placement import DeploymentConfig
 
 
-def config_for(config):
+def config_for(config, workers=None):
   """The `DeploymentConfig` that `config` says: itself; a Keras
   `DataParallel` or `ModelParallel` read (`clones_of`,
   `from_model_parallel`); None, the distribution
-  `keras.distribution.set_distribution` set.
+  `keras.distribution.set_distribution` set. Across `workers` (a
+  `distribute.workers.Workers`), a distribution's mesh is each worker's
+  devices, and the config takes this worker's place in the job.
 
   Raises:
     errors.UserError: no config and no distribution, or one the towers do
@@ -45,21 +47,24 @@ def config_for(config):
         'config=deploy.DeploymentConfig(...), or call keras.distribution.'
         'set_distribution(keras.distribution.DataParallel(devices=...)) '
         'first.')
+  place = ({} if workers is None or workers.strategy is None else
+           dict(replica_id=workers.index, num_replicas=workers.num_workers))
   if isinstance(distribution, keras.distribution.ModelParallel):
-    return from_model_parallel(distribution)
+    return from_model_parallel(distribution, **place)
   if not isinstance(distribution, keras.distribution.DataParallel):
     raise errors.ConfigError(
         f'config={distribution!r}: pass a DeploymentConfig, a '
         'keras.distribution.DataParallel or a ModelParallel.')
-  return DeploymentConfig(**clones_of(distribution))
+  return DeploymentConfig(**clones_of(distribution), **place)
 
 
-def from_model_parallel(distribution, plan_tables=False):
+def from_model_parallel(distribution, plan_tables=False, **place):
   """One clone a device of `distribution`'s mesh (`clones_of`), its
   variables laid out by its layout map; with `plan_tables`, each plain
-  Embedding table it does not name laid out by `table_plan`."""
+  Embedding table it does not name laid out by `table_plan`. `place`:
+  the worker's (`replica_id`, `num_replicas`) across workers."""
   return DeploymentConfig(
-      **clones_of(distribution),
+      **clones_of(distribution), **place,
       variable_layouts=mesh_layouts.from_keras(distribution, plan_tables))
 
 

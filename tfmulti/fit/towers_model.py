@@ -132,7 +132,7 @@ class TowersModel(keras.Model):
     """
     _check_no_strategy()
     towers_lib.check_model(model)
-    config = keras_distribution.config_for(config)
+    config = keras_distribution.config_for(config, workers)
     door = across_workers.door_for(workers, config)  # Chosen once.
     door.check(model)
     options = dataclasses.replace(options or step_options.StepOptions(),
