@@ -11,11 +11,11 @@ global batches of 64 rows (the same data and seed everywhere), taking its
 rows of each. The three commands train the same weights: the workers and
 the one process to 1e-5 of plain Keras `fit` on one device, and bit for bit
 each other with `--reproducible_rows`; `--layouts` shards the tables and
-Dense kernels over each worker's clones (Keras's `ModelParallel`, a mesh of
-them). Only worker 0 prints the epochs and
-writes to `--model_dir` (history.csv, final.weights.h5). With
-`--backup_dir`, Ctrl-C to the launcher (or SIGTERM to any worker) saves
-the step and the same command resumes it, ending as if never stopped.
+Dense kernels over each worker's clones (Keras's `ModelParallel`, a mesh
+of them). Only worker 0 prints the epochs and writes to `--model_dir`
+(history.csv, final.weights.h5). With `--backup_dir`, Ctrl-C to the
+launcher (or SIGTERM to any worker) saves the step and the same command
+resumes it, ending as if never stopped.
 """
 # ruff: noqa: E402  The quiet start comes before Keras imports TensorFlow.
 import sys

@@ -10,7 +10,7 @@ from tests.helpers import assert_same_checkpoints
 from tests.helpers import checkpoint_tensors
 from tfmulti import cli
 
-_USER_MODULE = """
+USER_MODULE = """
 import keras
 
 
@@ -62,7 +62,7 @@ MESH = dict(mesh_shape=['2', '2'], mesh_axes=['batch', 'model'],
 @pytest.fixture
 def user_module(tmp_path):
   path = tmp_path / 'user_models.py'
-  path.write_text(_USER_MODULE)
+  path.write_text(USER_MODULE)
   return str(path)
 
 
@@ -109,8 +109,9 @@ def test_planned_tables_train_as_plain_towers(run_train, user_module,
 @pytest.mark.parametrize('values, message', [
     (dict(plan_tables=True), r'--mesh_shape, --mesh_axes missing: a mesh '
      'needs its shape, its axis names and a layout map or --plan_tables'),
-    (dict(mesh_shape=['2', '2']), r'--mesh_axes, --layout_map missing: a '
-     'mesh needs its shape, its axis names and a layout map'),
+    (dict(mesh_shape=['2', '2']), r'--mesh_axes, --layout_map or '
+     '--plan_tables missing: a mesh needs its shape, its axis names and a '
+     'layout map'),
     (dict(MESH, mesh_shape=['2', 'x'], layout_map='model'),
      r'--mesh_shape=2,x: give a device count an axis'),
     (dict(MESH, layout_map='model', strategy='mirrored'),

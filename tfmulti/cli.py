@@ -66,9 +66,10 @@ _VARIABLES_DEVICE = flags.DEFINE_string(
     'balanced by bytes, its update beside it; towers and multi_worker).')
 _MESH_SHAPE = flags.DEFINE_list(
     'mesh_shape', None, "Keras's device mesh over the clones' devices, "
-    'e.g. 2,2 (with --mesh_axes and --layout_map): each variable the layout '
-    'map splits is stored as its shards over the mesh, each clone gathering '
-    'them; --num_clones is the mesh\'s device count. Towers only.')
+    'e.g. 2,2 (with --mesh_axes, and --layout_map or --plan_tables): each '
+    'variable the layout map splits is stored as its shards over the mesh, '
+    'each clone gathering them; --num_clones is the mesh\'s device count. '
+    "Towers, or multi_worker: a mesh of each worker's clones.")
 _MESH_AXES = flags.DEFINE_list(
     'mesh_axes', None, "The mesh's axis names, as Keras names them, e.g. "
     'batch,model.')
@@ -78,9 +79,10 @@ _LAYOUT_MAP = flags.DEFINE_string(
     'returning a keras.distribution.LayoutMap (e.g. '
     'keras_hub.models:LlamaBackbone.get_layout_map).')
 _PLAN_TABLES = flags.DEFINE_bool(
-    'plan_tables', False, 'With --mesh_shape: lay out each Embedding table '
-    'the layout map does not name whole, by rows or by columns, balancing '
-    'the bytes each device holds and looks up (--layout_map optional).')
+    'plan_tables', False, 'With --mesh_shape: each plain Embedding table no '
+    'rule of the layout map names is laid out whole, by rows or by columns, '
+    'balancing the bytes each device holds and looks up (--layout_map '
+    'optional).')
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 64, 'Examples per clone per step (as in slim); the global '
     'batch is batch_size * num_clones * workers.')
@@ -344,7 +346,7 @@ def _variable_layouts(shape, axes, layout_map, plan_tables, strategy):
   --layout_map and --plan_tables: a `mesh_layouts.VariableLayouts`, or
   None without them."""
   given = {'mesh_shape': shape, 'mesh_axes': axes,
-           'layout_map': layout_map or plan_tables}
+           'layout_map or --plan_tables': layout_map or plan_tables}
   if not any(given.values()):
     return None
   if not all(given.values()):

@@ -15,11 +15,12 @@ def test_planned_tables_balance_what_whole_ones_do_not():
                             vocab_sizes=(40_000, 400, 40, 40, 40, 40, 8))
   report = bench.run(args)
   planned, whole, rows = (report['designs'][d] for d in bench.DESIGNS)
-  for key in ('max_held_of_share', 'max_looked_of_share'):
-    assert planned[key] <= report['target']
-    # An even share is the least the busiest can hold: the count saw every
-    # device's bytes.
-    assert min(planned[key], rows[key]) >= 1.0 - 1e-9
+  for key in ('held', 'looked'):
+    assert planned[f'max_{key}_of_share'] <= report['target']
+    # Every device counted: the shares sum to N even shares.
+    for design in (planned, whole, rows):
+      assert len(design[f'{key}_of_share']) == 4
+      assert sum(design[f'{key}_of_share']) == pytest.approx(4)
   assert whole['max_held_of_share'] > 2 * report['target']
   assert whole['gathers'] < planned['gathers'] < rows['gathers']
   assert 'planned  holds' in bench.format_report(report)

@@ -10,6 +10,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import fit
 from tfmulti import plans
+from tfmulti.bench import table_plan as table_plan_bench
 from tfmulti.deploy import dry_run
 from tfmulti.deploy import lookups
 from tfmulti.deploy import mesh_layouts
@@ -213,25 +214,8 @@ def test_no_clone_joins_a_looked_up_table(packs):
   assert len(gathers) == 4 * 4  # Each clone's ids, on each shard.
 
 
-def _dlrm(sizes=(1_000_000, 1000, 100), width=16):
-  """A DLRM as users write it: dense features through a bottom MLP, one
-  Embedding a categorical feature (the first of a million rows), every
-  pair of them dotted, and a top MLP to a click's logit."""
-  keras.utils.set_random_seed(0)
-  dense = keras.Input((4,), name='dense')
-  ids = [keras.Input((1,), dtype='int32', name=f'c{i}')
-         for i in range(len(sizes))]
-  bottom = keras.layers.Dense(width, activation='relu', name='bottom')(dense)
-  features = [bottom] + [
-      keras.layers.Flatten()(keras.layers.Embedding(
-          rows, width, name=f'table_{i}')(x))
-      for i, (rows, x) in enumerate(zip(sizes, ids))]
-  stacked = keras.ops.stack(features, axis=1)
-  dots = keras.layers.Flatten()(
-      keras.ops.matmul(stacked, keras.ops.transpose(stacked, (0, 2, 1))))
-  x = keras.layers.Concatenate()([bottom, dots])
-  x = keras.layers.Dense(16, activation='relu', name='top')(x)
-  return keras.Model([dense, *ids], keras.layers.Dense(1, name='click')(x))
+def _dlrm(sizes=(1_000_000, 1000, 100)):
+  return table_plan_bench.dlrm(sizes)
 
 
 def _clicks(rows=64, sizes=(1_000_000, 1000, 100)):

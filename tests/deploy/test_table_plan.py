@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tests.deploy.test_lookups import _clicks
-from tests.deploy.test_lookups import _dlrm
 from tfmulti import devices
 from tfmulti import fit
+from tfmulti.bench.table_plan import dlrm
 from tfmulti.deploy import keras_distribution
 from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import sharding
@@ -56,6 +56,7 @@ def test_a_table_split_over_a_2d_mesh_takes_the_fewest_devices():
   choices = table_plan.plan(tables, MESH_2_2)
   homes = [set(choices[t.path].homes) for t in tables]
   assert [len(h) for h in homes] == [2, 2] and not homes[0] & homes[1]
+  assert all(choices[t.path].axes[0] is not None for t in tables)
   assert table_plan.peak(tables, choices, MESH_2_2) == (1.0, 1.0)
 
 
@@ -64,20 +65,39 @@ def test_without_splits_every_table_stays_whole():
   assert all(c.axes is None for c in choices.values())
 
 
-def test_lookups_come_from_the_layer_input_shape():
+@pytest.mark.parametrize('shape, ids', [((20,), 20), ((None,), 1)])
+def test_lookups_come_from_the_layer_input_shape(shape, ids, caplog):
+  """The ids an example gives, as built; an unknown length counts 1, and
+  a warning names the table."""
   keras.utils.set_random_seed(0)
-  ids = keras.Input((20,), dtype='int32')
-  x = keras.layers.Embedding(64, 8, name='seq')(ids)
-  model = keras.Model(ids, keras.layers.Dense(1)(x))
-  [table] = table_plan.tables_of(model, skip=()).values()
-  assert table == table_plan.Table('seq/embeddings', (64, 8), 20)
+  inputs = keras.Input(shape, dtype='int32')
+  x = keras.layers.Embedding(64, 8, name='seq')(inputs)
+  model = keras.Model(inputs, keras.layers.Dense(1)(x))
+  with caplog.at_level('WARNING', logger='absl'):
+    [table] = table_plan.tables_of(model, skip=()).values()
+  assert table == table_plan.Table('seq/embeddings', (64, 8), ids)
+  assert ('table seq/embeddings: its input shape' in caplog.text) == (
+      ids == 1)
+
+
+def test_past_the_target_a_table_takes_the_least_excess():
+  """A table that fits the target nowhere (4 splits neither its rows nor
+  its width) overloads a device whatever comes next: the next table is
+  split, which loads the devices least past the target, though whole
+  would keep the busiest device as low."""
+  tables = [table_plan.Table('big', (4001, 15), 1),
+            table_plan.Table('hot', (64, 16), 30)]
+  choices = table_plan.plan(tables, MESH_4)
+  assert choices['big'].axes is None  # 4 divides neither dimension.
+  assert choices['hot'].axes == ('model', None)
+  held, looked = table_plan.peak(tables, choices, MESH_4)
+  assert held > 3.9 and looked < table_plan.TARGET  # Whole: 3.9 too.
 
 
 def test_a_choice_says_where_each_shard_lives():
-  assert (table_plan.Choice(('model', None), (0, 1)).describe(MESH_4)
+  assert (table_plan.Choice(('model', None), (0, 1)).describe()
           == 'by rows over model on devices 0, 1')
-  assert table_plan.Choice(None, (3,)).describe(MESH_4) == (
-      'whole on device 3')
+  assert table_plan.Choice(None, (3,)).describe() == 'whole on device 3'
 
 
 def _train(model):
@@ -92,20 +112,22 @@ def test_a_planned_dlrm_trains_as_one_device_where_planned():
   """Through `fit` with Keras's ModelParallel and no rules: the plan's
   tables, each shard (or whole table) on the device the plan names, read
   from the variables; Adagrad: equal to plain `fit` on one device."""
-  want = _train(plain := _dlrm(SIZES))
+  want = _train(plain := dlrm(SIZES))
   mesh = keras.distribution.DeviceMesh(
       (4,), ['model'], keras.distribution.list_devices()[:4])
   config = keras_distribution.from_model_parallel(
       keras.distribution.ModelParallel(
           layout_map=keras.distribution.LayoutMap(mesh),
           batch_dim_name='model'), plan_tables=True)
-  model = _dlrm(SIZES)
+  model = dlrm(SIZES)
   towers = fit.TowersModel(model, config)
   np.testing.assert_allclose(_train(towers), want, rtol=1e-5)
   for g, w in zip(model.weights, plain.weights):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
   tables = list(table_plan.tables_of(plain, skip=()).values())
   choices = table_plan.plan(tables, config.variable_layouts)
+  assert {c.axes for c in choices.values()} == {  # Each kind, through fit.
+      None, ('model', None), (None, 'model')}
   stored = {v.path: devices.canonical(devices.device_of(v))
             for v in towers.towers.parts.storage.variables}
   for table in tables:

@@ -12,6 +12,7 @@ import time
 import pytest
 import tensorflow as tf
 
+from tests import test_cli_layouts as user_models
 from tests.data import test_tfrecords
 from tests.helpers import assert_same_checkpoints
 from tests.helpers import checkpoint_tensors
@@ -316,21 +317,6 @@ def test_two_workers_with_spread_variables_train_the_central_bits(
                           exact=True)
 
 
-_PIXELS = """
-import keras
-
-
-def pixels(input_shape, num_classes):
-  inputs = keras.Input(input_shape)
-  ids = keras.ops.clip(keras.ops.cast(keras.layers.Flatten()(inputs),
-                                      'int32'), 0, 255)
-  x = keras.layers.Embedding(256, 8, name='pixels')(ids)
-  x = keras.layers.GlobalAveragePooling1D()(x)
-  return keras.Model(inputs, keras.layers.Dense(num_classes,
-                                                name='logits')(x))
-"""
-
-
 @pytest.mark.slow
 def test_two_workers_with_a_mesh_each_train_as_one_process(
     tmp_path, digits_dir, run_train):
@@ -339,7 +325,7 @@ def test_two_workers_with_a_mesh_each_train_as_one_process(
   own two devices, the shards' gradients all-reduced across the workers,
   and the weights one process of 4 clones trains, whole."""
   module = tmp_path / 'user_models.py'
-  module.write_text(_PIXELS)
+  module.write_text(user_models.USER_MODULE)
   model = f'--model={module}:pixels'
   reference = run_train(model_dir=str(tmp_path / 'one'), num_clones=4,
                         batch_size=4, train_steps=3, optimizer='momentum',

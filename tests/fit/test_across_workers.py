@@ -420,6 +420,9 @@ def test_a_mesh_on_each_worker_trains_as_one_device(tmp_path):
   for got, want in zip(_weights(tmp_path / 'workers'),
                        _weights(tmp_path / 'plain')):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # Both tables and the Dense kernel, on each worker.
+  assert len(re.findall(r'Variables sharded by their layouts: 3 of', log)
+             ) == 2
   for index in range(2):
     where = re.search(rf'\[worker {index}\].*variables and slots on '
                       r'(\[.*\])', log).group(1)

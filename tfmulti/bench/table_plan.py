@@ -41,15 +41,18 @@ from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
 from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import placement
+from tfmulti.deploy import table_plan
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.deploy import traffic
 
-TARGET = 1.1  # The busiest device over an even share, held and looked up.
 DESIGNS = ('planned', 'whole', 'rows')
 DENSE = 4  # Dense features an example.
 
 
-def _dlrm(sizes, width):
+def dlrm(sizes, width=16):
+  """A DLRM as users write it: dense features through a bottom MLP, one
+  Embedding a categorical feature (`sizes`: their rows), every pair of
+  them dotted, and a top MLP to a click's logit."""
   keras.utils.set_random_seed(0)
   dense = keras.Input((DENSE,), name='dense')
   ids = [keras.Input((1,), dtype='int32', name=f'c{i}')
@@ -90,7 +93,7 @@ def _design(args, design):
   config = placement.DeploymentConfig(num_clones=n, clone_on_cpu=True,
                                       variable_layouts=_layouts(design, n))
   deployed = towers_lib.deploy(
-      config, _dlrm(args.vocab_sizes, args.width),
+      config, dlrm(args.vocab_sizes, args.width),
       keras.losses.BinaryCrossentropy(from_logits=True),
       keras.optimizers.Adagrad(0.05))
   tables = [v for v in deployed.parts.storage.variables
@@ -120,7 +123,8 @@ def run(args):
   report = {'environment': bench.environment(), 'emulated': 'logical CPUs',
             'vocab_sizes': list(args.vocab_sizes), 'width': args.width,
             'num_clones': args.num_clones,
-            'rows_per_clone': args.rows_per_clone, 'target': TARGET,
+            'rows_per_clone': args.rows_per_clone,
+            'target': table_plan.TARGET,
             'designs': {d: _design(args, d) for d in DESIGNS}}
   return report
 

@@ -35,6 +35,13 @@ import contextlib
 import keras
 import tensorflow as tf
 
+SCOPE = 'lookup'  # A lookup's ops' name scope (its gradient's too).
+
+
+def in_scope(name):
+  """Whether the op named `name` is one of a lookup's (`SCOPE`)."""
+  return f'/{SCOPE}/' in f'/{name}'
+
 
 def tables(model, ids):
   """{id(table variable): its Embedding layer} of `model`'s plain
@@ -89,7 +96,7 @@ def look_up(parts, shards, homes, ids):
   """The rows `ids` name of a table stored as `shards` (row-major over
   `parts`: (row blocks, column blocks)), each gathered on its shard's
   device in `homes`, joined on the current device in the ids' order."""
-  with tf.name_scope('lookup'):
+  with tf.name_scope(SCOPE):
     found = _looked_up(parts, shards, homes, tf.reshape(ids, [-1]))
   width = found.shape[-1]
   if ids.shape.is_fully_defined():

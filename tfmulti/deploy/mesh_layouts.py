@@ -129,6 +129,14 @@ class VariableLayouts:
             'do not divide it; use a mesh axis that divides it, or None.')
     return axes
 
+  def names(self, path):
+    """Whether a rule of the map matches `path` (Keras's lookup), be its
+    axes all None (whole) or not."""
+    try:
+      return self._layout_map()[path] is not None
+    except ValueError:  # Several keys match: `axes_for` refuses it.
+      return True
+
   def unmatched(self, paths):
     """The layout map's keys that match none of `paths` (Keras's rule: an
     exact key, or one that fully matches)."""
@@ -183,7 +191,8 @@ def from_keras(distribution, plan_tables=False):
 
 def from_layout_map(layout_map, batch_axis=None, plan_tables=False):
   """The `VariableLayouts` of a `keras.distribution.LayoutMap`: its mesh
-  and its rules, each key with the axes Keras stored."""
+  and its rules, each key with the axes Keras stored (and `batch_axis`,
+  `plan_tables`: `VariableLayouts`' fields)."""
   mesh = layout_map.device_mesh
   return VariableLayouts(
       tuple(mesh.shape), tuple(mesh.axis_names),

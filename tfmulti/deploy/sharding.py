@@ -7,7 +7,8 @@ what it reads and updates:
            without variable layouts)
   Sharded  each variable a layout splits (`mesh_layouts`) stored as its
            shards, each a Keras variable on one mesh device, and every
-           other variable moved whole to the least-loaded device; each
+           other variable moved whole to the least-loaded device (a
+           planned table to its planned device: `table_plan`); each
            plain Embedding's table looked up where its shards live, or
            where it lives whole (`lookups`: row-, column- or table-wise)
 
@@ -394,23 +395,13 @@ def storage_of(config, model, optimizer, split_compute=True):
   plan.update({k: c.axes for k, c in choices.items() if c.axes})
   _join_all(model, config.compute_devices()[0], keep=plan)
   held = dict.fromkeys(config.compute_devices(), 0)
-  variables, grids, sharded = [], [], []
-  for variable in model.trainable_variables:
-    axes = plan.get(id(variable))
-    if axes is None:
-      variables.append(variable)
-      grids.append(None)
-      continue
-    parts = mesh_layouts.grid(layouts, axes)
-    shards = _shard(config, layouts, variable, axes, parts, held,
-                    choices.get(id(variable)))
-    keras_internals.exclude_alike(optimizer, variable, shards)
-    variables.extend(shards)
-    grids.append(parts)
-    sharded.append((variable, parts, shards))
-  _spread([v for v in model.variables if id(v) not in plan], held,
-          {k: config.clone_device(c.homes[0]) for k, c in choices.items()
-           if c.axes is None})
+  pinned = {k: config.clone_device(c.homes[0]) for k, c in choices.items()
+            if c.axes is None}  # Placed first: the rest balance around.
+  _spread([v for v in model.variables if id(v) in pinned], held, pinned)
+  variables, grids, sharded = _sharded(config, layouts, model, optimizer,
+                                       plan, choices, held)
+  _spread([v for v in model.variables
+           if id(v) not in plan and id(v) not in pinned], held, {})
   logging.info('Variables sharded by their layouts: %d of %d; bytes a '
                'device: %s.', len(plan), len(model.variables),
                sorted(held.values()))
@@ -428,18 +419,50 @@ def storage_of(config, model, optimizer, split_compute=True):
                             for i in range(layouts.num_devices)]))
 
 
-def _planned(layouts, model, optimizer, named):
+def _sharded(config, layouts, model, optimizer, plan, choices, held):
+  """(the step's variables: each trainable one, or its shards in its
+  place; each one's grid of parts, None whole; (variable, parts, shards)
+  of each sharded) with each variable of `plan` ({id: axes}) stored in
+  its shards, on the devices `choices` give or the least `held`."""
+  variables, grids, sharded = [], [], []
+  for variable in model.trainable_variables:
+    axes = plan.get(id(variable))
+    if axes is None:
+      variables.append(variable)
+      grids.append(None)
+      continue
+    parts = mesh_layouts.grid(layouts, axes)
+    shards = _shard(config, layouts, variable, axes, parts, held,
+                    choices.get(id(variable)))
+    keras_internals.exclude_alike(optimizer, variable, shards)
+    variables.extend(shards)
+    grids.append(parts)
+    sharded.append((variable, parts, shards))
+  return variables, grids, sharded
+
+
+def _planned(layouts, model, optimizer, split):
   """{id(table): `table_plan.Choice`} of each plain Embedding table that
-  no rule names (`named`), planned where `layouts.plan_tables`; logged.
-  Whole alone where the optimizer cannot update shards (`_refusal`)."""
+  no rule names (none in `split`, none matched), planned where
+  `layouts.plan_tables`; logged. Whole alone where the optimizer cannot
+  update shards (`_refusal`, logged)."""
   if not layouts.plan_tables:
     return {}
+  named = set(split) | {id(v) for v in model.variables
+                        if layouts.names(v.path)}
   tables = table_plan.tables_of(model, named)
+  if not tables:
+    logging.warning('plan_tables: model %r has no plain Embedding table '
+                    'that no rule names; nothing to plan.', model.name)
+    return {}
+  refusal = _refusal(optimizer)
+  if refusal:
+    logging.warning('plan_tables: every table whole: %s', refusal)
   choices = table_plan.plan(list(tables.values()), layouts,
-                            may_split=_refusal(optimizer) is None)
+                            may_split=refusal is None)
   for table in tables.values():
     logging.info('table %s: %s', table.path,
-                 choices[table.path].describe(layouts))
+                 choices[table.path].describe())
   return {key: choices[table.path] for key, table in tables.items()}
 
 
@@ -447,9 +470,9 @@ def _spread(whole, held, homes):
   """Each of the variables `whole` moved to its device in `homes` (by id)
   or, largest first, to the device of `held` (bytes, counted in) holding
   the least."""
-  for variable in sorted(whole, key=lambda v: (
-      id(v) not in homes, -devices.variable_bytes(v))):
-    device = homes.get(id(variable)) or min(held, key=held.__getitem__)
+  for variable in sorted(whole, key=devices.variable_bytes, reverse=True):
+    device = (homes[id(variable)] if id(variable) in homes
+              else min(held, key=held.__getitem__))
     _move(variable, device)
     held[device] += devices.variable_bytes(variable)
 

@@ -17,21 +17,28 @@ two loads), each table goes:
    then stays within `TARGET` times an even share of both loads;
 2. else over the fewest devices that keep them within it, by rows before
    columns (a column split sends every id to each shard);
-3. else split the way that keeps the busiest device lowest.
+3. else the layout, whole or split, that loads the devices least past
+   the target (the sum of each load's excess), then keeps the busiest
+   lowest.
 
 Each shard goes to the device, of those its layout allows
 (`VariableLayouts.candidates`), that keeps the busiest lowest. A table's
-lookups are estimated from its layer's input shape (the ids an example
-gives: 20 for an input of shape (None, 20)), spread evenly over its rows:
-ids skewed to popular rows, as clicks are, load the shard of those rows
-more than the plan counts. The optimizer's slots scale every table alike,
-so they do not move the plan.
+lookups are estimated from its layer's input shape as built (the ids an
+example gives: 20 for an input of shape (None, 20); a dimension not known
+counts 1, with a warning naming the table; a layer called on several
+inputs counts the one it was built on), spread evenly over its rows: ids
+skewed to popular rows, as clicks are, load the shard of those rows more
+than the plan counts. The optimizer's slots scale every table alike, so
+they do not move the plan.
 """
 
 import dataclasses
 import math
+from typing import Optional
 
+from absl import logging
 import numpy as np
+import tensorflow as tf
 
 from tfmulti import keras_internals
 from tfmulti.deploy import lookups
@@ -42,26 +49,27 @@ TARGET = 1.1  # The busiest device's load, over an even share.
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-  """What the planner knows of a table: its path, its (rows, width), and
-  the ids an example looks up in it."""
+  """What the planner knows of a table: its path, its (rows, width), the
+  ids an example looks up in it and the bytes of an element."""
   path: str
   shape: tuple
   ids: int
+  itemsize: int = 4
 
   def loads(self):
     """(bytes held, bytes looked up an example), whole."""
     rows, width = self.shape
-    return np.array([rows * width * 4, self.ids * width * 4], float)
+    return np.array([rows, self.ids], float) * width * self.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
   """A table's plan: its layout's `axes` (None: whole) and the flat mesh
   index of the device of each shard, in row-major order."""
-  axes: tuple
+  axes: Optional[tuple]
   homes: tuple
 
-  def describe(self, layouts):
+  def describe(self):
     """'whole on device 2', 'by rows over model on devices 0, 1, 2, 3'."""
     on = ', '.join(map(str, self.homes))
     if self.axes is None:
@@ -83,7 +91,7 @@ def plan(tables, layouts, may_split=True):
     weight = table.loads() / totals * n
     options = [_placed(axes, weight, loads, layouts)
                for axes in _layouts(table.shape, layouts, may_split)]
-    fits = [option for option in options if option[0] <= TARGET]
+    fits = [option for option in options if option[0][0] == 0]
     _, choice, added = fits[0] if fits else min(options,
                                                 key=lambda o: o[0])
     loads += added
@@ -122,9 +130,9 @@ def _layouts(shape, layouts, may_split):
 
 
 def _placed(axes, weight, loads, layouts):
-  """(the busiest device's load, the `Choice`, the loads it adds) of a
-  table of `weight` laid out by `axes`, each shard where it keeps the
-  busiest lowest."""
+  """(its score: the loads' excess past the target, then the busiest
+  load; the `Choice`; the loads it adds) of a table of `weight` laid out
+  by `axes`, each shard where it keeps the busiest lowest."""
   parts = mesh_layouts.grid(layouts, axes) if axes else (1, 1)
   share = weight / math.prod(parts)
   added = np.zeros_like(loads)
@@ -135,7 +143,9 @@ def _placed(axes, weight, loads, layouts):
     home = min(allowed, key=lambda d: max(loads[d] + added[d] + share))
     added[home] += share
     homes.append(home)
-  return (loads + added).max(), Choice(axes, tuple(homes)), added
+  after = loads + added
+  excess = np.maximum(after - TARGET, 0).sum()
+  return (excess, after.max()), Choice(axes, tuple(homes)), added
 
 
 def tables_of(model, skip):
@@ -145,13 +155,19 @@ def tables_of(model, skip):
   ids = {id(v) for v in model.trainable_variables
          if id(v) not in skip and v.constraint is None
          and not v.overwrite_with_gradient}
-  return {key: Table(layer.embeddings.path,
-                     tuple(layer.embeddings.shape), _ids_per_example(layer))
+  return {key: Table(
+      layer.embeddings.path, tuple(layer.embeddings.shape),
+      _ids_per_example(layer), tf.as_dtype(layer.embeddings.dtype).size)
           for key, layer in lookups.tables(model, ids).items()}
 
 
 def _ids_per_example(layer):
   """The ids an example gives `layer` (an Embedding): its input's size
-  past the batch, as built (1 where a dimension is unknown)."""
-  shape = keras_internals.build_input_shape(layer) or (None,)
-  return math.prod(d or 1 for d in shape[1:])
+  past the batch, as built (1 where a dimension is unknown, warned)."""
+  shape = keras_internals.build_input_shape(layer)
+  if shape is None or None in tuple(shape)[1:]:
+    logging.warning(
+        'table %s: its input shape %s as built does not say the ids an '
+        'example gives; the plan counts 1 for each unknown dimension.',
+        layer.embeddings.path, shape)
+  return math.prod(d or 1 for d in tuple(shape or (None, None))[1:])

@@ -27,6 +27,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfmulti import devices
+from tfmulti.deploy import lookups
 from tfmulti.deploy import peaks
 from tfmulti.deploy import sharding
 from tfmulti.deploy import tensor_parallel
@@ -80,7 +81,7 @@ def _kind(tensor, reader):
     return 'activations'
   if 'gradient' in tensor.op.name or 'sum_gradients' in reader.name:
     return 'gradients'
-  if '/lookup/' in f'/{tensor.op.name}':
+  if lookups.in_scope(tensor.op.name):
     return 'lookups'
   return 'other'
 
@@ -153,7 +154,7 @@ def lookup_gathers(graph):
   runs = peaks.reachable(graph, True)
   return [op for op in graph.get_operations()
           if op.type == 'GatherV2' and op.name in runs
-          and '/lookup/' in f'/{op.name}'
+          and lookups.in_scope(op.name)
           and op.inputs[0].op.type == 'ReadVariableOp']
 
 

@@ -95,27 +95,27 @@ def _log_deployment(config, deploy_config, path):
                  '/'.join(map(str, layouts.split_rows(step_rows,
                                                    options.clone_shares))),
                  step_rows)
-  if config.strategy == registry.TOWERS:
-    mesh = deploy_config.variable_layouts
-    if mesh is not None:
-      logging.info('towers: a mesh %s of axes %s over %s: each variable its '
-                   'layout splits as shards, each clone gathering them and '
-                   'each shard summed and updated on its device; the rest '
-                   'spread by bytes', mesh.mesh_shape, mesh.axis_names,
-                   deploy_config.variable_devices())
-    elif deploy_config.spread_variables:
-      logging.info('towers: variables spread over %s by bytes, each with '
-                   'its slots, gradient sum and update; batch split on %s',
-                   deploy_config.variable_devices(),
-                   deploy_config.inputs_device())
-    else:
-      logging.info('towers: variables and optimizer slots on %s; batch '
-                   'split on %s; gradients summed and applied on %s',
-                   deploy_config.variables_device(),
-                   deploy_config.inputs_device(),
-                   deploy_config.optimizer_device())
-  else:
+  mesh = deploy_config.variable_layouts
+  if mesh is not None:
+    logging.info('%s: a mesh %s of axes %s over %s: each variable its '
+                 'layout splits as shards, each clone gathering them and '
+                 'each shard summed and updated on its device; the rest '
+                 'spread by bytes%s', config.strategy, mesh.mesh_shape,
+                 mesh.axis_names, deploy_config.variable_devices(),
+                 ', the tables planned' if mesh.plan_tables else '')
+  elif config.strategy != registry.TOWERS:
     logging.info('%s: %s', config.strategy, path.variables)
+  elif deploy_config.spread_variables:
+    logging.info('towers: variables spread over %s by bytes, each with '
+                 'its slots, gradient sum and update; batch split on %s',
+                 deploy_config.variable_devices(),
+                 deploy_config.inputs_device())
+  else:
+    logging.info('towers: variables and optimizer slots on %s; batch '
+                 'split on %s; gradients summed and applied on %s',
+                 deploy_config.variables_device(),
+                 deploy_config.inputs_device(),
+                 deploy_config.optimizer_device())
 
 
 def _start_workers(config, deploy_config, path, cluster_info):
