@@ -42,7 +42,9 @@ def test_parameter_counts(name, shape, trainable, total):
   assert model.count_params() == total
 
 
-@pytest.mark.parametrize('name', models.names())
+@pytest.mark.parametrize('name', [
+    pytest.param(name, marks=[pytest.mark.slow] if name == 'resnet50' else [])
+    for name in models.names()])
 def test_input_shape_and_classes_come_from_the_caller(name):
   model = models.get_model(name, input_shape=(28, 28, 1), num_classes=7)
   assert model.output_shape == (None, 7)

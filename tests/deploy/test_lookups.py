@@ -185,8 +185,8 @@ def test_a_table_read_whole_too_trains_as_one_device():
   _assert_trains_as_one_device(('model', None), 'adam', tied=True)
 
 
-@pytest.mark.parametrize('packs', [
-    0, pytest.param('auto', marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('packs', [0, 'auto'])
 def test_no_clone_joins_a_looked_up_table(packs):
   """Read from the traced step: of the ops it runs, none makes a tensor
   of the whole table's shape; each shard's rows leave its device only as

@@ -89,12 +89,10 @@ class DeploymentConfig:
       shard of a step to the clone's device ahead of the step; None (the
       default) follows `prefetches_to_clones()`'s rule.
     variable_layouts: a `mesh_layouts.VariableLayouts` (Keras's
-      `ModelParallel` read): clone i on the mesh's i-th device, and each
-      variable its layout splits stored as its shards, one on a device of
-      the mesh that layout names, the rest spread, planned tables where
-      planned (`sharding`); across workers, a mesh of each worker's
-      clones, every worker holding the shards. None keeps variables
-      whole.
+      `ModelParallel` read): clone i on the mesh's i-th device (of each
+      worker), each variable its layout splits stored as its shards, each
+      on a device of the mesh that layout names, the rest spread
+      (`sharding`); None keeps variables whole.
   """
   num_clones: int
   clone_on_cpu: bool
