@@ -168,7 +168,7 @@ def _assert_bits_equal(got, want):
 
 
 @pytest.mark.parametrize('num_clones, num_stages, options', [
-    (2, 1, {}),
+    pytest.param(2, 1, {}, marks=pytest.mark.slow),
     pytest.param(4, 1, dict(clone_shares=(3, 1, 1, 1)),
                  marks=pytest.mark.slow),
     pytest.param(2, 1, dict(accumulation_steps=2), marks=pytest.mark.slow),

@@ -176,7 +176,8 @@ def _assert_same(histories, models):
 @pytest.mark.parametrize('cls, extra', [
     pytest.param(SampleWeightModel, dict(sample_weight=np.linspace(
         0.5, 1.5, ROWS).astype(np.float32)), marks=pytest.mark.slow),
-    (EvaluatingModel, dict(validation_data=_data())),
+    pytest.param(EvaluatingModel, dict(validation_data=_data()),
+                 marks=pytest.mark.slow),
     pytest.param(LossModel, dict(validation_data=_data()),
                  marks=pytest.mark.slow)],
                          ids=['sample_weight', 'test_step', 'compute_loss'])
