@@ -30,6 +30,7 @@ gathers than rows, which splits every table.
 """
 
 import argparse
+import collections
 
 import keras
 import numpy as np
@@ -99,23 +100,20 @@ def _design(args, design):
   tables = [v for v in deployed.parts.storage.variables
             if v.path.startswith('table_')]
   held = traffic.held_bytes(tables)
-  looked = traffic.measured_lookups(
+  gathers = traffic.measured_lookups(
       deployed, *_batch(args, args.rows_per_clone * n))
+  looked = collections.Counter()
+  for device, size in gathers:
+    looked[device] += size
   names = [devices.canonical(config.clone_device(d)) for d in range(n)]
   even_held = sum(held.values()) / n
   even_looked = sum(looked.values()) / n
   return {
       'held_of_share': [held.get(d, 0) / even_held for d in names],
       'looked_of_share': [looked.get(d, 0) / even_looked for d in names],
-      'gathers': _gathers(deployed, args),
+      'gathers': len(gathers),
       'max_held_of_share': max(held.values()) / even_held,
       'max_looked_of_share': max(looked.values()) / even_looked}
-
-
-def _gathers(deployed, args):
-  graph = deployed.traced_step(*_batch(args, args.rows_per_clone *
-                                       args.num_clones)).graph
-  return len(traffic.lookup_gathers(graph))
 
 
 def run(args):

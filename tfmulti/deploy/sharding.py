@@ -391,7 +391,7 @@ def storage_of(config, model, optimizer, split_compute=True):
     logging.warning(
         'layout map keys matching no variable of %r (its paths start as '
         '%r): %s', model.name, model.variables[0].path, unmatched)
-  choices = _planned(layouts, model, optimizer, plan)
+  choices = _planned(layouts, model, optimizer)
   plan.update({k: c.axes for k, c in choices.items() if c.axes})
   _join_all(model, config.compute_devices()[0], keep=plan)
   held = dict.fromkeys(config.compute_devices(), 0)
@@ -441,15 +441,14 @@ def _sharded(config, layouts, model, optimizer, plan, choices, held):
   return variables, grids, sharded
 
 
-def _planned(layouts, model, optimizer, split):
+def _planned(layouts, model, optimizer):
   """{id(table): `table_plan.Choice`} of each plain Embedding table that
-  no rule names (none in `split`, none matched), planned where
+  no rule of the map names (one that keeps it whole names it), planned where
   `layouts.plan_tables`; logged. Whole alone where the optimizer cannot
   update shards (`_refusal`, logged)."""
   if not layouts.plan_tables:
     return {}
-  named = set(split) | {id(v) for v in model.variables
-                        if layouts.names(v.path)}
+  named = {id(v) for v in model.variables if layouts.names(v.path)}
   tables = table_plan.tables_of(model, named)
   if not tables:
     logging.warning('plan_tables: model %r has no plain Embedding table '

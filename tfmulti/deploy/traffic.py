@@ -134,18 +134,15 @@ def measured_transfers(deployed, images, labels):
 
 
 def measured_lookups(deployed, images, labels):
-  """{device: bytes} of the rows each device gathers from its tables (or
-  their shards) in one step of `deployed` on this batch: the gathers of
-  a table's lookup (`lookups`), evaluated as `measured_transfers`."""
+  """[(device, bytes)] of each gather of a table's rows (or a shard's)
+  in one step of `deployed` on this batch: the gathers of a table's
+  lookup (`lookups`), their outputs evaluated as `measured_transfers`."""
   def gathers(graph):
     found = lookup_gathers(graph)
     return found, [op.outputs[0] for op in found]
   _, found, sizes = _measured(deployed, images, labels, gathers)
   placement = devices.GraphPlacement()
-  looked = collections.Counter()
-  for op, size in zip(found, sizes):
-    looked[placement.of_op(op)] += size
-  return dict(looked)
+  return [(placement.of_op(op), size) for op, size in zip(found, sizes)]
 
 
 def lookup_gathers(graph):
