@@ -180,6 +180,60 @@ def test_a_split_blocks_activations_never_meet_on_one_device(gated):
   assert (4, FEATURES) in crossing  # The rows, to each block's device.
 
 
+def test_a_blocks_gradients_meet_once_a_mesh_row(gated):
+  """Read from the traced step: the clones of a mesh row compute block j
+  on one device, so its gradients are summed there and cut into their
+  shards' pieces once a row (2 rows x 2 blocks of each of 3 kernels),
+  not once a clone; no clone cuts a block."""
+  x, y = _data()
+  graph = gated.towers.traced_step(tf.constant(x[:16]),
+                                    (tf.constant(y[:16]),)).graph
+  runs = peaks.reachable(graph)
+  blocks = {(FEATURES, HIDDEN // 2), (HIDDEN // 2, 12)}
+  cuts = [op for op in graph.get_operations() if op.name in runs
+          and op.type in ('Split', 'SplitV')
+          and tuple(op.inputs[-1 if op.type == 'Split' else 0].shape) in
+          blocks]
+  assert len(cuts) == 12
+  assert all(op.name.startswith('cut_shards/') for op in cuts)
+  for op in cuts:
+    summed = op.inputs[1 if op.type == 'Split' else 0].op
+    assert summed.type == 'AddN' and len(summed.inputs) == 2
+    assert devices.canonical(summed.device) == devices.canonical(op.device)
+  assert len({devices.canonical(op.device) for op in cuts}) == 4
+
+
+@pytest.mark.parametrize('equation, kernel, product', [
+    ('btm,mnh->btnh', (6, 4, 2), 'MatMul'),  # Llama's query.
+    ('btnh,nhm->btm', (4, 2, 6), 'MatMul'),  # Its attention output.
+    ('bmt,mh->bth', (5, 6), None)])  # Not a matmul of rows: Keras's.
+def test_a_split_einsum_computes_as_keras_does(equation, kernel, product):
+  """A split EinsumDense's blocks give Keras's outputs, each block one
+  2-D matmul of the inputs' rows where the subscripts contract the
+  inputs' last dimensions with the kernel's first (a batched matmul of
+  small blocks costs several times as much), else Keras's einsum."""
+  inputs = equation.split(',')[0]
+  shape = [3, 5, 6] if inputs == 'btm' else [3, 5, 4, 2] if (
+      inputs == 'btnh') else [3, 5, 7]
+  outputs = equation.split('->')[1]
+  sizes = dict(zip(inputs, shape)) | dict(
+      zip(equation.split(',')[1].split('-')[0], kernel))
+  layer = keras.layers.EinsumDense(equation, [sizes[c] for c in outputs[1:]])
+  layer.build([None] + shape[1:])
+  x = tf.constant(np.random.default_rng(0).normal(size=shape), tf.float32)
+  want = layer(x)
+  homes = ['/device:CPU:0', '/device:CPU:1']
+  dim = 0 if inputs == 'btnh' else 1  # Row-parallel, else column.
+  blocks = tf.split(tf.convert_to_tensor(layer.kernel), 2, axis=dim)
+  with tensor_parallel.computing([(layer, dim, blocks, homes)]):
+    traced = tf.function(layer).get_concrete_function(x)
+    got = traced(x)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  types = {op.type for op in traced.graph.get_operations()}
+  if product:
+    assert product in types and not types & {'BatchMatMulV2', 'Einsum'}
+
+
 @pytest.mark.slow
 def test_predict_computes_the_blocks_too():
   model = _model(gated=True)

@@ -83,7 +83,8 @@ class WholeClones:
       variables = (reads(self.config.clone_device(i)),
                    values_of(self.model.non_trainable_variables))
       return self.run_pieces(self.body, mine, variables, x, y, terms)
-    return _each_clone(self.config, clone_pieces, images, labels, run_clone)
+    return self.storage.met(
+        _each_clone(self.config, clone_pieces, images, labels, run_clone))
 
   def infer(self, clone_index, images, variables):
     """Clone `clone_index`'s inference on `images`, from `variables`

@@ -67,6 +67,12 @@ class Whole:
     """`body` itself: its gradients are `variables`'."""
     return body
 
+  @staticmethod
+  def met(results):
+    """The clones' `results` themselves: nothing is summed before the
+    combiner."""
+    return results
+
 
 class Sharded:
   """Each laid-out variable as its shards; the rest whole.
@@ -139,13 +145,13 @@ class Sharded:
     watch(whole)
     return whole, whole + in_place, _in_place(tables, blocks)
 
-  def _split_kernels(self):
+  def _split_kernels(self, here=None):
     """(k, where, rest, [(home, members)]) of each split kernel: its
     index, its slice of `variables`, its parts with the compute
-    dimension whole, and for each block its device in the current
-    clone's mesh row along the compute axis and the positions (in
-    `variables[where]`) of the shards it joins."""
-    here = self._here()
+    dimension whole, and for each block its device in the mesh row of
+    clone `here` (None: the current clone) along the compute axis and
+    the positions (in `variables[where]`) of the shards it joins."""
+    here = self._here() if here is None else here
     for k, parts, where in self._spans():
       if k in self.splits:
         _, dim, axis = self.splits[k]
@@ -198,23 +204,21 @@ class Sharded:
     would slice each shard apart, a few ops a shard), an Embedding's
     `tf.IndexedSlices` kept as slices; a looked-up table's are its
     shards' own (`read` takes them of the shards' reads), after the
-    model's; a split kernel's add its blocks' (`_cut_blocks`)."""
+    model's; a split kernel's are its blocks' uncut (`_block_slots`),
+    until `met`."""
     count = len(self.grids)
     looked = sum(w.stop - w.start for k, _, w in self._spans()
                  if k in self.tables)
     looked_up = iter(gradients[count:count + looked])
-    blocks = iter(self._cut_blocks(gradients[count + looked:]))
+    blocks = iter(self._block_slots(gradients[count + looked:], gradients))
     cuts = []
     with tf.name_scope('cut_shards'):
       for k, parts, where in self._spans():
         gradient, shape = gradients[k], self.shapes[k]
         if k in self.tables:  # Its shards' own: the join's reached them.
           cuts.extend(next(looked_up) for _ in range(where.stop - where.start))
-        elif k in self.splits:  # Its blocks', and a whole read's if any.
-          blocks_cut = next(blocks)
-          cuts.extend(blocks_cut if gradient is None else [
-              g if b is None else g + b
-              for g, b in zip(cut(parts, gradient), blocks_cut)])
+        elif k in self.splits:
+          cuts.extend(next(blocks))
         elif parts is None:
           cuts.append(gradient)
         elif gradient is None:
@@ -225,21 +229,52 @@ class Sharded:
           cuts.extend(cut(parts, gradient))
     return cuts
 
-  def _cut_blocks(self, gradients):
-    """For each split kernel, its shards' pieces of its blocks'
-    `gradients` (None: a block its pass did not use), each block's cut
-    where it was joined."""
+  def _block_slots(self, gradients, whole):
+    """For each split kernel, its shards' slots, each block's gradient
+    in its first shard's, on the block's device: its `gradients`' (None:
+    a block its pass did not use), plus its part of the kernel's `whole`
+    gradient (`whole[k]`) where a layer read the kernel whole."""
     gradients = iter(gradients)
-    for _, where, rest, blocks in self._split_kernels():
-      pieces = [None] * (where.stop - where.start)
-      for home, members in blocks:
-        gradient = next(gradients)
-        if gradient is None:
-          continue
+    for k, where, _, blocks in self._split_kernels():
+      slots = [None] * (where.stop - where.start)
+      read = whole[k] if whole[k] is None else tf.split(
+          whole[k], len(blocks), axis=self.splits[k][1])
+      for j, (home, members) in enumerate(blocks):
+        block = next(gradients)
+        if read is not None:
+          with tf.device(home):
+            block = read[j] if block is None else block + read[j]
+        slots[members[0]] = block
+      yield slots
+
+  def met(self, results):
+    """The clones' `results` (`runners`: a pass's, its gradients of
+    `variables` fourth; None: a clone with no rows) with each split
+    kernel's blocks' gradients summed where they were made over the
+    clones of each mesh row (each computes block j on one device), and
+    cut into their shards' pieces there: one cut and one piece sent a
+    row, not a clone (Megatron's sum over its data-parallel group). A
+    row's first clone carries its pieces; the others none."""
+    if not self.splits:
+      return results
+    gradients = [r and list(r[3]) for r in results]
+    made = {}  # (k, home) -> (where, rest, members, [(clone, gradient)])
+    for i, mine in enumerate(gradients):
+      for k, where, rest, blocks in self._split_kernels(i) if mine else ():
+        for home, members in blocks:
+          slot = where.start + members[0]
+          if mine[slot] is not None:
+            made.setdefault((k, home), (where, rest, members, []))[3].append(
+                (i, mine[slot]))
+          mine[slot] = None
+    with tf.name_scope('cut_shards'):
+      for (_, home), (where, rest, members, terms) in made.items():
+        first = gradients[terms[0][0]]
         with tf.device(home):
-          for i, piece in zip(members, cut(rest, gradient)):
-            pieces[i] = piece
-      yield pieces
+          summed = tf.add_n([gradient for _, gradient in terms])
+          for m, piece in zip(members, cut(rest, summed)):
+            first[where.start + m] = piece
+    return [r and (*r[:3], g, *r[4:]) for r, g in zip(results, gradients)]
 
 
 @contextlib.contextmanager

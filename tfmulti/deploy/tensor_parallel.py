@@ -135,8 +135,7 @@ def _call(layer, dim, blocks, homes, parts):
   keras_call = type(layer).call.__get__(layer)
   inputs_spec, kernel_spec, outputs_spec = specs(layer)
   label = kernel_spec[dim]
-  product = (keras.ops.matmul if isinstance(layer, keras.layers.Dense) else
-             lambda x, kernel: keras.ops.einsum(layer.equation, x, kernel))
+  product = _product(layer)
 
   def part(x, kernel, *bias):
     """One block's product (with its part of the bias and the activation
@@ -167,6 +166,48 @@ def _call(layer, dim, blocks, homes, parts):
          for x, kernel, home, bias in zip(pieces, blocks, homes, biases)],
         axis, homes)
   return call
+
+
+def _product(layer):
+  """`layer`'s product of its inputs by a kernel block: one 2-D matmul of
+  the inputs' rows where the subscripts contract the inputs' last
+  dimensions with the kernel's first ones (Dense's, and EinsumDense's
+  projections: 'bqm,muh->bquh', 'bquh,uhm->bqm'), else Keras's einsum.
+  Each part is small, and oneDNN's batched matmul of a 3-D input costs
+  several times a 2-D matmul of the same rows, forward and backward."""
+  if isinstance(layer, keras.layers.Dense):
+    inputs, kernel, outputs = '...a', 'ab', '...b'
+  else:
+    inputs, kernel, outputs = specs(layer)
+  count = _contracted(inputs, kernel, outputs)
+  if count is None:
+    return lambda x, k: keras.ops.einsum(layer.equation, x, k)
+
+  def matmul(x, k):
+    if x.shape.rank == 2 and k.shape.rank == 2:
+      return tf.matmul(x, k)
+    inner = int(np.prod(k.shape[:count]))
+    y = tf.matmul(tf.reshape(x, [-1, inner]), tf.reshape(k, [inner, -1]))
+    rows = x.shape[:-count]
+    if rows.is_fully_defined():
+      return tf.reshape(y, rows.as_list() + k.shape[count:].as_list())
+    return tf.reshape(y, tf.concat([tf.shape(x)[:-count], k.shape[count:]],
+                                   0))
+  return matmul
+
+
+def _contracted(inputs, kernel, outputs):
+  """How many of the inputs' last dimensions the subscripts contract with
+  the kernel's first ones, the rest kept in order ('...bq' + 'uh'); None
+  where they say another product (a label shared by all three, a
+  transposed operand)."""
+  shared = [c for c in kernel if c in inputs]
+  count = len(shared)
+  if (not count or any(c in outputs for c in shared)
+      or not inputs.endswith(''.join(shared))
+      or not kernel.startswith(''.join(shared))):
+    return None
+  return count if outputs == inputs[:-count] + kernel[count:] else None
 
 
 def _rank(inputs, inputs_spec, outputs_spec):
