@@ -18,9 +18,10 @@ looked-up table's join, or a split kernel's, runs only where a layer
 reads the variable whole: a tied output layer, a weight penalty; a split
 kernel's blocks are joined where they compute, `tensor_parallel`),
 whose tape watches the joined variables; each clone cuts their gradients
-into the shards' pieces after its pass (`cutting`) and the combiners sum
-each beside its shard (a reduce-scatter) and the optimizer updates the shards,
-its slots beside them. The model's own variable keeps its name, shape and
+into the shards' pieces after its pass (`cutting`; a split kernel's
+blocks' are summed over a mesh row's clones first, then cut: `met`), the
+combiners sum each beside its shard (a reduce-scatter) and the optimizer
+updates the shards, its slots beside them. The model's own variable keeps its name, shape and
 path, and its storage becomes a `ShardedValue`: reading it (predict, a
 checkpoint, `get_weights`) joins the shards where it is read, and
 assigning it (`load_weights`, a restore) cuts the value into them, so no

@@ -31,9 +31,11 @@ another layer reads it whole.
 
 Each part runs under a custom gradient (`on`) that takes its backward
 pass on the part's device too: a tape makes each op's gradient where the
-gradient is taken, the clone's device. The tape watches each block where
-it is joined, and the storage cuts each block's gradient into its shards'
-pieces there (`sharding`). Elementwise ops replayed on parts are
+gradient is taken, the clone's device. Each block's product is one 2-D
+matmul of the rows where the subscripts allow (`_product`). The tape
+watches each block where it is joined; the storage sums a block's
+gradients over the clones of a mesh row there and cuts the sum into its
+shards' pieces (`sharding.Sharded.met`). Elementwise ops replayed on parts are
 differentiated as ops: a custom gradient of theirs (`tf.nn.silu`'s,
 which saves memory) gives way to their own, equal to round-off.
 Row-parallel layers add their partial sums in another order than one
