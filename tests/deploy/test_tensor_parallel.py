@@ -28,13 +28,14 @@ FEED_FORWARD = {'up/kernel': ('batch', 'model'),
                 'down/kernel': ('model', 'batch')}
 
 
-def _model(gated=False, activation='relu'):
+def _model(gated=False, activation='relu', penalty=None):
   """Features to classes through a feed-forward block (column-parallel
-  `up`, row-parallel `down`), gated as Llama's where asked."""
+  `up`, with the weight `penalty` given, row-parallel `down`), gated as
+  Llama's where asked."""
   keras.utils.set_random_seed(0)
   inputs = keras.Input((FEATURES,))
-  hidden = keras.layers.Dense(HIDDEN, activation=activation, name='up')(
-      inputs)
+  hidden = keras.layers.Dense(HIDDEN, activation=activation, name='up',
+                              kernel_regularizer=penalty)(inputs)
   if gated:
     gate = keras.layers.Dense(HIDDEN, use_bias=False, name='gate')(inputs)
     hidden = keras.layers.Multiply()(
@@ -115,6 +116,28 @@ def test_a_gated_feed_forward_block_trains_as_one_device(gated):
       'down', 'gate', 'up']
 
 
+def test_a_weight_penalty_on_a_split_kernel_trains_as_one_device():
+  """The penalty reads the kernel whole: its gradient's blocks join the
+  blocks' own where they live, before a mesh row's meet."""
+  _assert_trains_as_one_device(
+      lambda: _model(penalty=keras.regularizers.L2(0.05)),
+      {'up/kernel': ('batch', 'model'), 'down/kernel': ('model', 'batch')})
+
+
+def test_a_short_batch_leaves_clones_empty_and_trains_as_one_device():
+  """17 rows in batches of 16: the last batch's one row is clone 0's
+  alone, so its mesh row's meet has one term and the other row none."""
+  x, y = (part[:17] for part in _data())
+  plain = _model()
+  want = _fit(plain, (x, y), epochs=1)
+  model = _model()
+  towers = fit.TowersModel(model, _parallel(FEED_FORWARD))
+  np.testing.assert_allclose(_fit(towers, (x, y), epochs=1), want,
+                             rtol=1e-5)
+  for g, w in zip(model.weights, plain.weights):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('layouts, shape, names', [
     ({'up/kernel': (None, 'model')}, (1, 4), ('batch', 'model')),  # Column.
@@ -166,7 +189,7 @@ def test_a_split_blocks_activations_never_meet_on_one_device(gated):
   for op in ran:
     if op.type == 'MatMul' and tuple(op.inputs[1].shape) == (
         FEATURES, HIDDEN // 2):
-      clone = int(op.name.split('clone_')[1].split('/')[0])
+      clone = _clone_of(op)
       products.setdefault(clone, set()).add(devices.canonical(op.device))
   assert products == {0: {cpu[0], cpu[1]}, 1: {cpu[0], cpu[1]},
                       2: {cpu[2], cpu[3]}, 3: {cpu[2], cpu[3]}}
@@ -195,43 +218,51 @@ def test_a_blocks_gradients_meet_once_a_mesh_row(gated):
           and tuple(op.inputs[-1 if op.type == 'Split' else 0].shape) in
           blocks]
   assert len(cuts) == 12
-  assert all(op.name.startswith('cut_shards/') for op in cuts)
+  cpu = [devices.canonical(f'/device:CPU:{i}') for i in range(4)]
   for op in cuts:
     summed = op.inputs[1 if op.type == 'Split' else 0].op
-    assert summed.type == 'AddN' and len(summed.inputs) == 2
+    assert summed.type == 'AddN'
     assert devices.canonical(summed.device) == devices.canonical(op.device)
-  assert len({devices.canonical(op.device) for op in cuts}) == 4
+    row = cpu.index(devices.canonical(op.device)) // 2  # Device (row, j).
+    assert sorted(_clone_of(t.op) for t in summed.inputs) == [2 * row,
+                                                               2 * row + 1]
 
 
-@pytest.mark.parametrize('equation, kernel, product', [
-    ('btm,mnh->btnh', (6, 4, 2), 'MatMul'),  # Llama's query.
-    ('btnh,nhm->btm', (4, 2, 6), 'MatMul'),  # Its attention output.
-    ('bmt,mh->bth', (5, 6), None)])  # Not a matmul of rows: Keras's.
-def test_a_split_einsum_computes_as_keras_does(equation, kernel, product):
-  """A split EinsumDense's blocks give Keras's outputs, each block one
-  2-D matmul of the inputs' rows where the subscripts contract the
-  inputs' last dimensions with the kernel's first (a batched matmul of
-  small blocks costs several times as much), else Keras's einsum."""
-  inputs = equation.split(',')[0]
-  shape = [3, 5, 6] if inputs == 'btm' else [3, 5, 4, 2] if (
-      inputs == 'btnh') else [3, 5, 7]
-  outputs = equation.split('->')[1]
-  sizes = dict(zip(inputs, shape)) | dict(
-      zip(equation.split(',')[1].split('-')[0], kernel))
-  layer = keras.layers.EinsumDense(equation, [sizes[c] for c in outputs[1:]])
-  layer.build([None] + shape[1:])
-  x = tf.constant(np.random.default_rng(0).normal(size=shape), tf.float32)
+def _clone_of(op):
+  """The clone whose pass made `op` (its name scope)."""
+  return int(op.name.split('clone_')[1].split('/')[0])
+
+
+@pytest.mark.parametrize('layer, shape, dim, product', [
+    # Llama's query (column-parallel) and attention output (row).
+    (lambda: keras.layers.EinsumDense('btm,mnh->btnh', (5, 4, 2)),
+     (5, 6), 1, 'MatMul'),
+    (lambda: keras.layers.EinsumDense('btnh,nhm->btm', (5, 6)),
+     (5, 4, 2), 0, 'MatMul'),
+    (lambda: keras.layers.Dense(4), (5, 6), 1, 'MatMul'),  # Rows of rows.
+    # Not a matmul of rows (a transposed input): Keras's einsum.
+    (lambda: keras.layers.EinsumDense('bmt,mh->bth', (7, 6)), (5, 7), 1,
+     'Einsum')])
+def test_a_split_layer_computes_as_keras_does(layer, shape, dim, product):
+  """A split layer's blocks give Keras's outputs, for any number of rows
+  (traced with none known), each block one 2-D matmul of the inputs'
+  rows where the subscripts contract the inputs' last dimensions with
+  the kernel's first (a batched matmul of small blocks costs several
+  times as much), else Keras's einsum."""
+  layer = layer()
+  layer.build((None, *shape))
+  x = tf.constant(np.random.default_rng(0).normal(size=(3, *shape)),
+                  tf.float32)
   want = layer(x)
   homes = ['/device:CPU:0', '/device:CPU:1']
-  dim = 0 if inputs == 'btnh' else 1  # Row-parallel, else column.
   blocks = tf.split(tf.convert_to_tensor(layer.kernel), 2, axis=dim)
   with tensor_parallel.computing([(layer, dim, blocks, homes)]):
-    traced = tf.function(layer).get_concrete_function(x)
+    traced = tf.function(layer).get_concrete_function(
+        tf.TensorSpec((None, *shape), tf.float32))
     got = traced(x)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   types = {op.type for op in traced.graph.get_operations()}
-  if product:
-    assert product in types and not types & {'BatchMatMulV2', 'Einsum'}
+  assert product in types and 'BatchMatMulV2' not in types
 
 
 @pytest.mark.slow

@@ -146,8 +146,9 @@ def test_each_clone_gathers_and_each_shard_is_summed_beside_it():
   gathers = {op.device.split('device:')[-1] for op in operations
              if 'gather_shards' in op.name and op.type == 'ConcatV2'}
   assert gathers == {'CPU:0', 'CPU:1', 'CPU:2', 'CPU:3'}
-  # Each clone cuts the joined variables' gradients into the shards'
-  # pieces, and each piece is summed on its shard's device.
+  # The joined variables' gradients are cut into the shards' pieces (a
+  # kernel computed as blocks: once a mesh row, where each block lives),
+  # and each piece is summed on its shard's device.
   cuts = {op.device.split('device:')[-1] for op in operations
           if op.type == 'Split' and 'cut_shards' in op.name}
   assert cuts == {'CPU:0', 'CPU:1', 'CPU:2', 'CPU:3'}

@@ -75,7 +75,9 @@ class WholeClones:
     Returns:
       Per clone, (outputs, loss, regularization, gradients, [new
       non-trainable values, one set a piece]); None for a clone with no
-      rows.
+      rows. A split kernel's shard pieces come on the first clone of
+      each mesh row that computed its block, None on the others
+      (`storage.met`).
     """
     reads = _packed_reads(self.config, self.storage.variables, self.packs)
 
@@ -103,7 +105,8 @@ class WholeClones:
 
   def probe(self, clone_index, images, labels, layout):
     """Clone `clone_index` alone on a batch cut by `layout` (one clone):
-    (loss, gradients), on its device."""
+    (loss, gradients), on its device; a split kernel's gradients are its
+    blocks' uncut (not met: a probe times a pass)."""
     with on_clone(self.config, clone_index):
       variables = (values_of(self.storage.variables),
                    values_of(self.model.non_trainable_variables))

@@ -21,11 +21,11 @@ whose tape watches the joined variables; each clone cuts their gradients
 into the shards' pieces after its pass (`cutting`; a split kernel's
 blocks' are summed over a mesh row's clones first, then cut: `met`), the
 combiners sum each beside its shard (a reduce-scatter) and the optimizer
-updates the shards, its slots beside them. The model's own variable keeps its name, shape and
-path, and its storage becomes a `ShardedValue`: reading it (predict, a
-checkpoint, `get_weights`) joins the shards where it is read, and
-assigning it (`load_weights`, a restore) cuts the value into them, so no
-device holds the whole variable.
+updates the shards, its slots beside them. The model's own variable keeps
+its name, shape and path, and its storage becomes a `ShardedValue`:
+reading it (predict, a checkpoint, `get_weights`) joins the shards where
+it is read, and assigning it (`load_weights`, a restore) cuts the value
+into them, so no device holds the whole variable.
 """
 
 import contextlib
@@ -190,7 +190,8 @@ class Sharded:
   def cutting(self, body):
     """`body` (a `pieces.Body`, compiled or not) with its gradients, of
     the model's trainable values, cut into `variables`' after it has run
-    (`cut_gradients`): a compiled pass keeps static shapes, and an
+    (`cut_gradients`; a split kernel's blocks are cut in `met`, after
+    every clone's pass): a compiled pass keeps static shapes, and an
     Embedding's slices go to their shards in numbers that vary."""
     def run(*args):
       outputs, loss, regularization, gradients, new = body(*args)
@@ -254,22 +255,23 @@ class Sharded:
     kernel's blocks' gradients summed where they were made over the
     clones of each mesh row (each computes block j on one device), and
     cut into their shards' pieces there: one cut and one piece sent a
-    row, not a clone (Megatron's sum over its data-parallel group). A
-    row's first clone carries its pieces; the others none."""
+    row, not a clone (Megatron's sum over its data-parallel group). The
+    first clone of the row with a gradient of the block carries its
+    pieces; the others none."""
     if not self.splits:
       return results
     gradients = [r and list(r[3]) for r in results]
-    made = {}  # (k, home) -> (where, rest, members, [(clone, gradient)])
+    made = {}  # (k, home, first shard) -> (where, rest, members, terms)
     for i, mine in enumerate(gradients):
       for k, where, rest, blocks in self._split_kernels(i) if mine else ():
         for home, members in blocks:
           slot = where.start + members[0]
           if mine[slot] is not None:
-            made.setdefault((k, home), (where, rest, members, []))[3].append(
-                (i, mine[slot]))
+            made.setdefault((k, home, slot), (where, rest, members, []))[
+                3].append((i, mine[slot]))
           mine[slot] = None
     with tf.name_scope('cut_shards'):
-      for (_, home), (where, rest, members, terms) in made.items():
+      for (_, home, _), (where, rest, members, terms) in made.items():
         first = gradients[terms[0][0]]
         with tf.device(home):
           summed = tf.add_n([gradient for _, gradient in terms])

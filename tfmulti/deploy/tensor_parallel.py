@@ -177,16 +177,12 @@ def _product(layer):
   projections: 'bqm,muh->bquh', 'bquh,uhm->bqm'), else Keras's einsum.
   Each part is small, and oneDNN's batched matmul of a 3-D input costs
   several times a 2-D matmul of the same rows, forward and backward."""
-  if isinstance(layer, keras.layers.Dense):
-    inputs, kernel, outputs = '...a', 'ab', '...b'
-  else:
-    inputs, kernel, outputs = specs(layer)
-  count = _contracted(inputs, kernel, outputs)
+  count = _contracted(*specs(layer))
   if count is None:
     return lambda x, k: keras.ops.einsum(layer.equation, x, k)
 
   def matmul(x, k):
-    if x.shape.rank == 2 and k.shape.rank == 2:
+    if x.shape.rank == 2 and k.shape.rank == 2 and count == 1:
       return tf.matmul(x, k)
     inner = int(np.prod(k.shape[:count]))
     y = tf.matmul(tf.reshape(x, [-1, inner]), tf.reshape(k, [inner, -1]))
@@ -201,11 +197,13 @@ def _product(layer):
 def _contracted(inputs, kernel, outputs):
   """How many of the inputs' last dimensions the subscripts contract with
   the kernel's first ones, the rest kept in order ('...bq' + 'uh'); None
-  where they say another product (a label shared by all three, a
-  transposed operand)."""
+  where they say another product (a label shared by all three or
+  repeated, a transposed operand)."""
   shared = [c for c in kernel if c in inputs]
   count = len(shared)
-  if (not count or any(c in outputs for c in shared)
+  labels = inputs.replace('...', '') + kernel
+  if (not count or len(set(labels)) + count != len(labels)
+      or any(c in outputs for c in shared)
       or not inputs.endswith(''.join(shared))
       or not kernel.startswith(''.join(shared))):
     return None
