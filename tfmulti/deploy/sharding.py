@@ -28,6 +28,7 @@ it is read, and assigning it (`load_weights`, a restore) cuts the value
 into them, so no device holds the whole variable.
 """
 
+import collections
 import contextlib
 import math
 
@@ -239,8 +240,8 @@ class Sharded:
     gradients = iter(gradients)
     for k, where, _, blocks in self._split_kernels():
       slots = [None] * (where.stop - where.start)
-      read = whole[k] if whole[k] is None else tf.split(
-          whole[k], len(blocks), axis=self.splits[k][1])
+      read = (None if whole[k] is None else
+              tf.split(whole[k], len(blocks), axis=self.splits[k][1]))
       for j, (home, members) in enumerate(blocks):
         block = next(gradients)
         if read is not None:
@@ -261,22 +262,24 @@ class Sharded:
     if not self.splits:
       return results
     gradients = [r and list(r[3]) for r in results]
-    made = {}  # (k, home, first shard) -> (where, rest, members, terms)
+    terms = collections.defaultdict(list)  # (slot, home) -> [(clone, g)]
+    shards = {}  # A block's slot -> (its parts, its shards' slots).
     for i, mine in enumerate(gradients):
-      for k, where, rest, blocks in self._split_kernels(i) if mine else ():
+      for _, where, rest, blocks in self._split_kernels(i) if mine else ():
         for home, members in blocks:
           slot = where.start + members[0]
+          shards[slot] = rest, [where.start + m for m in members]
           if mine[slot] is not None:
-            made.setdefault((k, home, slot), (where, rest, members, []))[
-                3].append((i, mine[slot]))
+            terms[slot, home].append((i, mine[slot]))
           mine[slot] = None
     with tf.name_scope('cut_shards'):
-      for (_, home, _), (where, rest, members, terms) in made.items():
-        first = gradients[terms[0][0]]
+      for (slot, home), made in terms.items():
+        rest, slots = shards[slot]
         with tf.device(home):
-          summed = tf.add_n([gradient for _, gradient in terms])
-          for m, piece in zip(members, cut(rest, summed)):
-            first[where.start + m] = piece
+          pieces = cut(rest, tf.add_n([gradient for _, gradient in made]))
+        first = gradients[made[0][0]]
+        for s, piece in zip(slots, pieces):
+          first[s] = piece
     return [r and (*r[:3], g, *r[4:]) for r, g in zip(results, gradients)]
 
 

@@ -35,9 +35,10 @@ gradient is taken, the clone's device. Each block's product is one 2-D
 matmul of the rows where the subscripts allow (`_product`). The tape
 watches each block where it is joined; the storage sums a block's
 gradients over the clones of a mesh row there and cuts the sum into its
-shards' pieces (`sharding.Sharded.met`). Elementwise ops replayed on parts are
-differentiated as ops: a custom gradient of theirs (`tf.nn.silu`'s,
-which saves memory) gives way to their own, equal to round-off.
+shards' pieces (`sharding.Sharded.met`). Elementwise ops replayed on
+parts are differentiated as ops: a custom gradient of theirs
+(`tf.nn.silu`'s, which saves memory) gives way to their own, equal to
+round-off.
 Row-parallel layers add their partial sums in another order than one
 device's product (equal to round-off, not to the bit), so
 `reproducible_rows` joins the kernels instead. A layer with LoRA,
