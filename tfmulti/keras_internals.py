@@ -55,6 +55,8 @@ The conventions read here:
 """
 
 import contextlib
+import functools
+import threading
 
 import keras
 import tensorflow as tf
@@ -145,6 +147,39 @@ def synchronized_batch_norms(model):
   finally:
     for layer in layers:
       layer.synchronized = False
+
+
+@contextlib.contextmanager
+def calling(layers_and_calls):
+  """Inside, on this thread, each layer of `layers_and_calls` (layer,
+  call) runs `call` in place of its own `call` (Keras's `__call__` calls
+  the instance's). One call a thread: clones traced at once, as the
+  replicas of a strategy on their threads, each run their own."""
+  thread = threading.get_ident()
+  with _CALLING_LOCK:
+    for layer, call in layers_and_calls:
+      calls = layer.__dict__.get(_CALLS)
+      if calls is None:
+        calls = layer.__dict__[_CALLS] = {}
+        layer.__dict__['call'] = functools.partial(_dispatch, calls)
+      calls[thread] = call
+  try:
+    yield
+  finally:
+    with _CALLING_LOCK:
+      for layer, _ in layers_and_calls:
+        calls = layer.__dict__[_CALLS]
+        del calls[thread]
+        if not calls:
+          del layer.__dict__[_CALLS], layer.__dict__['call']
+
+
+_CALLS = '_tfmulti_calls'
+_CALLING_LOCK = threading.Lock()
+
+
+def _dispatch(calls, *args, **kwargs):
+  return calls[threading.get_ident()](*args, **kwargs)
 
 
 def split_losses(model, losses):

@@ -3,6 +3,8 @@ training equal to plain `fit`, each device holding its part of a split
 block's activations (read from the traced step), and each block's
 products on its device of the clone's mesh row."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -173,9 +175,10 @@ def test_a_split_blocks_activations_never_meet_on_one_device(gated):
   of the hidden width (each device's parts are half of it: activations,
   kernels and their gradients; the bias, which the map leaves whole, is
   a vector), through the gate's product, forward and backward. Each
-  block's product runs on its device of the clone's mesh row ((b, 0)
-  and (b, 1) for clone (b, m)), and each clone adds the row-parallel
-  partial sums on its own device."""
+  block's product runs once a mesh row, on its device of the row ((b, 0)
+  and (b, 1) for the clones (b, m)), on the rows of the row's two clones
+  joined; each clone adds the row-parallel partial sums on its own
+  device."""
   x, y = _data()
   graph = gated.towers.traced_step(tf.constant(x[:16]),
                                     (tf.constant(y[:16]),)).graph
@@ -185,14 +188,14 @@ def test_a_split_blocks_activations_never_meet_on_one_device(gated):
                         if t.shape.rank and t.shape.rank > 1
                         for d in t.shape}
   cpu = [devices.canonical(f'/device:CPU:{i}') for i in range(4)]
-  products = {}
+  products = {}  # device -> the clones whose rows its products take
   for op in ran:
     if op.type == 'MatMul' and tuple(op.inputs[1].shape) == (
         FEATURES, HIDDEN // 2):
-      clone = _clone_of(op)
-      products.setdefault(clone, set()).add(devices.canonical(op.device))
-  assert products == {0: {cpu[0], cpu[1]}, 1: {cpu[0], cpu[1]},
-                      2: {cpu[2], cpu[3]}, 3: {cpu[2], cpu[3]}}
+      products.setdefault(devices.canonical(op.device), []).append(
+          _clones_of(op.inputs[0]))
+  assert products == {cpu[d]: [[0, 1], [0, 1]] if d < 2 else [[2, 3], [2, 3]]
+                      for d in range(4)}  # The gate's and up's blocks.
   sums = {op.name.split('/')[0]: devices.canonical(op.device) for op in ran
           if op.type == 'AddN' and '/down' in op.name}
   assert sums == {f'clone_{i}': cpu[i] for i in range(4)}
@@ -205,9 +208,9 @@ def test_a_split_blocks_activations_never_meet_on_one_device(gated):
 
 def test_a_blocks_gradients_meet_once_a_mesh_row(gated):
   """Read from the traced step: the clones of a mesh row compute block j
-  on one device, so its gradients are summed there and cut into their
-  shards' pieces once a row (2 rows x 2 blocks of each of 3 kernels),
-  not once a clone; no clone cuts a block."""
+  on one device as one product of their rows, so its gradient is made
+  there once, of the row's rows, and cut into its shards' pieces once a
+  row (2 rows x 2 blocks of each of 3 kernels), not once a clone."""
   x, y = _data()
   graph = gated.towers.traced_step(tf.constant(x[:16]),
                                     (tf.constant(y[:16]),)).graph
@@ -220,17 +223,24 @@ def test_a_blocks_gradients_meet_once_a_mesh_row(gated):
   assert len(cuts) == 12
   cpu = [devices.canonical(f'/device:CPU:{i}') for i in range(4)]
   for op in cuts:
-    summed = op.inputs[1 if op.type == 'Split' else 0].op
-    assert summed.type == 'AddN'
-    assert devices.canonical(summed.device) == devices.canonical(op.device)
+    made = op.inputs[1 if op.type == 'Split' else 0].op
+    assert made.type == 'MatMul' and made.get_attr('transpose_a')
+    assert devices.canonical(made.device) == devices.canonical(op.device)
     row = cpu.index(devices.canonical(op.device)) // 2  # Device (row, j).
-    assert sorted(_clone_of(t.op) for t in summed.inputs) == [2 * row,
-                                                               2 * row + 1]
+    assert _clones_of(made.inputs[0]) == [2 * row, 2 * row + 1]
 
 
-def _clone_of(op):
-  """The clone whose pass made `op` (its name scope)."""
-  return int(op.name.split('clone_')[1].split('/')[0])
+def _clones_of(rows):
+  """The clones whose rows `rows` joins (a concat, in order): each named
+  by the clone that made it, or else by the clone that reads it (its
+  shard of the batch)."""
+  assert rows.op.type == 'ConcatV2'
+  found = []
+  for t in rows.op.inputs[:-1]:
+    names = [t.op.name] + [op.name for op in t.consumers()]
+    found.append(next(int(m[1]) for name in names
+                      if (m := re.search(r'(?:^|/)clone_(\d+)/', name))))
+  return found
 
 
 @pytest.mark.parametrize('layer, shape, dim, product', [

@@ -35,6 +35,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from tfmulti import keras_internals
+
 SCOPE = 'lookup'  # A lookup's ops' name scope (its gradient's too).
 
 
@@ -60,13 +62,9 @@ def looking_up(layers_and_tables):
   """Inside, each Embedding layer of `layers_and_tables` (layer, parts,
   shard values, shard devices) looks its ids up in its shards (`look_up`)
   instead of reading its whole table."""
-  for layer, *table in layers_and_tables:
-    layer.__dict__['call'] = _call(layer, *table)
-  try:
+  with keras_internals.calling([(layer, _call(layer, *table))
+                                for layer, *table in layers_and_tables]):
     yield
-  finally:
-    for layer, *_ in layers_and_tables:
-      del layer.__dict__['call']
 
 
 def _call(layer, parts, shards, homes):

@@ -134,10 +134,41 @@ class LockstepClones(WholeClones):
                    values_of(self.model.non_trainable_variables))
     with keras_internals.synchronized_batch_norms(self.model):
       results = towers_in_strategy.run_clones_in_lockstep(
-          self.strategy, self.body, variables,
-          [(x, y, mine[0].penalty, mine[0].offset + terms.shift)
-           for x, y, mine in zip(images, labels, clone_pieces)], terms)
+          self.strategy, self.body,
+          [(variables, x, y, mine[0].penalty, mine[0].offset + terms.shift)
+           for x, y, mine in zip(images, labels, clone_pieces)], terms,
+          _scopes(self.config))
     return [(*result[:-1], [result[-1]]) for result in results]
+
+
+class RowsInLockstep(WholeClones):
+  """As `WholeClones`, but where every clone runs one piece with rows,
+  the clones are traced at once as the replicas of `strategy` (a
+  `MirroredStrategy` over the clone devices), so each split kernel's
+  block multiplies its mesh row's rows in one product on its device
+  (`tensor_parallel`, merged), not one a clone: the runner of variable
+  layouts whose kernels compute where their blocks live."""
+
+  def __init__(self, config, model, loss_fn, options, strategy, **parts):
+    super().__init__(config, model, loss_fn, options, **parts)
+    self.strategy = strategy
+
+  def run(self, clone_pieces, images, labels, terms):
+    live = [[piece for piece in mine if piece.rows] for mine in clone_pieces]
+    if (self.run_pieces is not atoms.run_whole
+        or any(len(mine) != 1 for mine in live)):
+      return super().run(clone_pieces, images, labels, terms)
+    reads = _packed_reads(self.config, self.storage.variables, self.packs)
+    non_trainable = values_of(self.model.non_trainable_variables)
+    with self.storage.merging():
+      results = towers_in_strategy.run_clones_in_lockstep(
+          self.strategy, self.body,
+          [((reads(self.config.clone_device(i)), non_trainable), x, y,
+            mine[0].penalty, mine[0].offset + terms.shift)
+           for i, (mine, x, y) in enumerate(zip(live, images, labels))],
+          terms, _scopes(self.config))
+    return self.storage.met([(*result[:-1], [result[-1]])
+                             for result in results])
 
 
 class StagedClones:
@@ -212,6 +243,11 @@ def _each_clone(config, clone_pieces, images, labels, run_clone):
     with on_clone(config, i):
       results.append(run_clone(i, mine, x, y))
   return results
+
+
+def _scopes(config):
+  """Each clone's name scope (`on_clone`'s)."""
+  return [config.clone_scope(i) or 'clone' for i in range(config.num_clones)]
 
 
 def _packed_reads(config, variables, packs):

@@ -108,6 +108,7 @@ class Sharded:
     self.tables = tables or {}
     self.splits = splits or {}
     self.mesh = mesh
+    self.merged = False  # Set while clones trace at once (`merging`).
     self.devices = [devices.device_of(v) for v in variables]
     self.in_place = frozenset(
         i for k, _, where in self._spans()
@@ -145,7 +146,18 @@ class Sharded:
         mine = values[where]
         whole.append(mine[0] if parts is None else join(parts, mine))
     watch(whole)
-    return whole, whole + in_place, _in_place(tables, blocks)
+    return whole, whole + in_place, _in_place(tables, blocks, self.merged)
+
+  @contextlib.contextmanager
+  def merging(self):
+    """Inside, the clones trace at once as a strategy's replicas, and each
+    split kernel's block multiplies its mesh row's rows in one product
+    (`tensor_parallel.computing(merged=True)`)."""
+    self.merged = True
+    try:
+      yield
+    finally:
+      self.merged = False
 
   def _split_kernels(self, here=None):
     """(k, where, rest, [(home, members)]) of each split kernel: its
@@ -284,10 +296,11 @@ class Sharded:
 
 
 @contextlib.contextmanager
-def _in_place(tables, blocks):
+def _in_place(tables, blocks, merged):
   """Inside, `tables` are looked up and the split kernels' layers computed
-  as their `blocks` where they are."""
-  with lookups.looking_up(tables), tensor_parallel.computing(blocks):
+  as their `blocks` where they are (`merged`: once a mesh row)."""
+  with lookups.looking_up(tables), tensor_parallel.computing(blocks,
+                                                             merged):
     yield
 
 

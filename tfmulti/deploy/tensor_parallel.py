@@ -55,6 +55,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmulti import keras_internals
+
 # The name scope of each part's ops, forward and backward (`on`): what
 # crosses into or out of it is a split layer's activations (`traffic`).
 SCOPE = 'tensor_parallel'
@@ -103,18 +105,17 @@ def layers(model, axes_of, compute_axes):
 
 
 @contextlib.contextmanager
-def computing(layers_and_blocks):
+def computing(layers_and_blocks, merged=False):
   """Inside, each layer of `layers_and_blocks` (layer, split dimension,
   kernel blocks, their devices) computes as blocks where they are, its
-  outputs' parts kept for the next (`Parts`)."""
+  outputs' parts kept for the next (`Parts`); `merged`: each block's
+  product made once for the rows of every clone of a mesh row, the
+  clones traced at once as a strategy's replicas (`_merged`)."""
   parts = Parts()
-  for layer, dim, blocks, homes in layers_and_blocks:
-    layer.__dict__['call'] = _call(layer, dim, blocks, homes, parts)
-  try:
+  with keras_internals.calling(
+      [(layer, _call(layer, dim, blocks, homes, parts, merged))
+       for layer, dim, blocks, homes in layers_and_blocks]):
     yield
-  finally:
-    for layer, *_ in layers_and_blocks:
-      del layer.__dict__['call']
 
 
 def specs(layer):
@@ -134,7 +135,7 @@ def axis_of(subscripts, label, rank):
   return subscripts.index(label) - rank
 
 
-def _call(layer, dim, blocks, homes, parts):
+def _call(layer, dim, blocks, homes, parts, merged):
   keras_call = type(layer).call.__get__(layer)
   inputs_spec, kernel_spec, outputs_spec = specs(layer)
   label = kernel_spec[dim]
@@ -153,22 +154,126 @@ def _call(layer, dim, blocks, homes, parts):
     if label in inputs_spec:
       pieces = parts.of(inputs, axis_of(inputs_spec, label,
                                         inputs.shape.rank), homes)
+    products = functools.partial(_merged if merged else _each, part, homes)
     if label not in outputs_spec:  # Partial sums: added here.
-      return _finished(layer, tf.add_n(
-          [on(home, part, x, kernel)
-           for x, kernel, home in zip(pieces, blocks, homes)]))
+      return _finished(layer, tf.add_n(products(list(zip(pieces, blocks)))))
     axis = axis_of(outputs_spec, label, _rank(inputs, inputs_spec,
                                               outputs_spec))
     if _activation(layer) not in ELEMENTWISE_ACTIVATIONS:  # A softmax.
       return _finished(layer, tf.concat(
-          [on(home, part, x, kernel)
-           for x, kernel, home in zip(pieces, blocks, homes)], axis))
+          products(list(zip(pieces, blocks))), axis))
     biases = _bias_parts(layer, axis, len(blocks))
-    return parts.joined(
-        [on(home, part, x, kernel, bias)
-         for x, kernel, home, bias in zip(pieces, blocks, homes, biases)],
-        axis, homes)
+    return parts.joined(products(list(zip(pieces, blocks, biases))), axis,
+                        homes)
   return call
+
+
+def _each(part, homes, blocks):
+  """`part(rows, *weights)` of each block's (rows, *weights) of
+  `blocks` on its home, for this clone's rows."""
+  return [on(home, part, *block) for block, home in zip(blocks, homes)]
+
+
+def _merged(part, homes, blocks):
+  """As `_each`, each block's product made once for the clones of this
+  clone's mesh row (those whose block has the same home), traced at once
+  as the replicas of a strategy: on its home, the row's rows joined, one
+  product (Megatron's one matmul a block for its data-parallel group's
+  batch, not one a clone), its outputs cut back into each clone's;
+  backward likewise, the weights' gradient, summed over the row's rows,
+  given to the row's first clone and None to the others (`sharding`'s
+  meet then has one term). The products are made in the strategy's
+  merge, outside every tape; to each clone's tape its part is one op,
+  on the home."""
+  context = tf.distribute.get_replica_context()
+  me = tf.get_static_value(context.replica_id_in_sync_group)
+  return [_merged_block(context, me, part, home, block)
+          for home, block in zip(homes, blocks)]
+
+
+def _merged_block(context, me, part, home, block):
+  """`_merged`'s product of one block: (rows, *weights) `block`."""
+
+  @tf.custom_gradient
+  def run(*inputs):
+    made, kept = context.merge_call(_merged_forward,
+                                    args=(part, home, inputs))
+
+    def gradient(output_gradient):
+      if output_gradient is None:
+        output_gradient = tf.zeros_like(made[me])
+      return context.merge_call(_merged_backward,
+                                args=(kept, output_gradient))[me]
+    return tf.identity(made[me]), gradient
+  with tf.device(home), tf.name_scope(SCOPE):  # Its identities too.
+    return run(*block)
+
+
+def _local(strategy, value):
+  """`value` as each replica gave it to a merge."""
+  count = strategy.num_replicas_in_sync
+  if isinstance(value, tf.distribute.DistributedValues):
+    return strategy.experimental_local_results(value)
+  return (value,) * count
+
+
+def _replicas(strategy, nest):
+  """Each replica's `nest` (a merge's argument: a structure of values
+  some of which differ by replica)."""
+  leaves = [_local(strategy, leaf) for leaf in tf.nest.flatten(nest)]
+  return [tf.nest.pack_sequence_as(nest, [leaf[r] for leaf in leaves])
+          for r in range(strategy.num_replicas_in_sync)]
+
+
+def _merged_forward(strategy, part, home, inputs):
+  """The merge of `_merged_block`'s forward: for each mesh row (the
+  replicas whose block has one home), the row's rows joined on the home
+  and multiplied once, watched by a tape kept for the backward merge;
+  returns (each replica's output, the kept products)."""
+  part = _local(strategy, part)[0]  # Alike: the layer's.
+  homes = _local(strategy, home)
+  inputs = _replicas(strategy, inputs)
+  rows = {}
+  for r, device in enumerate(homes):
+    rows.setdefault(device, []).append(r)
+  outputs, kept = {}, []
+  for device, members in rows.items():
+    sizes = tf.stack([tf.shape(inputs[r][0])[0] for r in members])
+    # From the root: the merge runs in the first replica's name scope.
+    with tf.device(device), tf.name_scope(''), tf.name_scope(SCOPE):
+      with tf.GradientTape() as tape:
+        joined = tf.concat([inputs[r][0] for r in members], 0)
+        weights = list(inputs[members[0]][1:])
+        tape.watch([joined] + weights)
+        y = part(joined, *weights)
+      outputs.update(zip(members, tf.split(y, sizes, num=len(members))))
+    kept.append((tape, joined, weights, y, members, sizes, device))
+  return [outputs[r] for r in range(len(homes))], _Kept(kept)
+
+
+def _merged_backward(strategy, kept, output_gradients):
+  """The merge of `_merged_block`'s backward: each kept product's
+  gradients, its rows' cut back to each replica, its weights' to the
+  row's first."""
+  output_gradients = _local(strategy, output_gradients)
+  gradients = [None] * len(output_gradients)
+  for tape, joined, weights, y, members, sizes, device in kept.products:
+    with tf.device(device), tf.name_scope(''), tf.name_scope(SCOPE):
+      dy = tf.concat([output_gradients[r] for r in members], 0)
+      dx, *dweights = tape.gradient(y, [joined] + weights,
+                                    output_gradients=dy)
+      for r, piece in zip(members, tf.split(dx, sizes, num=len(members))):
+        gradients[r] = [piece] + (dweights if r == members[0] else
+                                  [None] * len(weights))
+  return gradients
+
+
+class _Kept:
+  """A merge's products, kept from its forward for its backward: one
+  object, which a strategy hands to every replica as it is."""
+
+  def __init__(self, products):
+    self.products = products
 
 
 def _product(layer):

@@ -431,6 +431,11 @@ def compose(config, model, loss_fn, options, shares=None, storage=None):
     runner = runners.LockstepClones(
         config, model, loss_fn, options,
         towers_in_strategy.lockstep_strategy(config))
+  elif getattr(storage, 'splits', None):
+    runner = runners.RowsInLockstep(
+        config, model, loss_fn, options,
+        towers_in_strategy.lockstep_strategy(config), packs=gradient_packs,
+        run_pieces=combine.run_pieces, storage=storage)
   else:
     runner = runners.WholeClones(config, model, loss_fn, options,
                                  gradient_packs, combine.run_pieces,
