@@ -136,8 +136,11 @@ def test_no_device_holds_a_whole_sharded_variable():
 
 @pytest.mark.slow
 def test_each_clone_gathers_and_each_shard_is_summed_beside_it():
+  # The one axis is the batch's: every variable is joined for the pass
+  # (none computed as blocks, `tests/deploy/test_tensor_parallel.py`).
   model = _model()
-  towers = fit.TowersModel(model, _parallel(*LAYOUTS['one axis']))
+  towers = fit.TowersModel(model, _parallel(*LAYOUTS['one axis'],
+                                            batch='model'))
   _fit(towers, epochs=1)
   images, labels = _data()
   graph = towers.towers.traced_step(tf.constant(images[:8]),
@@ -146,9 +149,8 @@ def test_each_clone_gathers_and_each_shard_is_summed_beside_it():
   gathers = {op.device.split('device:')[-1] for op in operations
              if 'gather_shards' in op.name and op.type == 'ConcatV2'}
   assert gathers == {'CPU:0', 'CPU:1', 'CPU:2', 'CPU:3'}
-  # The joined variables' gradients are cut into the shards' pieces (a
-  # kernel computed as blocks: once a mesh row, where each block lives),
-  # and each piece is summed on its shard's device.
+  # The joined variables' gradients are cut into the shards' pieces, and
+  # each piece is summed on its shard's device.
   cuts = {op.device.split('device:')[-1] for op in operations
           if op.type == 'Split' and 'cut_shards' in op.name}
   assert cuts == {'CPU:0', 'CPU:1', 'CPU:2', 'CPU:3'}

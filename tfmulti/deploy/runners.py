@@ -134,8 +134,8 @@ class LockstepClones(WholeClones):
                    values_of(self.model.non_trainable_variables))
     with keras_internals.synchronized_batch_norms(self.model):
       results = towers_in_strategy.run_clones_in_lockstep(
-          self.strategy, self.body,
-          [(variables, x, y, mine[0].penalty, mine[0].offset + terms.shift)
+          self.strategy, self.body, lambda i: variables,
+          [(x, y, mine[0].penalty, mine[0].offset + terms.shift)
            for x, y, mine in zip(images, labels, clone_pieces)], terms,
           _scopes(self.config))
     return [(*result[:-1], [result[-1]]) for result in results]
@@ -159,13 +159,15 @@ class RowsInLockstep(WholeClones):
         or any(len(mine) != 1 for mine in live)):
       return super().run(clone_pieces, images, labels, terms)
     reads = _packed_reads(self.config, self.storage.variables, self.packs)
-    non_trainable = values_of(self.model.non_trainable_variables)
+
+    def variables(i):
+      return (reads(self.config.clone_device(i)),
+              values_of(self.model.non_trainable_variables))
     with self.storage.merging():
       results = towers_in_strategy.run_clones_in_lockstep(
-          self.strategy, self.body,
-          [((reads(self.config.clone_device(i)), non_trainable), x, y,
-            mine[0].penalty, mine[0].offset + terms.shift)
-           for i, (mine, x, y) in enumerate(zip(live, images, labels))],
+          self.strategy, self.body, variables,
+          [(x, y, mine[0].penalty, mine[0].offset + terms.shift)
+           for mine, x, y in zip(live, images, labels)],
           terms, _scopes(self.config))
     return self.storage.met([(*result[:-1], [result[-1]])
                              for result in results])

@@ -31,6 +31,7 @@ into them, so no device holds the whole variable.
 import collections
 import contextlib
 import math
+import types
 
 from absl import logging
 import keras
@@ -63,6 +64,7 @@ class Whole:
 
   read = staticmethod(pieces.whole)
   in_place = frozenset()  # Nothing is read where it lives.
+  splits = types.MappingProxyType({})  # No kernel computes as blocks.
 
   @staticmethod
   def cutting(body):

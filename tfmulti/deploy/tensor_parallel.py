@@ -186,7 +186,7 @@ def _merged(part, homes, blocks):
   merge, outside every tape; to each clone's tape its part is one op,
   on the home."""
   context = tf.distribute.get_replica_context()
-  me = tf.get_static_value(context.replica_id_in_sync_group)
+  me = int(tf.get_static_value(context.replica_id_in_sync_group))
   return [_merged_block(context, me, part, home, block)
           for home, block in zip(homes, blocks)]
 

@@ -431,7 +431,8 @@ def compose(config, model, loss_fn, options, shares=None, storage=None):
     runner = runners.LockstepClones(
         config, model, loss_fn, options,
         towers_in_strategy.lockstep_strategy(config))
-  elif getattr(storage, 'splits', None):
+  elif storage.splits and config.num_workers == 1:
+    # Across workers the towers run in a strategy's replica already.
     runner = runners.RowsInLockstep(
         config, model, loss_fn, options,
         towers_in_strategy.lockstep_strategy(config), packs=gradient_packs,

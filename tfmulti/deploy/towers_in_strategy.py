@@ -45,15 +45,16 @@ def lockstep_strategy(config):
   return devices.collective_strategy(config)
 
 
-def run_clones_in_lockstep(lockstep, body, shards, terms, scopes):
+def run_clones_in_lockstep(lockstep, body, variables, shards, terms, scopes):
   """Runs clone i's `body` as replica i of `lockstep`, all at once.
 
   Args:
     lockstep: a `tf.distribute.MirroredStrategy` over the clone devices.
     body: a `pieces.Body`.
-    shards: per clone, ((trainable values, non-trainable values), images,
-      labels, penalty_weight, offset): what it reads, its rows (nests)
-      and its piece's part of the penalties and first row.
+    variables: `variables(i)`: clone i's (trainable values, non-trainable
+      values), called in its replica, on its device.
+    shards: per clone, (images, labels, penalty_weight, offset): its rows
+      (nests) and its piece's part of the penalties and first row.
     terms: the step's `pieces.StepTerms`, passed to every clone.
     scopes: per clone, the name scope of its ops (the strategy's own
       would be 'replica_i', but a clone's are named as in any step).
@@ -66,11 +67,11 @@ def run_clones_in_lockstep(lockstep, body, shards, terms, scopes):
                                         shards[ctx.replica_id_in_sync_group]))
 
   def replica_fn(shard):
-    variables, images, labels, weight, offset = shard
-    me = tf.get_static_value(
-        tf.distribute.get_replica_context().replica_id_in_sync_group)
+    images, labels, weight, offset = shard
+    me = int(tf.get_static_value(
+        tf.distribute.get_replica_context().replica_id_in_sync_group))
     with tf.name_scope(scopes[me] + '/'):  # From the root.
-      return body(*variables, images, labels, weight, offset, terms)
+      return body(*variables(me), images, labels, weight, offset, terms)
 
   per_replica = lockstep.run(replica_fn, args=(per_clone,))
   num_clones = len(shards)
