@@ -31,6 +31,7 @@ traced step, and from one device's on the whole batch, it counts:
 
 import argparse
 import collections
+import re
 
 import keras
 import numpy as np
@@ -78,22 +79,26 @@ def _graph(args, num_clones, layouts, rows):
   return deployed.traced_step(images, labels).graph
 
 
-def activations(graph, rows, widths):
+def activations(graph, rows, widths, row=1):
   """{(device, clone scope): bytes of the blocks' forward buffers of
   `rows` rows whose last dimension is one of `widths`} among the ops the
   step runs (a buffer once, whatever views of it there are:
-  `peaks.buffer_of`)."""
+  `peaks.buffer_of`); a buffer of a mesh row's `row` clones' rows (a
+  block's one product for them, `tensor_parallel`) under 'row'."""
   placement_of, runs = devices.GraphPlacement(), peaks.reachable(graph)
   held = collections.Counter()
   for op in graph.get_operations():
     if (op.name not in runs or 'gradient_tape' in op.name
-        or '/block_' not in op.name):
+        or not re.search(r'(^|/)block_', op.name)
+        or op.type == 'SplitV'):  # A row's product cut by rows: views.
       continue
     for t in op.outputs:
-      if (t.shape.rank and t.shape.rank > 1 and t.shape[0] == rows
+      if (t.shape.rank and t.shape.rank > 1
+          and t.shape[0] in (rows, rows * row)
           and t.shape[-1] in widths and peaks.buffer_of(t) is t):
-        held[placement_of.of_op(op), op.name.split('/')[0]] += (
-            t.shape.num_elements() * 4)
+        whose = (op.name.split('/')[0] if t.shape[0] == rows or row == 1
+                 else 'row')
+        held[placement_of.of_op(op), whose] += t.shape.num_elements() * 4
   return held
 
 
@@ -122,12 +127,16 @@ def run(args):
   m = n // 2  # The model axis.
   layouts = mesh_layouts.VariableLayouts((2, m), ('batch', 'model'), RULES)
   split = _graph(args, n, layouts, rows * n)
-  mine = activations(split, rows, {args.hidden, args.hidden // m})
+  mine = activations(split, rows, {args.hidden, args.hidden // m}, m)
   one = sum(activations(_graph(args, 1, None, rows * n), rows * n,
                         {args.hidden}).values())
-  held = collections.Counter()
-  for (device, _), size in mine.items():
+  held, joint = collections.Counter(), collections.Counter()
+  for (device, whose), size in mine.items():
     held[device] += size
+    joint[device] += size if whose == 'row' else 0
+  # A clone's on a device: its own, and its 1 / M of its mesh row's.
+  clone_parts = [size + joint[device] / m if whose != 'row' else size / m
+                 for (device, whose), size in mine.items()]
   forward, backward = crossings(split, (rows, args.width))
   all_reduce = 2 * (m - 1) * rows * args.width * 4
   per_block = n * args.blocks * all_reduce
@@ -137,7 +146,7 @@ def run(args):
             'rows_per_clone': rows, 'one_device_mb': one / 2**20,
             'devices': {device: size / (one / n)
                         for device, size in sorted(held.items())},
-            'max_clone_part': max(mine.values()) / (one / n / m),
+            'max_clone_part': max(clone_parts) / (one / n / m),
             'forward_all_reduces_a_block': forward / per_block,
             'backward_all_reduces_a_block': backward / per_block}
   report['target'] = TARGET

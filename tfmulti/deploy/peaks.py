@@ -53,7 +53,8 @@ def buffer_of(tensor):
   while tensor.op.type in VIEWS and tensor.op.inputs:
     source = tensor.op.inputs[
         tensor.value_index if tensor.op.type == 'IdentityN' else 0]
-    if source.op.device != tensor.op.device:
+    if (devices.canonical(source.op.device)
+        != devices.canonical(tensor.op.device)):
       break
     tensor = source
   return tensor

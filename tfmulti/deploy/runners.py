@@ -8,6 +8,10 @@ step never asks again:
   LockstepClones  the clones as the replicas of a MirroredStrategy over
                   the clone devices, all at once, every BatchNorm
                   synchronized (`sync_batch_norm`)
+  RowsInLockstep  as WholeClones, the clones traced at once as such
+                  replicas where each has one piece with rows, so a
+                  split kernel's block multiplies its mesh row's rows in
+                  one product (variable layouts with a compute axis)
   StagedClones    each clone cut into stages on their devices, fed with
                   micro-batches in its schedule's order (`pipeline.Stages`)
 

@@ -32,10 +32,13 @@ another layer reads it whole.
 Each part runs under a custom gradient (`on`) that takes its backward
 pass on the part's device too: a tape makes each op's gradient where the
 gradient is taken, the clone's device. Each block's product is one 2-D
-matmul of the rows where the subscripts allow (`_product`). The tape
-watches each block where it is joined; the storage sums a block's
-gradients over the clones of a mesh row there and cuts the sum into its
-shards' pieces (`sharding.Sharded.met`). Elementwise ops replayed on
+matmul of the rows where the subscripts allow (`_product`). With the
+clones traced at once as a strategy's replicas (`computing(merged=True)`,
+`runners.RowsInLockstep`), each block's product is made once for the
+rows of every clone of the mesh row, forward and backward (`_merged`).
+The tape watches each block where it is joined; the storage sums a
+block's gradients over the clones of a mesh row there and cuts the sum
+into its shards' pieces (`sharding.Sharded.met`). Elementwise ops replayed on
 parts are differentiated as ops: a custom gradient of theirs
 (`tf.nn.silu`'s, which saves memory) gives way to their own, equal to
 round-off.
@@ -154,7 +157,8 @@ def _call(layer, dim, blocks, homes, parts, merged):
     if label in inputs_spec:
       pieces = parts.of(inputs, axis_of(inputs_spec, label,
                                         inputs.shape.rank), homes)
-    products = functools.partial(_merged if merged else _each, part, homes)
+    products = (functools.partial(_merged, part, homes, layer.name) if merged
+                else functools.partial(_each, part, homes))
     if label not in outputs_spec:  # Partial sums: added here.
       return _finished(layer, tf.add_n(products(list(zip(pieces, blocks)))))
     axis = axis_of(outputs_spec, label, _rank(inputs, inputs_spec,
@@ -174,7 +178,7 @@ def _each(part, homes, blocks):
   return [on(home, part, *block) for block, home in zip(blocks, homes)]
 
 
-def _merged(part, homes, blocks):
+def _merged(part, homes, name, blocks):
   """As `_each`, each block's product made once for the clones of this
   clone's mesh row (those whose block has the same home), traced at once
   as the replicas of a strategy: on its home, the row's rows joined, one
@@ -187,24 +191,25 @@ def _merged(part, homes, blocks):
   on the home."""
   context = tf.distribute.get_replica_context()
   me = int(tf.get_static_value(context.replica_id_in_sync_group))
-  return [_merged_block(context, me, part, home, block)
+  return [_merged_block(context, me, part, home, block, name)
           for home, block in zip(homes, blocks)]
 
 
-def _merged_block(context, me, part, home, block):
-  """`_merged`'s product of one block: (rows, *weights) `block`."""
+def _merged_block(context, me, part, home, block, name):
+  """`_merged`'s product of one block: (rows, *weights) `block`, its ops
+  under the layer's `name`."""
 
   @tf.custom_gradient
   def run(*inputs):
     made, kept = context.merge_call(_merged_forward,
-                                    args=(part, home, inputs))
+                                    args=(part, home, inputs, name))
 
     def gradient(output_gradient):
       if output_gradient is None:
         output_gradient = tf.zeros_like(made[me])
       return context.merge_call(_merged_backward,
                                 args=(kept, output_gradient))[me]
-    return tf.identity(made[me]), gradient
+    return made[me], gradient
   with tf.device(home), tf.name_scope(SCOPE):  # Its identities too.
     return run(*block)
 
@@ -225,7 +230,7 @@ def _replicas(strategy, nest):
           for r in range(strategy.num_replicas_in_sync)]
 
 
-def _merged_forward(strategy, part, home, inputs):
+def _merged_forward(strategy, part, home, inputs, name):
   """The merge of `_merged_block`'s forward: for each mesh row (the
   replicas whose block has one home), the row's rows joined on the home
   and multiplied once, watched by a tape kept for the backward merge;
@@ -240,15 +245,38 @@ def _merged_forward(strategy, part, home, inputs):
   for device, members in rows.items():
     sizes = tf.stack([tf.shape(inputs[r][0])[0] for r in members])
     # From the root: the merge runs in the first replica's name scope.
-    with tf.device(device), tf.name_scope(''), tf.name_scope(SCOPE):
+    with (tf.device(device), tf.name_scope(''), tf.name_scope(name),
+          tf.name_scope(SCOPE)):
       with tf.GradientTape() as tape:
-        joined = tf.concat([inputs[r][0] for r in members], 0)
+        pieces = [inputs[r][0] for r in members]
+        joined = _rejoined(pieces)
+        if joined is None:
+          joined = tf.concat(pieces, 0)
         weights = list(inputs[members[0]][1:])
         tape.watch([joined] + weights)
         y = part(joined, *weights)
       outputs.update(zip(members, tf.split(y, sizes, num=len(members))))
     kept.append((tape, joined, weights, y, members, sizes, device))
   return [outputs[r] for r in range(len(homes))], _Kept(kept)
+
+
+def _rejoined(pieces):
+  """The tensor a row's product made that `pieces` were cut from, in
+  order (`_merged_forward`'s cut by rows, through each clone's
+  identities: a column-parallel layer's parts, read as they are by a
+  row-parallel one), else None: joined again, they would be copied."""
+  found = []
+  for t in pieces:
+    while t.op.type in ('Identity', 'IdentityN'):
+      t = t.op.inputs[t.value_index]
+    found.append(t)
+  cut = found[0].op
+  if (cut.type == 'SplitV' and len(cut.outputs) == len(found)
+      and tf.get_static_value(cut.inputs[2]) == 0
+      and all(t.op is cut and t.value_index == i
+              for i, t in enumerate(found))):
+    return cut.inputs[0]
+  return None
 
 
 def _merged_backward(strategy, kept, output_gradients):
