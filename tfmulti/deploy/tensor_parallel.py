@@ -245,8 +245,8 @@ def _merged_forward(strategy, part, home, inputs, name):
   for device, members in rows.items():
     sizes = tf.stack([tf.shape(inputs[r][0])[0] for r in members])
     # From the root: the merge runs in the first replica's name scope.
-    with (tf.device(device), tf.name_scope(''), tf.name_scope(name),
-          tf.name_scope(SCOPE)):
+    with (tf.device(device), tf.name_scope(''), tf.name_scope(SCOPE),
+          tf.name_scope(name)):
       with tf.GradientTape() as tape:
         pieces = [inputs[r][0] for r in members]
         joined = _rejoined(pieces)
