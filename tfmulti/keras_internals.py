@@ -161,7 +161,7 @@ def calling(layers_and_calls):
       calls = layer.__dict__.get(_CALLS)
       if calls is None:
         calls = layer.__dict__[_CALLS] = {}
-        layer.__dict__['call'] = functools.partial(_dispatch, calls)
+        layer.__dict__['call'] = functools.partial(_dispatch, layer, calls)
       calls[thread] = call
   try:
     yield
@@ -178,8 +178,10 @@ _CALLS = '_tfmulti_calls'
 _CALLING_LOCK = threading.Lock()
 
 
-def _dispatch(calls, *args, **kwargs):
-  return calls[threading.get_ident()](*args, **kwargs)
+def _dispatch(layer, calls, *args, **kwargs):
+  """`layer`'s call on this thread: its replacement, else its own."""
+  call = calls.get(threading.get_ident(), type(layer).call.__get__(layer))
+  return call(*args, **kwargs)
 
 
 def split_losses(model, losses):

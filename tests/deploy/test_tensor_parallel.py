@@ -140,6 +140,36 @@ def test_a_short_batch_leaves_clones_empty_and_trains_as_one_device():
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
 
 
+class _Branched(keras.layers.Layer):
+  """A Dense called inside a branch (`tf.cond`): a graph of its own,
+  where the clones' strategy cannot merge."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.inner = keras.layers.Dense(HIDDEN, activation='relu', name='up')
+
+  def build(self, input_shape):
+    self.inner.build(input_shape)
+
+  def call(self, x):
+    return tf.cond(tf.reduce_sum(x) > -1e9, lambda: self.inner(x),
+                   lambda: self.inner(-x))
+
+
+def test_a_split_layer_in_a_branch_trains_as_one_device():
+  """In a branch's graph each clone makes its own blocks' products; the
+  rest of the step still runs its clones at once."""
+  def make():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    x = keras.layers.Dense(12, name='down')(_Branched(name='branched')(inputs))
+    return keras.Model(inputs, keras.layers.Dense(OUT, name='out')(x))
+  towers = _assert_trains_as_one_device(
+      make, {'branched/up/kernel': (None, 'model'),
+             'down/kernel': ('model', None)})
+  assert len(towers.towers.parts.storage.splits) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('layouts, shape, names', [
     ({'up/kernel': (None, 'model')}, (1, 4), ('batch', 'model')),  # Column.

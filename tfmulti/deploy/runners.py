@@ -160,7 +160,8 @@ class RowsInLockstep(WholeClones):
   def run(self, clone_pieces, images, labels, terms):
     live = [[piece for piece in mine if piece.rows] for mine in clone_pieces]
     if (self.run_pieces is not atoms.run_whole
-        or any(len(mine) != 1 for mine in live)):
+        or any(len(mine) != 1 for mine in live)
+        or tf.distribute.has_strategy()):  # A worker's, of one worker.
       return super().run(clone_pieces, images, labels, terms)
     reads = _packed_reads(self.config, self.storage.variables, self.packs)
 

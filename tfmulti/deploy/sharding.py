@@ -110,7 +110,7 @@ class Sharded:
     self.tables = tables or {}
     self.splits = splits or {}
     self.mesh = mesh
-    self.merged = False  # Set while clones trace at once (`merging`).
+    self.merged = None  # Set while clones trace at once (`merging`).
     self.devices = [devices.device_of(v) for v in variables]
     self.in_place = frozenset(
         i for k, _, where in self._spans()
@@ -152,14 +152,14 @@ class Sharded:
 
   @contextlib.contextmanager
   def merging(self):
-    """Inside, the clones trace at once as a strategy's replicas, and each
-    split kernel's block multiplies its mesh row's rows in one product
-    (`tensor_parallel.computing(merged=True)`)."""
-    self.merged = True
+    """Inside, the clones trace at once as a strategy's replicas into the
+    current graph, and each split kernel's block multiplies its mesh
+    row's rows in one product (`tensor_parallel.computing(merged=)`)."""
+    self.merged = tf.compat.v1.get_default_graph()
     try:
       yield
     finally:
-      self.merged = False
+      self.merged = None
 
   def _split_kernels(self, here=None):
     """(k, where, rest, [(home, members)]) of each split kernel: its
@@ -300,7 +300,8 @@ class Sharded:
 @contextlib.contextmanager
 def _in_place(tables, blocks, merged):
   """Inside, `tables` are looked up and the split kernels' layers computed
-  as their `blocks` where they are (`merged`: once a mesh row)."""
+  as their `blocks` where they are (`merged`: the graph where they are
+  computed once a mesh row)."""
   with lookups.looking_up(tables), tensor_parallel.computing(blocks,
                                                              merged):
     yield

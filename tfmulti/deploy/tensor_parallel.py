@@ -33,7 +33,7 @@ Each part runs under a custom gradient (`on`) that takes its backward
 pass on the part's device too: a tape makes each op's gradient where the
 gradient is taken, the clone's device. Each block's product is one 2-D
 matmul of the rows where the subscripts allow (`_product`). With the
-clones traced at once as a strategy's replicas (`computing(merged=True)`,
+clones traced at once as a strategy's replicas (`computing(merged=...)`,
 `runners.RowsInLockstep`), each block's product is made once for the
 rows of every clone of the mesh row, forward and backward (`_merged`).
 The tape watches each block where it is joined; the storage sums a
@@ -108,12 +108,14 @@ def layers(model, axes_of, compute_axes):
 
 
 @contextlib.contextmanager
-def computing(layers_and_blocks, merged=False):
+def computing(layers_and_blocks, merged=None):
   """Inside, each layer of `layers_and_blocks` (layer, split dimension,
   kernel blocks, their devices) computes as blocks where they are, its
-  outputs' parts kept for the next (`Parts`); `merged`: each block's
-  product made once for the rows of every clone of a mesh row, the
-  clones traced at once as a strategy's replicas (`_merged`)."""
+  outputs' parts kept for the next (`Parts`); `merged`: the graph the
+  clones trace into at once, as a strategy's replicas, where each
+  block's product is made once for the rows of every clone of a mesh
+  row (`_merged`; not in a graph of its own inside it, a loop's or a
+  branch's, where a strategy cannot merge: there, one a clone)."""
   parts = Parts()
   with keras_internals.calling(
       [(layer, _call(layer, dim, blocks, homes, parts, merged))
@@ -157,8 +159,10 @@ def _call(layer, dim, blocks, homes, parts, merged):
     if label in inputs_spec:
       pieces = parts.of(inputs, axis_of(inputs_spec, label,
                                         inputs.shape.rank), homes)
-    products = (functools.partial(_merged, part, homes, layer.name) if merged
-                else functools.partial(_each, part, homes))
+    if merged is tf.compat.v1.get_default_graph():
+      products = functools.partial(_merged, part, homes, layer.name)
+    else:
+      products = functools.partial(_each, part, homes)
     if label not in outputs_spec:  # Partial sums: added here.
       return _finished(layer, tf.add_n(products(list(zip(pieces, blocks)))))
     axis = axis_of(outputs_spec, label, _rank(inputs, inputs_spec,
@@ -186,9 +190,9 @@ def _merged(part, homes, name, blocks):
   batch, not one a clone), its outputs cut back into each clone's;
   backward likewise, the weights' gradient, summed over the row's rows,
   given to the row's first clone and None to the others (`sharding`'s
-  meet then has one term). The products are made in the strategy's
-  merge, outside every tape; to each clone's tape its part is one op,
-  on the home."""
+  meet sums what the clones give). The products are made in the
+  strategy's merge, outside every tape; to each clone's tape its part is
+  one op, on the home."""
   context = tf.distribute.get_replica_context()
   me = int(tf.get_static_value(context.replica_id_in_sync_group))
   return [_merged_block(context, me, part, home, block, name)
@@ -197,21 +201,23 @@ def _merged(part, homes, name, blocks):
 
 def _merged_block(context, me, part, home, block, name):
   """`_merged`'s product of one block: (rows, *weights) `block`, its ops
-  under the layer's `name`."""
+  under the layer's `name`. The merge runs before the custom gradient,
+  whose part takes its output as an input: tracing it walks back from
+  its outputs to its inputs, which would otherwise reach every other
+  clone's pass through the joined rows."""
+  made, kept = context.merge_call(_merged_forward,
+                                  args=(part, home, block, name))
 
   @tf.custom_gradient
   def run(*inputs):
-    made, kept = context.merge_call(_merged_forward,
-                                    args=(part, home, inputs, name))
-
     def gradient(output_gradient):
       if output_gradient is None:
         output_gradient = tf.zeros_like(made[me])
       return context.merge_call(_merged_backward,
-                                args=(kept, output_gradient))[me]
-    return made[me], gradient
+                                args=(kept, output_gradient))[me] + [None]
+    return tf.identity(inputs[-1]), gradient
   with tf.device(home), tf.name_scope(SCOPE):  # Its identities too.
-    return run(*block)
+    return run(*block, made[me])
 
 
 def _local(strategy, value):

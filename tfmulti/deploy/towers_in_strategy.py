@@ -63,13 +63,15 @@ def run_clones_in_lockstep(lockstep, body, variables, shards, terms, scopes):
     Per clone, `body`'s results.
   """
   per_clone = lockstep.experimental_distribute_values_from_function(
-      lambda ctx: tf.nest.map_structure(tf.convert_to_tensor,
-                                        shards[ctx.replica_id_in_sync_group]))
+      lambda ctx: tf.nest.map_structure(
+          tf.convert_to_tensor,
+          _tensors(shards[ctx.replica_id_in_sync_group])))
 
   def replica_fn(shard):
-    images, labels, weight, offset = shard
+    images, labels, offset = shard
     me = int(tf.get_static_value(
         tf.distribute.get_replica_context().replica_id_in_sync_group))
+    weight = shards[me][2]  # A Python 0 skips the penalties' pass.
     with tf.name_scope(scopes[me] + '/'):  # From the root.
       return body(*variables(me), images, labels, weight, offset, terms)
 
@@ -82,6 +84,13 @@ def run_clones_in_lockstep(lockstep, body, variables, shards, terms, scopes):
     columns.append(local if len(local) == num_clones else local * num_clones)
   return [tf.nest.pack_sequence_as(per_replica, list(values))
           for values in zip(*columns)]
+
+
+def _tensors(shard):
+  """What of a clone's `shard` goes in as tensors: its rows and first
+  row."""
+  images, labels, _, offset = shard
+  return images, labels, offset
 
 
 class WorkerTowers(trainer.Trainer):
