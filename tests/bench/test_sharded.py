@@ -7,27 +7,43 @@ import pytest
 from tfmulti.bench import sharded as bench
 
 
+def _report(joined):
+  return bench.run(argparse.Namespace(
+      model='lenet', num_clones=2, image_size=28, num_classes=10,
+      rows_per_clone=2, sequence_length=16, steps=1, rounds=1,
+      gradient_packs=0, joined=joined))
+
+
 @pytest.mark.slow
-def test_a_sharded_lenet_holds_and_moves_a_ring_s_bytes():
-  args = argparse.Namespace(model='lenet', num_clones=2, image_size=28,
-                            num_classes=10, rows_per_clone=2,
-                            sequence_length=16, steps=1, rounds=1,
-                            gradient_packs=0)
-  report = bench.run(args)
+def test_a_joined_lenet_holds_and_moves_a_ring_s_bytes():
+  report = _report(joined=True)
   sharded, spread = (report['variants'][v] for v in ('sharded', 'spread'))
   # Every kernel split in two: each device holds about half, and moves
   # about 2 (N-1)/N = 1 P each way (the biases, whole, a little more).
   assert sharded['max_held_of_total'] <= report['targets']['held_of_total']
-  assert sharded['max_moved_of_p'] <= report['targets']['moved_of_p']
+  assert 1 <= sharded['max_moved_of_p'] <= report['targets']['moved_of_p']
   assert sharded['max_held_of_total'] < spread['max_held_of_total']
+  assert sharded['max_activations_of_p'] == 0
   assert report['step_vs_spread'] > 0
   assert 'sharded / spread step' in bench.format_report(report)
+
+
+@pytest.mark.slow
+def test_a_lenet_computed_as_blocks_moves_activations_not_kernels():
+  """On a mesh (1, 2) each split kernel computes where its blocks
+  live: only the whole biases' bytes move, and the rows cross instead."""
+  report = _report(joined=False)
+  sharded = report['variants']['sharded']
+  assert sharded['max_held_of_total'] <= report['targets']['held_of_total']
+  assert sharded['max_moved_of_p'] < 0.05
+  assert sharded['max_activations_of_p'] > 0
 
 
 @pytest.mark.parametrize('argv, message', [
     (['--model=llama', '--num_clones=3'],
      r'--num_clones=3 with --model=llama: its mesh is \(2, N/2\)'),
     (['--steps=0'], 'steps=0: must be an integer >= 1'),
+    (['--model=llama', '--joined'], '--joined with --model=llama'),
     (['--model=nope'], "model='nope'"),
 ])
 def test_bad_arguments_stop_with_one_line(argv, message):

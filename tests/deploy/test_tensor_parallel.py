@@ -1,15 +1,15 @@
-"""Dense and EinsumDense layers computed where their kernels' blocks live:
+"""Dense and EinsumDense layers (convolutions: `test_tensor_parallel_conv`)
+computed where their kernels' blocks live:
 training equal to plain `fit`, each device holding its part of a split
 block's activations (read from the traced step), and each block's
 products on its device of the clone's mesh row."""
-
-import re
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.deploy import meshes
 from tfmulti import devices
 from tfmulti import fit
 from tfmulti import plans
@@ -66,39 +66,16 @@ def _data(sequence=False):
           rng.integers(0, OUT, 32).astype('int32'))
 
 
-def _parallel(layouts, shape=(2, 2), names=('batch', 'model')):
-  mesh = keras.distribution.DeviceMesh(
-      shape, list(names), keras.distribution.list_devices()[:int(
-          np.prod(shape))])
-  layout_map = keras.distribution.LayoutMap(mesh)
-  for key, axes in layouts.items():
-    layout_map[key] = axes
-  return keras.distribution.ModelParallel(layout_map=layout_map,
-                                          batch_dim_name=names[0])
-
-
-OPTIMIZERS = {'adam': lambda: keras.optimizers.Adam(0.01),
-              'sgd': lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-              'adagrad': lambda: keras.optimizers.Adagrad(0.1)}
-
-
-def _fit(model, data, epochs=2, optimizer='adam', **options):
-  model.compile(optimizer=OPTIMIZERS[optimizer](),
-                loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True))
-  return model.fit(*data, batch_size=16, epochs=epochs, shuffle=False,
-                   verbose=0, **options).history['loss']
-
-
 def _assert_trains_as_one_device(make, layouts, sequence=False,
                                  optimizer='adam', fields=(), **kwargs):
   plain = make()
-  want = _fit(plain, _data(sequence), optimizer=optimizer)
+  want = meshes.fit_model(plain, _data(sequence), optimizer=optimizer)
   model = make()
-  towers = fit.TowersModel(model, _parallel(layouts, **kwargs),
+  towers = fit.TowersModel(model, meshes.parallel(layouts, **kwargs),
                            **dict(fields))
   np.testing.assert_allclose(
-      _fit(towers, _data(sequence), optimizer=optimizer), want, rtol=1e-5)
+      meshes.fit_model(towers, _data(sequence), optimizer=optimizer), want,
+      rtol=1e-5)
   for g, w in zip(model.weights, plain.weights):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
   return towers
@@ -131,11 +108,11 @@ def test_a_short_batch_leaves_clones_empty_and_trains_as_one_device():
   alone, so its mesh row's meet has one term and the other row none."""
   x, y = (part[:17] for part in _data())
   plain = _model()
-  want = _fit(plain, (x, y), epochs=1)
+  want = meshes.fit_model(plain, (x, y), epochs=1)
   model = _model()
-  towers = fit.TowersModel(model, _parallel(FEED_FORWARD))
-  np.testing.assert_allclose(_fit(towers, (x, y), epochs=1), want,
-                             rtol=1e-5)
+  towers = fit.TowersModel(model, meshes.parallel(FEED_FORWARD))
+  np.testing.assert_allclose(meshes.fit_model(towers, (x, y), epochs=1),
+                             want, rtol=1e-5)
   for g, w in zip(model.weights, plain.weights):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
 
@@ -223,7 +200,7 @@ def test_a_split_blocks_activations_never_meet_on_one_device(gated):
     if op.type == 'MatMul' and tuple(op.inputs[1].shape) == (
         FEATURES, HIDDEN // 2):
       products.setdefault(devices.canonical(op.device), []).append(
-          _clones_of(op.inputs[0]))
+          meshes.clones_of(op.inputs[0]))
   assert products == {cpu[d]: [[0, 1], [0, 1]] if d < 2 else [[2, 3], [2, 3]]
                       for d in range(4)}  # The gate's and up's blocks.
   sums = {op.name.split('/')[0]: devices.canonical(op.device) for op in ran
@@ -257,20 +234,7 @@ def test_a_blocks_gradients_meet_once_a_mesh_row(gated):
     assert made.type == 'MatMul' and made.get_attr('transpose_a')
     assert devices.canonical(made.device) == devices.canonical(op.device)
     row = cpu.index(devices.canonical(op.device)) // 2  # Device (row, j).
-    assert _clones_of(made.inputs[0]) == [2 * row, 2 * row + 1]
-
-
-def _clones_of(rows):
-  """The clones whose rows `rows` joins (a concat, in order): each named
-  by the clone that made it, or else by the clone that reads it (its
-  shard of the batch)."""
-  assert rows.op.type == 'ConcatV2'
-  found = []
-  for t in rows.op.inputs[:-1]:
-    names = [t.op.name] + [op.name for op in t.consumers()]
-    found.append(next(int(m[1]) for name in names
-                      if (m := re.search(r'(?:^|/)clone_(\d+)/', name))))
-  return found
+    assert meshes.clones_of(made.inputs[0]) == [2 * row, 2 * row + 1]
 
 
 @pytest.mark.parametrize('layer, shape, dim, product', [
@@ -280,6 +244,10 @@ def _clones_of(rows):
     (lambda: keras.layers.EinsumDense('btnh,nhm->btm', (5, 6)),
      (5, 4, 2), 0, 'MatMul'),
     (lambda: keras.layers.Dense(4), (5, 6), 1, 'MatMul'),  # Rows of rows.
+    # Convolutions by output and by input channels.
+    (lambda: keras.layers.Conv2D(4, 3, strides=2, padding='same'),
+     (6, 6, 3), 3, 'Conv2D'),
+    (lambda: keras.layers.Conv3D(3, 2), (4, 4, 4, 4), 3, 'Conv3D'),
     # Not a matmul of rows (a transposed input): Keras's einsum.
     (lambda: keras.layers.EinsumDense('bmt,mh->bth', (7, 6)), (5, 7), 1,
      'Einsum')])
@@ -308,8 +276,8 @@ def test_a_split_layer_computes_as_keras_does(layer, shape, dim, product):
 @pytest.mark.slow
 def test_predict_computes_the_blocks_too():
   model = _model(gated=True)
-  towers = fit.TowersModel(model, _parallel(FEED_FORWARD))
-  _fit(towers, _data(), epochs=1)
+  towers = fit.TowersModel(model, meshes.parallel(FEED_FORWARD))
+  meshes.fit_model(towers, _data(), epochs=1)
   x = tf.constant(_data()[0][:16])
   np.testing.assert_allclose(towers.towers.predict(x), model(x), rtol=1e-5,
                              atol=1e-6)
@@ -339,9 +307,9 @@ def test_a_column_parallel_layer_gives_keras_outputs(activation):
 def test_reproducible_rows_join_the_kernels():
   """Row-parallel partial sums round otherwise than one product: under
   `reproducible_rows` (the same bits on every layout) nothing splits."""
-  towers = fit.TowersModel(_model(), _parallel(FEED_FORWARD),
+  towers = fit.TowersModel(_model(), meshes.parallel(FEED_FORWARD),
                            reproducible_rows=4)
-  _fit(towers, _data(), epochs=1)
+  meshes.fit_model(towers, _data(), epochs=1)
   assert not towers.towers.parts.storage.splits
 
 

@@ -11,8 +11,11 @@ momentum SGD (one slot a variable):
   configuration (its word embeddings tied: the map names the one table),
   with its own `get_layout_map` on a mesh (2, N/2) of axes ('batch',
   'model') (keras-hub needed); for any other model, every kernel
-  whose last dimension the mesh divides split on it over a one-axis mesh
-  ('model',) of N;
+  whose last dimension the mesh divides split on it over 'model' of a
+  mesh (1, N) of axes ('batch', 'model'): computed where its blocks live
+  (`deploy.tensor_parallel`: its output channels or features), or with
+  `--joined`, over a one-axis mesh ('model',) of N that is also the
+  batch's, so that each clone joins every kernel for its pass (FSDP);
 * `spread`: each variable whole on one device (`--variables_device=spread`).
 
 From one traced step of each (`deploy.traffic`) it counts per device the
@@ -20,11 +23,10 @@ variable and slot bytes held and the variable and gradient bytes sent and
 received. A clone gathers each shard it does not own and sends each
 shard's gradient piece to its owner, so a device that owns 1/N receives
 (N-1)/N x P of shards and (N-1) x P/N of pieces, 2 (N-1)/N x P, and sends
-as much: a ring all-gather and reduce-scatter's bytes (Llama's kernels
-split over 'model' are computed where their blocks live,
-`deploy.tensor_parallel`: joined over 'batch' alone, they move less, and
-the rows and partial sums that cross instead are activations, counted
-apart by `python -m tfmulti.bench.tensor_parallel`). The targets: the
+as much: a ring all-gather and reduce-scatter's bytes (kernels split
+over 'model' are computed where their blocks live: joined over 'batch'
+alone, they move less, and the rows, outputs and partial sums that cross
+instead are activations, counted apart). The targets: the
 busiest device holds at most 1.1 / N of the bytes and moves at most
 1.1 x 2 (N-1)/N x P each way. Then it times `--steps` steps of each in
 alternating `--rounds` (the target: sharded at most 1.15x spread's
@@ -93,7 +95,9 @@ def _layouts(model, args):
       (re.escape(v.path), (None,) * (len(v.shape) - 1) + ('model',))
       for v in model.trainable_variables
       if v.path.endswith('kernel') and v.shape[-1] % n == 0)
-  return mesh_layouts.VariableLayouts((n,), ('model',), rules)
+  if args.joined:
+    return mesh_layouts.VariableLayouts((n,), ('model',), rules)
+  return mesh_layouts.VariableLayouts((1, n), ('batch', 'model'), rules)
 
 
 def _deployed(variant, args):
@@ -138,12 +142,17 @@ def measure(variant, args):
       rows[device][f'{way}_of_p'] = sum(
           getattr(counts, way)[kind] for kind in ('variables', 'gradients')
       ) / parameter_bytes
+      rows[device][f'activations_{way}_of_p'] = (
+          getattr(counts, way)['activations'] / parameter_bytes)
   return deployed, {
       'parameter_mb': parameter_bytes / MB, 'held_mb': held / MB,
       'devices': rows,
       'max_held_of_total': max(r['held_of_total'] for r in rows.values()),
       'max_moved_of_p': max(max(r['sent_of_p'], r['received_of_p'])
-                            for r in rows.values())}
+                            for r in rows.values()),
+      'max_activations_of_p': max(
+          max(r['activations_sent_of_p'], r['activations_received_of_p'])
+          for r in rows.values())}
 
 
 def time_steps(deployed, args):
@@ -163,7 +172,8 @@ def run(args):
             'num_clones': n, 'rows_per_clone': args.rows_per_clone,
             'image_size': args.image_size,
             'sequence_length': args.sequence_length,
-            'gradient_packs': args.gradient_packs, 'variants': {},
+            'gradient_packs': args.gradient_packs, 'joined': args.joined,
+            'variants': {},
             'targets': {'held_of_total': HELD_SLACK / n,
                         'moved_of_p': MOVED_SLACK * 2 * (n - 1) / n,
                         'step_vs_spread': STEP_SLACK}}
@@ -191,7 +201,8 @@ def format_report(report):
         f"{result['held_mb']:.1f} MB held (target "
         f"{targets['held_of_total']:.3f}), moves "
         f"{result['max_moved_of_p']:.2f} P each way at most (target "
-        f"{targets['moved_of_p']:.2f}); step median "
+        f"{targets['moved_of_p']:.2f}) and activations of "
+        f"{result['max_activations_of_p']:.2f} P; step median "
         f"{statistics.median(result['step_s']) * 1e3:.1f} ms")
   lines.append(f"sharded / spread step: {report['step_vs_spread']:.3f} "
                f"(target at most {targets['step_vs_spread']})")
@@ -212,6 +223,10 @@ def parser():
   p.add_argument('--gradient_packs', default='0',
                  help="both variants' StepOptions.gradient_packs: 'auto' or "
                  'a count (default: %(default)s, none)')
+  p.add_argument('--joined', action='store_true',
+                 help='not --model=llama: shard every kernel over a one-axis '
+                 'mesh that is also the batch\'s, each joined for its pass '
+                 '(FSDP), not computed as blocks on a mesh (1, N)')
   p.add_argument('--steps', type=int, default=5)
   p.add_argument('--rounds', type=int, default=3)
   return p
@@ -229,6 +244,10 @@ def main(argv=None):
           '(2, N/2); use an even count.')
     if args.model != LLAMA:
       models.check_any(args.model)
+    elif args.joined:
+      raise errors.ConfigError(
+          '--joined with --model=llama: its own map says which kernels '
+          'compute as blocks; drop --joined.')
     args.gradient_packs = step_options.StepOptions(
         gradient_packs=args.gradient_packs).gradient_packs
     devices.create_logical_cpus(args.num_clones)

@@ -1,9 +1,12 @@
-"""Dense and EinsumDense layers computed where their kernels' blocks live.
+"""Dense, EinsumDense and convolutions computed where their kernels' blocks
+live.
 
 A sharded kernel is joined on each clone for its pass (`sharding`), so
 each clone holds the layer's whole activations. Where a layout splits a
-plain `keras.layers.Dense` or `EinsumDense` kernel along a dimension
-named by a *compute axis* (a mesh axis other than the batch axis: what
+plain `keras.layers.Dense` or `EinsumDense` kernel, or a plain
+channels-last convolution's by its channels (`Conv2D`, `Conv3D`: the
+product of its inputs' channels by the kernel, '...c,pqcd->...d', taken
+over its window), along a dimension named by a *compute axis* (a mesh axis other than the batch axis: what
 JAX computes in place), the layer is computed as blocks instead
 (Megatron's tensor parallelism, read from Keras's layouts): block j of
 the kernel (its shards along that dimension's part j, joined over the
@@ -75,6 +78,9 @@ ELEMENTWISE = frozenset((
     'Maximum', 'Minimum', 'Pow', 'SquaredDifference'))
 
 
+# BaseConv's call: Conv2D's and Conv3D's (Conv1D has its own).
+_CONV_CALL = keras.layers.Conv2D.call
+
 # Keras activations that act on each element alone (softmax does not).
 ELEMENTWISE_ACTIVATIONS = frozenset((
     'linear', 'relu', 'relu6', 'elu', 'selu', 'leaky_relu', 'gelu', 'silu',
@@ -96,15 +102,31 @@ def layers(model, axes_of, compute_axes):
   `compute_axes`."""
   found = {}
   for layer in model._flatten_layers():  # pylint: disable=protected-access
-    if (type(layer).call not in (keras.layers.Dense.call,
-                                 keras.layers.EinsumDense.call)
-        or layer.lora_enabled or layer.quantization_mode):
+    if not _plain(layer):
       continue
     axes = axes_of.get(id(layer.kernel))
     split = [d for d, axis in enumerate(axes or ()) if axis in compute_axes]
-    if len(split) == 1:
+    if len(split) == 1 and (not _is_conv(layer) or split[0] >= len(axes) - 2):
       found[id(layer.kernel)] = (layer, split[0])
   return found
+
+
+def _is_conv(layer):
+  return type(layer).call is _CONV_CALL
+
+
+def _plain(layer):
+  """Whether `layer` can compute as blocks: a plain Dense or EinsumDense,
+  or a channels-last convolution without groups (Conv2D, Conv3D); none
+  with LoRA or quantized."""
+  if _is_conv(layer):
+    if layer.data_format != 'channels_last' or layer.groups != 1:
+      return False
+  elif type(layer).call not in (keras.layers.Dense.call,
+                                keras.layers.EinsumDense.call):
+    return False
+  return not (getattr(layer, 'lora_enabled', False)
+              or getattr(layer, 'quantization_mode', None))
 
 
 @contextlib.contextmanager
@@ -124,7 +146,10 @@ def computing(layers_and_blocks, merged=None):
 
 
 def specs(layer):
-  """(inputs, kernel, outputs) subscripts of `layer`'s product."""
+  """(inputs, kernel, outputs) subscripts of `layer`'s product (a
+  convolution's: its channels; its window's dimensions are never split)."""
+  if _is_conv(layer):
+    return '...c', 'pqr'[:layer.rank] + 'cd', '...d'
   equation = getattr(layer, 'equation', '...a,ab->...b')  # Dense's.
   operands, outputs = equation.split('->')
   inputs, kernel = operands.split(',')
@@ -154,7 +179,8 @@ def _call(layer, dim, blocks, homes, parts, merged):
 
   def call(inputs, training=None):
     if not isinstance(inputs, tf.Tensor):  # Sparse: Keras's own product.
-      return keras_call(inputs, training=training)
+      return keras_call(inputs, **({} if training is None else
+                                   {'training': training}))
     pieces = [inputs] * len(blocks)
     if label in inputs_spec:
       pieces = parts.of(inputs, axis_of(inputs_spec, label,
@@ -314,9 +340,12 @@ def _product(layer):
   """`layer`'s product of its inputs by a kernel block: one 2-D matmul of
   the inputs' rows where the subscripts contract the inputs' last
   dimensions with the kernel's first ones (Dense's, and EinsumDense's
-  projections: 'bqm,muh->bquh', 'bquh,uhm->bqm'), else Keras's einsum.
+  projections: 'bqm,muh->bquh', 'bquh,uhm->bqm'), else Keras's einsum; a
+  convolution's, the layer's own.
   Each part is small, and oneDNN's batched matmul of a 3-D input costs
   several times a 2-D matmul of the same rows, forward and backward."""
+  if _is_conv(layer):
+    return layer.convolution_op
   count = _contracted(*specs(layer))
   if count is None:
     return lambda x, k: keras.ops.einsum(layer.equation, x, k)

@@ -1,0 +1,49 @@
+"""Helpers of the tests of split layers computed as blocks
+(`tensor_parallel`): a Keras `ModelParallel` over logical CPUs, plain
+`fit`, and the clones whose rows a traced product joins."""
+
+import re
+
+import keras
+import numpy as np
+
+
+def parallel(layouts, shape=(2, 2), names=('batch', 'model')):
+  """Keras's `ModelParallel` of `layouts` ({key: axes}) on a mesh of
+  `shape` with axes `names` (the first the batch's) of logical CPUs."""
+  mesh = keras.distribution.DeviceMesh(
+      shape, list(names), keras.distribution.list_devices()[:int(
+          np.prod(shape))])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  for key, axes in layouts.items():
+    layout_map[key] = axes
+  return keras.distribution.ModelParallel(layout_map=layout_map,
+                                          batch_dim_name=names[0])
+
+
+OPTIMIZERS = {'adam': lambda: keras.optimizers.Adam(0.01),
+              'sgd': lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+              'adagrad': lambda: keras.optimizers.Adagrad(0.1)}
+
+
+def fit_model(model, data, epochs=2, optimizer='adam', **options):
+  """`model`'s losses of plain `fit` on `data` in batches of 16, rows
+  in order, with the optimizer named."""
+  model.compile(optimizer=OPTIMIZERS[optimizer](),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  return model.fit(*data, batch_size=16, epochs=epochs, shuffle=False,
+                   verbose=0, **options).history['loss']
+
+
+def clones_of(rows):
+  """The clones whose rows `rows` joins (a concat, in order): each named
+  by the clone that made it, or else by the clone that reads it (its
+  shard of the batch)."""
+  assert rows.op.type == 'ConcatV2'
+  found = []
+  for t in rows.op.inputs[:-1]:
+    names = [t.op.name] + [op.name for op in t.consumers()]
+    found.append(next(int(m[1]) for name in names
+                      if (m := re.search(r'(?:^|/)clone_(\d+)/', name))))
+  return found

@@ -1,0 +1,114 @@
+"""Convolutions computed where their kernels' blocks live: split by
+output channels (column-parallel) or input channels (row-parallel),
+training equal to plain `fit`, each block's convolution once a mesh row
+on its device (read from the traced step); a kernel split along its
+window, or a layer that is not a plain channels-last convolution,
+joined for the pass instead."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.deploy import meshes
+from tfmulti import devices
+from tfmulti import fit
+from tfmulti.deploy import peaks
+from tfmulti.deploy import tensor_parallel
+
+OUT = 3
+
+# Output channels over 'model' (column), then input channels over
+# 'model' and output channels stored over 'batch' (row).
+CONVOLUTIONS = {'up/kernel': (None, None, None, 'model'),
+                'down/kernel': (None, None, 'model', 'batch')}
+
+
+def _model():
+  """Images to classes through a column-parallel convolution, a relu and
+  a row-parallel strided one."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((8, 8, 3))
+  x = keras.layers.Conv2D(8, 3, padding='same', activation='relu',
+                          name='up')(inputs)
+  x = keras.layers.Conv2D(6, 3, strides=2, name='down')(x)
+  x = keras.layers.GlobalAveragePooling2D()(x)
+  return keras.Model(inputs, keras.layers.Dense(OUT, name='out')(x))
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  return (rng.normal(size=(32, 8, 8, 3)).astype('float32'),
+          rng.integers(0, OUT, 32).astype('int32'))
+
+
+@pytest.fixture(scope='module')
+def towers():
+  """The model trained by `CONVOLUTIONS` on a (2, 2) mesh, checked equal
+  to plain `fit` (the tests below read one training)."""
+  plain = _model()
+  want = meshes.fit_model(plain, _data())
+  model = _model()
+  trained = fit.TowersModel(model, meshes.parallel(CONVOLUTIONS))
+  np.testing.assert_allclose(meshes.fit_model(trained, _data()), want,
+                             rtol=1e-5)
+  for g, w in zip(model.weights, plain.weights):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
+  return trained
+
+
+def test_split_convolutions_train_as_one_device(towers):
+  splits = towers.towers.parts.storage.splits
+  assert sorted((layer.name, dim) for layer, dim, _ in splits.values()) == [
+      ('down', 2), ('up', 3)]
+
+
+def test_each_blocks_convolution_runs_once_a_mesh_row_on_its_device(towers):
+  """Read from the traced step: each block's convolution, forward and
+  its kernel's gradient, runs once a mesh row on its device of the row
+  ((b, 0) and (b, 1) for the clones (b, m)), on the rows of the row's
+  two clones joined (the row-parallel one's: as the column-parallel one
+  made them, not joined again); no clone convolves with a whole
+  kernel."""
+  x, y = _data()
+  graph = towers.towers.traced_step(tf.constant(x[:16]),
+                                    (tf.constant(y[:16]),)).graph
+  runs = peaks.reachable(graph)
+  ran = [op for op in graph.get_operations() if op.name in runs]
+  cpu = [devices.canonical(f'/device:CPU:{i}') for i in range(4)]
+  blocks = {(3, 3, 3, 4), (3, 3, 4, 6)}
+  for kind in ('Conv2D', 'Conv2DBackpropFilter'):
+    found = {}
+    for op in ran:
+      if op.type == kind:
+        kernel = tuple((op.inputs[1] if kind == 'Conv2D' else
+                        op.outputs[0]).shape)
+        assert kernel in blocks, (op.name, kernel)
+        found.setdefault(devices.canonical(op.device), []).append(
+            _clones_behind(op.inputs[0]))
+    assert found == {cpu[d]: [[0, 1], [0, 1]] if d < 2 else [[2, 3], [2, 3]]
+                     for d in range(4)}, kind
+
+
+def _clones_behind(rows):
+  """The clones whose rows made `rows`: those a concat joins, found
+  through the first input of each op before it."""
+  while rows.op.type != 'ConcatV2':
+    rows = rows.op.inputs[0]
+  return meshes.clones_of(rows)
+
+
+@pytest.mark.parametrize('axes, data_format, groups, split', [
+    ((None, None, None, 'model'), 'channels_last', 1, 3),
+    ((None, None, 'model', None), 'channels_last', 1, 2),
+    ((None, 'model', None, None), 'channels_last', 1, None),  # Its window.
+    ((None, None, None, 'model'), 'channels_first', 1, None),
+    ((None, None, None, 'model'), 'channels_last', 2, None)])
+def test_a_plain_channels_last_convolution_splits_by_channels(
+    axes, data_format, groups, split):
+  layer = keras.layers.Conv2D(4, 2, data_format=data_format, groups=groups)
+  layer.build((None, 4, 4, 4))
+  model = keras.Sequential([layer])
+  found = tensor_parallel.layers(model, {id(layer.kernel): axes}, ('model',))
+  assert found == ({} if split is None else
+                   {id(layer.kernel): (layer, split)})
