@@ -248,6 +248,9 @@ def test_a_blocks_gradients_meet_once_a_mesh_row(gated):
     (lambda: keras.layers.Conv2D(4, 3, strides=2, padding='same'),
      (6, 6, 3), 3, 'Conv2D'),
     (lambda: keras.layers.Conv3D(3, 2), (4, 4, 4, 4), 3, 'Conv3D'),
+    (lambda: keras.layers.Conv3D(4, 2), (4, 4, 4, 3), 4, 'Conv3D'),
+    (lambda: keras.layers.Conv2D(4, 3, activation='softmax'), (5, 5, 2), 3,
+     'Conv2D'),  # Applied to the joined outputs.
     # Not a matmul of rows (a transposed input): Keras's einsum.
     (lambda: keras.layers.EinsumDense('bmt,mh->bth', (7, 6)), (5, 7), 1,
      'Einsum')])

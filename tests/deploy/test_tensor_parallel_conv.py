@@ -26,17 +26,18 @@ CONVOLUTIONS = {'up/kernel': (None, None, None, 'model'),
 
 def _model():
   """Images to classes through a column-parallel convolution, a relu and
-  a row-parallel strided one."""
+  a row-parallel strided one without a bias."""
   keras.utils.set_random_seed(0)
   inputs = keras.Input((8, 8, 3))
   x = keras.layers.Conv2D(8, 3, padding='same', activation='relu',
                           name='up')(inputs)
-  x = keras.layers.Conv2D(6, 3, strides=2, name='down')(x)
+  x = keras.layers.Conv2D(6, 3, strides=2, use_bias=False, name='down')(x)
   x = keras.layers.GlobalAveragePooling2D()(x)
   return keras.Model(inputs, keras.layers.Dense(OUT, name='out')(x))
 
 
 def _data():
+  """32 images of 8 x 8 x 3 and their classes."""
   rng = np.random.default_rng(0)
   return (rng.normal(size=(32, 8, 8, 3)).astype('float32'),
           rng.integers(0, OUT, 32).astype('int32'))
@@ -86,6 +87,10 @@ def test_each_blocks_convolution_runs_once_a_mesh_row_on_its_device(towers):
         assert kernel in blocks, (op.name, kernel)
         found.setdefault(devices.canonical(op.device), []).append(
             _clones_behind(op.inputs[0]))
+        if kernel == (3, 3, 4, 6):  # Its rows as `up` made them, there.
+          made = op.inputs[0].op
+          assert made.type != 'ConcatV2' and devices.canonical(
+              made.device) == devices.canonical(op.device), made.name
     assert found == {cpu[d]: [[0, 1], [0, 1]] if d < 2 else [[2, 3], [2, 3]]
                      for d in range(4)}, kind
 
@@ -98,17 +103,38 @@ def _clones_behind(rows):
   return meshes.clones_of(rows)
 
 
-@pytest.mark.parametrize('axes, data_format, groups, split', [
-    ((None, None, None, 'model'), 'channels_last', 1, 3),
-    ((None, None, 'model', None), 'channels_last', 1, 2),
-    ((None, 'model', None, None), 'channels_last', 1, None),  # Its window.
-    ((None, None, None, 'model'), 'channels_first', 1, None),
-    ((None, None, None, 'model'), 'channels_last', 2, None)])
-def test_a_plain_channels_last_convolution_splits_by_channels(
-    axes, data_format, groups, split):
-  layer = keras.layers.Conv2D(4, 2, data_format=data_format, groups=groups)
-  layer.build((None, 4, 4, 4))
-  model = keras.Sequential([layer])
-  found = tensor_parallel.layers(model, {id(layer.kernel): axes}, ('model',))
+class _Standardized(keras.layers.Conv2D):
+  """A weight-standardized convolution (keras.io's BiT): its kernel's
+  statistics span its input channels, so it reads the kernel whole."""
+
+  def convolution_op(self, inputs, kernel):
+    mean, variance = tf.nn.moments(kernel, axes=[0, 1, 2], keepdims=True)
+    return super().convolution_op(
+        inputs, (kernel - mean) / tf.sqrt(variance + 1e-10))
+
+
+BY_OUTPUTS, BY_INPUTS = (None, None, None, 'model'), (None, None, 'model', None)
+
+
+@pytest.mark.parametrize('make, axes, split', [
+    (lambda: keras.layers.Conv2D(4, 2), BY_OUTPUTS, 3),
+    (lambda: keras.layers.Conv2D(4, 2, use_bias=False), BY_INPUTS, 2),
+    (lambda: keras.layers.Conv3D(4, 2), (None,) + BY_OUTPUTS, 4),
+    (lambda: keras.layers.Conv2D(4, 2), (None, 'model', None, None), None),
+    (lambda: keras.layers.Conv2D(4, 2, data_format='channels_first'),
+     BY_OUTPUTS, None),
+    (lambda: keras.layers.Conv2D(4, 2, groups=2), BY_OUTPUTS, None),
+    (lambda: keras.layers.Conv1D(4, 2), (None, None, 'model'), None),
+    (lambda: keras.layers.Conv2DTranspose(4, 2), BY_OUTPUTS, None),
+    (lambda: _Standardized(4, 2), BY_INPUTS, None)])
+def test_a_plain_channels_last_convolution_splits_by_channels(make, axes,
+                                                              split):
+  """Conv2D and Conv3D by either channels; not along the window, nor
+  channels-first, grouped, another convolution (its own call), or one
+  with its own `convolution_op`: those are joined."""
+  layer = make()
+  layer.build((None,) + (4,) * (len(axes) - 1))
+  found = tensor_parallel.layers(keras.Sequential([layer]),
+                                 {id(layer.kernel): axes}, ('model',))
   assert found == ({} if split is None else
                    {id(layer.kernel): (layer, split)})

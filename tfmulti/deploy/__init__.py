@@ -14,7 +14,7 @@ library's own modules import the module that defines a name.
   sharding            variables stored as their layouts' shards
   lookups             sharded Embedding tables looked up where they live
   table_plan          tables planned whole, by rows or by columns, balanced
-  tensor_parallel     split Dense layers computed where their blocks live
+  tensor_parallel     split Dense and conv layers computed where they live
   shard_views         a sharded optimizer checkpointed as one device's
   clones              the shards, the clones, their sum (slim's blocks)
   towers              deploy(): the step composed once; DeployedModel

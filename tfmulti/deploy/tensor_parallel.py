@@ -1,13 +1,12 @@
-"""Dense, EinsumDense and convolutions computed where their kernels' blocks
-live.
+"""Dense layers and convolutions computed where their kernels' blocks live.
 
 A sharded kernel is joined on each clone for its pass (`sharding`), so
 each clone holds the layer's whole activations. Where a layout splits a
 plain `keras.layers.Dense` or `EinsumDense` kernel, or a plain
-channels-last convolution's by its channels (`Conv2D`, `Conv3D`: the
-product of its inputs' channels by the kernel, '...c,pqcd->...d', taken
-over its window), along a dimension named by a *compute axis* (a mesh axis other than the batch axis: what
-JAX computes in place), the layer is computed as blocks instead
+channels-last `Conv2D` or `Conv3D` kernel by its channels (its product
+'...c,pqcd->...d' taken over its window), along a dimension named by a
+*compute axis* (a mesh axis other than the batch axis: what JAX
+computes in place), the layer is computed as blocks instead
 (Megatron's tensor parallelism, read from Keras's layouts): block j of
 the kernel (its shards along that dimension's part j, joined over the
 batch axis where the layout splits it there too: sharded storage) is
@@ -48,8 +47,10 @@ round-off.
 Row-parallel layers add their partial sums in another order than one
 device's product (equal to round-off, not to the bit), so
 `reproducible_rows` joins the kernels instead. A layer with LoRA,
-quantized, a subclass with its own `call`, sparse inputs, or a
-kernel split along two compute axes is computed whole (joined).
+quantized, a subclass with its own `call` (or `convolution_op`), sparse
+inputs, a kernel split along two compute axes, and a convolution
+channels-first, grouped or split along its window are computed whole
+(joined).
 """
 
 import contextlib
@@ -77,16 +78,17 @@ ELEMENTWISE = frozenset((
     'Square', 'Sqrt', 'Rsqrt', 'Abs', 'Mul', 'AddV2', 'Sub', 'RealDiv',
     'Maximum', 'Minimum', 'Pow', 'SquaredDifference'))
 
-
-# BaseConv's call: Conv2D's and Conv3D's (Conv1D has its own).
-_CONV_CALL = keras.layers.Conv2D.call
-
 # Keras activations that act on each element alone (softmax does not).
 ELEMENTWISE_ACTIVATIONS = frozenset((
     'linear', 'relu', 'relu6', 'elu', 'selu', 'leaky_relu', 'gelu', 'silu',
     'swish', 'sigmoid', 'hard_sigmoid', 'hard_silu', 'hard_swish', 'tanh',
     'softplus', 'softsign', 'exponential', 'mish', 'celu', 'sparse_plus',
     'squareplus', 'tanh_shrink', 'hard_tanh', 'soft_shrink', 'hard_shrink'))
+
+# Keras's convolution, Conv2D's and Conv3D's (Conv1D has its own call): a
+# layer that keeps both computes as `specs` says; one with its own
+# `convolution_op` (a weight-standardized kernel, read whole) does not.
+_CONV = (keras.layers.Conv2D.call, keras.layers.Conv2D.convolution_op)
 
 
 def in_scope(name):
@@ -97,22 +99,25 @@ def in_scope(name):
 
 def layers(model, axes_of, compute_axes):
   """{id(kernel): (its layer, the kernel's dimension split over a compute
-  axis)} of `model`'s plain Dense and EinsumDense layers whose kernel's
-  layout (`axes_of[id(kernel)]`) splits one dimension over one of
-  `compute_axes`."""
+  axis)} of `model`'s plain Dense, EinsumDense and convolution layers
+  (`_plain`) whose kernel's layout (`axes_of[id(kernel)]`) splits one
+  dimension over one of `compute_axes` (a convolution's: a channels' one,
+  not its window's)."""
   found = {}
   for layer in model._flatten_layers():  # pylint: disable=protected-access
     if not _plain(layer):
       continue
     axes = axes_of.get(id(layer.kernel))
     split = [d for d, axis in enumerate(axes or ()) if axis in compute_axes]
-    if len(split) == 1 and (not _is_conv(layer) or split[0] >= len(axes) - 2):
+    if len(split) == 1 and (not _is_conv(layer) or split[0] >= layer.rank):
       found[id(layer.kernel)] = (layer, split[0])
   return found
 
 
 def _is_conv(layer):
-  return type(layer).call is _CONV_CALL
+  """Whether `layer` convolves as Keras's Conv2D and Conv3D do."""
+  kind = type(layer)
+  return (kind.call, getattr(kind, 'convolution_op', None)) == _CONV
 
 
 def _plain(layer):
