@@ -13,7 +13,11 @@ import tensorflow as tf
 from tests.deploy import meshes
 from tfmulti import devices
 from tfmulti import fit
+from tfmulti import plans
+from tfmulti.deploy import dry_run
+from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import peaks
+from tfmulti.deploy import placement
 from tfmulti.deploy import tensor_parallel
 
 OUT = 3
@@ -138,3 +142,22 @@ def test_a_plain_channels_last_convolution_splits_by_channels(make, axes,
                                  {id(layer.kernel): axes}, ('model',))
   assert found == ({} if split is None else
                    {id(layer.kernel): (layer, split)})
+
+
+@pytest.mark.slow
+def test_split_convolutions_place_on_gpus_with_every_kernel():
+  """Traced for 4 GPUs (none here: `plans.planning`): each op of the
+  convolutions' blocks has a GPU kernel for its dtypes."""
+  layouts = mesh_layouts.VariableLayouts(
+      (2, 2), ('batch', 'model'), tuple(CONVOLUTIONS.items()))
+  config = placement.DeploymentConfig(num_clones=4, variable_layouts=layouts)
+  with plans.planning():
+    model = _model()
+    with tf.device(config.optimizer_variables_device()):
+      optimizer = keras.optimizers.Adam()
+    found = dry_run.plan(config, model, keras.losses.
+                         SparseCategoricalCrossentropy(from_logits=True),
+                         optimizer, *_data())
+  gpus = {d: r for d, r in found.devices.items() if 'GPU' in d}
+  assert len(gpus) == 4
+  assert not [line for r in gpus.values() for line in r.missing_kernels]
