@@ -12,7 +12,8 @@ rows of each. The three commands train the same weights: the workers and
 the one process to 1e-5 of plain Keras `fit` on one device, and bit for bit
 each other with `--reproducible_rows`; `--layouts` shards the tables and
 Dense kernels over each worker's clones (Keras's `ModelParallel`, a mesh
-of them). Only worker 0 prints the epochs and writes to `--model_dir`
+of them), and `--blocks` computes the Dense and convolution kernels where
+their blocks live. Only worker 0 prints the epochs and writes to `--model_dir`
 (history.csv, final.weights.h5). With `--backup_dir`, Ctrl-C to the
 launcher (or SIGTERM to any worker) saves the step and the same command
 resumes it, ending as if never stopped.
@@ -75,6 +76,14 @@ _STEPS_PER_EXECUTION = flags.DEFINE_integer(
 _LAYOUTS = flags.DEFINE_bool(
     'layouts', False, "Shard the tables and Dense kernels over each "
     "worker's clones (a mesh of them, each worker holding the shards).")
+_BLOCKS = flags.DEFINE_bool(
+    'blocks', False, "With --layouts: a mesh (1, N) of axes ('batch', "
+    "'model'), over whose 'model' the Dense and convolution kernels are "
+    'split and computed where their blocks live, not joined for each pass.')
+flags.register_multi_flags_validator(
+    ['blocks', 'layouts'],
+    lambda given: given['layouts'] or not given['blocks'],
+    message='--blocks lays out the --layouts map: give --layouts too.')
 _PLAIN = flags.DEFINE_bool('plain', False, 'Train with plain Keras fit on '
                            'one device instead: the reference.')
 _BACKUP_DIR = flags.DEFINE_string(
@@ -152,15 +161,21 @@ def make_model():
 
 def model_parallel():
   """Keras's ModelParallel on a mesh of this worker's clones: the tables
-  by columns, the Dense kernels by output features (`--layouts`)."""
+  by columns, the Dense kernels by output features (`--layouts`); with
+  `--blocks`, the convolutions' by output channels too, on a mesh whose
+  'model' axis is not the batch's: computed where their blocks live."""
+  count = _NUM_CLONES.value
+  shape, axes = ((1, count), ['batch', 'model']) if _BLOCKS.value else (
+      (count,), ['model'])
   mesh = keras.distribution.DeviceMesh(
-      (_NUM_CLONES.value,), ['model'],
-      keras.distribution.list_devices()[:_NUM_CLONES.value])
+      shape, axes, keras.distribution.list_devices()[:count])
   layout_map = keras.distribution.LayoutMap(mesh)
   layout_map['.*embedding.*/embeddings'] = (None, 'model')
   layout_map['.*dense.*/kernel'] = (None, 'model')
+  if _BLOCKS.value:
+    layout_map['.*conv2d.*/kernel'] = (None, None, None, 'model')
   return keras.distribution.ModelParallel(layout_map=layout_map,
-                                          batch_dim_name='model')
+                                          batch_dim_name=axes[0])
 
 
 def fit(model_dir, epochs, callbacks=()):

@@ -435,6 +435,34 @@ def test_a_mesh_on_each_worker_trains_as_one_device(tmp_path):
 
 
 @pytest.mark.slow
+def test_blocks_on_each_worker_train_as_one_device(tmp_path):
+  """Each worker's Dense and convolution kernels split over 'model' of a
+  mesh (1, 2) of its clones and computed where their blocks live
+  (`--blocks`), on 2 workers and on one worker alone (its step already in
+  the strategy's replica): under Adam, plain fit on one device to 1e-5."""
+  flags = ('--optimizer=adam', '--epochs=1')
+  _run(tmp_path / 'plain', '--plain', *flags)
+  for workers in (1, 2):
+    log, _ = _run(tmp_path / str(workers), '--num_clones=2', '--layouts',
+                  '--blocks', *flags, workers=workers)
+    assert len(re.findall(r"kernels' blocks live: conv2d, dense, dense_1",
+                          log)) == workers
+    for got, want in zip(_weights(tmp_path / str(workers)),
+                         _weights(tmp_path / 'plain')):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_blocks_without_layouts_stop_with_one_line():
+  result = subprocess.run([sys.executable, _EXAMPLE, '--blocks'], cwd=REPO,
+                          capture_output=True, text=True, timeout=_TIMEOUT_S)
+  assert result.returncode != 0
+  assert '--blocks lays out the --layouts map: give --layouts too.' in (
+      result.stderr)
+  assert 'Traceback' not in result.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('options', [
     (), ('--accumulation_steps=2',),
     # Each worker's calls run 4 steps in one compiled loop (`step_loop`).

@@ -465,6 +465,9 @@ def storage_of(config, model, optimizer, split_compute=True):
   found = lookups.tables(model, {id(v) for v in model.trainable_variables})
   split = tensor_parallel.layers(
       model, plan, layouts.compute_axes if split_compute else ())
+  if split:
+    logging.info('Layers computed where their kernels\' blocks live: %s.',
+                 ', '.join(layer.name for layer, _ in split.values()))
   trainable = model.trainable_variables
   return Sharded(
       variables, grids, sharded, [v.shape for v in trainable],
