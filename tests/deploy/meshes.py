@@ -6,6 +6,11 @@ import re
 
 import keras
 import numpy as np
+import tensorflow as tf
+
+from tfmulti import plans
+from tfmulti.deploy import dry_run
+from tfmulti.deploy import placement
 
 
 def parallel(layouts, shape=(2, 2), names=('batch', 'model')):
@@ -47,3 +52,20 @@ def clones_of(rows):
     found.append(next(int(m[1]) for name in names
                       if (m := re.search(r'(?:^|/)clone_(\d+)/', name))))
   return found
+
+
+def planned_on_gpus(layouts, make_model, data, make_optimizer=None):
+  """{GPU: its `dry_run.DeviceReport`} of the step of `make_model()` under
+  `layouts` (a `VariableLayouts`) on `data`, traced for as many GPUs as
+  the mesh has devices (none here: `plans.planning`), with Adam (or
+  `make_optimizer()`) made where the config puts optimizer variables."""
+  config = placement.DeploymentConfig(num_clones=layouts.num_devices,
+                                      variable_layouts=layouts)
+  with plans.planning():
+    model = make_model()
+    with tf.device(config.optimizer_variables_device()):
+      optimizer = (make_optimizer or keras.optimizers.Adam)()
+    found = dry_run.plan(config, model, keras.losses.
+                         SparseCategoricalCrossentropy(from_logits=True),
+                         optimizer, *data)
+  return {d: r for d, r in found.devices.items() if 'GPU' in d}

@@ -7,15 +7,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.deploy import meshes
 from tfmulti import devices
 from tfmulti import fit
-from tfmulti import plans
 from tfmulti.bench import table_plan as table_plan_bench
-from tfmulti.deploy import dry_run
 from tfmulti.deploy import lookups
 from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import peaks
-from tfmulti.deploy import placement
 from tfmulti.deploy import sharding
 from tfmulti.deploy import traffic
 
@@ -261,15 +259,8 @@ def test_a_looked_up_table_places_on_gpus_with_every_kernel():
   dtypes, and each GPU holds a quarter of the table and its slots."""
   layouts = mesh_layouts.VariableLayouts(
       (4,), ('model',), (('table/embeddings', ('model', None)),))
-  config = placement.DeploymentConfig(num_clones=4, variable_layouts=layouts)
-  with plans.planning():
-    model = _model()
-    with tf.device(config.optimizer_variables_device()):
-      optimizer = OPTIMIZERS['adam']()
-    found = dry_run.plan(config, model, keras.losses.
-                         SparseCategoricalCrossentropy(from_logits=True),
-                         optimizer, *_data())
-  gpus = {d: r for d, r in found.devices.items() if 'GPU' in d}
+  gpus = meshes.planned_on_gpus(layouts, _model, _data(),
+                                 OPTIMIZERS['adam'])
   assert len(gpus) == 4
   assert not [line for r in gpus.values() for line in r.missing_kernels]
   quarter = 3 * ROWS * WIDTH * 4 // 4  # The table and Adam's two slots.

@@ -12,11 +12,8 @@ import tensorflow as tf
 from tests.deploy import meshes
 from tfmulti import devices
 from tfmulti import fit
-from tfmulti import plans
-from tfmulti.deploy import dry_run
 from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import peaks
-from tfmulti.deploy import placement
 from tfmulti.deploy import tensor_parallel
 from tfmulti.deploy import traffic
 
@@ -322,14 +319,6 @@ def test_a_split_layer_places_on_gpus_with_every_kernel():
   split blocks and their parts has a GPU kernel for its dtypes."""
   layouts = mesh_layouts.VariableLayouts(
       (2, 2), ('batch', 'model'), tuple(FEED_FORWARD.items()))
-  config = placement.DeploymentConfig(num_clones=4, variable_layouts=layouts)
-  with plans.planning():
-    model = _model(gated=True)
-    with tf.device(config.optimizer_variables_device()):
-      optimizer = keras.optimizers.Adam()
-    found = dry_run.plan(config, model, keras.losses.
-                         SparseCategoricalCrossentropy(from_logits=True),
-                         optimizer, *_data())
-  gpus = {d: r for d, r in found.devices.items() if 'GPU' in d}
+  gpus = meshes.planned_on_gpus(layouts, lambda: _model(gated=True), _data())
   assert len(gpus) == 4
   assert not [line for r in gpus.values() for line in r.missing_kernels]
