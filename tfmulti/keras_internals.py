@@ -474,15 +474,67 @@ def adopting(variable, value, path):
   return adopted
 
 
-def exclude_alike(optimizer, whole, shards):
-  """Excludes `shards` from `optimizer`'s weight decay where `whole` is
-  excluded by `exclude_from_weight_decay(var_list=...)` (Keras keeps the
-  variables' keys; names are matched on each variable's own name, which a
-  shard keeps)."""
+def decay_excluded(optimizer, variable):
+  """Whether `exclude_from_weight_decay(var_list=...)` named `variable`
+  (Keras keeps the variables' keys: read it before the variable's storage
+  changes)."""
   optimizer = getattr(optimizer, 'inner_optimizer', optimizer)
   excluded = getattr(optimizer, '_exclude_from_weight_decay', None)
-  if excluded and optimizer._var_key(whole) in excluded:
-    excluded.update(optimizer._var_key(s) for s in shards)
+  return bool(excluded) and optimizer._var_key(variable) in excluded
+
+
+def exclude_from_decay(optimizer, shards):
+  """Excludes `shards` from `optimizer`'s weight decay by their keys, as
+  their whole variable was (names are matched on each variable's own
+  name, which a shard keeps)."""
+  optimizer = getattr(optimizer, 'inner_optimizer', optimizer)
+  optimizer._exclude_from_weight_decay.update(
+      optimizer._var_key(s) for s in shards)
+
+
+def finalize_on(optimizer, variables):
+  """Makes Keras's end of `fit` (`optimizer.finalize_variable_values(
+  model.trainable_weights)`: EMA's write-back) finalize `variables`, the
+  ones `optimizer` was built on (a sharded model's shards), whatever list
+  it is given."""
+  def finalize(var_list):
+    del var_list  # The model's whole variables: not what it updates.
+    return type(optimizer).finalize_variable_values(optimizer, variables)
+  optimizer.finalize_variable_values = finalize
+
+
+def remake_optimizer_state(optimizer):
+  """`optimizer`'s iteration count and learning rate (where it is a
+  variable) made again in the current device and strategy scope, their
+  values kept: Keras makes them in the constructor (`_iterations`,
+  `_learning_rate`, tracked in `_variables`), wherever the user made it.
+  Everything else the user gave it stays: a schedule, weight decay
+  exclusions, a subclass's own state."""
+  optimizer = getattr(optimizer, 'inner_optimizer', optimizer)
+  for name in ('_iterations', '_learning_rate'):
+    old = getattr(optimizer, name)
+    if not isinstance(old, keras.Variable):
+      continue  # A schedule or a callable: no variable to place.
+    with keras.name_scope(optimizer.name, caller=optimizer):
+      new = keras.Variable(old.numpy(), name=old.name, dtype=old.dtype,
+                           trainable=False, aggregation='only_first_replica')
+    _replace_tracked(optimizer, name, old, new)
+
+
+def _replace_tracked(optimizer, name, old, new):
+  """`optimizer.<name>` and its place in `_variables` (a list TensorFlow
+  saves only as made, never changed in place: made anew) `new`; Keras's
+  tracker (`_tracker`, which appends to that list) told of both."""
+  from keras.src.utils import tracking
+  tracker = optimizer._tracker
+  kind, _ = tracker.config['variables']
+  with tracking.DotNotTrackScope():
+    optimizer._variables = [new if v is old else v
+                            for v in optimizer._variables]
+    setattr(optimizer, name, new)
+  tracker.config['variables'] = (kind, optimizer._variables)
+  tracker.stored_ids['variables'].discard(id(old))
+  tracker.stored_ids['variables'].add(id(new))
 
 
 def layout_map_of(distribution):

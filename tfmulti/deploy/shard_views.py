@@ -23,11 +23,13 @@ _VIEWS = weakref.WeakKeyDictionary()
 
 def register(optimizer, storage):
   """Makes `checkpointed(optimizer)` the view of `optimizer` (built on
-  `storage.variables`) for `storage`, a `sharding.Sharded`; nothing for a
-  `sharding.Whole`."""
+  `storage.variables`) for `storage`, a `sharding.Sharded`, and its
+  end-of-fit finalizing (EMA's write-back) that of the shards; nothing
+  for a `sharding.Whole`."""
   if isinstance(storage, sharding.Sharded):
     _VIEWS[optimizer] = _view(optimizer, storage.sharded,
                               _groups(storage, optimizer), {})
+    keras_internals.finalize_on(optimizer, storage.variables)
   else:
     _VIEWS.pop(optimizer, None)
 

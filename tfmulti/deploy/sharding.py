@@ -186,7 +186,11 @@ class Sharded:
       joined = []
       for home, members in blocks:
         with tf.device(home), tf.name_scope('gather_blocks'):
-          joined.append(join(rest, [mine[i] for i in members]))
+          # A block of one shard is a tensor of its own: the shard's read
+          # also feeds the whole join, whose gradient (a weight penalty's)
+          # the tape would otherwise add to the block's, and
+          # `_block_slots` adds it once more.
+          joined.append(tf.identity(join(rest, [mine[i] for i in members])))
       found.append((self.splits[k], [home for home, _ in blocks], joined))
     return found
 
@@ -492,9 +496,11 @@ def _sharded(config, layouts, model, optimizer, plan, choices, held):
       grids.append(None)
       continue
     parts = mesh_layouts.grid(layouts, axes)
+    excluded = keras_internals.decay_excluded(optimizer, variable)
     shards = _shard(config, layouts, variable, axes, parts, held,
                     choices.get(id(variable)))
-    keras_internals.exclude_alike(optimizer, variable, shards)
+    if excluded:  # By the whole's key, read before its storage moved.
+      keras_internals.exclude_from_decay(optimizer, shards)
     variables.extend(shards)
     grids.append(parts)
     sharded.append((variable, parts, shards))

@@ -25,9 +25,10 @@ How it differs from a plain Keras model:
     `jit_compile` is the step option `xla` (compiling the whole
     multi-device step would make one cluster on one device): 'auto', the
     default, compiles each clone where `xla_rule` says (GPUs).
-  * The optimizer is made (again, from its config, if it was made
-    elsewhere) and built, and every variable's placement checked, in
-    `compile`, under `config.optimizer_variables_device()`.
+  * The optimizer is the user's own object (its schedule, exclusions and
+    state as given): its iteration count and learning rate are made again
+    beside the variables, and it is built and every variable's placement
+    checked, in `compile`, under `config.optimizer_variables_device()`.
   * `compile(steps_per_execution=N)` runs N steps in one compiled call
     (`step_loop`), as Keras's own loop.
   * Several inputs and outputs (lists or dicts), several losses with
@@ -285,12 +286,15 @@ def _check_no_strategy():
 
 
 def _beside_the_variables(optimizer):
-  """`optimizer` made again from its config in the current device scope:
-  one made elsewhere keeps its iteration count and learning rate there."""
+  """`optimizer` itself, its iteration count and learning rate made again
+  in the current device and strategy scope (`keras_internals`): one made
+  elsewhere would keep them there. Nothing is rebuilt from its config, so
+  its schedule, exclusions and a subclass's own state stay as given."""
   if not isinstance(optimizer, keras.optimizers.Optimizer):
     return optimizer  # A name: Keras makes it here.
   if optimizer.built:
     raise errors.ConfigError(
         f'optimizer {optimizer.name!r} is already built (it has slots for '
         'other variables); pass a new optimizer to compile.')
-  return type(optimizer).from_config(optimizer.get_config())
+  keras_internals.remake_optimizer_state(optimizer)
+  return optimizer
