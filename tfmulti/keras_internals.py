@@ -151,25 +151,29 @@ def synchronized_batch_norms(model):
 
 @contextlib.contextmanager
 def calling(layers_and_calls):
-  """Inside, on this thread, each layer of `layers_and_calls` (layer,
+  """Inside, in this replica, each layer of `layers_and_calls` (layer,
   call) runs `call` in place of its own `call` (Keras's `__call__` calls
-  the instance's). One call a thread: clones traced at once, as the
-  replicas of a strategy on their threads, each run their own."""
-  thread = threading.get_ident()
-  with _CALLING_LOCK:
+  the instance's). One call a replica: clones traced at once, as the
+  replicas of a strategy, each run their own (outside a strategy, one
+  replica: 0)."""
+  replica = _replica()
+  with _CALLING_LOCK:  # The replicas trace on threads of their own.
     for layer, call in layers_and_calls:
       calls = layer.__dict__.get(_CALLS)
       if calls is None:
         calls = layer.__dict__[_CALLS] = {}
         layer.__dict__['call'] = functools.partial(_dispatch, layer, calls)
-      calls[thread] = call
+      if replica in calls:
+        raise RuntimeError(f'layer {layer.name!r} is replaced twice in '
+                           f'replica {replica}.')
+      calls[replica] = call
   try:
     yield
   finally:
     with _CALLING_LOCK:
       for layer, _ in layers_and_calls:
         calls = layer.__dict__[_CALLS]
-        del calls[thread]
+        del calls[replica]
         if not calls:
           del layer.__dict__[_CALLS], layer.__dict__['call']
 
@@ -178,9 +182,18 @@ _CALLS = '_tfmulti_calls'
 _CALLING_LOCK = threading.Lock()
 
 
+def _replica():
+  """The tf.distribute replica tracing now (its id in its group; 0 in
+  the default replica context, outside any strategy)."""
+  context = tf.distribute.get_replica_context()
+  if context is None:  # A merge: the cross-replica context.
+    raise RuntimeError('a layer call replaced in a cross-replica context')
+  return int(tf.get_static_value(context.replica_id_in_sync_group))
+
+
 def _dispatch(layer, calls, *args, **kwargs):
-  """`layer`'s call on this thread: its replacement, else its own."""
-  call = calls.get(threading.get_ident(), type(layer).call.__get__(layer))
+  """`layer`'s call in this replica: its replacement, else its own."""
+  call = calls.get(_replica(), type(layer).call.__get__(layer))
   return call(*args, **kwargs)
 
 
@@ -535,6 +548,14 @@ def _replace_tracked(optimizer, name, old, new):
   tracker.config['variables'] = (kind, optimizer._variables)
   tracker.stored_ids['variables'].discard(id(old))
   tracker.stored_ids['variables'].add(id(new))
+
+
+def as_raised(error):
+  """`error`, marked so that a layer's `__call__` passes it on as it is
+  (Keras otherwise raises a copy with the call's arguments appended, no
+  longer one line: `_keras_call_info_injected`)."""
+  error._keras_call_info_injected = True
+  return error
 
 
 def layout_map_of(distribution):

@@ -12,8 +12,9 @@ across workers. It imports nothing of the command line's job (`train/`).
   backup          BackupAndRestore made exact: resume at the step
   step_loop       steps_per_execution on the one compiled N-step loop
   own_steps       a model's own train_step / test_step / compute_loss,
-                  run on every clone as tf.distribute runs it on replicas
-  in_turn         the clones' own steps traced in turn, meeting at updates
+                  run once a batch, as one device runs it
+  rows_split      the layers an own step calls, computed by rows on the
+                  clones (forward and backward), gradients summed once
   planned         a dry run: a compiled TowersModel planned for GPUs
 """
 

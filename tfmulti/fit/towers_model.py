@@ -248,7 +248,8 @@ class _OwnStepsModel(TowersModel):
                **kwargs):
     super().__init__(model, config, options, workers=workers, **kwargs)
     own_steps.check(model, self.config, self.options, workers)
-    self.own = own_steps.OwnSteps(model, self.config)
+    self.own = own_steps.OwnSteps(model, self.config,
+                                  self.options.fixed_shares)
 
   def compile(self, *args, jit_compile='auto', **kwargs):
     """The model's own `compile` with these arguments (a GAN's takes its
