@@ -70,8 +70,8 @@ def _gan_compile():
               loss_fn=keras.losses.BinaryCrossentropy())
 
 
-@pytest.mark.parametrize('cls', [
-    ListedOptimizers, pytest.param(DictOptimizers, marks=pytest.mark.slow)],
+@pytest.mark.slow
+@pytest.mark.parametrize('cls', [ListedOptimizers, DictOptimizers],
                          ids=['list', 'dict'])
 def test_a_gans_optimizers_in_a_container_train_as_plain_fit(cls):
   own._assert_same(*own._fit_both(_gan_of(cls), dict(x=_gan_data(),
@@ -121,7 +121,7 @@ def test_an_update_in_a_tf_function_helper_ends_within_a_minute():
 
 @pytest.mark.parametrize('rows, options', [
     (ROWS, dict(clone_shares=(3, 1))),
-    pytest.param(17, {}, id='a 1-row last batch'),
+    pytest.param(17, {}, id='a 1-row last batch', marks=pytest.mark.slow),
     pytest.param(ROWS, dict(num_clones=4, clone_shares=(1, 2, 3, 2)),
                  marks=pytest.mark.slow, id='4 clones, uneven')])
 def test_shares_and_short_batches_train_as_plain_fit(rows, options):

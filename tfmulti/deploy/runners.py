@@ -161,6 +161,9 @@ class RowsInLockstep(WholeClones):
     live = [[piece for piece in mine if piece.rows] for mine in clone_pieces]
     if (self.run_pieces is not atoms.run_whole
         or any(len(mine) != 1 for mine in live)
+        # Clones of other rows may call a layer other times (Python that
+        # reads its rows): one clone at a time, meeting nowhere.
+        or len({mine[0].rows for mine in live}) != 1
         or tf.distribute.has_strategy()):  # A worker's, of one worker.
       return super().run(clone_pieces, images, labels, terms)
     reads = _packed_reads(self.config, self.storage.variables, self.packs)

@@ -56,12 +56,14 @@ channels-first, grouped or split along its window are computed whole
 import contextlib
 import functools
 import inspect
+import itertools
 import re
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmulti import errors
 from tfmulti import keras_internals
 
 # The name scope of each part's ops, forward and backward (`on`): what
@@ -172,6 +174,7 @@ def axis_of(subscripts, label, rank):
 
 def _call(layer, dim, blocks, homes, parts, merged):
   keras_call = type(layer).call.__get__(layer)
+  calls = itertools.count()  # This replica's calls: its meetings' keys.
   inputs_spec, kernel_spec, outputs_spec = specs(layer)
   label = kernel_spec[dim]
   product = _product(layer)
@@ -191,7 +194,8 @@ def _call(layer, dim, blocks, homes, parts, merged):
       pieces = parts.of(inputs, axis_of(inputs_spec, label,
                                         inputs.shape.rank), homes)
     if merged is tf.compat.v1.get_default_graph():
-      products = functools.partial(_merged, part, homes, layer.name)
+      products = functools.partial(_merged, part, homes, layer.name,
+                                   next(calls))
     else:
       products = functools.partial(_each, part, homes)
     if label not in outputs_spec:  # Partial sums: added here.
@@ -213,7 +217,7 @@ def _each(part, homes, blocks):
   return [on(home, part, *block) for block, home in zip(blocks, homes)]
 
 
-def _merged(part, homes, name, blocks):
+def _merged(part, homes, name, call, blocks):
   """As `_each`, each block's product made once for the clones of this
   clone's mesh row (those whose block has the same home), traced at once
   as the replicas of a strategy: on its home, the row's rows joined, one
@@ -223,32 +227,62 @@ def _merged(part, homes, name, blocks):
   given to the row's first clone and None to the others (`sharding`'s
   meet sums what the clones give). The products are made in the
   strategy's merge, outside every tape; to each clone's tape its part is
-  one op, on the home."""
+  one op, on the home. Every meeting is keyed by the layer, this
+  replica's `call` of it, the block and the direction, and every replica
+  must bring the same key (`_meeting`)."""
   context = tf.distribute.get_replica_context()
   me = int(tf.get_static_value(context.replica_id_in_sync_group))
-  return [_merged_block(context, me, part, home, block, name)
-          for home, block in zip(homes, blocks)]
+  return [_merged_block(context, me, part, home, block, f'{name}#{call}.{j}')
+          for j, (home, block) in enumerate(zip(homes, blocks))]
 
 
-def _merged_block(context, me, part, home, block, name):
+def _merged_block(context, me, part, home, block, key):
   """`_merged`'s product of one block: (rows, *weights) `block`, its ops
-  under the layer's `name`. The merge runs before the custom gradient,
-  whose part takes its output as an input: tracing it walks back from
-  its outputs to its inputs, which would otherwise reach every other
-  clone's pass through the joined rows."""
-  made, kept = context.merge_call(_merged_forward,
-                                  args=(part, home, block, name))
+  under the layer's name (`key`'s first part). The merge runs before the
+  custom gradient, whose part takes its output as an input: tracing it
+  walks back from its outputs to its inputs, which would otherwise reach
+  every other clone's pass through the joined rows."""
+  made, kept = context.merge_call(
+      _meeting, args=(f'{key} forward', _Payload(part, home, block)))
 
   @tf.custom_gradient
   def run(*inputs):
     def gradient(output_gradient):
       if output_gradient is None:
         output_gradient = tf.zeros_like(made[me])
-      return context.merge_call(_merged_backward,
-                                args=(kept, output_gradient))[me] + [None]
+      return context.merge_call(_meeting, args=(
+          f'{key} backward', _Payload(kept, output_gradient)))[me] + [None]
     return tf.identity(inputs[-1]), gradient
   with tf.device(home), tf.name_scope(SCOPE):  # Its identities too.
     return run(*block, made[me])
+
+
+class _Payload:
+  """What a replica brings to a meeting, one object to the strategy (it
+  regroups each replica's as they are, whatever their structure): so
+  replicas at different meetings reach `_meeting`, which names them."""
+
+  def __init__(self, *values):
+    self.values = values
+
+
+def _meeting(strategy, key, payload):
+  """A meeting of the replicas at `key` ('layer#call.block direction'):
+  the forward or backward merge of their payloads; a replica at another
+  meeting is refused in one line."""
+  keys = _local(strategy, key)
+  if len(set(keys)) != 1:
+    found = ', '.join(f'clone {r} at {k}' for r, k in enumerate(keys))
+    raise errors.UnsupportedError(
+        f'the clones of a mesh row met a split layer differently ({found}): '
+        'a split kernel\'s blocks compute a mesh row\'s rows at once, so '
+        'each clone must call the layer alike; make its calls independent '
+        'of the clone, or keep its kernel whole (no compute axis).')
+  payloads = [p.values for p in _local(strategy, payload)]
+  name = keys[0].split('#')[0]
+  if keys[0].endswith('forward'):
+    return _merged_forward(payloads, name)
+  return _merged_backward(payloads)
 
 
 def _local(strategy, value):
@@ -259,22 +293,14 @@ def _local(strategy, value):
   return (value,) * count
 
 
-def _replicas(strategy, nest):
-  """Each replica's `nest` (a merge's argument: a structure of values
-  some of which differ by replica)."""
-  leaves = [_local(strategy, leaf) for leaf in tf.nest.flatten(nest)]
-  return [tf.nest.pack_sequence_as(nest, [leaf[r] for leaf in leaves])
-          for r in range(strategy.num_replicas_in_sync)]
-
-
-def _merged_forward(strategy, part, home, inputs, name):
+def _merged_forward(payloads, name):
   """The merge of `_merged_block`'s forward: for each mesh row (the
   replicas whose block has one home), the row's rows joined on the home
   and multiplied once, watched by a tape kept for the backward merge;
   returns (each replica's output, the kept products)."""
-  part = _local(strategy, part)[0]  # Alike: the layer's.
-  homes = _local(strategy, home)
-  inputs = _replicas(strategy, inputs)
+  part = payloads[0][0]  # Alike: the layer's.
+  homes = [home for _, home, _ in payloads]
+  inputs = [block for _, _, block in payloads]
   rows = {}
   for r, device in enumerate(homes):
     rows.setdefault(device, []).append(r)
@@ -316,11 +342,12 @@ def _rejoined(pieces):
   return None
 
 
-def _merged_backward(strategy, kept, output_gradients):
+def _merged_backward(payloads):
   """The merge of `_merged_block`'s backward: each kept product's
   gradients, its rows' cut back to each replica, its weights' to the
   row's first."""
-  output_gradients = _local(strategy, output_gradients)
+  kept = payloads[0][0]  # Alike: the meeting's key says so.
+  output_gradients = [gradient for _, gradient in payloads]
   gradients = [None] * len(output_gradients)
   for tape, joined, weights, y, members, sizes, device in kept.products:
     with tf.device(device), tf.name_scope(''), tf.name_scope(SCOPE):
