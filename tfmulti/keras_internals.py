@@ -183,11 +183,12 @@ _CALLING_LOCK = threading.Lock()
 
 
 def _replica():
-  """The tf.distribute replica tracing now (its id in its group; 0 in
-  the default replica context, outside any strategy)."""
+  """The tf.distribute replica tracing now: its id in its group (0 in the
+  default replica context, outside any strategy); None in a strategy's
+  cross-replica context (its scope, a merge)."""
   context = tf.distribute.get_replica_context()
-  if context is None:  # A merge: the cross-replica context.
-    raise RuntimeError('a layer call replaced in a cross-replica context')
+  if context is None:
+    return None
   return int(tf.get_static_value(context.replica_id_in_sync_group))
 
 
@@ -517,21 +518,33 @@ def finalize_on(optimizer, variables):
 
 
 def remake_optimizer_state(optimizer):
-  """`optimizer`'s iteration count and learning rate (where it is a
-  variable) made again in the current device and strategy scope, their
-  values kept: Keras makes them in the constructor (`_iterations`,
-  `_learning_rate`, tracked in `_variables`), wherever the user made it.
-  Everything else the user gave it stays: a schedule, weight decay
-  exclusions, a subclass's own state."""
-  optimizer = getattr(optimizer, 'inner_optimizer', optimizer)
-  for name in ('_iterations', '_learning_rate'):
-    old = getattr(optimizer, name)
-    if not isinstance(old, keras.Variable):
-      continue  # A schedule or a callable: no variable to place.
-    with keras.name_scope(optimizer.name, caller=optimizer):
-      new = keras.Variable(old.numpy(), name=old.name, dtype=old.dtype,
-                           trainable=False, aggregation='only_first_replica')
-    _replace_tracked(optimizer, name, old, new)
+  """`optimizer`'s own variables made in its constructor (its iteration
+  count, its learning rate where it is a variable, a loss scale
+  optimizer's scale and step counter; its inner optimizer's too) made
+  again in the current device and strategy scope, their values kept, and
+  that strategy its own: Keras makes them, and reads the strategy
+  (`_distribution_strategy`, through which it builds its slots and
+  applies), in the constructor, wherever the user made it. Everything
+  else the user gave it stays: a schedule, weight decay exclusions, a
+  subclass's own state."""
+  for owner in (optimizer, getattr(optimizer, 'inner_optimizer', None)):
+    if owner is None:
+      continue
+    owner._distribution_strategy = tf.distribute.get_strategy()
+    for name in _MADE_IN_CONSTRUCTORS:
+      old = getattr(owner, name, None)
+      if isinstance(old, keras.Variable):  # Not a schedule or callable.
+        with keras.name_scope(owner.name, caller=owner):
+          new = keras.Variable(old.numpy(), name=old.name, dtype=old.dtype,
+                               trainable=False,
+                               aggregation='only_first_replica')
+        _replace_tracked(owner, name, old, new)
+
+
+# The variables Keras's optimizers (a loss scale optimizer's too) make in
+# their constructors.
+_MADE_IN_CONSTRUCTORS = ('_iterations', '_learning_rate', 'step_counter',
+                         'dynamic_scale')
 
 
 def _replace_tracked(optimizer, name, old, new):

@@ -65,6 +65,8 @@ OPTIMIZERS = {
         0.05, use_ema=True, ema_overwrite_frequency=None),
     'ema overwritten every 2 steps': lambda m: keras.optimizers.Adam(
         0.05, use_ema=True, ema_overwrite_frequency=2),
+    'loss scale optimizer': lambda m: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.05)),
 }
 
 SPLIT = {'.*d1/kernel': (None, 'model'), '.*d2/kernel': ('model', None)}
