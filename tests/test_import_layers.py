@@ -5,7 +5,9 @@
   train/ | fit/  the command line's job | Keras's door: never each other
   engine/        what both doors run: the registry, N steps a call,
                  checkpoints
+  plan/          a built step read before it runs: dry run, peaks, traffic
   deploy/ | distribute/   the towers | the tf.distribute paths
+  mesh/          a mesh's storage and split compute, from Keras's layouts
   pipeline/ | data/ | models/   stages | input pipelines | models
   the ground floor (tfmulti/*.py)
 
@@ -21,9 +23,9 @@ from tests.helpers import REPO
 PACKAGE = os.path.join(REPO, 'tfmulti')
 # The floor of each folder (and of the command line); a module may import
 # its own folder and any lower floor.
-FLOORS = {'': 0, 'models': 1, 'pipeline': 1, 'data': 1, 'deploy': 2,
-          'distribute': 2, 'engine': 3, 'train': 4, 'fit': 4, 'cli': 5,
-          'launch': 5, 'bench': 6}
+FLOORS = {'': 0, 'models': 1, 'pipeline': 1, 'data': 1, 'mesh': 2,
+          'deploy': 3, 'distribute': 3, 'plan': 4, 'engine': 5, 'train': 6,
+          'fit': 6, 'cli': 7, 'launch': 7, 'bench': 8}
 
 
 def _part(module):
@@ -117,8 +119,8 @@ def test_the_ground_floor_imports_in_its_order():
 def test_each_package_map_lists_every_module_of_its_folder():
   """The maps in the folders' __init__ docstrings name what is there."""
   unlisted = []
-  for folder in ('deploy', 'bench', 'pipeline', 'fit', 'train',
-                 'distribute', 'engine'):
+  for folder in ('deploy', 'mesh', 'plan', 'bench', 'pipeline', 'fit',
+                 'train', 'distribute', 'engine'):
     path = os.path.join(PACKAGE, folder)
     doc = ast.get_docstring(ast.parse(open(os.path.join(
         path, '__init__.py')).read()))

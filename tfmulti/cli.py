@@ -34,12 +34,12 @@ from tfmulti import models  # noqa: E402
 from tfmulti import step_options  # noqa: E402
 from tfmulti import tf_config  # noqa: E402
 from tfmulti.data import options as options_lib  # noqa: E402
-from tfmulti.deploy import mesh_layouts  # noqa: E402
 from tfmulti.deploy import placement  # noqa: E402
 from tfmulti.distribute import cluster  # noqa: E402
 from tfmulti.distribute import resolvers  # noqa: E402
 from tfmulti.engine import registry  # noqa: E402
 from tfmulti.engine import step_calls  # noqa: E402
+from tfmulti.mesh import mesh_layouts  # noqa: E402
 from tfmulti.models import external  # noqa: E402
 from tfmulti.train import build  # noqa: E402
 from tfmulti.train import config  # noqa: E402

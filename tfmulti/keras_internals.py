@@ -563,6 +563,36 @@ def _replace_tracked(optimizer, name, old, new):
   tracker.stored_ids['variables'].add(id(new))
 
 
+def keras_state():
+  """A copy of Keras's global state on this thread (its dtype policy,
+  distribution, seed generator, remat scope: `GLOBAL_STATE_TRACKER` and
+  `GLOBAL_SETTINGS_TRACKER`, thread-local), for `keras_state_of`."""
+  from keras.src.backend.common import global_state
+  return tuple({key: list(value) if isinstance(value, list) else value
+                for key, value in vars(tracker).items()}  # Stacks apart.
+               for tracker in (global_state.GLOBAL_STATE_TRACKER,
+                               global_state.GLOBAL_SETTINGS_TRACKER))
+
+
+@contextlib.contextmanager
+def keras_state_of(state):
+  """Inside, this thread's Keras global state is `state` (`keras_state`'s,
+  taken on the caller's thread: a strategy's replica threads see none of
+  it); this thread's own after."""
+  from keras.src.backend.common import global_state
+  trackers = (global_state.GLOBAL_STATE_TRACKER,
+              global_state.GLOBAL_SETTINGS_TRACKER)
+  saved = [dict(vars(tracker)) for tracker in trackers]
+  for tracker, values in zip(trackers, state):
+    vars(tracker).update(values)
+  try:
+    yield
+  finally:
+    for tracker, values in zip(trackers, saved):
+      vars(tracker).clear()
+      vars(tracker).update(values)
+
+
 def as_raised(error):
   """`error`, marked so that a layer's `__call__` passes it on as it is
   (Keras otherwise raises a copy with the call's arguments appended, no

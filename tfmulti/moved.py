@@ -19,6 +19,15 @@ MOVED = {
     'tfmulti.train.registry': 'tfmulti.engine.registry',
     'tfmulti.train.step_calls': 'tfmulti.engine.step_calls',
     'tfmulti.train.checkpoints': 'tfmulti.engine.checkpoints',
+    'tfmulti.deploy.sharding': 'tfmulti.mesh.sharding',
+    'tfmulti.deploy.shard_views': 'tfmulti.mesh.shard_views',
+    'tfmulti.deploy.tensor_parallel': 'tfmulti.mesh.tensor_parallel',
+    'tfmulti.deploy.mesh_layouts': 'tfmulti.mesh.mesh_layouts',
+    'tfmulti.deploy.lookups': 'tfmulti.mesh.lookups',
+    'tfmulti.deploy.table_plan': 'tfmulti.mesh.table_plan',
+    'tfmulti.deploy.dry_run': 'tfmulti.plan.dry_run',
+    'tfmulti.deploy.peaks': 'tfmulti.plan.peaks',
+    'tfmulti.deploy.traffic': 'tfmulti.plan.traffic',
 }
 
 

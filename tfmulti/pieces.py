@@ -80,7 +80,7 @@ class Body:
     """`scope`: the name scope the pass opens where it is traced at the
     root (lockstep replica 0, an XLA function; `trainer.off_the_root`);
     `read(trainable, watch)`: the storage's reading of `trainable` for the
-    pass, under its tape's `watch` (`deploy.sharding`): (the model's
+    pass, under its tape's `watch` (`mesh.sharding`): (the model's
     trainable values, what the gradients are taken of, a context the
     pass runs in); None: `trainable` are the model's values and the
     gradients theirs."""

@@ -1,6 +1,6 @@
 """Devices a job is planned for that this machine does not have.
 
-A dry run (`deploy.dry_run`) builds a job for GPUs absent here. Inside
+A dry run (`plan.dry_run`) builds a job for GPUs absent here. Inside
 `planning()`, a variable made under `tf.device` of an absent device is made
 on the host, and its planned device is remembered by its handle:
 `devices.device_of` and `devices.GraphPlacement` read it, so every choice

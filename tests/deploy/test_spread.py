@@ -15,7 +15,7 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti import fit
 from tfmulti.deploy import packs
-from tfmulti.deploy import traffic
+from tfmulti.plan import traffic
 
 SPREAD = deploy.SPREAD
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.deploy import meshes
+from tests.mesh import meshes
 from tfmulti import deploy
 from tfmulti import fit
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tfmulti import fit
-from tfmulti.deploy import sharding
+from tfmulti.mesh import sharding
 
 ROWS, TOKENS, VOCABULARY = 16, 8, 64
 

@@ -11,9 +11,9 @@ from tfmulti import deploy
 from tfmulti import errors
 from tfmulti import fit
 from tfmulti.deploy import keras_distribution
-from tfmulti.deploy import mesh_layouts
-from tfmulti.deploy import shard_views
-from tfmulti.deploy import sharding
+from tfmulti.mesh import mesh_layouts
+from tfmulti.mesh import shard_views
+from tfmulti.mesh import sharding
 
 
 def _mesh(shape, names):
@@ -137,7 +137,7 @@ def test_no_device_holds_a_whole_sharded_variable():
 @pytest.mark.slow
 def test_each_clone_gathers_and_each_shard_is_summed_beside_it():
   # The one axis is the batch's: every variable is joined for the pass
-  # (none computed as blocks, `tests/deploy/test_tensor_parallel.py`).
+  # (none computed as blocks, `tests/mesh/test_tensor_parallel.py`).
   model = _model()
   towers = fit.TowersModel(model, _parallel(*LAYOUTS['one axis'],
                                             batch='model'))

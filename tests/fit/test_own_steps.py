@@ -59,7 +59,7 @@ def test_the_guides_own_train_step_trains_as_plain_fit():
 
 def _devices(towers, data, kind):
   """{device: count} of the ops of type `kind` in the traced own step."""
-  graph = towers.own._train.get_concrete_function(data).graph
+  graph = towers.steps._train.get_concrete_function(data).graph
   found = {}
   for op in graph.get_operations():
     if op.type == kind:

@@ -4,11 +4,11 @@ What each stage (chunk) keeps of micro-batch 0 between its passes: from
 its forward pass to its backward pass B, and, where the schedule splits W
 off, from B to W (`activation_bytes`); and the most a device holds at once
 in its order of passes (`peak_bytes`). `schedule_timelines` reports them.
-A buffer counts once, whatever views of it are read (`deploy.peaks`'s
+A buffer counts once, whatever views of it are read (`plan.peaks`'s
 rules, which a dry run's peaks follow too).
 """
 
-from tfmulti.deploy import peaks
+from tfmulti.plan import peaks
 
 
 def _descendants(ops, among):
@@ -39,7 +39,7 @@ def activation_bytes(graph, num_stages):
   output gradients; under recomputation, B's forward tensors). W's ops are
   those that follow its gates (the ops it releases and what reads them);
   B's the stage's other reachable backward ops. A buffer is counted once,
-  whatever views of it are read (`deploy.peaks.VIEWS`)."""
+  whatever views of it are read (`plan.peaks.VIEWS`)."""
   live = peaks.reachable(graph)
   held = []
   for s in range(num_stages):

@@ -6,7 +6,7 @@ Deploys a text model (token ids -> Embedding(vocab, width) -> the mean over
 the tokens -> 10 logits) over `--num_clones` clones of logical CPUs with
 its variables on a device of their own (CPU:N, the host beside N GPUs),
 traces one step on `--rows_per_clone` rows of `--tokens` random ids a
-clone (nothing runs: the placement is the graph's, `deploy.traffic`), and
+clone (nothing runs: the placement is the graph's, `plan.traffic`), and
 counts the gradient bytes each clone sends the variables device, against
 what the rows it touched hold (a value row and an int32 index a looked-up
 id, and the dense head's gradients) and against the dense gradient
@@ -25,7 +25,7 @@ from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
-from tfmulti.deploy import traffic
+from tfmulti.plan import traffic
 
 MB = 2**20
 CLASSES = 10

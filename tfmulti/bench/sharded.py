@@ -6,19 +6,19 @@
 Deploys the model over `--num_clones` clones of logical CPUs twice, with
 momentum SGD (one slot a variable):
 
-* `sharded`: its variables laid out over a mesh (`deploy.sharding`): for
+* `sharded`: its variables laid out over a mesh (`mesh.sharding`): for
   `--model=llama`, keras-hub's `LlamaBackbone` built small from its
   configuration (its word embeddings tied: the map names the one table),
   with its own `get_layout_map` on a mesh (2, N/2) of axes ('batch',
   'model') (keras-hub needed); for any other model, every kernel
   whose last dimension the mesh divides split on it over 'model' of a
   mesh (1, N) of axes ('batch', 'model'): computed where its blocks live
-  (`deploy.tensor_parallel`: its output channels or features), or with
+  (`mesh.tensor_parallel`: its output channels or features), or with
   `--joined`, over a one-axis mesh ('model',) of N that is also the
   batch's, so that each clone joins every kernel for its pass (FSDP);
 * `spread`: each variable whole on one device (`--variables_device=spread`).
 
-From one traced step of each (`deploy.traffic`) it counts per device the
+From one traced step of each (`plan.traffic`) it counts per device the
 variable and slot bytes held and the variable and gradient bytes sent and
 received. A clone gathers each shard it does not own and sends each
 shard's gradient piece to its owner, so a device that owns 1/N receives
@@ -51,10 +51,10 @@ from tfmulti import models
 from tfmulti import step_options
 from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
-from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
-from tfmulti.deploy import traffic
+from tfmulti.mesh import mesh_layouts
+from tfmulti.plan import traffic
 
 MB = 2**20
 HELD_SLACK, MOVED_SLACK, STEP_SLACK = 1.1, 1.1, 1.15

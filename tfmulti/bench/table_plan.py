@@ -10,7 +10,7 @@ each, a dot interaction and a top MLP; Adagrad) over `--num_clones`
 clones of logical CPUs on a mesh (N,) ('model'), its tables laid out
 three ways in one run:
 
-* planned: `VariableLayouts(plan_tables=True)` (`deploy.table_plan`);
+* planned: `VariableLayouts(plan_tables=True)` (`mesh.table_plan`);
 * whole: each table whole on one device, spread by bytes (no layout);
 * rows: each table split by rows over every device.
 
@@ -40,11 +40,11 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
-from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import placement
-from tfmulti.deploy import table_plan
 from tfmulti.deploy import towers as towers_lib
-from tfmulti.deploy import traffic
+from tfmulti.mesh import mesh_layouts
+from tfmulti.mesh import table_plan
+from tfmulti.plan import traffic
 
 DESIGNS = ('planned', 'whole', 'rows')
 DENSE = 4  # Dense features an example.

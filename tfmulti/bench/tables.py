@@ -7,7 +7,7 @@ Deploys a recommender's tower (ids -> Embedding(vocab, width) -> the mean
 over the ids -> a click's logit, Adagrad) over `--num_clones` clones of
 logical CPUs, its table laid out by rows over a mesh (N,) ('model'), so
 each device holds 1/N of it and its Adagrad slot, and each clone looks its
-ids up where their rows live (`deploy.lookups`). From one step on
+ids up where their rows live (`mesh.lookups`). From one step on
 `--rows_per_clone` rows of `--tokens` random ids a clone it counts, device
 by device:
 
@@ -35,10 +35,10 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
-from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
-from tfmulti.deploy import traffic
+from tfmulti.mesh import mesh_layouts
+from tfmulti.plan import traffic
 
 MB = 2**20
 TARGET = 1.1  # Held over (table + slot) / N; moved over the touched bytes.

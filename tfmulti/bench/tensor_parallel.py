@@ -10,7 +10,7 @@ residual add) over `--num_clones` clones of logical CPUs on a mesh
 (2, N/2) of axes ('batch', 'model') with keras-hub Llama's feed-forward
 map: each block's first kernel split by output features over 'model'
 (column-parallel), its second by input features (row-parallel), each
-stored split over 'batch' too (`deploy.tensor_parallel`). From its
+stored split over 'batch' too (`mesh.tensor_parallel`). From its
 traced step, and from one device's on the whole batch, it counts:
 
 * activations: the bytes of the hidden activations the forward pass
@@ -41,11 +41,11 @@ from tfmulti import devices
 from tfmulti import errors
 from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
-from tfmulti.deploy import mesh_layouts
-from tfmulti.deploy import peaks
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
-from tfmulti.deploy import traffic
+from tfmulti.mesh import mesh_layouts
+from tfmulti.plan import peaks
+from tfmulti.plan import traffic
 
 TARGET = 1.1  # A clone's activations a device, over one device's / M.
 FEATURES = 16  # The inputs' width: not the blocks' (`--width`).

@@ -13,7 +13,7 @@ variables
 
 traces one step of each (nothing runs: the placement is the graph's, the
 same on logical CPUs as on GPUs) and counts per device, with
-`deploy.traffic`, the variable and slot bytes it holds and the bytes it
+`plan.traffic`, the variable and slot bytes it holds and the bytes it
 sends and receives across devices, variable reads and gradients apart
 from the rest (input shards, losses, BatchNorm statistics), with the
 transfers. MirroredStrategy's all-reduce is given by theory, as a ring
@@ -44,7 +44,7 @@ from tfmulti.bench import designs as bench
 from tfmulti.bench import flags
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
-from tfmulti.deploy import traffic
+from tfmulti.plan import traffic
 
 MB = 2**20
 VARIANTS = ('central', 'spread', 'spread_packs')

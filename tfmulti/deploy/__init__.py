@@ -10,26 +10,22 @@ library's own modules import the module that defines a name.
 
   placement           DeploymentConfig: every device string
   keras_distribution  Keras's DataParallel and ModelParallel read as a config
-  mesh_layouts        a ModelParallel's mesh and layout map, pure
-  sharding            variables stored as their layouts' shards
-  lookups             sharded Embedding tables looked up where they live
-  table_plan          tables planned whole, by rows or by columns, balanced
-  tensor_parallel     split Dense and conv layers computed where they live
-  shard_views         a sharded optimizer checkpointed as one device's
   clones              the shards, the clones, their sum (slim's blocks)
   towers              deploy(): the step composed once; DeployedModel
   runners             how each clone runs: whole, in lockstep, in stages
   combiners           how the gradients meet: summed, or atoms folded
   atoms               reproducible rows: atoms run alone, folded in order
   packs               gradients and reads packed a transfer
-  traffic             each device's bytes held and moved, from the graph
-  dry_run             a step traced for absent GPUs: kernels, bytes, FLOPs
-  peaks               each device's most tensor bytes at once, from the graph
   batch_norm          the moving statistics after a step of several clones
   balance             clone shares for unequal devices (measured, pinned)
   feeds               each clone's shard prefetched to its device
   xla_rule            where XLA goes on (xla='auto')
   towers_in_strategy  the towers inside a tf.distribute strategy
+
+Moved, their old names warning: a mesh's storage and compute (sharding,
+shard_views, tensor_parallel, mesh_layouts, lookups, table_plan) to
+`tfmulti.mesh`; the plan of a traced step (dry_run, peaks, traffic) to
+`tfmulti.plan`.
 """
 
 from tfmulti import moved

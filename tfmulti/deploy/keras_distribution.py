@@ -22,8 +22,8 @@ computes, not what is trained: the towers do not read them.
 import keras
 
 from tfmulti import errors
-from tfmulti.deploy import mesh_layouts
 from tfmulti.deploy.placement import DeploymentConfig
+from tfmulti.mesh import mesh_layouts
 
 
 def config_for(config, workers=None):

@@ -15,7 +15,7 @@ import tensorflow as tf
 from tfmulti import devices
 from tfmulti import errors
 from tfmulti import keras_internals
-from tfmulti.deploy import mesh_layouts
+from tfmulti.mesh import mesh_layouts
 
 _HOST = '/device:CPU:0'
 

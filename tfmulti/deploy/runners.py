@@ -30,10 +30,10 @@ from tfmulti import pieces
 from tfmulti import slices
 from tfmulti.deploy import atoms
 from tfmulti.deploy import packs as packs_lib
-from tfmulti.deploy import sharding
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy.clones import on_clone
 from tfmulti.deploy.clones import values_of
+from tfmulti.mesh import sharding
 from tfmulti.pipeline import stages as stages_lib
 
 

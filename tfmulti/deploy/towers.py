@@ -62,8 +62,6 @@ from tfmulti.deploy import combiners
 from tfmulti.deploy import feeds
 from tfmulti.deploy import packs
 from tfmulti.deploy import runners
-from tfmulti.deploy import shard_views
-from tfmulti.deploy import sharding
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.deploy import xla_rule
 from tfmulti.deploy.clones import create_clones
@@ -71,6 +69,8 @@ from tfmulti.deploy.clones import on_clone
 from tfmulti.deploy.clones import placed
 from tfmulti.deploy.clones import split_batch
 from tfmulti.deploy.clones import values_of
+from tfmulti.mesh import shard_views
+from tfmulti.mesh import sharding
 from tfmulti.pipeline import schedules
 from tfmulti.pipeline.stages import Stages
 

@@ -67,12 +67,15 @@ def run_clones_in_lockstep(lockstep, body, variables, shards, terms, scopes):
           tf.convert_to_tensor,
           _tensors(shards[ctx.replica_id_in_sync_group])))
 
+  state = keras_internals.keras_state()  # The caller's, on every clone.
+
   def replica_fn(shard):
     images, labels, offset = shard
     me = int(tf.get_static_value(
         tf.distribute.get_replica_context().replica_id_in_sync_group))
     weight = shards[me][2]  # A Python 0 skips the penalties' pass.
-    with tf.name_scope(scopes[me] + '/'):  # From the root.
+    with keras_internals.keras_state_of(state), tf.name_scope(
+        scopes[me] + '/'):  # From the root.
       return body(*variables(me), images, labels, weight, offset, terms)
 
   per_replica = lockstep.run(replica_fn, args=(per_clone,))

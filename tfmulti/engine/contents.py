@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import keras_internals
-from tfmulti.deploy import shard_views
+from tfmulti.mesh import shard_views
 
 # Where a run stands: `step` global steps done; `epoch` (0-based) is in
 # progress and `epoch_examples` of its examples have been trained on.

@@ -29,10 +29,10 @@ from tfmulti import errors
 from tfmulti import layouts
 from tfmulti import step_options
 from tfmulti.deploy import placement
-from tfmulti.deploy import sharding
 from tfmulti.deploy import towers
 from tfmulti.deploy import towers_in_strategy
 from tfmulti.distribute import distributed_model
+from tfmulti.mesh import sharding
 
 TOWERS = 'towers'
 MULTI_WORKER = 'multi_worker'

@@ -11,6 +11,7 @@ across workers. It imports nothing of the command line's job (`train/`).
   runs            a fit's run: its arguments, its backup, its exits
   backup          BackupAndRestore made exact: resume at the step
   step_loop       steps_per_execution on the one compiled N-step loop
+  keras_steps     Keras's steps on the trainer: compile, train, evaluate
   own_steps       a model's own train_step / test_step / compute_loss,
                   run once a batch, as one device runs it
   rows_split      the layers an own step calls, computed by rows on the

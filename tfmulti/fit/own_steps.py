@@ -86,39 +86,36 @@ def check(model, config, options, workers):
         'Keras\'s own steps.')
 
 
-def check_callbacks(model, callbacks):
-  """Raises `UnsupportedError` for a BackupAndRestore: its backup would
-  not hold every optimizer a model's own step may update."""
-  if any(isinstance(c, keras.callbacks.BackupAndRestore)
-         for c in callbacks or ()):
-    raise errors.UnsupportedError(
-        f'BackupAndRestore: model {model.name!r} has its own steps, whose '
-        'optimizers its backup would not hold; save with ModelCheckpoint '
-        'instead.')
-
-
 class OwnSteps:
-  """The model's own steps on `config`'s clones (see the module);
-  `shares`: each clone's share of the rows, None even."""
+  """The steps of `towers` (a `TowersModel`) whose model brings its own
+  (see the module): the part `TowersModel` runs in place of Keras's."""
 
-  def __init__(self, model, config, shares=None):
-    self.model = model
-    self.config = config
-    self.split = rows_split.RowsSplit(model, config, shares)
+  def __init__(self, towers):
+    self.towers = towers
+    self.model = towers.model
+    self.split = rows_split.RowsSplit(towers.model, towers.config,
+                                      towers.options.fixed_shares)
     self._train = tf.function(functools.partial(
         self._split, 'train_step'), autograph=False)
     self._test = tf.function(functools.partial(
         self._split, 'test_step'), autograph=False)
 
-  def compile(self, args, kwargs):
-    """The model's own `compile`, with `TowersModel.compile`'s
-    arguments, its optimizers made beside the variables."""
+  def compile(self, *args, jit_compile='auto', **kwargs):
+    """The model's own `compile` with these arguments (a GAN's takes its
+    optimizers), its optimizers made beside the variables; then Keras's
+    around the steps."""
+    if jit_compile is True:
+      raise errors.UnsupportedError(
+          'jit_compile=True: a model with its own steps runs them whole, '
+          'uncompiled; drop it.')
     if kwargs.get('steps_per_execution', 1) != 1:
       raise errors.UnsupportedError(
           f'steps_per_execution={kwargs["steps_per_execution"]}: model '
           f'{self.model.name!r} has its own steps, one a call; drop it.')
-    with tf.device(self.config.optimizer_variables_device()):
+    with tf.device(self.towers.config.optimizer_variables_device()):
       self.model.compile(*args, **kwargs)
+    keras.Model.compile(self.towers, optimizer=self.model.optimizer,
+                        jit_compile=False, run_eagerly=True)
 
   @property
   def metrics(self):
@@ -129,6 +126,16 @@ class OwnSteps:
 
   def test_step(self, data):
     return self._test(data)
+
+  def check_fit(self, callbacks):
+    """Raises `UnsupportedError` for a BackupAndRestore: its backup would
+    not hold every optimizer a model's own step may update."""
+    if any(isinstance(c, keras.callbacks.BackupAndRestore)
+           for c in callbacks or ()):
+      raise errors.UnsupportedError(
+          f'BackupAndRestore: model {self.model.name!r} has its own steps, '
+          'whose optimizers its backup would not hold; save with '
+          'ModelCheckpoint instead.')
 
   def _split(self, name, data):
     """The model's step `name` on `data`, once, its layers computed by

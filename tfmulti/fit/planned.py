@@ -10,7 +10,7 @@
 Inside `plans.planning()` the variables the towers would place on absent
 GPUs are made on the host with their device planned; `plan` traces one step
 of the compiled towers on a batch of `x`'s and `y`'s shapes (nothing runs)
-and reads it as the command line's `--dry_run` does (`deploy.dry_run`).
+and reads it as the command line's `--dry_run` does (`plan.dry_run`).
 """
 
 import tensorflow as tf
@@ -18,9 +18,9 @@ import tensorflow as tf
 from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import plans
-from tfmulti.deploy import dry_run
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.fit import compiled
+from tfmulti.plan import dry_run
 
 
 def plan(towers, x, y, sample_weight=None):

@@ -71,20 +71,19 @@ import keras
 import tensorflow as tf
 
 from tfmulti import errors
-from tfmulti import keras_internals
-from tfmulti import rows
 from tfmulti import step_options
 from tfmulti.deploy import keras_distribution
-from tfmulti.deploy import shard_views
-from tfmulti.deploy import sharding
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.engine import registry
 from tfmulti.fit import across_workers
 from tfmulti.fit import backup as backup_lib
 from tfmulti.fit import compiled
+from tfmulti.fit import keras_steps
 from tfmulti.fit import own_steps
 from tfmulti.fit import runs
 from tfmulti.fit import step_loop
+from tfmulti.mesh import shard_views
+from tfmulti.mesh import sharding
 
 
 class TowersModel(keras.Model):
@@ -98,13 +97,6 @@ class TowersModel(keras.Model):
     towers: the trainer `compile` builds (a `trainer.Trainer`).
     door: how `fit` runs (`across_workers.Local` or `AcrossWorkers`).
   """
-
-  def __new__(cls, *args, **kwargs):
-    """A model with its own steps gets `_OwnStepsModel`."""
-    model = args[0] if args else kwargs.get('model')
-    if cls is TowersModel and own_steps.own_steps(model):
-      cls = _OwnStepsModel
-    return super().__new__(cls, *args, **kwargs)
 
   def __init__(self, model, config=None, options=None, *, workers=None,
                shuffle_seed=0, **fields):
@@ -149,35 +141,25 @@ class TowersModel(keras.Model):
     self.options = registry.check_options(door.gate, options, config)
     self.passes = backup_lib.Passes()  # A resumed fit's passed steps.
     self.towers = None
-    self._compile_args = {}
+    self.compile_args = {}
     self.batches = runs.FullRows()  # Fewer rows than its full: a last one.
+    self.steps = _steps_for(self, workers)  # Keras's, or the model's own.
     self.built = True  # Its weights are the built model's.
 
   def call(self, inputs, training=False):
     return self.model(inputs, training=training)
 
-  def compile(self, optimizer='rmsprop', loss=None, metrics=None, *,
-              jit_compile='auto', **kwargs):
-    """Keras's `compile`, then the trainer, from the registry: the
-    optimizer built beside the variables and every variable checked.
-    `jit_compile` is the step option `xla`: True compiles each clone with
-    XLA, 'auto' (the default) follows `xla_rule`."""
-    compiled.check_compile(self.options, loss, kwargs)
-    if jit_compile in (True, False):  # 'auto' leaves the rule to decide.
-      self.options = registry.check_options(self.door.gate, dataclasses.replace(
-          self.options, xla=jit_compile), self.config)
-    with tf.device(self.config.optimizer_variables_device()):
-      with self.door.scope():  # Its variables, the workers' too.
-        optimizer = _beside_the_variables(optimizer)
-      super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
-                      jit_compile=False, run_eagerly=True, **kwargs)
-    self._compile_args = dict(loss=loss, metrics=metrics, **kwargs)
-    self.towers = self.door.build(self.model, compiled.CompiledLoss(self),
-                                  self.optimizer, self.options)
-    # Keras's metrics of a step, and an evaluation batch: a compiled call
-    # each (eager, the metrics cost more than a small model's step).
-    self._record = compiled.traced_record(self)
-    self._evaluate = compiled.traced(compiled.evaluate, self)
+  def compile(self, *args, **kwargs):
+    """Keras's `compile` of the steps the model runs (`steps`): the
+    trainer built from the registry, the user's optimizer beside the
+    variables (`keras_steps`); or the model's own `compile`
+    (`own_steps`). `jit_compile` is the step option `xla`."""
+    self.steps.compile(*args, **kwargs)
+
+  @property
+  def metrics(self):
+    own = getattr(self, 'steps', None) and self.steps.metrics
+    return super().metrics if own is None else own
 
   def make_train_function(self, force=False):
     """Keras's train function, or N steps a compiled call (`step_loop`)."""
@@ -194,23 +176,10 @@ class TowersModel(keras.Model):
 
   def train_step(self, data):
     _check_no_strategy()
-    images, labels, sample_weight = compiled.unpack(data)
-    # The compiled loss and metrics, built once before a step is traced.
-    keras_internals.build_compiled(self, (images, labels, sample_weight))
-    targets = compiled.targets(labels, sample_weight)
-    rows_ = rows.batch_rows(images, targets)
-    if self.passes.take(rows_):  # Trained before the restart: read only.
-      return self.get_metrics_result()
-    partial = self.batches.partial(rows_)
-    result = self.towers.train_step_outputs(
-        images, targets, partial=partial, with_outputs=True,
-        whole_batch=True)
-    return self._record(images, targets, result.total, result.outputs)
+    return self.steps.train_step(data)
 
   def test_step(self, data):
-    images, labels, sample_weight = compiled.unpack(data)
-    keras_internals.build_compiled(self, (images, labels, sample_weight))
-    return self._evaluate(images, labels, sample_weight)
+    return self.steps.test_step(data)
 
   def predict_step(self, data):
     images, _, _ = compiled.unpack(data)
@@ -223,7 +192,7 @@ class TowersModel(keras.Model):
     compile config, as Keras saves a compiled model, so plain Keras loads
     it (ModelCheckpoint's); `save_weights` keeps this model's own."""
     if self.towers is not None and not self.model.compiled:
-      self.model.compile(optimizer=self.optimizer, **self._compile_args)
+      self.model.compile(optimizer=self.optimizer, **self.compile_args)
     with shard_views.whole_state(self.optimizer):  # Sharded: as one device.
       return self.model.save(filepath, *args, **kwargs)
 
@@ -236,47 +205,19 @@ class TowersModel(keras.Model):
     """Keras's `fit` (`runs`): across workers, as many steps on each, the
     chief alone showing progress and writing files; with a BackupAndRestore,
     a signal saves the step and exits, and the next run resumes there."""
+    self.steps.check_fit(runs.fit_arguments(self, args, kwargs).get(
+        'callbacks'))
     return runs.run(self, super().fit, args, kwargs)
 
 
-class _OwnStepsModel(TowersModel):
-  """`TowersModel` of a model with its own `train_step`, `test_step` or
-  `compute_loss`: the model's own steps on every clone
-  (`own_steps.OwnSteps`), its own `compile`."""
-
-  def __init__(self, model, config=None, options=None, *, workers=None,
-               **kwargs):
-    super().__init__(model, config, options, workers=workers, **kwargs)
-    own_steps.check(model, self.config, self.options, workers)
-    self.own = own_steps.OwnSteps(model, self.config,
-                                  self.options.fixed_shares)
-
-  def compile(self, *args, jit_compile='auto', **kwargs):
-    """The model's own `compile` with these arguments (a GAN's takes its
-    optimizers), then Keras's around the steps."""
-    if jit_compile is True:
-      raise errors.UnsupportedError(
-          'jit_compile=True: a model with its own steps runs them whole on '
-          'each clone, uncompiled; drop it.')
-    self.own.compile(args, kwargs)
-    keras.Model.compile(self, optimizer=self.model.optimizer,
-                        jit_compile=False, run_eagerly=True)
-
-  @property
-  def metrics(self):
-    return self.own.metrics
-
-  def train_step(self, data):
-    _check_no_strategy()
-    return self.own.train_step(data)
-
-  def test_step(self, data):
-    return self.own.test_step(data)
-
-  def fit(self, *args, **kwargs):
-    own_steps.check_callbacks(self.model, runs.fit_arguments(
-        self, args, kwargs).get('callbacks'))
-    return super().fit(*args, **kwargs)
+def _steps_for(towers, workers):
+  """The steps `towers` runs, chosen once: the model's own (`own_steps`,
+  checked against the towers' config, options and `workers`), or
+  Keras's through the trainer (`keras_steps`)."""
+  if own_steps.own_steps(towers.model):
+    own_steps.check(towers.model, towers.config, towers.options, workers)
+    return own_steps.OwnSteps(towers)
+  return keras_steps.KerasSteps(towers)
 
 
 def _check_no_strategy():
@@ -284,18 +225,3 @@ def _check_no_strategy():
     raise errors.ConfigError(
         'TowersModel places its clones itself; build and fit it outside '
         'any tf.distribute strategy scope.')
-
-
-def _beside_the_variables(optimizer):
-  """`optimizer` itself, its iteration count and learning rate made again
-  in the current device and strategy scope (`keras_internals`): one made
-  elsewhere would keep them there. Nothing is rebuilt from its config, so
-  its schedule, exclusions and a subclass's own state stay as given."""
-  if not isinstance(optimizer, keras.optimizers.Optimizer):
-    return optimizer  # A name: Keras makes it here.
-  if optimizer.built:
-    raise errors.ConfigError(
-        f'optimizer {optimizer.name!r} is already built (it has slots for '
-        'other variables); pass a new optimizer to compile.')
-  keras_internals.remake_optimizer_state(optimizer)
-  return optimizer

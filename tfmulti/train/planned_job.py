@@ -1,7 +1,7 @@
 """`train.py --dry_run`: the job planned for its GPUs, on any machine.
 
 Builds the model and the towers the flags describe for GPU:0 to GPU:N-1
-(`deploy.dry_run`: none of them need exist), traces one step on a batch
+(`plan.dry_run`: none of them need exist), traces one step on a batch
 of the data's shapes (zeros: nothing is read beyond the data's shapes and
 counts), and logs each device's report. With `--strategy=multi_worker`
 and `--num_workers=W` (no cluster needed) it plans one worker, whose
@@ -21,8 +21,8 @@ import tensorflow as tf
 from tfmulti import errors
 from tfmulti import layouts
 from tfmulti import plans
-from tfmulti.deploy import dry_run
 from tfmulti.engine import registry
+from tfmulti.plan import dry_run
 from tfmulti.train import build
 from tfmulti.train import job
 

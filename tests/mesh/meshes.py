@@ -9,8 +9,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import plans
-from tfmulti.deploy import dry_run
 from tfmulti.deploy import placement
+from tfmulti.plan import dry_run
 
 
 def parallel(layouts, shape=(2, 2), names=('batch', 'model')):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmulti.deploy import sharding
+from tfmulti.mesh import sharding
 
 GRIDS = [((8, 12), (1, 1)), ((8, 12), (1, 3)), ((8, 12), (2, 1)),
          ((8, 12), (2, 3)),

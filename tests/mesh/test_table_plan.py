@@ -11,9 +11,9 @@ from tfmulti import devices
 from tfmulti import fit
 from tfmulti.bench.table_plan import dlrm
 from tfmulti.deploy import keras_distribution
-from tfmulti.deploy import mesh_layouts
-from tfmulti.deploy import sharding
-from tfmulti.deploy import table_plan
+from tfmulti.mesh import mesh_layouts
+from tfmulti.mesh import sharding
+from tfmulti.mesh import table_plan
 
 MESH_4 = mesh_layouts.VariableLayouts((4,), ('model',))
 MESH_2_2 = mesh_layouts.VariableLayouts((2, 2), ('batch', 'model'))

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests.deploy import meshes
+from tests.mesh import meshes
 from tfmulti import errors
 from tfmulti import fit
 
@@ -158,3 +158,32 @@ def test_clones_that_meet_a_split_layer_differently_are_refused_in_one_line():
   assert '\n' not in str(refused.value)
   for got, want in zip(model.weights, before):
     np.testing.assert_array_equal(got, want)
+
+
+class Seeing(keras.layers.Layer):
+  """Records the dtype policy Keras's global state gives its calls."""
+  seen = []
+
+  def call(self, x):
+    Seeing.seen.append(keras.config.dtype_policy().name)
+    return x
+
+
+def test_every_clone_traced_at_once_sees_the_callers_keras_state():
+  """The clones of a mesh row trace as a strategy's replicas, each on a
+  thread of its own, where Keras's thread-local state (dtype policy,
+  distribution, seed generator) would be a new thread's."""
+  def make():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    x = Seeing()(keras.layers.Dense(8, name='inner')(inputs))
+    return keras.Model(inputs, keras.layers.Dense(2, name='out')(x))
+  towers = fit.TowersModel(make(), meshes.parallel(INNER))
+  towers.compile(keras.optimizers.SGD(0.1), 'mse')
+  Seeing.seen = []
+  keras.config.set_dtype_policy('mixed_bfloat16')  # After the build.
+  try:
+    towers.fit(*_data(), batch_size=BATCH, epochs=1, verbose=0)
+  finally:
+    keras.config.set_dtype_policy('float32')
+  assert Seeing.seen and set(Seeing.seen) == {'mixed_bfloat16'}, Seeing.seen

@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.deploy import meshes
+from tests.mesh import meshes
 from tfmulti import devices
 from tfmulti import fit
 from tfmulti.bench import table_plan as table_plan_bench
-from tfmulti.deploy import lookups
-from tfmulti.deploy import mesh_layouts
-from tfmulti.deploy import peaks
-from tfmulti.deploy import sharding
-from tfmulti.deploy import traffic
+from tfmulti.mesh import lookups
+from tfmulti.mesh import mesh_layouts
+from tfmulti.mesh import sharding
+from tfmulti.plan import peaks
+from tfmulti.plan import traffic
 
 ROWS, WIDTH = 64, 8
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.deploy import meshes
+from tests.mesh import meshes
 from tfmulti import devices
 from tfmulti import fit
-from tfmulti.deploy import mesh_layouts
-from tfmulti.deploy import peaks
-from tfmulti.deploy import tensor_parallel
-from tfmulti.deploy import traffic
+from tfmulti.mesh import mesh_layouts
+from tfmulti.mesh import tensor_parallel
+from tfmulti.plan import peaks
+from tfmulti.plan import traffic
 
 FEATURES, HIDDEN, OUT = 6, 20, 3
 

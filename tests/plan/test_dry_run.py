@@ -14,13 +14,13 @@ from tfmulti import cli
 from tfmulti import errors
 from tfmulti import fit
 from tfmulti import plans
-from tfmulti.deploy import dry_run
-from tfmulti.deploy import mesh_layouts
-from tfmulti.deploy import peaks as peaks_lib
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers
-from tfmulti.deploy import traffic
 from tfmulti.fit import planned
+from tfmulti.mesh import mesh_layouts
+from tfmulti.plan import dry_run
+from tfmulti.plan import peaks as peaks_lib
+from tfmulti.plan import traffic
 
 GPUS = [f'/device:GPU:{i}' for i in range(8)]
 

@@ -1,0 +1,18 @@
+"""A mesh's room: variables stored, and split layers computed, where
+Keras's layouts say.
+
+Below the towers (`deploy` builds its step on what is here), above the
+ground floor; nothing here knows a clone's step, a model zoo or a data
+set. A Keras `DeviceMesh` and `LayoutMap` are read once into
+`VariableLayouts`; the storage follows from them.
+
+  mesh_layouts     a ModelParallel's mesh and layout map, pure
+  sharding         each variable kind's storage: whole, or sharded into
+                   its layout's shards; its read, gradient cut and meeting
+  lookups          sharded Embedding tables looked up where they live
+  table_plan       tables planned whole, by rows or by columns, balanced
+                   (decided when the storage is made)
+  tensor_parallel  split Dense and conv layers computed where their
+                   kernels' blocks live, a mesh row's clones met by key
+  shard_views      a sharded optimizer checkpointed as one device's
+"""

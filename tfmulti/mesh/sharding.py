@@ -1,0 +1,675 @@
+"""Variables stored as their layouts say: each shard on its device.
+
+`storage_of(config, model, optimizer)` is the one place the step learns
+what it reads and updates:
+
+  Whole    the model's trainable variables themselves (every config
+           without variable layouts)
+  Sharded  each variable a layout splits (`mesh_layouts`) stored as its
+           shards, each a Keras variable on one mesh device, and every
+           other variable moved whole to the least-loaded device (a
+           planned table to its planned device: `table_plan`); each
+           plain Embedding's table looked up where its shards live, or
+           where it lives whole (`lookups`: row-, column- or table-wise)
+
+Under `Sharded` each shard is read once where it lives and sent to each
+clone, which joins the shards (`read`: an all-gather) for its pass (a
+looked-up table's join, or a split kernel's, runs only where a layer
+reads the variable whole: a tied output layer, a weight penalty; a split
+kernel's blocks are joined where they compute, `tensor_parallel`),
+whose tape watches the joined variables; each clone cuts their gradients
+into the shards' pieces after its pass (`cutting`; a split kernel's
+blocks' are summed over a mesh row's clones first, then cut: `met`), the
+combiners sum each beside its shard (a reduce-scatter) and the optimizer
+updates the shards, its slots beside them. The model's own variable keeps
+its name, shape and path, and its storage becomes a `ShardedValue`:
+reading it (predict, a checkpoint, `get_weights`) joins the shards where
+it is read, and assigning it (`load_weights`, a restore) cuts the value
+into them, so no device holds the whole variable.
+"""
+
+import collections
+import contextlib
+import math
+import types
+
+from absl import logging
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmulti import devices
+from tfmulti import errors
+from tfmulti import keras_internals
+from tfmulti import pieces
+from tfmulti.mesh import lookups
+from tfmulti.mesh import mesh_layouts
+from tfmulti.mesh import table_plan
+from tfmulti.mesh import tensor_parallel
+
+# Optimizers whose update of an element reads only that element's gradient
+# and slots, so a shard's update is the whole update's (and their
+# subclasses). Adafactor factors a kernel's moments over its rows and
+# columns; Lamb and Muon read a whole variable's norm or matrix.
+ELEMENTWISE = tuple(getattr(keras.optimizers, name) for name in (
+    'SGD', 'Adam', 'AdamW', 'Adamax', 'Nadam', 'RMSprop', 'Adagrad',
+    'Adadelta', 'Ftrl', 'Lion'))
+
+
+class Whole:
+  """The model's trainable variables, each whole on its device."""
+
+  def __init__(self, model):
+    self.variables = model.trainable_variables
+
+  read = staticmethod(pieces.whole)
+  in_place = frozenset()  # Nothing is read where it lives.
+  splits = types.MappingProxyType({})  # No kernel computes as blocks.
+
+  @staticmethod
+  def cutting(body):
+    """`body` itself: its gradients are `variables`'."""
+    return body
+
+  @staticmethod
+  def met(results):
+    """The clones' `results` themselves: nothing is summed before the
+    combiner."""
+    return results
+
+
+class Sharded:
+  """Each laid-out variable as its shards; the rest whole.
+
+  Attributes:
+    variables: what the step reads and the optimizer updates: for each of
+      the model's trainable variables in order, itself or its shards in
+      row-major order.
+    grids: for each of the model's trainable variables, its parts along
+      each dimension, or None for a whole one.
+    sharded: (variable, parts, shards) of each sharded variable.
+    shapes: the model's trainable variables' shapes.
+    tables: {index among the model's trainable variables: its Embedding
+      layer} of each table looked up (`lookups`).
+    splits: {index among the model's trainable variables: (its layer,
+      the kernel's dimension a compute axis splits, that axis's index in
+      the mesh)} of each kernel computed where its blocks live
+      (`tensor_parallel`).
+    mesh: (the mesh's shape, the clones' devices in its order).
+    devices: the device of each of `variables`.
+    in_place: the indices into `variables` of the shards read where they
+      are (the tables' and the split kernels': never packed).
+  """
+
+  def __init__(self, variables, grids, sharded, shapes, tables=None,
+               splits=None, mesh=None):
+    self.variables = variables
+    self.grids = grids
+    self.sharded = sharded
+    self.shapes = shapes
+    self.tables = tables or {}
+    self.splits = splits or {}
+    self.mesh = mesh
+    self.merged = None  # Set while clones trace at once (`merging`).
+    self.devices = [devices.device_of(v) for v in variables]
+    self.in_place = frozenset(
+        i for k, _, where in self._spans()
+        if k in self.tables or k in self.splits
+        for i in range(where.start, where.stop))
+
+  def _spans(self):
+    """(k, parts, where) of each of the model's trainable variables: its
+    index, its grid and the slice of `variables` storing it."""
+    at = 0
+    for k, parts in enumerate(self.grids):
+      count = 1 if parts is None else len(mesh_layouts.blocks(parts))
+      yield k, parts, slice(at, at + count)
+      at += count
+
+  def read(self, values, watch):
+    """`pieces.Body`'s reading of `values` (reads of `variables`): the
+    model's trainable values, each sharded one joined from its shards on
+    the current device (`join`), whose tape watches them; each
+    looked-up table's shards watched as they are read, and looked up
+    where they live (`lookups`) in the pass; each split kernel's blocks
+    joined and watched where they compute (`tensor_parallel`). A join no
+    op reads (a looked-up table's, a split kernel's) is never run."""
+    tables = [(self.tables[k], parts or (1, 1), values[where],
+               self.devices[where])
+              for k, parts, where in self._spans() if k in self.tables]
+    looked_up = [read for _, _, reads, _ in tables for read in reads]
+    blocks = [(layer, dim, joined, homes) for (layer, dim, _), homes, joined
+              in self._blocks(values)]
+    in_place = looked_up + [b for *_, joined, _ in blocks for b in joined]
+    watch(in_place)
+    whole = []
+    with tf.name_scope('gather_shards'):
+      for _, parts, where in self._spans():
+        mine = values[where]
+        whole.append(mine[0] if parts is None else join(parts, mine))
+    watch(whole)
+    return whole, whole + in_place, _in_place(tables, blocks, self.merged)
+
+  @contextlib.contextmanager
+  def merging(self):
+    """Inside, the clones trace at once as a strategy's replicas into the
+    current graph, and each split kernel's block multiplies its mesh
+    row's rows in one product (`tensor_parallel.computing(merged=)`)."""
+    self.merged = tf.compat.v1.get_default_graph()
+    try:
+      yield
+    finally:
+      self.merged = None
+
+  def _split_kernels(self, here=None):
+    """(k, where, rest, [(home, members)]) of each split kernel: its
+    index, its slice of `variables`, its parts with the compute
+    dimension whole, and for each block its device in the mesh row of
+    clone `here` (None: the current clone) along the compute axis and
+    the positions (in `variables[where]`) of the shards it joins."""
+    here = self._here() if here is None else here
+    for k, parts, where in self._spans():
+      if k in self.splits:
+        _, dim, axis = self.splits[k]
+        positions = mesh_layouts.blocks(parts)
+        yield k, where, parts[:dim] + (1,) + parts[dim + 1:], [
+            (home, [i for i, block in enumerate(positions) if block[dim] == j])
+            for j, home in enumerate(self._homes(here, axis, parts[dim]))]
+
+  def _blocks(self, values):
+    """(split, homes, blocks) of each split kernel: its blocks, each
+    joined (over the batch axis, where its layout splits that too) on
+    its device of the current clone's mesh row along the compute axis."""
+    found = []
+    for k, where, rest, blocks in self._split_kernels():
+      mine = values[where]
+      joined = []
+      for home, members in blocks:
+        with tf.device(home), tf.name_scope('gather_blocks'):
+          # A block of one shard is a tensor of its own: the shard's read
+          # also feeds the whole join, whose gradient (a weight penalty's)
+          # the tape would otherwise add to the block's, and
+          # `_block_slots` adds it once more.
+          joined.append(tf.identity(join(rest, [mine[i] for i in members])))
+      found.append((self.splits[k], [home for home, _ in blocks], joined))
+    return found
+
+  def _homes(self, here, axis, count):
+    """The devices of clone `here`'s mesh row along mesh axis `axis`."""
+    return [self.mesh[1][i] for i in tensor_parallel.homes(
+        self.mesh[0], here, axis, count)]
+
+  def _here(self):
+    """The mesh index of the clone on whose device ops are made now (the
+    first clone's where no clone's device is current)."""
+    here = devices.current()
+    return next((i for i, device in enumerate(self.mesh[1])
+                 if devices.same_device(device, here)), 0)
+
+  def cutting(self, body):
+    """`body` (a `pieces.Body`, compiled or not) with its gradients, of
+    the model's trainable values, cut into `variables`' after it has run
+    (`cut_gradients`; a split kernel's blocks are cut in `met`, after
+    every clone's pass): a compiled pass keeps static shapes, and an
+    Embedding's slices go to their shards in numbers that vary."""
+    def run(*args):
+      outputs, loss, regularization, gradients, new = body(*args)
+      return (outputs, loss, regularization, self.cut_gradients(gradients),
+              new)
+    return run
+
+  def cut_gradients(self, gradients):
+    """The gradients of `variables` from those of the model's trainable
+    variables: each sharded one's cut into its shards' pieces on the
+    current device, by one split a dimension (differentiating the joins
+    would slice each shard apart, a few ops a shard), an Embedding's
+    `tf.IndexedSlices` kept as slices; a looked-up table's are its
+    shards' own (`read` takes them of the shards' reads), after the
+    model's; a split kernel's are its blocks' uncut (`_block_slots`),
+    until `met`."""
+    count = len(self.grids)
+    looked = sum(w.stop - w.start for k, _, w in self._spans()
+                 if k in self.tables)
+    looked_up = iter(gradients[count:count + looked])
+    blocks = iter(self._block_slots(gradients[count + looked:], gradients))
+    cuts = []
+    with tf.name_scope('cut_shards'):
+      for k, parts, where in self._spans():
+        gradient, shape = gradients[k], self.shapes[k]
+        if k in self.tables:  # Its shards' own: the join's reached them.
+          cuts.extend(next(looked_up) for _ in range(where.stop - where.start))
+        elif k in self.splits:
+          cuts.extend(next(blocks))
+        elif parts is None:
+          cuts.append(gradient)
+        elif gradient is None:
+          cuts.extend([None] * (where.stop - where.start))
+        elif isinstance(gradient, tf.IndexedSlices):
+          cuts.extend(cut_slices(parts, gradient, shape))
+        else:
+          cuts.extend(cut(parts, gradient))
+    return cuts
+
+  def _block_slots(self, gradients, whole):
+    """For each split kernel, its shards' slots, each block's gradient
+    in its first shard's, on the block's device: its `gradients`' (None:
+    a block its pass did not use), plus its part of the kernel's `whole`
+    gradient (`whole[k]`) where a layer read the kernel whole."""
+    gradients = iter(gradients)
+    for k, where, _, blocks in self._split_kernels():
+      slots = [None] * (where.stop - where.start)
+      read = (None if whole[k] is None else
+              tf.split(whole[k], len(blocks), axis=self.splits[k][1]))
+      for j, (home, members) in enumerate(blocks):
+        block = next(gradients)
+        if read is not None:
+          with tf.device(home):
+            block = read[j] if block is None else block + read[j]
+        slots[members[0]] = block
+      yield slots
+
+  def met(self, results):
+    """The clones' `results` (`runners`: a pass's, its gradients of
+    `variables` fourth; None: a clone with no rows) with each split
+    kernel's blocks' gradients summed where they were made over the
+    clones of each mesh row (each computes block j on one device), and
+    cut into their shards' pieces there: one cut and one piece sent a
+    row, not a clone (Megatron's sum over its data-parallel group). The
+    first clone of the row with a gradient of the block carries its
+    pieces; the others none."""
+    if not self.splits:
+      return results
+    gradients = [r and list(r[3]) for r in results]
+    terms = collections.defaultdict(list)  # (slot, home) -> [(clone, g)]
+    shards = {}  # A block's slot -> (its parts, its shards' slots).
+    for i, mine in enumerate(gradients):
+      for _, where, rest, blocks in self._split_kernels(i) if mine else ():
+        for home, members in blocks:
+          slot = where.start + members[0]
+          shards[slot] = rest, [where.start + m for m in members]
+          if mine[slot] is not None:
+            terms[slot, home].append((i, mine[slot]))
+          mine[slot] = None
+    with tf.name_scope('cut_shards'):
+      for (slot, home), made in terms.items():
+        rest, slots = shards[slot]
+        with tf.device(home):
+          pieces = cut(rest, tf.add_n([gradient for _, gradient in made]))
+        first = gradients[made[0][0]]
+        for s, piece in zip(slots, pieces):
+          first[s] = piece
+    return [r and (*r[:3], g, *r[4:]) for r, g in zip(results, gradients)]
+
+
+@contextlib.contextmanager
+def _in_place(tables, blocks, merged):
+  """Inside, `tables` are looked up and the split kernels' layers computed
+  as their `blocks` where they are (`merged`: the graph where they are
+  computed once a mesh row)."""
+  with lookups.looking_up(tables), tensor_parallel.computing(blocks,
+                                                             merged):
+    yield
+
+
+def join(parts, shards):
+  """The whole tensor of `shards` (row-major over `parts`, the parts along
+  each dimension), joined on the current device in one copy: a concat
+  where one dimension is split; where several are, one stitch of the
+  shards' rows into the whole's (a concat a dimension would copy the
+  bytes once a dimension)."""
+  split = [dim for dim, n in enumerate(parts) if n > 1]
+  if len(split) <= 1:  # One shard (axes of size 1), or one dimension.
+    return tf.concat(shards, axis=split[0]) if split else shards[0]
+  whole = [n * d for n, d in zip(parts, shards[0].shape)]
+  last = split[-1]
+  # The whole as rows, each a shard's slab past its dimensions before
+  # `last` (its part of `last` and all after): each shard is stitched as
+  # it is, its index a row number for each of its leading positions.
+  rows = np.arange(math.prod(whole[:last]) * parts[last]).reshape(
+      whole[:last] + [parts[last]])
+  indices = [tf.constant(block[..., 0], tf.int32)
+             for block in cut(parts[:last + 1], rows, np.split)]
+  stitched = tf.dynamic_stitch(indices, shards)
+  return tf.reshape(stitched, whole)
+
+
+def cut(parts, value, split=tf.split):
+  """`value` cut into shards along each dimension, in row-major order
+  (`split`: `np.split` for an array)."""
+  shards = [value]
+  for dim, n in enumerate(parts):
+    if n > 1:
+      shards = [s for whole in shards for s in split(whole, n, axis=dim)]
+  return shards
+
+
+def cut_slices(parts, value, shape):
+  """`value` (`tf.IndexedSlices` of a whole variable of `shape`) cut into
+  its shards' slices, in row-major order: along the first dimension each
+  row goes to its shard (in the order it came), along another each
+  slice's values are split."""
+  shards, shape = [value], list(shape)
+  for dim, n in enumerate(parts):
+    if n > 1:
+      shape[dim] //= n
+      shards = [s for whole in shards
+                for s in _cut_slices(whole, n, dim, tuple(shape))]
+  return shards
+
+
+def _cut_slices(value, n, dim, shape):
+  """`value`'s n slices along `dim`, each of dense shape `shape`."""
+  shape = tf.constant(shape, value.dense_shape.dtype)
+  if dim:
+    return [tf.IndexedSlices(v, value.indices, shape)
+            for v in tf.split(value.values, n, axis=dim)]
+  owner, local = lookups.owners(value.indices, shape[0])
+  return [tf.IndexedSlices(v, i, shape) for v, i in zip(
+      tf.dynamic_partition(value.values, owner, n),
+      tf.dynamic_partition(local, owner, n))]
+
+
+class ShardedValue(tf.__internal__.tracking.Trackable):
+  """A Keras variable's storage as shards (`tf.Variable`s, each on its
+  device): read, it joins them where it is read; assigned, it cuts the
+  value and writes each shard on its device. No whole copy is kept. A
+  checkpoint holds its whole value (as a variable's: one saved on any
+  layout restores on any other)."""
+
+  def __init__(self, parts, shards):
+    self.parts = parts
+    self.shards = shards
+    self.dtype = shards[0].dtype
+    self.shape = tf.TensorShape([n * d for n, d in zip(parts,
+                                                       shards[0].shape)])
+    self.trainable = shards[0].trainable
+    # The name a checkpoint records (TF's `get_full_name`): the first
+    # shard's.
+    self._shared_name = shards[0]._shared_name
+
+  def read_value(self):
+    """The whole value, joined on the current device."""
+    with tf.name_scope('gather_shards'):
+      return join(self.parts, [s.read_value() for s in self.shards])
+
+  def assign(self, value):
+    """Writes `value`'s shards, each on its shard's device."""
+    for shard, piece in zip(self.shards, cut(self.parts, value)):
+      with tf.device(shard.device):
+        shard.assign(piece)
+    return self
+
+  def numpy(self):
+    return self.read_value().numpy()
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # A read is a copy.
+    return self.read_value().numpy().astype(dtype or self.dtype.as_numpy_dtype)
+
+  def __getitem__(self, index):
+    return self.read_value()[index]
+
+  def __neg__(self):
+    return -self.read_value()
+
+  def __abs__(self):
+    return abs(self.read_value())
+
+  def __invert__(self):
+    return ~self.read_value()
+
+  def _serialize_to_tensors(self):
+    with tf.device('/device:CPU:0'):
+      return {'VARIABLE_VALUE': self.read_value()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    return self.assign(restored_tensors['VARIABLE_VALUE'])
+
+
+tf.register_tensor_conversion_function(
+    ShardedValue, lambda value, dtype=None, name=None, as_ref=False:
+    tf.cast(value.read_value(), dtype) if dtype else value.read_value())
+
+
+def storage_of(config, model, optimizer, split_compute=True):
+  """The model's storage under `config`: `Whole`, or, with variable
+  layouts, `Sharded`: the model's variables moved into their shards and
+  devices now, with their current values (a model sharded before is
+  sharded again from its shards); with `split_compute`, each kernel a
+  compute axis splits computed where its blocks live
+  (`tensor_parallel`).
+
+  Raises:
+    errors.UserError: a layout that cannot be honoured (see `check`).
+  """
+  if config.variable_layouts is None:
+    _join_all(model, config.variable_devices()[0])
+    return Whole(model)
+  layouts = mesh_layouts.resolved(config.variable_layouts, model)
+  plan = check(layouts, model, optimizer)
+  unmatched = layouts.unmatched([v.path for v in model.variables])
+  if unmatched:  # Keys for a layer's outputs are JAX's; a typo is silent.
+    logging.warning(
+        'layout map keys matching no variable of %r (its paths start as '
+        '%r): %s', model.name, model.variables[0].path, unmatched)
+  choices = _planned(layouts, model, optimizer)
+  plan.update({k: c.axes for k, c in choices.items() if c.axes})
+  _join_all(model, config.compute_devices()[0], keep=plan)
+  held = dict.fromkeys(config.compute_devices(), 0)
+  pinned = {k: config.clone_device(c.homes[0]) for k, c in choices.items()
+            if c.axes is None}  # Placed first: the rest balance around.
+  _spread([v for v in model.variables if id(v) in pinned], held, pinned)
+  variables, grids, sharded = _sharded(config, layouts, model, optimizer,
+                                       plan, choices, held)
+  _spread([v for v in model.variables
+           if id(v) not in plan and id(v) not in pinned], held, {})
+  logging.info('Variables sharded by their layouts: %d of %d; bytes a '
+               'device: %s.', len(plan), len(model.variables),
+               sorted(held.values()))
+  found = lookups.tables(model, {id(v) for v in model.trainable_variables})
+  split = tensor_parallel.layers(
+      model, plan, layouts.compute_axes if split_compute else ())
+  if split:
+    logging.info('Layers computed where their kernels\' blocks live: %s.',
+                 ', '.join(layer.name for layer, _ in split.values()))
+  trainable = model.trainable_variables
+  return Sharded(
+      variables, grids, sharded, [v.shape for v in trainable],
+      {k: found[id(v)] for k, v in enumerate(trainable) if id(v) in found},
+      {k: (*split[id(v)], layouts.axis_names.index(
+          plan[id(v)][split[id(v)][1]]))
+       for k, v in enumerate(trainable) if id(v) in split},
+      (layouts.mesh_shape, [config.clone_device(i)
+                            for i in range(layouts.num_devices)]))
+
+
+def _sharded(config, layouts, model, optimizer, plan, choices, held):
+  """(the step's variables: each trainable one, or its shards in its
+  place; each one's grid of parts, None whole; (variable, parts, shards)
+  of each sharded) with each variable of `plan` ({id: axes}) stored in
+  its shards, on the devices `choices` give or the least `held`."""
+  variables, grids, sharded = [], [], []
+  for variable in model.trainable_variables:
+    axes = plan.get(id(variable))
+    if axes is None:
+      variables.append(variable)
+      grids.append(None)
+      continue
+    parts = mesh_layouts.grid(layouts, axes)
+    excluded = keras_internals.decay_excluded(optimizer, variable)
+    shards = _shard(config, layouts, variable, axes, parts, held,
+                    choices.get(id(variable)))
+    if excluded:  # By the whole's key, read before its storage moved.
+      keras_internals.exclude_from_decay(optimizer, shards)
+    variables.extend(shards)
+    grids.append(parts)
+    sharded.append((variable, parts, shards))
+  return variables, grids, sharded
+
+
+def _planned(layouts, model, optimizer):
+  """{id(table): `table_plan.Choice`} of each plain Embedding table that
+  no rule of the map names (one that keeps it whole names it), planned where
+  `layouts.plan_tables`; logged. Whole alone where the optimizer cannot
+  update shards (`_refusal`, logged)."""
+  if not layouts.plan_tables:
+    return {}
+  named = {id(v) for v in model.variables if layouts.names(v.path)}
+  tables = table_plan.tables_of(model, named)
+  if not tables:
+    logging.warning('plan_tables: model %r has no plain Embedding table '
+                    'that no rule names; nothing to plan.', model.name)
+    return {}
+  refusal = _refusal(optimizer)
+  if refusal:
+    logging.warning('plan_tables: every table whole: %s', refusal)
+  choices = table_plan.plan(list(tables.values()), layouts,
+                            may_split=refusal is None)
+  for table in tables.values():
+    logging.info('table %s: %s', table.path,
+                 choices[table.path].describe())
+  return {key: choices[table.path] for key, table in tables.items()}
+
+
+def _spread(whole, held, homes):
+  """Each of the variables `whole` moved to its device in `homes` (by id)
+  or, largest first, to the device of `held` (bytes, counted in) holding
+  the least."""
+  for variable in sorted(whole, key=devices.variable_bytes, reverse=True):
+    device = (homes[id(variable)] if id(variable) in homes
+              else min(held, key=held.__getitem__))
+    _move(variable, device)
+    held[device] += devices.variable_bytes(variable)
+
+
+def stored_variables(deployed):
+  """What a `DeployedModel` keeps in its devices: the variables its step
+  updates (shards, or whole variables), the non-trainable ones and the
+  optimizer's."""
+  return (deployed.parts.storage.variables +
+          deployed.model.non_trainable_variables +
+          deployed.optimizer.variables)
+
+
+@contextlib.contextmanager
+def whole_on_host(model):
+  """Inside, each sharded variable of `model` is stored whole on the host
+  (for an export, which traces the model's variables as they are), and
+  its shards again on exit, with the value it had on entry."""
+  sharded = [(v, keras_internals.storage(v)) for v in model.variables
+             if isinstance(keras_internals.storage(v), ShardedValue)]
+  try:
+    for variable, value in sharded:
+      with tf.init_scope(), tf.device('/device:CPU:0'):
+        keras_internals.store_in(variable, tf.Variable(
+            value.read_value(), trainable=value.trainable,
+            name=variable.name))
+    yield
+  finally:
+    for variable, value in sharded:
+      keras_internals.store_in(variable, value)
+
+
+def check(layouts, model, optimizer):
+  """{id(variable): axes} for each variable the layouts split, checked.
+
+  Raises:
+    errors.UserError: a layout on a non-trainable variable, a layout that
+      does not fit its variable, or an optimizer that cannot update shards
+      as one device updates the whole (an update that reads a whole
+      variable, per-variable `clipnorm`, or one built already).
+  """
+  plan = {}
+  for variable in model.variables:
+    axes = layouts.axes_for(variable.path, variable.shape)
+    if axes is None:
+      continue
+    if not variable.trainable:
+      raise errors.UnsupportedError(
+          f'variable {variable.path}: layout {axes} on a non-trainable '
+          'variable: the towers shard trainable variables; leave it '
+          'replicated (no key matching it).')
+    if variable.constraint is not None or variable.overwrite_with_gradient:
+      raise errors.UnsupportedError(
+          f'variable {variable.path}: layout {axes} on a variable with a '
+          'constraint (or overwritten by its gradient), which Keras applies '
+          'to the whole; leave it replicated, or drop the constraint.')
+    plan[id(variable)] = axes
+  refusal = _refusal(optimizer)
+  if plan and refusal:
+    raise refusal
+  return plan
+
+
+def _refusal(optimizer):
+  """The error that says why `optimizer` cannot update shards as one
+  device updates the whole (an update that reads a whole variable,
+  per-variable `clipnorm`, or one built already), or None."""
+  inner = getattr(optimizer, 'inner_optimizer', optimizer)
+  if not isinstance(inner, ELEMENTWISE):
+    return errors.UnsupportedError(
+        f'optimizer {type(inner).__name__}: its update reads whole '
+        'variables, so sharded variables would train otherwise; use an '
+        'elementwise one (' +
+        ', '.join(o.__name__ for o in ELEMENTWISE) + ').')
+  if getattr(inner, 'clipnorm', None):
+    return errors.UnsupportedError(
+        f'clipnorm={inner.clipnorm}: it clips each variable by its own norm, '
+        'which a shard does not know; use global_clipnorm.')
+  if optimizer.built:
+    return errors.ConfigError(
+        'the optimizer is built already (its slots hold whole variables): '
+        'pass an optimizer not yet used; the towers build it on the shards.')
+  return None
+
+
+def _shard(config, layouts, variable, axes, parts, held, choice=None):
+  """`variable`'s shards as Keras variables, each on the device `choice`
+  (a `table_plan.Choice`) gives it, else on the least-loaded device of
+  those its layout allows; the variable stored in them."""
+  shards = []
+  values = cut(parts, tf.convert_to_tensor(variable))
+  for k, (block, value) in enumerate(zip(mesh_layouts.blocks(parts),
+                                         values)):
+    candidates = [config.clone_device(i) for i in (
+        [choice.homes[k]] if choice else layouts.candidates(axes, block))]
+    device = min(candidates, key=held.__getitem__)
+    with tf.init_scope(), devices.made_on(device):  # A worker's too.
+      storage = tf.Variable(value, trainable=True, name=variable.name)
+      shards.append(keras_internals.adopting(
+          variable, storage, shard_path(variable.path, block)))
+    held[device] += devices.variable_bytes(storage)
+  keras_internals.store_in(variable, ShardedValue(
+      parts, [keras_internals.storage(s) for s in shards]))
+  return shards
+
+
+def shard_path(path, block):
+  """The path of a variable's shard `block`: 'd1/kernel/shard_0_1'."""
+  return f'{path}/shard_' + '_'.join(str(i) for i in block)
+
+
+def _join_all(model, device, keep=()):
+  """Each variable of `model` sharded before (and not in `keep`, ids of
+  those sharded again) stored whole on `device` again, with its value."""
+  for variable in model.variables:
+    if (isinstance(keras_internals.storage(variable), ShardedValue)
+        and id(variable) not in keep):
+      _store_whole(variable, device)
+
+
+def _move(variable, device):
+  """`variable` (a Keras variable) stored on `device` from now on."""
+  if not devices.on_device(variable, device):
+    _store_whole(variable, device)
+
+
+def _store_whole(variable, device):
+  """`variable` stored whole in a new `tf.Variable` on `device`, with the
+  value its storage (whole or shards) holds."""
+  old = keras_internals.storage(variable)
+  with tf.init_scope():
+    value = old.read_value()  # Read where it is (a dry run plans GPUs).
+    with devices.made_on(device):
+      keras_internals.store_in(variable, tf.Variable(
+          value, trainable=old.trainable, name=variable.name))

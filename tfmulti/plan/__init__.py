@@ -1,0 +1,9 @@
+"""The plan's room: a built step read before it runs.
+
+Above the towers (it builds the real job and traces its step), below the
+doors that offer a dry run (`train.planned_job`, `fit.planned`).
+
+  dry_run  a step traced for absent GPUs: kernels, bytes, FLOPs
+  peaks    each device's most tensor bytes at once, from the graph
+  traffic  each device's bytes held and moved, from the graph
+"""

@@ -1,0 +1,131 @@
+"""The most bytes a step's tensors take on each device at once.
+
+A dry run (`plan.dry_run`) reads the traced step, which never runs, so
+the memory a device needs is counted from the graph: `peaks` runs the ops
+the runtime would run (`reachable`) in the order they were made and keeps
+a tally of the buffers live on each device (activations kept for the
+backward pass, gradients, copies received), the most of which is the
+device's peak. The pipeline benchmark's activation count
+(`bench.activations`) reads buffers by the same rules (`buffer_of`).
+"""
+
+import collections
+
+import tensorflow as tf
+
+from tfmulti import devices
+
+# The ops that run function bodies: their attributes naming them.
+_CALLS = {'PartitionedCall': ('f',), 'StatefulPartitionedCall': ('f',),
+          'While': ('cond', 'body'), 'StatelessWhile': ('cond', 'body'),
+          'If': ('then_branch', 'else_branch'),
+          'StatelessIf': ('then_branch', 'else_branch')}
+# Ops whose output is their input's buffer, seen another way: a tensor and
+# its views are held once.
+VIEWS = frozenset(('Identity', 'IdentityN', 'Reshape', 'Squeeze',
+                   'ExpandDims'))
+# Ops whose output on their own device is memory counted elsewhere: a
+# variable's read (held) and a body's arguments (its call's inputs).
+# Another device reading one receives a copy.
+_ALIASES = frozenset(('ReadVariableOp', 'Placeholder', '_Arg'))
+
+
+def reachable(graph, stateful=False):
+  """The names of the ops the step's outputs and updates need: what the
+  runtime runs (it prunes the rest: ops no result reads). `stateful`: its
+  stateful ops are its updates too (a graph without automatic control
+  dependencies, as `tf.compat.v1.wrap_function` traces)."""
+  todo = [t.op for t in graph.outputs] + list(graph.control_outputs)
+  if stateful:
+    todo += [op for op in graph.get_operations()
+             if op._is_stateful]  # pylint: disable=protected-access
+  seen = set()
+  while todo:
+    op = todo.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      todo += [t.op for t in op.inputs] + list(op.control_inputs)
+  return seen
+
+
+def buffer_of(tensor):
+  """The tensor whose buffer `tensor` is (through views on one device)."""
+  while tensor.op.type in VIEWS and tensor.op.inputs:
+    source = tensor.op.inputs[
+        tensor.value_index if tensor.op.type == 'IdentityN' else 0]
+    if (devices.canonical(source.op.device)
+        != devices.canonical(tensor.op.device)):
+      break
+    tensor = source
+  return tensor
+
+
+def peaks(graph, placement=None, device=''):
+  """{device: the most bytes of `graph`'s buffers live on it at once}.
+
+  A buffer lives on the device that makes it until its last reader
+  anywhere has run (a transfer reads it), and on each other device that
+  reads it (a copy) from when it is made until that device's last reader;
+  readers of its views are its readers. A function body (an XLA pass, an
+  accumulation loop's) adds its own peak while its call runs.
+  """
+  placement = placement or devices.GraphPlacement()
+  needed = reachable(graph)
+  ops = [op for op in graph.get_operations() if op.name in needed]
+  where = {op.name: placement.of_op(op) or device for op in ops}
+  readers, homes = collections.Counter(), collections.defaultdict(set)
+  for op in ops:
+    for tensor in op.inputs:
+      root = buffer_of(tensor)
+      for home in {where[op.name], where[root.op.name]}:
+        readers[root.ref(), home] += 1
+        homes[root.ref()].add(home)
+  live, peak, held = (collections.Counter(), collections.Counter(), {})
+
+  def free(root, home):
+    readers[root.ref(), home] -= 1
+    if not readers[root.ref(), home]:
+      live[home] -= held.pop((root.ref(), home), 0)
+
+  for op in ops:
+    here = where[op.name]
+    for body in bodies(op):
+      for inner, size in peaks(body, placement, here).items():
+        peak[inner] = max(peak[inner], live[inner] + size)
+    for tensor in op.outputs:
+      if buffer_of(tensor).name != tensor.name:
+        continue  # A view: its buffer is its input's.
+      size = _bytes(tensor)
+      for home in homes[tensor.ref()] | {here}:
+        held[tensor.ref(), home] = (
+            0 if home == here and op.type in _ALIASES else size)
+        live[home] += held[tensor.ref(), home]
+        peak[home] = max(peak[home], live[home])
+        if not readers[tensor.ref(), home]:  # Read by nothing: freed.
+          live[home] -= held.pop((tensor.ref(), home))
+    for tensor in op.inputs:
+      root = buffer_of(tensor)
+      for home in {here, where[root.op.name]}:
+        free(root, home)
+  return peak
+
+
+def _bytes(tensor):
+  """Bytes of a tensor's buffer: none for a handle or a shape not known."""
+  if (tensor.dtype in (tf.resource, tf.variant)
+      or not tensor.shape.is_fully_defined()):
+    return 0
+  return tensor.shape.num_elements() * tensor.dtype.size
+
+
+def bodies(op):
+  """The function graphs `op` runs (calls, loops, branches; a function
+  called by its own name), its attributes read only for those."""
+  # pylint: disable=protected-access
+  called = op.graph._get_function(op.type)
+  if called is not None:
+    yield called.graph
+  for attr in _CALLS.get(op.type, ()):
+    body = op.graph._get_function(op.get_attr(attr).name)
+    if body is not None:
+      yield body.graph
