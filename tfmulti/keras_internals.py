@@ -568,10 +568,9 @@ def keras_state():
   distribution, seed generator, remat scope: `GLOBAL_STATE_TRACKER` and
   `GLOBAL_SETTINGS_TRACKER`, thread-local), for `keras_state_of`."""
   from keras.src.backend.common import global_state
-  return tuple({key: list(value) if isinstance(value, list) else value
-                for key, value in vars(tracker).items()}  # Stacks apart.
-               for tracker in (global_state.GLOBAL_STATE_TRACKER,
-                               global_state.GLOBAL_SETTINGS_TRACKER))
+  return tuple(dict(vars(tracker)) for tracker in (
+      global_state.GLOBAL_STATE_TRACKER,
+      global_state.GLOBAL_SETTINGS_TRACKER))
 
 
 @contextlib.contextmanager
@@ -584,7 +583,9 @@ def keras_state_of(state):
               global_state.GLOBAL_SETTINGS_TRACKER)
   saved = [dict(vars(tracker)) for tracker in trackers]
   for tracker, values in zip(trackers, state):
-    vars(tracker).update(values)
+    vars(tracker).update({  # Each thread its own stacks (name scopes).
+        key: list(value) if isinstance(value, list) else value
+        for key, value in values.items()})
   try:
     yield
   finally:

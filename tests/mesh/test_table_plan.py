@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests.deploy.test_lookups import _clicks
+from tests.mesh.test_lookups import _clicks
 from tfmulti import devices
 from tfmulti import fit
 from tfmulti.bench.table_plan import dlrm
