@@ -1,10 +1,14 @@
 """The private Keras conventions tfmulti reads, pinned to the Keras
 releases they were tested on: a Keras that moves one fails here."""
 
+import ast
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tests.helpers import REPO
 from tfmulti import keras_internals
 
 
@@ -123,3 +127,63 @@ def test_a_compiled_loss_counts_in_its_output_metrics_when_tracked():
   keras_internals.track_output_losses(model, output_losses)
   assert [float(m.count) for m in metrics] == [1.0, 1.0]  # A batch: one.
   np.testing.assert_allclose([m.result() for m in metrics], want, rtol=1e-6)
+
+
+# What reads Keras's or TensorFlow's private names, anywhere else.
+_PRIVATE_MODULES = ('keras.src', 'tensorflow.python', 'tensorflow.tsl')
+# A namedtuple's own API, whose names start with '_'.
+_NAMEDTUPLE = {'_replace', '_fields', '_asdict', '_make'}
+
+
+def _package_sources():
+  package = os.path.join(REPO, 'tfmulti')
+  for folder, _, files in os.walk(package):
+    for name in files:
+      if name.endswith('.py'):
+        path = os.path.join(folder, name)
+        yield os.path.relpath(path, REPO), ast.parse(open(path).read())
+
+
+def _own_private_names(trees):
+  """The '_' names tfmulti defines: its functions, classes, attributes."""
+  own = set()
+  for tree in trees:
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        own.add(node.name)
+      elif isinstance(node, ast.Attribute) and isinstance(node.ctx,
+                                                          ast.Store):
+        own.add(node.attr)
+      elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        own.add(node.id)
+  return own
+
+
+def _private_reads(path, tree, own):
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      names = ([node.module] if isinstance(node, ast.ImportFrom)
+               else [alias.name for alias in node.names])
+      yield from (f'{path}:{node.lineno} imports {name}' for name in names
+                  if name and name.startswith(_PRIVATE_MODULES))
+    elif isinstance(node, ast.Attribute) and (
+        node.attr == '__internal__' or (
+            node.attr.startswith('_') and not node.attr.startswith('__')
+            and node.attr not in own | _NAMEDTUPLE)):
+      yield f'{path}:{node.lineno} reads {ast.unparse(node)}'
+
+
+def test_private_names_are_read_here_alone():
+  sources = list(_package_sources())
+  own = _own_private_names([tree for path, tree in sources
+                            if not path.endswith('keras_internals.py')])
+  found = [read for path, tree in sources
+           if not path.endswith('keras_internals.py')
+           for read in _private_reads(path, tree, own)]
+  assert not found, found
+
+
+def test_the_private_reads_reader_sees_one():
+  tree = ast.parse('import tensorflow.python.eager\n'
+                   'x = model._flatten_layers()\n')
+  assert len(list(_private_reads('m.py', tree, set()))) == 2

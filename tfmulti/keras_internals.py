@@ -62,8 +62,6 @@ import keras
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
-from tfmulti import devices
-
 # The Keras releases this module was tested on (setup.cfg pins the range).
 TESTED_KERAS = ('3.15',)
 
@@ -409,7 +407,7 @@ def loss_tracker(model):
 
 
 @contextlib.contextmanager
-def updates_beside_variables(optimizer):
+def updates_beside_variables(optimizer, placement):
   """Places every op `optimizer` makes inside with its largest input (a
   variable read with its variable), so its per-variable arithmetic (the
   update step, weight decay, moving averages, clipping's products) runs on
@@ -419,9 +417,9 @@ def updates_beside_variables(optimizer):
   of the gradients is an `IdentityN` of them all, one op on one device that
   would gather every gradient there and send it back: it is skipped (the
   sum over one replica is the gradient itself). Use it while tracing a
-  `tf.function`.
+  `tf.function`. `placement`: a `devices.GraphPlacement`, which reads
+  each op's inputs' devices.
   """
-  placement = devices.GraphPlacement()
   applier = getattr(optimizer, 'inner_optimizer', optimizer)  # Loss scale.
   alone = not tf.distribute.has_strategy()
   if alone:
@@ -626,3 +624,134 @@ def slot_lists(optimizer):
           if isinstance(child, (list, tuple)) and len(child) == len(variables)
           and child is not variables and child is not optimizer._variables
           and all(hasattr(slot, 'value') for slot in child)}
+
+
+# TensorFlow's private names, read here alone as Keras's are.
+
+
+def current_device():
+  """The device the eager context places ops on now (`tf.device`'s; ''
+  where none is given): TF's private eager `context`."""
+  from tensorflow.python.eager import context
+  return context.context().device_name
+
+
+def global_seed_set():
+  """Whether TensorFlow's global seed is set (`tf.random.set_seed`,
+  which Keras's `set_random_seed` calls)."""
+  from tensorflow.python.eager import context
+  return context.global_seed() is not None
+
+
+def set_new_key(key, value):
+  """Sets `key` in the coordination service's key-value store; False if
+  another task set it first."""
+  from tensorflow.python.eager import context
+  try:
+    context.context().set_config_key_value(key, value)
+    return True
+  except tf.errors.AlreadyExistsError:
+    return False
+
+
+def key_value(key, timeout_ms):
+  """`key`'s value in the coordination service's store, or None if it is
+  not set within `timeout_ms`."""
+  from tensorflow.python.eager import context
+  try:
+    return context.context().get_config_key_value(key,
+                                                  timeout_in_ms=timeout_ms)
+  except tf.errors.DeadlineExceededError:
+    return None
+
+
+def function_of(graph, name):
+  """The function `graph` holds under `name` (a call's, a loop's body, a
+  branch's), or None."""
+  return graph._get_function(name)
+
+
+def is_stateful(op):
+  """Whether TensorFlow counts `op` as stateful (it runs for its effect)."""
+  return op._is_stateful
+
+
+def node_flops(op):
+  """TensorFlow's count of `op`'s floating-point operations from its
+  shapes (its registered statistics), 0 where it has none or the shapes
+  are unknown."""
+  from tensorflow.python.framework import ops as ops_lib
+  from tensorflow.python.util import deprecation
+  try:
+    with deprecation.silence():  # Convolutions read shapes a TF 1 way.
+      value = ops_lib.get_stats_for_node_def(op.graph, op.node_def,
+                                             'flops').value
+  except (ValueError, TypeError):  # No statistics, or unknown shapes.
+    return 0
+  return value or 0
+
+
+def registered_kernels(op_type):
+  """The kernels TensorFlow registered for `op_type` (each with its
+  device type and constraints), CUDA or not."""
+  from tensorflow.python.framework import kernels
+  return kernels.get_registered_kernels_for_op(op_type).kernel
+
+
+def xplane_proto():
+  """TensorFlow's profiler XPlane protocol buffer module (a trace's
+  `.xplane.pb`)."""
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2
+  return xplane_pb2
+
+
+def efficientnet_stddev():
+  """keras.applications' EfficientNet's ImageNet deviation a channel
+  (Keras keeps it private: `IMAGENET_STDDEV_RGB`)."""
+  from keras.src.applications import efficientnet
+  return efficientnet.IMAGENET_STDDEV_RGB
+
+
+def trainable_variables_of(optimizer):
+  """The variables `optimizer` (a loss scale optimizer's inner one) was
+  built on, in order."""
+  return getattr(optimizer, 'inner_optimizer', optimizer)._trainable_variables
+
+
+def variables_list(optimizer):
+  """`optimizer`'s list of all its variables (Keras's `_variables`)."""
+  return optimizer._variables
+
+
+def set_variables_list(optimizer, variables):
+  """Makes `variables` `optimizer`'s list of all its variables."""
+  optimizer._variables = variables
+
+
+def checkpoint_children(trackable):
+  """{name: child} a checkpoint of `trackable` writes."""
+  return trackable._trackable_children('checkpoint')
+
+
+def new_trackable():
+  """An empty object a checkpoint tracks by its attributes."""
+  return tf.__internal__.tracking.AutoTrackable()
+
+
+def checkpoint_name(variable):
+  """The name a checkpoint records for `variable` (TF's
+  `get_full_name`)."""
+  return variable._shared_name
+
+
+class SavedWhole(tf.__internal__.tracking.Trackable):
+  """A trackable a checkpoint saves as one tensor, its `read_value()`
+  (read on the host), and restores through its `assign`: TF's saveable
+  protocol (`_serialize_to_tensors`, `_restore_from_tensors`)."""
+
+  def _serialize_to_tensors(self):
+    with tf.device('/device:CPU:0'):
+      return {'VARIABLE_VALUE': self.read_value()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    return self.assign(restored_tensors['VARIABLE_VALUE'])

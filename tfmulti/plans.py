@@ -12,7 +12,8 @@ plan. Nothing runs on the absent devices; the step is only traced.
 import contextlib
 
 import tensorflow as tf
-from tensorflow.python.eager import context
+
+from tfmulti import keras_internals
 
 HOST = '/device:CPU:0'
 _PLANNED = {}  # id(a variable's handle) -> (the handle, its device).
@@ -64,7 +65,7 @@ def planning():
   """Inside, variables made on absent devices are made on the host with
   their device planned (see the module); on exit the plan is forgotten."""
   def creator(next_creator, **kwargs):
-    device = context.context().device_name
+    device = keras_internals.current_device()
     if not device or not absent(device):
       return next_creator(**kwargs)
     with tf.device(HOST):

@@ -23,6 +23,8 @@ piece order, before the optimizer sees them.
 
 import tensorflow as tf
 
+from tfmulti import keras_internals
+
 
 def is_sparse(gradient):
   """Whether `gradient` is `tf.IndexedSlices`."""
@@ -98,7 +100,7 @@ def fixed_rows(tensor):
       continue
     seen.add((tensor.ref(), calls))
     if op.type in _CALLS:
-      function = op.graph._get_function(op.get_attr('f').name)  # pylint: disable=protected-access
+      function = keras_internals.function_of(op.graph, op.get_attr('f').name)
       todo.append((function.graph.outputs[tensor.value_index],
                    calls + (op,)))
     elif op.type == 'Placeholder':

@@ -102,7 +102,7 @@ def test_the_last_partial_batch_trains_exactly_with_one_more_trace():
   # adds none.
   def traces():  # The trainer's step and Keras's metrics of it.
     return (towers.towers.trace_count,
-            towers._record.function.experimental_get_tracing_count())
+            towers.steps._record.function.experimental_get_tracing_count())
   assert traces() == (2, 2)
   towers.fit(_data(), epochs=1, verbose=0)
   assert traces() == (2, 2)

@@ -41,10 +41,10 @@ from typing import Tuple
 from absl import logging
 import keras
 import tensorflow as tf
-from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti import keras_internals
 from tfmulti import models
 from tfmulti import step_options
 from tfmulti.bench import designs as bench
@@ -232,7 +232,7 @@ def profile_step(design):
     tf.profiler.experimental.start(logdir)
     float(towers.train_step(images, labels))
     tf.profiler.experimental.stop()
-    space = xplane_pb2.XSpace()
+    space = keras_internals.xplane_proto().XSpace()
     path, = glob.glob(os.path.join(logdir, 'plugins/profile/*/*.xplane.pb'))
     with open(path, 'rb') as f:
       space.ParseFromString(f.read())

@@ -33,10 +33,10 @@ import tempfile
 
 from absl import logging
 import tensorflow as tf
-from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from tfmulti import devices
 from tfmulti import errors
+from tfmulti import keras_internals
 from tfmulti.bench import designs
 from tfmulti.bench import flags
 from tfmulti.bench import variants as variants_lib
@@ -115,7 +115,7 @@ def profile(variant, steps, directory):
   finally:
     tf.profiler.experimental.stop()
   (path,) = glob.glob(f'{directory}/**/*.xplane.pb', recursive=True)
-  space = xplane_pb2.XSpace()
+  space = keras_internals.xplane_proto().XSpace()
   with open(path, 'rb') as f:
     space.ParseFromString(f.read())
   return summarize(op_events(space), steps)

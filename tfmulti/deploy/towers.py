@@ -101,7 +101,9 @@ class Parts:
   shares: object
   measure: object
   storage: object
-  update_scope: object = keras_internals.updates_beside_variables
+  update_scope: object = lambda optimizer: (
+      keras_internals.updates_beside_variables(optimizer,
+                                               devices.GraphPlacement()))
   summaries: object = lambda grads_and_vars, scale: {}
 
 

@@ -26,10 +26,9 @@ read here alone (`_CoordinationStore`).
 import threading
 
 from absl import logging
-import tensorflow as tf
-from tensorflow.python.eager import context
 
 from tfmulti import errors
+from tfmulti import keras_internals
 from tfmulti import stops
 
 _KEY = 'tfmulti/stop_after_step'
@@ -41,19 +40,11 @@ class _CoordinationStore:
 
   def set_new(self, key, value):
     """Sets `key`; False if another task set it first."""
-    try:
-      context.context().set_config_key_value(key, value)
-      return True
-    except tf.errors.AlreadyExistsError:
-      return False
+    return keras_internals.set_new_key(key, value)
 
   def get(self, key, timeout_ms):
     """`key`'s value, or None if it is not set within `timeout_ms`."""
-    try:
-      return context.context().get_config_key_value(key,
-                                                    timeout_in_ms=timeout_ms)
-    except tf.errors.DeadlineExceededError:
-      return None
+    return keras_internals.key_value(key, timeout_ms)
 
 
 class AgreedStop:

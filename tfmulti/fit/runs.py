@@ -12,9 +12,9 @@ import sys
 
 from absl import logging
 import keras
-from tensorflow.python.eager import context
 
 from tfmulti import errors
+from tfmulti import keras_internals
 from tfmulti.fit import across_workers
 from tfmulti.fit import backup as backup_lib
 
@@ -74,7 +74,7 @@ def _shuffle_seeded(model, arguments):
 def _seeded():
   """Whether TensorFlow's random ops draw from a global seed (asked
   without drawing an op seed, which would move later draws)."""
-  return context.global_seed() is not None
+  return keras_internals.global_seed_set()
 
 
 def _with_backup(model, arguments):

@@ -49,7 +49,7 @@ def tables(model, ids):
   """{id(table variable): its Embedding layer} of `model`'s plain
   Embedding layers whose table's id is in `ids`."""
   found = {}
-  for layer in model._flatten_layers():  # pylint: disable=protected-access
+  for layer in keras_internals.flat_layers(model):
     if (type(layer).call is keras.layers.Embedding.call
         and not layer.lora_enabled and not layer.quantization_mode
         and id(layer.embeddings) in ids):

@@ -13,8 +13,6 @@ restores on another mesh, with no layout, on one device, and back.
 import contextlib
 import weakref
 
-import tensorflow as tf
-
 from tfmulti import keras_internals
 from tfmulti.mesh import sharding
 
@@ -48,14 +46,15 @@ def whole_state(optimizer):
   view = _VIEWS.get(optimizer)
   for owner in (optimizer, getattr(optimizer, 'inner_optimizer', None)):
     if view is not None and owner is not None and hasattr(view, '_variables'):
-      swapped.append((owner, owner._variables))
-      owner._variables = list(view._variables)
+      swapped.append((owner, keras_internals.variables_list(owner)))
+      keras_internals.set_variables_list(
+          owner, list(keras_internals.variables_list(view)))
     view = getattr(view, 'inner_optimizer', None)
   try:
     yield
   finally:
     for owner, variables in swapped:
-      owner._variables = variables
+      keras_internals.set_variables_list(owner, variables)
 
 
 def _groups(storage, optimizer):
@@ -65,8 +64,7 @@ def _groups(storage, optimizer):
   for k, (*_, shards) in enumerate(storage.sharded):
     for block, shard in enumerate(shards):
       groups[id(shard)] = (k, None, block)
-  variables = getattr(optimizer, 'inner_optimizer',
-                      optimizer)._trainable_variables
+  variables = keras_internals.trainable_variables_of(optimizer)
   for kind, slots in keras_internals.slot_lists(optimizer).items():
     for slot, variable in zip(slots, variables):
       if id(variable) in groups:
@@ -82,8 +80,8 @@ def _view(optimizer, sharded, groups, made):
   too) as they are. Made once, after the optimizer is built: a checkpoint
   walks the same objects each time, and each list the same object a
   value (`made`: {(whole index, slot): value})."""
-  view = tf.__internal__.tracking.AutoTrackable()
-  for name, child in optimizer._trackable_children('checkpoint').items():
+  view = keras_internals.new_trackable()
+  for name, child in keras_internals.checkpoint_children(optimizer).items():
     if isinstance(child, (list, tuple)) and any(  # Its variables, slots.
         id(v) in groups for v in child):
       child = _whole(list(child), sharded, groups, made)

@@ -99,6 +99,9 @@ class Sharded:
     devices: the device of each of `variables`.
     in_place: the indices into `variables` of the shards read where they
       are (the tables' and the split kernels': never packed).
+    records: the storage record of each of the model's trainable
+      variables (`Kept`, `Joined`, `Table`, `Blocks`): its read, the
+      gradients of its own sources cut into its shards', in turn.
   """
 
   def __init__(self, variables, grids, sharded, shapes, tables=None,
@@ -116,6 +119,7 @@ class Sharded:
         i for k, _, where in self._spans()
         if k in self.tables or k in self.splits
         for i in range(where.start, where.stop))
+    self.records = tuple(self._records())
 
   def _spans(self):
     """(k, parts, where) of each of the model's trainable variables: its
@@ -126,29 +130,36 @@ class Sharded:
       yield k, parts, slice(at, at + count)
       at += count
 
+  def _records(self):
+    """The storage record of each of the model's trainable variables, by
+    its kind: a looked-up table, a split kernel's blocks, sharded and
+    joined for the pass, or whole."""
+    for k, parts, where in self._spans():
+      if k in self.tables:
+        yield Table(where, parts, self.tables[k], self.devices[where])
+      elif k in self.splits:
+        layer, dim, axis = self.splits[k]
+        yield Blocks(where, parts, layer, dim, axis, self._homes)
+      elif parts is not None:
+        yield Joined(where, parts, self.shapes[k])
+      else:
+        yield Kept(where)
+
   def read(self, values, watch):
-    """`pieces.Body`'s reading of `values` (reads of `variables`): the
-    model's trainable values, each sharded one joined from its shards on
-    the current device (`join`), whose tape watches them; each
-    looked-up table's shards watched as they are read, and looked up
-    where they live (`lookups`) in the pass; each split kernel's blocks
-    joined and watched where they compute (`tensor_parallel`). A join no
+    """`pieces.Body`'s reading of `values` (reads of `variables`): each
+    record's read of its own (`Reading`), the model's trainable values
+    and the sources the tape watches, each record's in a row; its tables
+    looked up and its split kernels computed where they live. A join no
     op reads (a looked-up table's, a split kernel's) is never run."""
-    tables = [(self.tables[k], parts or (1, 1), values[where],
-               self.devices[where])
-              for k, parts, where in self._spans() if k in self.tables]
-    looked_up = [read for _, _, reads, _ in tables for read in reads]
-    blocks = [(layer, dim, joined, homes) for (layer, dim, _), homes, joined
-              in self._blocks(values)]
-    in_place = looked_up + [b for *_, joined, _ in blocks for b in joined]
-    watch(in_place)
-    whole = []
-    with tf.name_scope('gather_shards'):
-      for _, parts, where in self._spans():
-        mine = values[where]
-        whole.append(mine[0] if parts is None else join(parts, mine))
-    watch(whole)
-    return whole, whole + in_place, _in_place(tables, blocks, self.merged)
+    here = self._here() if self.splits else 0
+    readings = [record.read(values[record.where], here)
+                for record in self.records]
+    sources = [s for reading in readings for s in reading.sources]
+    watch(sources)
+    tables = [t for reading in readings for t in reading.tables]
+    blocks = [b for reading in readings for b in reading.blocks]
+    return ([reading.value for reading in readings], sources,
+            _in_place(tables, blocks, self.merged))
 
   @contextlib.contextmanager
   def merging(self):
@@ -160,39 +171,6 @@ class Sharded:
       yield
     finally:
       self.merged = None
-
-  def _split_kernels(self, here=None):
-    """(k, where, rest, [(home, members)]) of each split kernel: its
-    index, its slice of `variables`, its parts with the compute
-    dimension whole, and for each block its device in the mesh row of
-    clone `here` (None: the current clone) along the compute axis and
-    the positions (in `variables[where]`) of the shards it joins."""
-    here = self._here() if here is None else here
-    for k, parts, where in self._spans():
-      if k in self.splits:
-        _, dim, axis = self.splits[k]
-        positions = mesh_layouts.blocks(parts)
-        yield k, where, parts[:dim] + (1,) + parts[dim + 1:], [
-            (home, [i for i, block in enumerate(positions) if block[dim] == j])
-            for j, home in enumerate(self._homes(here, axis, parts[dim]))]
-
-  def _blocks(self, values):
-    """(split, homes, blocks) of each split kernel: its blocks, each
-    joined (over the batch axis, where its layout splits that too) on
-    its device of the current clone's mesh row along the compute axis."""
-    found = []
-    for k, where, rest, blocks in self._split_kernels():
-      mine = values[where]
-      joined = []
-      for home, members in blocks:
-        with tf.device(home), tf.name_scope('gather_blocks'):
-          # A block of one shard is a tensor of its own: the shard's read
-          # also feeds the whole join, whose gradient (a weight penalty's)
-          # the tape would otherwise add to the block's, and
-          # `_block_slots` adds it once more.
-          joined.append(tf.identity(join(rest, [mine[i] for i in members])))
-      found.append((self.splits[k], [home for home, _ in blocks], joined))
-    return found
 
   def _homes(self, here, axis, count):
     """The devices of clone `here`'s mesh row along mesh axis `axis`."""
@@ -208,7 +186,7 @@ class Sharded:
 
   def cutting(self, body):
     """`body` (a `pieces.Body`, compiled or not) with its gradients, of
-    the model's trainable values, cut into `variables`' after it has run
+    `read`'s sources, cut into `variables`' after it has run
     (`cut_gradients`; a split kernel's blocks are cut in `met`, after
     every clone's pass): a compiled pass keeps static shapes, and an
     Embedding's slices go to their shards in numbers that vary."""
@@ -219,54 +197,17 @@ class Sharded:
     return run
 
   def cut_gradients(self, gradients):
-    """The gradients of `variables` from those of the model's trainable
-    variables: each sharded one's cut into its shards' pieces on the
-    current device, by one split a dimension (differentiating the joins
-    would slice each shard apart, a few ops a shard), an Embedding's
-    `tf.IndexedSlices` kept as slices; a looked-up table's are its
-    shards' own (`read` takes them of the shards' reads), after the
-    model's; a split kernel's are its blocks' uncut (`_block_slots`),
-    until `met`."""
-    count = len(self.grids)
-    looked = sum(w.stop - w.start for k, _, w in self._spans()
-                 if k in self.tables)
-    looked_up = iter(gradients[count:count + looked])
-    blocks = iter(self._block_slots(gradients[count + looked:], gradients))
-    cuts = []
+    """The gradients of `variables` from those of `read`'s sources: each
+    record cuts the gradients of its own sources (`Joined`'s split, a
+    table's shards' own, a split kernel's blocks uncut until `met`)."""
+    here = self._here() if self.splits else 0
+    cuts, at = [], 0
     with tf.name_scope('cut_shards'):
-      for k, parts, where in self._spans():
-        gradient, shape = gradients[k], self.shapes[k]
-        if k in self.tables:  # Its shards' own: the join's reached them.
-          cuts.extend(next(looked_up) for _ in range(where.stop - where.start))
-        elif k in self.splits:
-          cuts.extend(next(blocks))
-        elif parts is None:
-          cuts.append(gradient)
-        elif gradient is None:
-          cuts.extend([None] * (where.stop - where.start))
-        elif isinstance(gradient, tf.IndexedSlices):
-          cuts.extend(cut_slices(parts, gradient, shape))
-        else:
-          cuts.extend(cut(parts, gradient))
+      for record in self.records:
+        mine = gradients[at:at + record.sources]
+        at += record.sources
+        cuts.extend(record.cut(mine, here))
     return cuts
-
-  def _block_slots(self, gradients, whole):
-    """For each split kernel, its shards' slots, each block's gradient
-    in its first shard's, on the block's device: its `gradients`' (None:
-    a block its pass did not use), plus its part of the kernel's `whole`
-    gradient (`whole[k]`) where a layer read the kernel whole."""
-    gradients = iter(gradients)
-    for k, where, _, blocks in self._split_kernels():
-      slots = [None] * (where.stop - where.start)
-      read = (None if whole[k] is None else
-              tf.split(whole[k], len(blocks), axis=self.splits[k][1]))
-      for j, (home, members) in enumerate(blocks):
-        block = next(gradients)
-        if read is not None:
-          with tf.device(home):
-            block = read[j] if block is None else block + read[j]
-        slots[members[0]] = block
-      yield slots
 
   def met(self, results):
     """The clones' `results` (`runners`: a pass's, its gradients of
@@ -282,11 +223,13 @@ class Sharded:
     gradients = [r and list(r[3]) for r in results]
     terms = collections.defaultdict(list)  # (slot, home) -> [(clone, g)]
     shards = {}  # A block's slot -> (its parts, its shards' slots).
+    blocks = [r for r in self.records if isinstance(r, Blocks)]
     for i, mine in enumerate(gradients):
-      for _, where, rest, blocks in self._split_kernels(i) if mine else ():
-        for home, members in blocks:
-          slot = where.start + members[0]
-          shards[slot] = rest, [where.start + m for m in members]
+      for record in blocks if mine else ():
+        for home, members in record.blocks(i):
+          slot = record.where.start + members[0]
+          shards[slot] = record.rest, [record.where.start + m
+                                       for m in members]
           if mine[slot] is not None:
             terms[slot, home].append((i, mine[slot]))
           mine[slot] = None
@@ -299,6 +242,152 @@ class Sharded:
         for s, piece in zip(slots, pieces):
           first[s] = piece
     return [r and (*r[:3], g, *r[4:]) for r, g in zip(results, gradients)]
+
+
+class Reading(collections.namedtuple(
+    'Reading', ['value', 'sources', 'tables', 'blocks'])):
+  """A record's read of its variable for a pass: the model's value of it,
+  the tensors the tape watches (their gradients come back to the record's
+  `cut`, in this order), and what it looks up or computes where it lives
+  (`lookups.looking_up`'s tables, `tensor_parallel.computing`'s
+  blocks)."""
+
+
+class Kept:
+  """A variable kept whole: read as it is, its gradient its own."""
+
+  sources = 1
+
+  def __init__(self, where):
+    self.where = where
+
+  def read(self, values, here):
+    del here  # Read where it is.
+    return Reading(values[0], [values[0]], (), ())
+
+  def cut(self, gradients, here):
+    del here
+    return list(gradients)
+
+
+class Joined:
+  """A variable stored as its shards (`parts` along each dimension), joined
+  on the clone's device for its pass; its gradient cut into the shards'
+  pieces there, by one split a dimension (differentiating the join would
+  slice each shard apart, a few ops a shard), an Embedding's
+  `tf.IndexedSlices` kept as slices."""
+
+  sources = 1
+
+  def __init__(self, where, parts, shape):
+    self.where = where
+    self.parts = parts
+    self.shape = shape
+
+  def read(self, values, here):
+    del here  # Joined on the clone's device.
+    with tf.name_scope('gather_shards'):
+      whole = join(self.parts, values)
+    return Reading(whole, [whole], (), ())
+
+  def cut(self, gradients, here):
+    del here
+    (gradient,) = gradients
+    count = self.where.stop - self.where.start
+    if gradient is None:
+      return [None] * count
+    if isinstance(gradient, tf.IndexedSlices):
+      return cut_slices(self.parts, gradient, self.shape)
+    return cut(self.parts, gradient)
+
+
+class Table:
+  """An Embedding's table looked up where its shards live (`lookups`; its
+  shards' reads watched as they are read), joined only where a layer
+  reads it whole (a tied output layer, a weight penalty): that join's
+  gradient reaches the shards' reads through it, so their gradients are
+  the table's, cut."""
+
+  def __init__(self, where, parts, layer, devices_):
+    self.where = where
+    self.parts = parts
+    self.layer = layer
+    self.devices = devices_
+    self.sources = 1 + where.stop - where.start
+
+  def read(self, values, here):
+    del here  # Looked up where its shards live.
+    with tf.name_scope('gather_shards'):
+      whole = values[0] if self.parts is None else join(self.parts, values)
+    return Reading(whole, [whole] + list(values),
+                   [(self.layer, self.parts or (1, 1), values,
+                     self.devices)], ())
+
+  def cut(self, gradients, here):
+    del here
+    return list(gradients[1:])  # The shards' own: the join's reached them.
+
+
+class Blocks:
+  """A kernel computed where its blocks live (`tensor_parallel`): block j
+  (its shards along the split dimension's part j, joined over the batch
+  axis where the layout splits it there too) joined on the device of the
+  clone's mesh row with coordinate j on the compute axis; the kernel
+  joined whole only where a layer reads it whole (a weight penalty), its
+  gradient's blocks added to the blocks' own there. The blocks' gradients
+  stay uncut in their first shard's slot until `Sharded.met` sums them
+  over the mesh row."""
+
+  def __init__(self, where, parts, layer, dim, axis, homes):
+    """`homes(here, axis, count)`: the devices of clone `here`'s mesh row
+    along `axis`."""
+    self.where = where
+    self.parts = parts
+    self.layer = layer
+    self.dim = dim
+    self.axis = axis
+    self.homes = homes
+    self.rest = parts[:dim] + (1,) + parts[dim + 1:]
+    self.sources = 1 + parts[dim]
+
+  def blocks(self, here):
+    """[(home, members)]: each block's device in clone `here`'s mesh row
+    and the positions (in the variable's shards) of the shards it
+    joins."""
+    positions = mesh_layouts.blocks(self.parts)
+    return [(home, [i for i, block in enumerate(positions)
+                    if block[self.dim] == j])
+            for j, home in enumerate(self.homes(here, self.axis,
+                                                self.parts[self.dim]))]
+
+  def read(self, values, here):
+    with tf.name_scope('gather_shards'):
+      whole = join(self.parts, values)
+    joined, homes = [], []
+    for home, members in self.blocks(here):
+      with tf.device(home), tf.name_scope('gather_blocks'):
+        # A block of one shard is a tensor of its own: the shard's read
+        # also feeds the whole join, whose gradient (a weight penalty's)
+        # the tape would otherwise add to the block's, and `cut` adds it
+        # once more.
+        joined.append(tf.identity(join(self.rest,
+                                       [values[i] for i in members])))
+      homes.append(home)
+    return Reading(whole, [whole] + joined, (),
+                   [(self.layer, self.dim, joined, homes)])
+
+  def cut(self, gradients, here):
+    whole, *blocks = gradients
+    slots = [None] * (self.where.stop - self.where.start)
+    read = (None if whole is None else
+            tf.split(whole, len(blocks), axis=self.dim))
+    for j, (home, members) in enumerate(self.blocks(here)):
+      block = blocks[j]
+      if read is not None:
+        with tf.device(home):
+          block = read[j] if block is None else block + read[j]
+      slots[members[0]] = block
+    return slots
 
 
 @contextlib.contextmanager
@@ -369,7 +458,7 @@ def _cut_slices(value, n, dim, shape):
       tf.dynamic_partition(local, owner, n))]
 
 
-class ShardedValue(tf.__internal__.tracking.Trackable):
+class ShardedValue(keras_internals.SavedWhole):
   """A Keras variable's storage as shards (`tf.Variable`s, each on its
   device): read, it joins them where it is read; assigned, it cuts the
   value and writes each shard on its device. No whole copy is kept. A
@@ -385,7 +474,7 @@ class ShardedValue(tf.__internal__.tracking.Trackable):
     self.trainable = shards[0].trainable
     # The name a checkpoint records (TF's `get_full_name`): the first
     # shard's.
-    self._shared_name = shards[0]._shared_name
+    self._shared_name = keras_internals.checkpoint_name(shards[0])
 
   def read_value(self):
     """The whole value, joined on the current device."""
@@ -417,13 +506,6 @@ class ShardedValue(tf.__internal__.tracking.Trackable):
 
   def __invert__(self):
     return ~self.read_value()
-
-  def _serialize_to_tensors(self):
-    with tf.device('/device:CPU:0'):
-      return {'VARIABLE_VALUE': self.read_value()}
-
-  def _restore_from_tensors(self, restored_tensors):
-    return self.assign(restored_tensors['VARIABLE_VALUE'])
 
 
 tf.register_tensor_conversion_function(

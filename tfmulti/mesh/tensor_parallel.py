@@ -106,7 +106,7 @@ def layers(model, axes_of, compute_axes):
   dimension over one of `compute_axes` (a convolution's: a channels' one,
   not its window's)."""
   found = {}
-  for layer in model._flatten_layers():  # pylint: disable=protected-access
+  for layer in keras_internals.flat_layers(model):
     if not _plain(layer):
       continue
     axes = axes_of.get(id(layer.kernel))

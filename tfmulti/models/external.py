@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import errors
+from tfmulti import keras_internals
 
 KERAS_APPLICATIONS = 'keras.applications.'
 
@@ -183,11 +184,10 @@ def _as_imagenet_weights_expect(application, backbone):
   which computes the same."""
   if not application.__module__.endswith('.efficientnet'):
     return
-  from keras.src.applications import efficientnet
   for layer in backbone.layers:
     if isinstance(layer, keras.layers.Normalization):
       layer.adapt_variance.assign(layer.adapt_variance * np.array(
-          efficientnet.IMAGENET_STDDEV_RGB, np.float32))
+          keras_internals.efficientnet_stddev(), np.float32))
       layer.finalize_state()
 
 

@@ -24,9 +24,6 @@ import dataclasses
 import functools
 
 import tensorflow as tf
-from tensorflow.python.framework import kernels
-from tensorflow.python.framework import ops as ops_lib
-from tensorflow.python.util import deprecation
 
 from tfmulti import devices
 from tfmulti import keras_internals
@@ -94,8 +91,7 @@ def read(deployed, images, labels):
 
 def _plan_slots(optimizer):
   """Each slot planned beside its variable (`keras_internals.slot_lists`)."""
-  variables = getattr(optimizer, 'inner_optimizer',
-                      optimizer)._trainable_variables
+  variables = keras_internals.trainable_variables_of(optimizer)
   for slots in keras_internals.slot_lists(optimizer).values():
     for slot, variable in zip(slots, variables):
       plans.plan(keras_internals.storage(slot), devices.device_of(variable))
@@ -171,13 +167,7 @@ def _link(source, reader):
 
 
 def _flops(op):
-  try:
-    with deprecation.silence():  # Convolutions read shapes a TF 1 way.
-      value = ops_lib.get_stats_for_node_def(op.graph, op.node_def,
-                                             'flops').value
-  except (ValueError, TypeError):  # No statistics, or unknown shapes.
-    return 0
-  return value or 0
+  return keras_internals.node_flops(op)
 
 
 def _missing_kernel(op, device):
@@ -225,7 +215,7 @@ def _gpu_kernels(op_type):
   return tuple(
       tuple((c.name, frozenset(c.allowed_values.list.type))
             for c in kernel.constraint)
-      for kernel in kernels.get_registered_kernels_for_op(op_type).kernel
+      for kernel in keras_internals.registered_kernels(op_type)
       if kernel.device_type in _GPU_KERNELS)
 
 

@@ -14,6 +14,7 @@ import collections
 import tensorflow as tf
 
 from tfmulti import devices
+from tfmulti import keras_internals
 
 # The ops that run function bodies: their attributes naming them.
 _CALLS = {'PartitionedCall': ('f',), 'StatefulPartitionedCall': ('f',),
@@ -38,7 +39,7 @@ def reachable(graph, stateful=False):
   todo = [t.op for t in graph.outputs] + list(graph.control_outputs)
   if stateful:
     todo += [op for op in graph.get_operations()
-             if op._is_stateful]  # pylint: disable=protected-access
+             if keras_internals.is_stateful(op)]
   seen = set()
   while todo:
     op = todo.pop()
@@ -121,11 +122,10 @@ def _bytes(tensor):
 def bodies(op):
   """The function graphs `op` runs (calls, loops, branches; a function
   called by its own name), its attributes read only for those."""
-  # pylint: disable=protected-access
-  called = op.graph._get_function(op.type)
+  called = keras_internals.function_of(op.graph, op.type)
   if called is not None:
     yield called.graph
   for attr in _CALLS.get(op.type, ()):
-    body = op.graph._get_function(op.get_attr(attr).name)
+    body = keras_internals.function_of(op.graph, op.get_attr(attr).name)
     if body is not None:
       yield body.graph
