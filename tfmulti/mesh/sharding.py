@@ -146,16 +146,16 @@ class Sharded:
         yield Kept(where)
 
   def read(self, values, watch):
-    """`pieces.Body`'s reading of `values` (reads of `variables`): each
-    record's read of its own (`Reading`), the model's trainable values
-    and the sources the tape watches, each record's in a row; its tables
+    """`pieces.Body`'s reading of `values` (reads of `variables`) under
+    its tape's `watch`: each record's read of its own (`Reading`), the
+    model's trainable values and the sources the tape watches, each
+    record's in a row; its tables
     looked up and its split kernels computed where they live. A join no
     op reads (a looked-up table's, a split kernel's) is never run."""
     here = self._here() if self.splits else 0
-    readings = [record.read(values[record.where], here)
+    readings = [record.read(values[record.where], here, watch)
                 for record in self.records]
     sources = [s for reading in readings for s in reading.sources]
-    watch(sources)
     tables = [t for reading in readings for t in reading.tables]
     blocks = [b for reading in readings for b in reading.blocks]
     return ([reading.value for reading in readings], sources,
@@ -261,8 +261,9 @@ class Kept:
   def __init__(self, where):
     self.where = where
 
-  def read(self, values, here):
+  def read(self, values, here, watch):
     del here  # Read where it is.
+    watch(values)
     return Reading(values[0], [values[0]], (), ())
 
   def cut(self, gradients, here):
@@ -284,10 +285,11 @@ class Joined:
     self.parts = parts
     self.shape = shape
 
-  def read(self, values, here):
+  def read(self, values, here, watch):
     del here  # Joined on the clone's device.
     with tf.name_scope('gather_shards'):
       whole = join(self.parts, values)
+    watch([whole])
     return Reading(whole, [whole], (), ())
 
   def cut(self, gradients, here):
@@ -315,10 +317,12 @@ class Table:
     self.devices = devices_
     self.sources = 1 + where.stop - where.start
 
-  def read(self, values, here):
+  def read(self, values, here, watch):
     del here  # Looked up where its shards live.
+    watch(values)  # Before the join: its gradient reaches them through it.
     with tf.name_scope('gather_shards'):
       whole = values[0] if self.parts is None else join(self.parts, values)
+    watch([whole])
     return Reading(whole, [whole] + list(values),
                    [(self.layer, self.parts or (1, 1), values,
                      self.devices)], ())
@@ -360,7 +364,7 @@ class Blocks:
             for j, home in enumerate(self.homes(here, self.axis,
                                                 self.parts[self.dim]))]
 
-  def read(self, values, here):
+  def read(self, values, here, watch):
     with tf.name_scope('gather_shards'):
       whole = join(self.parts, values)
     joined, homes = [], []
@@ -373,6 +377,7 @@ class Blocks:
         joined.append(tf.identity(join(self.rest,
                                        [values[i] for i in members])))
       homes.append(home)
+    watch([whole] + joined)
     return Reading(whole, [whole] + joined, (),
                    [(self.layer, self.dim, joined, homes)])
 
