@@ -347,7 +347,6 @@ def test_what_an_own_step_cannot_run_with_is_refused_in_one_line(options,
 
 
 @pytest.mark.parametrize('compile_args, fit_args, message', [
-    (dict(steps_per_execution=2), {}, 'steps_per_execution=2: model'),
     (dict(jit_compile=True), {}, 'jit_compile=True: a model with its own'),
     ({}, dict(callbacks=[keras.callbacks.BackupAndRestore('/nonexistent')]),
      'BackupAndRestore: model .* has its own steps'),
@@ -446,3 +445,13 @@ def test_a_compiled_own_step_runs_as_its_python_on_every_clone():
       dict(x=x, y=y, batch_size=BATCH, epochs=1),
       lambda: dict(optimizer='adam', loss='mse', metrics=['mae']))
   _assert_same(histories, models)
+
+
+def test_an_own_step_with_steps_per_execution_trains_as_plain_fit():
+  """Keras's loop of N steps a call, each the model's own step: 48 rows
+  in batches of 16, 2 steps a call (the last call one step)."""
+  x, y = _data()
+  _assert_same(*_fit_both(
+      _guide_model, dict(x=x, y=y, batch_size=BATCH, epochs=2),
+      dict(optimizer='adam', loss='mse', metrics=['mae'],
+           steps_per_execution=2)))

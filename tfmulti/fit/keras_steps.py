@@ -21,6 +21,7 @@ from tfmulti import keras_internals
 from tfmulti import rows
 from tfmulti.engine import registry
 from tfmulti.fit import compiled
+from tfmulti.fit import step_loop
 
 
 class KerasSteps:
@@ -79,6 +80,11 @@ class KerasSteps:
     keras_internals.build_compiled(self.towers,
                                    (images, labels, sample_weight))
     return self._evaluate(images, labels, sample_weight)
+
+  def train_function(self, keras_function):
+    """Keras's train function, or N steps a compiled call where
+    `steps_per_execution` > 1 (`step_loop`)."""
+    return step_loop.wrap(self.towers, keras_function)
 
   @staticmethod
   def check_fit(callbacks):

@@ -108,14 +108,12 @@ class OwnSteps:
       raise errors.UnsupportedError(
           'jit_compile=True: a model with its own steps runs them whole, '
           'uncompiled; drop it.')
-    if kwargs.get('steps_per_execution', 1) != 1:
-      raise errors.UnsupportedError(
-          f'steps_per_execution={kwargs["steps_per_execution"]}: model '
-          f'{self.model.name!r} has its own steps, one a call; drop it.')
     with tf.device(self.towers.config.optimizer_variables_device()):
       self.model.compile(*args, **kwargs)
-    keras.Model.compile(self.towers, optimizer=self.model.optimizer,
-                        jit_compile=False, run_eagerly=True)
+    keras.Model.compile(  # Keras's loop of N steps a call runs each.
+        self.towers, optimizer=self.model.optimizer, jit_compile=False,
+        run_eagerly=True,
+        steps_per_execution=kwargs.get('steps_per_execution', 1))
 
   @property
   def metrics(self):
@@ -123,6 +121,11 @@ class OwnSteps:
 
   def train_step(self, data):
     return self._train(data)
+
+  @staticmethod
+  def train_function(keras_function):
+    """Keras's own train function: its N steps a call, each this step."""
+    return keras_function
 
   def test_step(self, data):
     return self._test(data)

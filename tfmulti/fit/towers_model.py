@@ -81,7 +81,6 @@ from tfmulti.fit import compiled
 from tfmulti.fit import keras_steps
 from tfmulti.fit import own_steps
 from tfmulti.fit import runs
-from tfmulti.fit import step_loop
 from tfmulti.mesh import shard_views
 from tfmulti.mesh import sharding
 
@@ -162,10 +161,11 @@ class TowersModel(keras.Model):
     return super().metrics if own is None else own
 
   def make_train_function(self, force=False):
-    """Keras's train function, or N steps a compiled call (`step_loop`)."""
+    """Keras's train function, as the steps run it (Keras's: N steps a
+    compiled call, `step_loop`)."""
     if self.train_function is None or force:
       super().make_train_function(force)
-      self.train_function = step_loop.wrap(self, self.train_function)
+      self.train_function = self.steps.train_function(self.train_function)
     return self.train_function
 
   def full_rows(self):
