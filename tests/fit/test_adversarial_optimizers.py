@@ -174,3 +174,29 @@ def test_two_penalised_split_layers_of_one_shape_train_as_plain_fit():
       lambda: meshes.parallel({'.*a/kernel': (None, 'model'),
                                '.*b/kernel': ('model', None)}),
       data=_data(features=8))
+
+
+def _table_model():
+  """A penalised Embedding table (its penalty reads it whole while the
+  lookups read its shards) and a penalised Dense."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((3,), dtype='int32')
+  x = keras.layers.Embedding(16, 8, name='table',
+                             embeddings_regularizer=keras.regularizers.L2(
+                                 0.1))(inputs)
+  x = keras.layers.Flatten()(x)
+  return keras.Model(inputs, keras.layers.Dense(
+      2, name='out', kernel_regularizer=keras.regularizers.L2(0.1))(x))
+
+
+@pytest.mark.parametrize('axes', [
+    ('model', None), pytest.param((None, 'model'), marks=pytest.mark.slow),
+    pytest.param(('batch', 'model'), marks=pytest.mark.slow)],
+                         ids=['by rows', 'by columns', 'both ways'])
+def test_a_penalised_table_counts_its_penalty_once(axes):
+  rng = np.random.default_rng(2)
+  data = (rng.integers(0, 16, (ROWS, 3)).astype(np.int32),
+          rng.normal(size=(ROWS, 2)).astype(np.float32))
+  _assert_as_plain_fit(
+      _table_model, lambda m: keras.optimizers.Adam(0.02),
+      lambda: meshes.parallel({'.*table/embeddings': axes}), data=data)
