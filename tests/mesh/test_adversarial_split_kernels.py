@@ -81,6 +81,13 @@ def _time_distributed():
   return keras.Model(inputs, keras.layers.Dense(2, name='out')(x))
 
 
+def _bidirectional():
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((3, 6))
+  x = keras.layers.Bidirectional(keras.layers.LSTM(4), name='bi')(inputs)
+  return keras.Model(inputs, keras.layers.Dense(2, name='out')(x))
+
+
 def _attention():
   keras.utils.set_random_seed(0)
   inputs = keras.Input((4, 8))
@@ -129,6 +136,9 @@ def test_python_that_reads_a_clones_rows_under_shares_trains_as_plain_fit():
                  marks=pytest.mark.slow),
     pytest.param(_time_distributed, INNER, (3, 6), 32,
                  id='TimeDistributed', marks=pytest.mark.slow),
+    pytest.param(_bidirectional, {'.*bi/.*/kernel': (None, 'model')},
+                 (3, 6), 32, id='Bidirectional, its kernels sharded',
+                 marks=pytest.mark.slow),
     pytest.param(_attention, {'.*mha/(query|key|value)/kernel': (
         None, 'model', None), '.*mha/attention_output/kernel': (
             'model', None, None)}, (4, 8), 32, id='attention by heads',
