@@ -104,3 +104,20 @@ def test_the_reader_sees_what_it_judges():
   found = {node.name for path, node, _ in _definitions()
            if path.endswith(os.path.join('deploy', 'towers.py'))}
   assert {'DeployedModel', 'deploy', 'compose'} <= found
+
+
+def test_no_behaviour_is_keyed_on_a_threads_identity():
+  """State is passed, not read from the thread a call runs on (a layer's
+  replaced call is keyed by its tf.distribute replica)."""
+  keyed = [f'{path}:{node.lineno}' for path, node in _nodes()
+           if isinstance(node, ast.Attribute) and node.attr == 'get_ident']
+  assert not keyed, keyed
+
+
+def _nodes():
+  for folder, _, files in os.walk(PACKAGE):
+    for name in files:
+      if name.endswith('.py'):
+        path = os.path.join(folder, name)
+        for node in ast.walk(ast.parse(open(path).read())):
+          yield os.path.relpath(path, REPO), node
