@@ -115,11 +115,10 @@ class Sharded:
     self.mesh = mesh
     self.merged = None  # Set while clones trace at once (`merging`).
     self.devices = [devices.device_of(v) for v in variables]
-    self.in_place = frozenset(
-        i for k, _, where in self._spans()
-        if k in self.tables or k in self.splits
-        for i in range(where.start, where.stop))
     self.records = tuple(self._records())
+    self.in_place = frozenset(
+        i for record in self.records if isinstance(record, (Table, Blocks))
+        for i in range(record.where.start, record.where.stop))
 
   def _spans(self):
     """(k, parts, where) of each of the model's trainable variables: its

@@ -117,7 +117,7 @@ def _read(deployed, graph):
   for op, device in _walk(graph, placement):
     report = table[device]
     report.ops += 1
-    report.flops += _flops(op)
+    report.flops += keras_internals.node_flops(op)
     missing = _missing_kernel(op, device)
     if missing:
       report.missing_kernels.append(missing)
@@ -164,10 +164,6 @@ def _link(source, reader):
   kinds = {device_type(d) for d in (source, reader)}
   return {frozenset({'GPU'}): 'gpu-gpu',
           frozenset({'CPU'}): 'cpu-cpu'}.get(frozenset(kinds), 'host-gpu')
-
-
-def _flops(op):
-  return keras_internals.node_flops(op)
 
 
 def _missing_kernel(op, device):
