@@ -315,11 +315,13 @@ def _clone_rows(rows, cut, partial):
              split_rows(rows // atom_rows, shares or [1] * num_clones)]
   else:
     sizes = split_rows(rows, shares or [1] * num_clones)
-  if not partial and not all(sizes):
+  shares = shares or [1] * num_clones
+  empty = [i for i, (n, share) in enumerate(zip(sizes, shares))
+           if share and not n]  # A share of 0: a clone that takes no rows.
+  if not partial and empty:
     raise errors.ConfigError(
-        f'a batch of {rows} rows leaves clone {sizes.index(0)} of '
-        f'{num_clones} no rows (clone_shares='
-        f'{",".join(map(str, shares or [1] * num_clones))}); raise the '
+        f'a batch of {rows} rows leaves clone {empty[0]} of {num_clones} '
+        f'no rows (clone_shares={",".join(map(str, shares))}); raise the '
         'batch size or that clone\'s share.')
   return sizes
 

@@ -1,6 +1,6 @@
 """Helpers of the tests of split layers computed as blocks
 (`tensor_parallel`): a Keras `ModelParallel` over logical CPUs, plain
-`fit`, and the clones whose rows a traced product joins."""
+`fit`, and the clone whose rows a traced product takes."""
 
 import re
 
@@ -41,17 +41,12 @@ def fit_model(model, data, epochs=2, optimizer='adam', **options):
                    verbose=0, **options).history['loss']
 
 
-def clones_of(rows):
-  """The clones whose rows `rows` joins (a concat, in order): each named
-  by the clone that made it, or else by the clone that reads it (its
-  shard of the batch)."""
-  assert rows.op.type == 'ConcatV2'
-  found = []
-  for t in rows.op.inputs[:-1]:
-    names = [t.op.name] + [op.name for op in t.consumers()]
-    found.append(next(int(m[1]) for name in names
-                      if (m := re.search(r'(?:^|/)clone_(\d+)/', name))))
-  return found
+def clone_of(rows):
+  """The clone whose ops made `rows` (a tensor): the clone named in the
+  op's scope, or else in its consumers'."""
+  names = [rows.op.name] + [op.name for op in rows.consumers()]
+  return next(int(m[1]) for name in names
+              if (m := re.search(r'(?:^|/)clone_(\d+)/', name)))
 
 
 def planned_on_gpus(layouts, make_model, data, make_optimizer=None):

@@ -2,15 +2,13 @@
 blocks (`tensor_parallel`), each against plain one-device `fit`: Python
 that reads a clone's rows under uneven shares, a 1-row last batch, a
 layer called twice, wrappers and attention; each exact, or refused in
-one line (a clone whose Python calls a split layer otherwise than its
-mesh row's others)."""
+one line."""
 
 import keras
 import numpy as np
 import pytest
 
 from tests.mesh import meshes
-from tfmulti import errors
 from tfmulti import fit
 
 BATCH = 16
@@ -31,27 +29,6 @@ class Chunked(keras.layers.Layer):
     rows = x.shape[0] or 4  # Keras's symbolic build: no rows.
     return keras.ops.concatenate(
         [self.dense(x[i:i + 4]) for i in range(0, rows, 4)], 0)
-
-
-class Alternating(keras.layers.Layer):
-  """Each call takes the other of two split Dense layers first: the
-  clones traced at once meet them in other orders."""
-
-  def __init__(self, **kwargs):
-    super().__init__(**kwargs)
-    self.first = keras.layers.Dense(6, name='first')
-    self.second = keras.layers.Dense(6, name='second')
-    self.calls = 0
-
-  def build(self, shape):
-    self.first.build(shape)
-    self.second.build(shape)
-
-  def call(self, x):
-    self.calls += 1
-    one, other = ((self.first, self.second) if self.calls % 2
-                  else (self.second, self.first))
-    return other(one(x))
 
 
 def _model(make_layer=None, features=6):
@@ -153,23 +130,6 @@ def test_what_users_write_around_split_layers_trains_as_plain_fit(
                        optimizer=lambda: keras.optimizers.SGD(0.1))
 
 
-def test_clones_that_meet_a_split_layer_differently_are_refused_in_one_line():
-  model = _model(lambda: Alternating(name='alternating'))
-  towers = fit.TowersModel(model, meshes.parallel(
-      {'.*(first|second)/kernel': (None, 'model')}))
-  towers.compile(keras.optimizers.Adam(0.02), 'mse')
-  before = [w.numpy() for w in model.weights]
-  with pytest.raises(errors.UserError, match=(
-      r'^the clones of a mesh row met a split layer differently \(clone 0 '
-      r'at \w+#0\.0 forward, clone 1 at \w+#0\.0 forward.*\): a split '
-      r"kernel's blocks compute a mesh row's rows at once.*no compute "
-      r'axis\)\.$')) as refused:
-    towers.fit(*_data(), batch_size=BATCH, verbose=0)
-  assert '\n' not in str(refused.value)
-  for got, want in zip(model.weights, before):
-    np.testing.assert_array_equal(got, want)
-
-
 class Seeing(keras.layers.Layer):
   """Records the dtype policy Keras's global state gives its calls."""
   seen = []
@@ -180,9 +140,8 @@ class Seeing(keras.layers.Layer):
 
 
 def test_every_clone_traced_at_once_sees_the_callers_keras_state():
-  """The clones of a mesh row trace as a strategy's replicas, each on a
-  thread of its own, where Keras's thread-local state (dtype policy,
-  distribution, seed generator) would be a new thread's."""
+  """A mesh row's leader traces its rows with Keras's global state (its
+  dtype policy, set after the model was built) as the caller set it."""
   def make():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))

@@ -178,11 +178,11 @@ def test_a_split_blocks_activations_never_meet_on_one_device(gated):
   """Read from the traced step: of the ops it runs, none makes a matrix
   of the hidden width (each device's parts are half of it: activations,
   kernels and their gradients; the bias, which the map leaves whole, is
-  a vector), through the gate's product, forward and backward. Each
-  block's product runs once a mesh row, on its device of the row ((b, 0)
-  and (b, 1) for the clones (b, m)), on the rows of the row's two clones
-  joined; each clone adds the row-parallel partial sums on its own
-  device."""
+  a vector), through the gate's product, forward and backward. A mesh
+  row is one clone spanning its devices: its leader (clone (b, 0)) takes
+  the row's rows, each block's product runs once on its device of the
+  row ((b, 0) and (b, 1)), and the leader adds the row-parallel partial
+  sums on its own device; the row's other clone takes no rows."""
   x, y = _data()
   graph = gated.towers.traced_step(tf.constant(x[:16]),
                                     (tf.constant(y[:16]),)).graph
@@ -197,24 +197,25 @@ def test_a_split_blocks_activations_never_meet_on_one_device(gated):
     if op.type == 'MatMul' and tuple(op.inputs[1].shape) == (
         FEATURES, HIDDEN // 2):
       products.setdefault(devices.canonical(op.device), []).append(
-          meshes.clones_of(op.inputs[0]))
-  assert products == {cpu[d]: [[0, 1], [0, 1]] if d < 2 else [[2, 3], [2, 3]]
+          meshes.clone_of(op.inputs[0]))
+  assert products == {cpu[d]: [0, 0] if d < 2 else [2, 2]
                       for d in range(4)}  # The gate's and up's blocks.
   sums = {op.name.split('/')[0]: devices.canonical(op.device) for op in ran
           if op.type == 'AddN' and '/down' in op.name}
-  assert sums == {f'clone_{i}': cpu[i] for i in range(4)}
+  assert sums == {'clone_0': cpu[0], 'clone_2': cpu[2]}
   # The backward pass runs where the forward did: no part of the hidden
-  # activations (4 rows a clone), nor of their gradients, crosses devices.
+  # activations (8 rows a leader), nor of their gradients, crosses
+  # devices.
   crossing = {tuple(t.shape) for t, *_ in traffic.crossings(graph)}
-  assert (4, HIDDEN // 2) not in crossing
-  assert (4, FEATURES) in crossing  # The rows, to each block's device.
+  assert (8, HIDDEN // 2) not in crossing
+  assert (8, FEATURES) in crossing  # The rows, to each block's device.
 
 
 def test_a_blocks_gradients_meet_once_a_mesh_row(gated):
-  """Read from the traced step: the clones of a mesh row compute block j
-  on one device as one product of their rows, so its gradient is made
+  """Read from the traced step: a mesh row's leader computes block j on
+  one device as one product of the row's rows, so its gradient is made
   there once, of the row's rows, and cut into its shards' pieces once a
-  row (2 rows x 2 blocks of each of 3 kernels), not once a clone."""
+  row (2 rows x 2 blocks of each of 3 kernels), not once a device."""
   x, y = _data()
   graph = gated.towers.traced_step(tf.constant(x[:16]),
                                     (tf.constant(y[:16]),)).graph
@@ -231,7 +232,7 @@ def test_a_blocks_gradients_meet_once_a_mesh_row(gated):
     assert made.type == 'MatMul' and made.get_attr('transpose_a')
     assert devices.canonical(made.device) == devices.canonical(op.device)
     row = cpu.index(devices.canonical(op.device)) // 2  # Device (row, j).
-    assert meshes.clones_of(made.inputs[0]) == [2 * row, 2 * row + 1]
+    assert meshes.clone_of(made.inputs[0]) == 2 * row
 
 
 @pytest.mark.parametrize('layer, shape, dim, product', [

@@ -69,8 +69,8 @@ def test_each_blocks_convolution_runs_once_a_mesh_row_on_its_device(towers):
   """Read from the traced step: each block's convolution, forward and
   its kernel's gradient, runs once a mesh row on its device of the row
   ((b, 0) and (b, 1) for the clones (b, m)), on the rows of the row's
-  two clones joined (the row-parallel one's: as the column-parallel one
-  made them, not joined again); no clone convolves with a whole
+  leader, clone (b, 0) (the row-parallel one's: as the column-parallel
+  one made them, not joined again); no clone convolves with a whole
   kernel."""
   x, y = _data()
   graph = towers.towers.traced_step(tf.constant(x[:16]),
@@ -92,16 +92,18 @@ def test_each_blocks_convolution_runs_once_a_mesh_row_on_its_device(towers):
           made = op.inputs[0].op
           assert made.type != 'ConcatV2' and devices.canonical(
               made.device) == devices.canonical(op.device), made.name
-    assert found == {cpu[d]: [[0, 1], [0, 1]] if d < 2 else [[2, 3], [2, 3]]
+    assert found == {cpu[d]: [0, 0] if d < 2 else [2, 2]
                      for d in range(4)}, kind
 
 
 def _clones_behind(rows):
-  """The clones whose rows made `rows`: those a concat joins, found
-  through the first input of each op before it."""
-  while rows.op.type != 'ConcatV2':
-    rows = rows.op.inputs[0]
-  return meshes.clones_of(rows)
+  """The clone whose rows made `rows`: the first one named, by an op or
+  its consumers, back through the first input of each op before it."""
+  while True:
+    try:
+      return meshes.clone_of(rows)
+    except StopIteration:  # No clone's scope names it: one step back.
+      rows = rows.op.inputs[0]
 
 
 class _Standardized(keras.layers.Conv2D):

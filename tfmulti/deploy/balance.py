@@ -182,3 +182,36 @@ class Fixed:
     """`value`, whatever the batch."""
     del images, labels, rows, current  # Fixed: nothing is measured.
     return self.value
+
+
+class OnLeaders:
+  """A shares policy whose shares are gathered onto the clones that take
+  rows: clone i's share goes to `leaders[i]` (where a layout computes
+  split kernels as blocks, a mesh row is one clone spanning its devices:
+  `sharding.Sharded.leaders`), the others get none. The policy sees its
+  own shares, never the gathered ones."""
+
+  def __init__(self, policy, leaders):
+    self.policy = policy
+    self.leaders = leaders
+    self._own = None  # The policy's last shares (None: equal).
+
+  def with_measure(self, measure):
+    """Itself, its policy measuring with `measure`."""
+    self.policy = self.policy.with_measure(measure)
+    return self
+
+  def measured(self):
+    """Whether the policy has what it waits for before a cut."""
+    return self.policy.measured()
+
+  def shares(self, images, labels, *, rows, current):
+    """The policy's shares of the next step, each given to its clone's
+    leader."""
+    del current  # The gathered shares: the policy keeps its own.
+    self._own = self.policy.shares(images, labels, rows=rows,
+                                   current=self._own)
+    gathered = [0] * len(self.leaders)
+    for clone, share in enumerate(self._own or [1] * len(self.leaders)):
+      gathered[self.leaders[clone]] += share
+    return tuple(gathered)

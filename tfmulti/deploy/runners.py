@@ -4,14 +4,12 @@
 step never asks again:
 
   WholeClones     each clone whole on its device (slim's towers), its
-                  pieces (one, or its atoms) through `pieces.Body`
+                  pieces (one, or its atoms) through `pieces.Body`; with
+                  split kernels, a mesh row's leader takes its rows and
+                  computes each block on its device (`tensor_parallel`)
   LockstepClones  the clones as the replicas of a MirroredStrategy over
                   the clone devices, all at once, every BatchNorm
                   synchronized (`sync_batch_norm`)
-  RowsInLockstep  as WholeClones, the clones traced at once as such
-                  replicas where each has one piece with rows, so a
-                  split kernel's block multiplies its mesh row's rows in
-                  one product (variable layouts with a compute axis)
   StagedClones    each clone cut into stages on their devices, fed with
                   micro-batches in its schedule's order (`pipeline.Stages`)
 
@@ -143,42 +141,6 @@ class LockstepClones(WholeClones):
            for x, y, mine in zip(images, labels, clone_pieces)], terms,
           _scopes(self.config))
     return [(*result[:-1], [result[-1]]) for result in results]
-
-
-class RowsInLockstep(WholeClones):
-  """As `WholeClones`, but where every clone runs one piece with rows,
-  the clones are traced at once as the replicas of `strategy` (a
-  `MirroredStrategy` over the clone devices), so each split kernel's
-  block multiplies its mesh row's rows in one product on its device
-  (`tensor_parallel`, merged), not one a clone: the runner of variable
-  layouts whose kernels compute where their blocks live."""
-
-  def __init__(self, config, model, loss_fn, options, strategy, **parts):
-    super().__init__(config, model, loss_fn, options, **parts)
-    self.strategy = strategy
-
-  def run(self, clone_pieces, images, labels, terms):
-    live = [[piece for piece in mine if piece.rows] for mine in clone_pieces]
-    if (self.run_pieces is not atoms.run_whole
-        or any(len(mine) != 1 for mine in live)
-        # Clones of other rows may call a layer other times (Python that
-        # reads its rows): one clone at a time, meeting nowhere.
-        or len({mine[0].rows for mine in live}) != 1
-        or tf.distribute.has_strategy()):  # A worker's, of one worker.
-      return super().run(clone_pieces, images, labels, terms)
-    reads = _packed_reads(self.config, self.storage.variables, self.packs)
-
-    def variables(i):
-      return (reads(self.config.clone_device(i)),
-              values_of(self.model.non_trainable_variables))
-    with self.storage.merging():
-      results = towers_in_strategy.run_clones_in_lockstep(
-          self.strategy, self.body, variables,
-          [(x, y, mine[0].penalty, mine[0].offset + terms.shift)
-           for mine, x, y in zip(live, images, labels)],
-          terms, _scopes(self.config))
-    return self.storage.met([(*result[:-1], [result[-1]])
-                             for result in results])
 
 
 class StagedClones:

@@ -433,12 +433,6 @@ def compose(config, model, loss_fn, options, shares=None, storage=None):
     runner = runners.LockstepClones(
         config, model, loss_fn, options,
         towers_in_strategy.lockstep_strategy(config))
-  elif storage.splits and config.num_workers == 1:
-    # Across workers the towers run in a strategy's replica already.
-    runner = runners.RowsInLockstep(
-        config, model, loss_fn, options,
-        towers_in_strategy.lockstep_strategy(config), packs=gradient_packs,
-        run_pieces=combine.run_pieces, storage=storage)
   else:
     runner = runners.WholeClones(config, model, loss_fn, options,
                                  gradient_packs, combine.run_pieces,
@@ -447,6 +441,8 @@ def compose(config, model, loss_fn, options, shares=None, storage=None):
   shares = shares or (balance.Balancer(options.rebalance_every_steps)
                       if options.auto_shares else balance.Fixed(
                           options.fixed_shares))
+  if storage.splits and not layouts.is_staged(config, options):
+    shares = balance.OnLeaders(shares, storage.leaders())
   return Parts(
       runner,
       combine(config, storage.variables, combiners.States(

@@ -113,7 +113,6 @@ class Sharded:
     self.tables = tables or {}
     self.splits = splits or {}
     self.mesh = mesh
-    self.merged = None  # Set while clones trace at once (`merging`).
     self.devices = [devices.device_of(v) for v in variables]
     self.records = tuple(self._records())
     self.in_place = frozenset(
@@ -158,18 +157,24 @@ class Sharded:
     tables = [t for reading in readings for t in reading.tables]
     blocks = [b for reading in readings for b in reading.blocks]
     return ([reading.value for reading in readings], sources,
-            _in_place(tables, blocks, self.merged))
+            _in_place(tables, blocks))
 
-  @contextlib.contextmanager
-  def merging(self):
-    """Inside, the clones trace at once as a strategy's replicas into the
-    current graph, and each split kernel's block multiplies its mesh
-    row's rows in one product (`tensor_parallel.computing(merged=)`)."""
-    self.merged = tf.compat.v1.get_default_graph()
-    try:
-      yield
-    finally:
-      self.merged = None
+  def leaders(self):
+    """Each clone's mesh row's leader: the clone at coordinate 0 on every
+    axis a split kernel's blocks lie along. A mesh row is one clone
+    spanning its devices (Megatron's structure): its leader takes the
+    row's rows and computes each block on the block's device, once for
+    the row; the row's other clones hold blocks and take no rows (traced
+    once a row, not once a device: docs/design.md)."""
+    shape = self.mesh[0]
+    axes = {axis for _, _, axis in self.splits.values()}
+    found = []
+    for i in range(math.prod(shape)):
+      coordinates = list(np.unravel_index(i, shape))
+      for axis in axes:
+        coordinates[axis] = 0
+      found.append(int(np.ravel_multi_index(coordinates, shape)))
+    return tuple(found)
 
   def _homes(self, here, axis, count):
     """The devices of clone `here`'s mesh row along mesh axis `axis`."""
@@ -212,11 +217,10 @@ class Sharded:
     """The clones' `results` (`runners`: a pass's, its gradients of
     `variables` fourth; None: a clone with no rows) with each split
     kernel's blocks' gradients summed where they were made over the
-    clones of each mesh row (each computes block j on one device), and
-    cut into their shards' pieces there: one cut and one piece sent a
-    row, not a clone (Megatron's sum over its data-parallel group). The
-    first clone of the row with a gradient of the block carries its
-    pieces; the others none."""
+    clones that made them there (a mesh row's leader, `leaders`; any
+    clone that computed rows, across workers), and cut into their
+    shards' pieces there: one cut and one piece sent a block's device.
+    The first such clone carries the pieces; the others none."""
     if not self.splits:
       return results
     gradients = [r and list(r[3]) for r in results]
@@ -395,12 +399,10 @@ class Blocks:
 
 
 @contextlib.contextmanager
-def _in_place(tables, blocks, merged):
+def _in_place(tables, blocks):
   """Inside, `tables` are looked up and the split kernels' layers computed
-  as their `blocks` where they are (`merged`: the graph where they are
-  computed once a mesh row)."""
-  with lookups.looking_up(tables), tensor_parallel.computing(blocks,
-                                                             merged):
+  as their `blocks` where they are."""
+  with lookups.looking_up(tables), tensor_parallel.computing(blocks):
     yield
 
 

@@ -34,12 +34,12 @@ another layer reads it whole.
 Each part runs under a custom gradient (`on`) that takes its backward
 pass on the part's device too: a tape makes each op's gradient where the
 gradient is taken, the clone's device. Each block's product is one 2-D
-matmul of the rows where the subscripts allow (`_product`). With the
-clones traced at once as a strategy's replicas (`computing(merged=...)`,
-`runners.RowsInLockstep`), each block's product is made once for the
-rows of every clone of the mesh row, forward and backward (`_merged`).
-The tape watches each block where it is joined; the storage sums a
-block's gradients over the clones of a mesh row there and cuts the sum
+matmul of the rows where the subscripts allow (`_product`). A mesh row
+is one clone spanning its devices (Megatron's structure): the clone at
+coordinate 0 on the split axes takes the row's rows and traces them
+once, each block's product on its device (`sharding.Sharded.leaders`);
+the row's other clones hold blocks and take no rows. The tape watches
+each block where it is joined; the storage cuts the block's gradient
 into its shards' pieces (`sharding.Sharded.met`). Elementwise ops replayed on
 parts are differentiated as ops: a custom gradient of theirs
 (`tf.nn.silu`'s, which saves memory) gives way to their own, equal to
@@ -56,14 +56,12 @@ channels-first, grouped or split along its window are computed whole
 import contextlib
 import functools
 import inspect
-import itertools
 import re
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmulti import errors
 from tfmulti import keras_internals
 
 # The name scope of each part's ops, forward and backward (`on`): what
@@ -137,17 +135,13 @@ def _plain(layer):
 
 
 @contextlib.contextmanager
-def computing(layers_and_blocks, merged=None):
+def computing(layers_and_blocks):
   """Inside, each layer of `layers_and_blocks` (layer, split dimension,
   kernel blocks, their devices) computes as blocks where they are, its
-  outputs' parts kept for the next (`Parts`); `merged`: the graph the
-  clones trace into at once, as a strategy's replicas, where each
-  block's product is made once for the rows of every clone of a mesh
-  row (`_merged`; not in a graph of its own inside it, a loop's or a
-  branch's, where a strategy cannot merge: there, one a clone)."""
+  outputs' parts kept for the next (`Parts`)."""
   parts = Parts()
   with keras_internals.calling(
-      [(layer, _call(layer, dim, blocks, homes, parts, merged))
+      [(layer, _call(layer, dim, blocks, homes, parts))
        for layer, dim, blocks, homes in layers_and_blocks]):
     yield
 
@@ -172,9 +166,8 @@ def axis_of(subscripts, label, rank):
   return subscripts.index(label) - rank
 
 
-def _call(layer, dim, blocks, homes, parts, merged):
+def _call(layer, dim, blocks, homes, parts):
   keras_call = type(layer).call.__get__(layer)
-  calls = itertools.count()  # This replica's calls: its meetings' keys.
   inputs_spec, kernel_spec, outputs_spec = specs(layer)
   label = kernel_spec[dim]
   product = _product(layer)
@@ -193,11 +186,7 @@ def _call(layer, dim, blocks, homes, parts, merged):
     if label in inputs_spec:
       pieces = parts.of(inputs, axis_of(inputs_spec, label,
                                         inputs.shape.rank), homes)
-    if merged is tf.compat.v1.get_default_graph():
-      products = functools.partial(_merged, part, homes, layer.name,
-                                   next(calls))
-    else:
-      products = functools.partial(_each, part, homes)
+    products = functools.partial(_each, part, homes)
     if label not in outputs_spec:  # Partial sums: added here.
       return _finished(layer, tf.add_n(products(list(zip(pieces, blocks)))))
     axis = axis_of(outputs_spec, label, _rank(inputs, inputs_spec,
@@ -215,157 +204,6 @@ def _each(part, homes, blocks):
   """`part(rows, *weights)` of each block's (rows, *weights) of
   `blocks` on its home, for this clone's rows."""
   return [on(home, part, *block) for block, home in zip(blocks, homes)]
-
-
-def _merged(part, homes, name, call, blocks):
-  """As `_each`, each block's product made once for the clones of this
-  clone's mesh row (those whose block has the same home), traced at once
-  as the replicas of a strategy: on its home, the row's rows joined, one
-  product (Megatron's one matmul a block for its data-parallel group's
-  batch, not one a clone), its outputs cut back into each clone's;
-  backward likewise, the weights' gradient, summed over the row's rows,
-  given to the row's first clone and None to the others (`sharding`'s
-  meet sums what the clones give). The products are made in the
-  strategy's merge, outside every tape; to each clone's tape its part is
-  one op, on the home. Every meeting is keyed by the layer, this
-  replica's `call` of it, the block and the direction, and every replica
-  must bring the same key (`_meeting`)."""
-  context = tf.distribute.get_replica_context()
-  me = int(tf.get_static_value(context.replica_id_in_sync_group))
-  return [_merged_block(context, me, part, home, block, f'{name}#{call}.{j}')
-          for j, (home, block) in enumerate(zip(homes, blocks))]
-
-
-def _merged_block(context, me, part, home, block, key):
-  """`_merged`'s product of one block: (rows, *weights) `block`, its ops
-  under the layer's name (`key`'s first part). The merge runs before the
-  custom gradient, whose part takes its output as an input: tracing it
-  walks back from its outputs to its inputs, which would otherwise reach
-  every other clone's pass through the joined rows."""
-  made, kept = context.merge_call(
-      _meeting, args=(f'{key} forward', _Payload(part, home, block)))
-
-  @tf.custom_gradient
-  def run(*inputs):
-    def gradient(output_gradient):
-      if output_gradient is None:
-        output_gradient = tf.zeros_like(made[me])
-      return context.merge_call(_meeting, args=(
-          f'{key} backward', _Payload(kept, output_gradient)))[me] + [None]
-    return tf.identity(inputs[-1]), gradient
-  with tf.device(home), tf.name_scope(SCOPE):  # Its identities too.
-    return run(*block, made[me])
-
-
-class _Payload:
-  """What a replica brings to a meeting, one object to the strategy (it
-  regroups each replica's as they are, whatever their structure): so
-  replicas at different meetings reach `_meeting`, which names them."""
-
-  def __init__(self, *values):
-    self.values = values
-
-
-def _meeting(strategy, key, payload):
-  """A meeting of the replicas at `key` ('layer#call.block direction'):
-  the forward or backward merge of their payloads; a replica at another
-  meeting is refused in one line."""
-  keys = _local(strategy, key)
-  if len(set(keys)) != 1:
-    found = ', '.join(f'clone {r} at {k}' for r, k in enumerate(keys))
-    raise errors.UnsupportedError(
-        f'the clones of a mesh row met a split layer differently ({found}): '
-        'a split kernel\'s blocks compute a mesh row\'s rows at once, so '
-        'each clone must call the layer alike; make its calls independent '
-        'of the clone, or keep its kernel whole (no compute axis).')
-  payloads = [p.values for p in _local(strategy, payload)]
-  name = keys[0].split('#')[0]
-  if keys[0].endswith('forward'):
-    return _merged_forward(payloads, name)
-  return _merged_backward(payloads)
-
-
-def _local(strategy, value):
-  """`value` as each replica gave it to a merge."""
-  count = strategy.num_replicas_in_sync
-  if isinstance(value, tf.distribute.DistributedValues):
-    return strategy.experimental_local_results(value)
-  return (value,) * count
-
-
-def _merged_forward(payloads, name):
-  """The merge of `_merged_block`'s forward: for each mesh row (the
-  replicas whose block has one home), the row's rows joined on the home
-  and multiplied once, watched by a tape kept for the backward merge;
-  returns (each replica's output, the kept products)."""
-  part = payloads[0][0]  # Alike: the layer's.
-  homes = [home for _, home, _ in payloads]
-  inputs = [block for _, _, block in payloads]
-  rows = {}
-  for r, device in enumerate(homes):
-    rows.setdefault(device, []).append(r)
-  outputs, kept = {}, []
-  for device, members in rows.items():
-    sizes = tf.stack([tf.shape(inputs[r][0])[0] for r in members])
-    # From the root: the merge runs in the first replica's name scope.
-    with (tf.device(device), tf.name_scope(''), tf.name_scope(SCOPE),
-          tf.name_scope(name)):
-      with tf.GradientTape() as tape:
-        pieces = [inputs[r][0] for r in members]
-        joined = _rejoined(pieces)
-        if joined is None:
-          joined = tf.concat(pieces, 0)
-        weights = list(inputs[members[0]][1:])
-        tape.watch([joined] + weights)
-        y = part(joined, *weights)
-      outputs.update(zip(members, tf.split(y, sizes, num=len(members))))
-    kept.append((tape, joined, weights, y, members, sizes, device))
-  return [outputs[r] for r in range(len(homes))], _Kept(kept)
-
-
-def _rejoined(pieces):
-  """The tensor a row's product made that `pieces` were cut from, in
-  order (`_merged_forward`'s cut by rows, through each clone's
-  identities: a column-parallel layer's parts, read as they are by a
-  row-parallel one), else None: joined again, they would be copied."""
-  found = []
-  for t in pieces:
-    while t.op.type in ('Identity', 'IdentityN'):
-      t = t.op.inputs[t.value_index]
-    found.append(t)
-  cut = found[0].op
-  if (cut.type == 'SplitV' and len(cut.outputs) == len(found)
-      and tf.get_static_value(cut.inputs[2]) == 0
-      and all(t.op is cut and t.value_index == i
-              for i, t in enumerate(found))):
-    return cut.inputs[0]
-  return None
-
-
-def _merged_backward(payloads):
-  """The merge of `_merged_block`'s backward: each kept product's
-  gradients, its rows' cut back to each replica, its weights' to the
-  row's first."""
-  kept = payloads[0][0]  # Alike: the meeting's key says so.
-  output_gradients = [gradient for _, gradient in payloads]
-  gradients = [None] * len(output_gradients)
-  for tape, joined, weights, y, members, sizes, device in kept.products:
-    with tf.device(device), tf.name_scope(''), tf.name_scope(SCOPE):
-      dy = tf.concat([output_gradients[r] for r in members], 0)
-      dx, *dweights = tape.gradient(y, [joined] + weights,
-                                    output_gradients=dy)
-      for r, piece in zip(members, tf.split(dx, sizes, num=len(members))):
-        gradients[r] = [piece] + (dweights if r == members[0] else
-                                  [None] * len(weights))
-  return gradients
-
-
-class _Kept:
-  """A merge's products, kept from its forward for its backward: one
-  object, which a strategy hands to every replica as it is."""
-
-  def __init__(self, products):
-    self.products = products
 
 
 def _product(layer):
