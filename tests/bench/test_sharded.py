@@ -26,6 +26,11 @@ def test_a_joined_lenet_holds_and_moves_a_ring_s_bytes():
   assert sharded['max_activations_of_p'] == 0
   assert report['step_vs_spread'] > 0
   assert 'sharded / spread step' in bench.format_report(report)
+  first = report['first_step_s']
+  assert set(first) == {'sharded', 'spread', 'plain'}
+  assert all(seconds > 0 for seconds in first.values())
+  assert 'first step (trace and run) s: sharded' in bench.format_report(
+      report)
 
 
 @pytest.mark.slow

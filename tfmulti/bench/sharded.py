@@ -31,7 +31,9 @@ busiest device holds at most 1.1 / N of the bytes and moves at most
 1.1 x 2 (N-1)/N x P each way. Then it times `--steps` steps of each in
 alternating `--rounds` (the target: sharded at most 1.15x spread's
 median); logical CPUs share the cores, so the time shows the gathers'
-and cuts' own cost, not their overlap.
+and cuts' own cost, not their overlap. First it times each variant's
+first step on a fresh deployment (trace, graph optimization, run), and
+plain Keras `train_on_batch` of the model on one device.
 """
 
 import argparse
@@ -108,11 +110,38 @@ def _deployed(variant, args):
          else {'variables_device': placement.SPREAD}))
   if variant == 'spread':  # Spread variables are placed as they are made.
     model = _model(args, config.variables_scope())
-  loss = keras.losses.SparseCategoricalCrossentropy(
-      from_logits=args.model == LLAMA or models.ends_in_logits(args.model))
-  return towers_lib.deploy(config, model, loss,
-                           keras.optimizers.SGD(0.1, momentum=0.9),
+  return towers_lib.deploy(config, model, _loss(args), _optimizer(),
                            gradient_packs=args.gradient_packs)
+
+
+def _loss(args):
+  return keras.losses.SparseCategoricalCrossentropy(
+      from_logits=args.model == LLAMA or models.ends_in_logits(args.model))
+
+
+def _optimizer():
+  return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def first_step_seconds(variant, args):
+  """Seconds of a fresh deployment's first step, its trace, graph
+  optimization and run: `variant` (`_deployed`'s), or 'plain': Keras's
+  own `train_on_batch` of the model on one device, on the whole batch."""
+  images, labels = _batch(args)
+  if variant == 'plain':
+    model = _model(args)
+    model.compile(optimizer=_optimizer(), loss=_loss(args))
+
+    def step():
+      return float(model.train_on_batch(images, labels))
+  else:
+    deployed = _deployed(variant, args)
+
+    def step():
+      return float(deployed.train_step_outputs(images, labels).total)
+  start = time.perf_counter()
+  step()
+  return time.perf_counter() - start
 
 
 def _batch(args):
@@ -177,6 +206,8 @@ def run(args):
             'targets': {'held_of_total': HELD_SLACK / n,
                         'moved_of_p': MOVED_SLACK * 2 * (n - 1) / n,
                         'step_vs_spread': STEP_SLACK}}
+  report['first_step_s'] = {variant: first_step_seconds(variant, args)
+                            for variant in ('sharded', 'spread', 'plain')}
   deployed = {}
   for variant in ('sharded', 'spread'):
     deployed[variant], report['variants'][variant] = measure(variant, args)
@@ -206,6 +237,9 @@ def format_report(report):
         f"{statistics.median(result['step_s']) * 1e3:.1f} ms")
   lines.append(f"sharded / spread step: {report['step_vs_spread']:.3f} "
                f"(target at most {targets['step_vs_spread']})")
+  first = report['first_step_s']
+  lines.append('first step (trace and run) s: ' + ', '.join(
+      f'{variant} {seconds:.1f}' for variant, seconds in first.items()))
   return '\n'.join(lines)
 
 

@@ -20,10 +20,19 @@ from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti.mesh import shard_views
 
-# Where a run stands: `step` global steps done; `epoch` (0-based) is in
-# progress and `epoch_examples` of its examples have been trained on.
-Position = collections.namedtuple('Position',
-                                  ['step', 'epoch', 'epoch_examples'])
+
+class Position(collections.namedtuple(
+    'Position', ['step', 'epoch', 'epoch_examples'])):
+  """Where a run stands: `step` global steps done; `epoch` (0-based) is in
+  progress and `epoch_examples` of its examples have been trained on.
+  Both doors resume from it (`steps_done`)."""
+
+  def steps_done(self, rows):
+    """The steps of its epoch done, in batches of `rows` rows (the global
+    batch's: a resumed run may batch otherwise than the one that saved):
+    the command line's dataset skips them, `fit` reads them and trains
+    nothing (Keras's loop counts every step of an epoch)."""
+    return self.epoch_examples // rows
 _FIELDS = Position._fields
 _METRICS = 'metrics'
 

@@ -208,7 +208,7 @@ class Backup(keras.callbacks.Callback):
     position, prefix = self._pending
     self._pending = None
     _restored(self._held(), prefix, self.model.model)
-    steps = min(position.epoch_examples // rows, self.steps_per_epoch)
+    steps = min(position.steps_done(rows), self.steps_per_epoch)
     logging.info('restored %s: epoch %d, %d steps done in it', prefix,
                  self._epoch + 1, steps)
     return steps

@@ -160,21 +160,10 @@ class Sharded:
             _in_place(tables, blocks))
 
   def leaders(self):
-    """Each clone's mesh row's leader: the clone at coordinate 0 on every
-    axis a split kernel's blocks lie along. A mesh row is one clone
-    spanning its devices (Megatron's structure): its leader takes the
-    row's rows and computes each block on the block's device, once for
-    the row; the row's other clones hold blocks and take no rows (traced
-    once a row, not once a device: docs/design.md)."""
-    shape = self.mesh[0]
-    axes = {axis for _, _, axis in self.splits.values()}
-    found = []
-    for i in range(math.prod(shape)):
-      coordinates = list(np.unravel_index(i, shape))
-      for axis in axes:
-        coordinates[axis] = 0
-      found.append(int(np.ravel_multi_index(coordinates, shape)))
-    return tuple(found)
+    """Each clone's mesh row's leader (`leaders`) along the axes its split
+    kernels' blocks lie along."""
+    return leaders(self.mesh[0],
+                   {axis for _, _, axis in self.splits.values()})
 
   def _homes(self, here, axis, count):
     """The devices of clone `here`'s mesh row along mesh axis `axis`."""
@@ -396,6 +385,23 @@ class Blocks:
           block = read[j] if block is None else block + read[j]
       slots[members[0]] = block
     return slots
+
+
+def leaders(mesh_shape, axes):
+  """Each device's mesh row's leader, on a mesh of `mesh_shape` whose
+  split kernels' blocks lie along `axes` (indices): the device of its row
+  at coordinate 0 on each of them. A mesh row is one clone spanning its
+  devices (Megatron's structure): its leader takes the row's rows and
+  computes each block on the block's device, once for the row; the row's
+  other clones hold blocks and take no rows (the model is traced once a
+  row, not once a device: docs/design.md)."""
+  found = []
+  for i in range(math.prod(mesh_shape)):
+    coordinates = list(np.unravel_index(i, mesh_shape))
+    for axis in axes:
+      coordinates[axis] = 0
+    found.append(int(np.ravel_multi_index(coordinates, mesh_shape)))
+  return tuple(found)
 
 
 @contextlib.contextmanager

@@ -40,9 +40,9 @@ class Epochs:
 def chain(run, position, runner):
   """`Epochs` from `position` (its epoch's remaining batches first) to the
   run's last step or `EPOCHS_AN_ITERATOR` epochs, read by `runner`."""
-  step, epoch, examples = position
+  step, epoch, _ = position
   steps_per_epoch = run.dataset.train_examples // run.global_batch_size
-  skip = examples // run.global_batch_size
+  skip = position.steps_done(run.global_batch_size)
   epochs_left = -(-(run.total_steps - step + skip) // steps_per_epoch)
   end = epoch + max(1, min(EPOCHS_AN_ITERATOR, epochs_left))
   batches = run.dataset.train_epoch(epoch, skip_batches=skip)

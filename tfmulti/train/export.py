@@ -11,10 +11,11 @@ checkpoint) the model is written twice into `<model_dir>/export/<step>/`:
   `logits` and class `probabilities`;
 * `model.keras`, the Keras model file.
 
-Both hold a fresh copy of the model built outside any device or strategy
-scope, so they load and run on one device whatever path trained them, in a
-process that never imports tfmulti. The export is written under a temporary
-name and renamed, so a half-written export never sits under its final name.
+Both hold the model's variables whole (a sharded one joined on the host
+while it is written) and no device, so they load and run on one device
+whatever path trained them, in a process that never imports tfmulti. The
+export is written under a temporary name and renamed, so a half-written
+export never sits under its final name.
 """
 
 import argparse
@@ -31,6 +32,7 @@ import tensorflow as tf
 from tfmulti import errors
 from tfmulti import models
 from tfmulti.engine import checkpoints
+from tfmulti.mesh import sharding
 from tfmulti.train import run_dir
 
 EXPORT_DIR = 'export'
@@ -38,32 +40,24 @@ KERAS_FILE = 'model.keras'
 SIGNATURE = 'serving_default'
 
 
-def one_device_copy(model, input_shape):
-  """A copy of `model` with its weights, in no device scope: a functional
-  or Sequential model's graph of layers copied, a subclassed one made
-  again from its config and built on `input_shape` (one image's)."""
-  copy = keras.models.clone_model(model)
-  # A root scope name has no leading '_' (Keras names a class '_Net'
-  # '__net'), and saving traces the model at the root.
-  copy.name = copy.name.lstrip('_') or 'model'
-  if not copy.built:
-    copy(keras.KerasTensor((None, *input_shape)))
-  copy.set_weights(model.get_weights())
-  return copy
-
-
 def _write(model, directory, input_shape):
-  copy = one_device_copy(model, input_shape)
-  archive = keras.export.ExportArchive()
-  archive.track(copy)
+  """The SavedModel and the Keras file of `model`, its sharded variables
+  whole on the host while they are written (`sharding.whole_on_host`, as
+  `TowersModel.export`): the one way either door exports."""
+  with sharding.whole_on_host(model):
+    archive = keras.export.ExportArchive()
+    archive.track(model)
 
-  def serve(images):
-    logits = tf.cast(copy(images, training=False), tf.float32)
-    return {'logits': logits, 'probabilities': tf.nn.softmax(logits)}
-  archive.add_endpoint(SIGNATURE, serve, input_signature=[tf.TensorSpec(
-      (None, *input_shape), tf.float32, name='images')])
-  archive.write_out(directory, verbose=False)
-  copy.save(os.path.join(directory, KERAS_FILE))
+    def serve(images):
+      # Under a scope: the model's own opens its name, which TensorFlow
+      # refuses at the root when it starts with '_' ('__net').
+      with tf.name_scope(SIGNATURE):
+        logits = tf.cast(model(images, training=False), tf.float32)
+      return {'logits': logits, 'probabilities': tf.nn.softmax(logits)}
+    archive.add_endpoint(SIGNATURE, serve, input_signature=[tf.TensorSpec(
+        (None, *input_shape), tf.float32, name='images')])
+    archive.write_out(directory, verbose=False)
+    model.save(os.path.join(directory, KERAS_FILE))
 
 
 def export(model, model_dir, step, input_shape):
