@@ -84,3 +84,18 @@ def test_the_command_line_trains_a_dataset_prepared_in_data_dir(
   job = json.loads((model_dir / 'job.json').read_text())['job']
   assert (job['num_classes'], job['input_shape']) == (3, [28, 28, 3])
   assert (job['train_examples'], job['test_examples']) == (48, 12)
+
+
+def test_the_first_preparation_of_digits_is_quiet(tmp_path, capfd, caplog):
+  """No download text, no progress bar's escape codes where stderr is no
+  terminal, and no warning about TFDS's own folders: one log line says
+  the dataset is prepared, once."""
+  import tfmulti.digits  # noqa: F401  Registers the builder.
+  caplog.set_level('INFO')
+  data.load('digits', global_batch_size=8, data_dir=str(tmp_path))
+  out, err = capfd.readouterr()
+  for said in (out + err, caplog.text):
+    assert 'Downloading and preparing' not in said
+    assert '\x1b[' not in said
+    assert 'Variant folder' not in said
+  assert caplog.text.count("preparing dataset 'digits'") == 1

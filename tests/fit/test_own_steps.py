@@ -455,3 +455,17 @@ def test_an_own_step_with_steps_per_execution_trains_as_plain_fit():
       _guide_model, dict(x=x, y=y, batch_size=BATCH, epochs=2),
       dict(optimizer='adam', loss='mse', metrics=['mae'],
            steps_per_execution=2)))
+
+
+@pytest.mark.slow
+def test_an_own_step_accumulates_with_the_optimizers_own_option():
+  """`accumulation_steps` is refused for an own step (each run of the step
+  applies an update); Keras's `gradient_accumulation_steps=` on its
+  optimizer accumulates inside `apply`: 3 steps an update, as plain
+  `fit`."""
+  x, y = _data()
+  _assert_same(*_fit_both(
+      _guide_model, dict(x=x, y=y, batch_size=BATCH, epochs=2),
+      lambda: dict(optimizer=keras.optimizers.Adam(
+          0.01, gradient_accumulation_steps=3), loss='mse',
+          metrics=['mae'])))

@@ -133,7 +133,7 @@ def first_step_seconds(variant, args):
     model.compile(optimizer=_optimizer(), loss=_loss(args))
 
     def step():
-      return float(model.train_on_batch(images, labels))
+      return model.train_on_batch(images, labels, return_dict=True)['loss']
   else:
     deployed = _deployed(variant, args)
 

@@ -11,10 +11,14 @@ or its one `Image` and one `ClassLabel` feature. Evaluation reads its
 
 import contextlib
 import fcntl
+import io
+import logging as std_logging
 import os
 import socket
+import sys
 from urllib import parse
 
+from absl import logging
 import tensorflow_datasets as tfds
 
 from tfmulti import errors
@@ -43,7 +47,13 @@ def _check_reachable(name, builder):
 
 
 def _builder(name, data_dir):
-  """The prepared builder of `name`, preparing it if it can be."""
+  """The prepared builder of `name`, preparing it if it can be, quietly
+  (`_quiet`)."""
+  with _quiet():
+    return _prepared_builder(name, data_dir)
+
+
+def _prepared_builder(name, data_dir):
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except tfds.core.registered.DatasetNotFoundError:
@@ -81,6 +91,7 @@ def _one_preparer(name, data_dir):
 
 def _prepare(name, data_dir, builder):
   """Downloads and prepares `name` with `builder`."""
+  logging.info('preparing dataset %r in %s (once)', name, builder.data_dir)
   try:
     builder.download_and_prepare()
   except OSError as e:  # Disk full, or the directory vanished or is locked.
@@ -89,6 +100,35 @@ def _prepare(name, data_dir, builder):
     raise errors.DatasetUnavailableError(
         f'dataset {name!r} cannot be prepared here: '
         f'{errors.first_line(e)}') from e
+
+
+class _NotAboutItsOwnFolders(std_logging.Filter):
+  """Drops TFDS's warnings about a variant folder without its
+  `dataset_info.json` (not prepared: `_builder` prepares it, or says
+  why it cannot)."""
+
+  def filter(self, record):
+    return not str(record.msg).startswith('Variant folder')
+
+
+@contextlib.contextmanager
+def _quiet():
+  """Inside, TFDS reads and prepares quietly: its download lines (printed)
+  go to the log's debug level, its progress bar shows only on a terminal
+  (no escape codes in a log file), and its warnings about a folder not
+  prepared yet, which it is about to prepare, are dropped."""
+  printed = io.StringIO()
+  dropped = _NotAboutItsOwnFolders()
+  std_logging.getLogger('absl').addFilter(dropped)
+  tfds.display_progress_bar(sys.stderr.isatty())
+  try:
+    with contextlib.redirect_stdout(printed):
+      yield
+  finally:
+    tfds.display_progress_bar(True)  # TFDS's default.
+    std_logging.getLogger('absl').removeFilter(dropped)
+    for line in filter(None, printed.getvalue().splitlines()):
+      logging.debug('tfds: %s', line)
 
 
 def _cannot_prepare(name, data_dir, error):

@@ -9,13 +9,13 @@ devices=...))`. On TensorFlow, Keras accepts it and trains on one device
 order, and a `ModelParallel` into the same clones with its layout map's
 variable layouts (`mesh_layouts`): each variable a layout splits is stored
 as its shards over the mesh (`sharding`). Every device of the mesh is a
-clone with its own rows (where JAX feeds the rows over the batch axis
-alone): the same update, to round-off. Each clone gathers the shards it
-computes with; a Dense or convolution kernel split over an axis other
-than the batch axis is computed where its blocks live instead, in the
-devices of the clone's mesh row along it, each block gathered there over
-the batch axis alone (`tensor_parallel`), and a table looked up where
-its rows live (`lookups`). Tensor layouts (a layer's outputs) name how JAX
+clone with its own rows: the same update, to round-off. Each clone
+gathers the shards it computes with; a Dense or convolution kernel split
+over an axis other than the batch axis is computed where its blocks live
+instead, each block gathered there over the batch axis alone
+(`tensor_parallel`), and then a mesh row is one clone spanning its
+devices: its leader takes the row's rows, as JAX feeds the rows over the
+batch axis alone; a table is looked up where its rows live (`lookups`). Tensor layouts (a layer's outputs) name how JAX
 computes, not what is trained: the towers do not read them.
 """
 
