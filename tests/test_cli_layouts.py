@@ -51,6 +51,12 @@ def layout_map(device_mesh):
   return layouts
 
 
+def misspelt(device_mesh):
+  layouts = keras.distribution.LayoutMap(device_mesh)
+  layouts['hiden/kernel'] = ('batch', 'model')
+  return layouts
+
+
 def not_a_map(device_mesh):
   return {'hidden/kernel': ('batch', 'model')}
 """
@@ -128,6 +134,12 @@ def test_planned_tables_train_as_plain_towers(run_train, user_module,
     (dict(MESH, layout_map='model', model='{module}:dense'),
      r"layout_map='model': model '\w+' \(nor a backbone of it\) has no "
      r'get_layout_map\(device_mesh\)'),
+    (dict(MESH, layout_map='{module}:misspelt', model='{module}:dense',
+          strict_layout_map=True),
+     r"layout map key 'hiden/kernel' matches no variable of model '\w+' "
+     r'\(strict_layout_map\); the nearest paths: hidden/kernel'),
+    (dict(strict_layout_map=True),
+     r'--strict_layout_map without --mesh_shape: there is no layout map'),
 ])
 def test_a_bad_mesh_stops_with_one_line(tmp_path, user_module, digits_dir,
                                         values, message):

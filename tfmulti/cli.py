@@ -83,6 +83,10 @@ _PLAN_TABLES = flags.DEFINE_bool(
     'rule of the layout map names is laid out whole, by rows or by columns, '
     'balancing the bytes each device holds and looks up (--layout_map '
     'optional).')
+_STRICT_LAYOUT_MAP = flags.DEFINE_bool(
+    'strict_layout_map', False, 'With --mesh_shape: a layout map key that '
+    "matches no variable (nor names a layer's output) stops the run, naming "
+    'the nearest variable paths; else a warning.')
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 64, 'Examples per clone per step (as in slim); the global '
     'batch is batch_size * num_clones * workers.')
@@ -341,13 +345,18 @@ def _variables_device(value, variables_gpu):
   return None if variables_gpu is None else f'/device:GPU:{variables_gpu}'
 
 
-def _variable_layouts(shape, axes, layout_map, plan_tables, strategy):
+def _variable_layouts(shape, axes, layout_map, plan_tables, strategy,
+                      strict_layout_map=False):
   """The `DeploymentConfig` value of --mesh_shape, --mesh_axes,
-  --layout_map and --plan_tables: a `mesh_layouts.VariableLayouts`, or
-  None without them."""
+  --layout_map, --plan_tables and --strict_layout_map: a
+  `mesh_layouts.VariableLayouts`, or None without them."""
   given = {'mesh_shape': shape, 'mesh_axes': axes,
            'layout_map or --plan_tables': layout_map or plan_tables}
   if not any(given.values()):
+    if strict_layout_map:
+      raise errors.ConfigError(
+          '--strict_layout_map without --mesh_shape: there is no layout map '
+          'to check; give the mesh and its map, or drop the flag.')
     return None
   if not all(given.values()):
     missing = ', '.join(f'--{k}' for k, v in given.items() if not v)
@@ -366,7 +375,8 @@ def _variable_layouts(shape, axes, layout_map, plan_tables, strategy):
         'e.g. 2,2.')
   layouts = mesh_layouts.VariableLayouts(
       tuple(int(n) for n in shape), tuple(axes),
-      mesh_layouts.MODEL_OWN if layout_map else (), plan_tables=plan_tables)
+      mesh_layouts.MODEL_OWN if layout_map else (), plan_tables=plan_tables,
+      strict_layout_map=strict_layout_map)
   if layout_map in (None, mesh_layouts.MODEL_OWN):
     return layouts
   made = external.function_named(
@@ -379,7 +389,9 @@ def _variable_layouts(shape, axes, layout_map, plan_tables, strategy):
         'keras.distribution.LayoutMap; return LayoutMap(device_mesh) with '
         'its keys set.')
   return mesh_layouts.same_mesh(
-      layouts, mesh_layouts.from_layout_map(made, plan_tables=plan_tables),
+      layouts, mesh_layouts.from_layout_map(
+          made, plan_tables=plan_tables,
+          strict_layout_map=strict_layout_map),
       layout_map)
 
 
@@ -604,7 +616,8 @@ def configs_from_flags():
       num_stages=_NUM_STAGES.value,
       variable_layouts=_variable_layouts(
           _MESH_SHAPE.value, _MESH_AXES.value, _LAYOUT_MAP.value,
-          _PLAN_TABLES.value, train_config.strategy))
+          _PLAN_TABLES.value, train_config.strategy,
+          _STRICT_LAYOUT_MAP.value))
   train_config = job.keep_global_batch(train_config, deploy_config)
   return train_config, deploy_config, cluster_info
 
@@ -650,7 +663,8 @@ def main(argv):
 HELP_GROUPS = (
     ('Where the clones run', (
         'num_clones', 'clone_on_cpu', 'variables_device', 'mesh_shape',
-        'mesh_axes', 'layout_map', 'plan_tables', 'num_stages',
+        'mesh_axes', 'layout_map', 'plan_tables', 'strict_layout_map',
+        'num_stages',
         'strategy')),
     ('What trains, on what', (
         'model', 'weights', 'batch_norm_momentum', 'dataset', 'data_dir',

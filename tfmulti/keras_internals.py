@@ -606,6 +606,23 @@ def layout_map_of(distribution):
   return distribution._layout_map
 
 
+def lend_distribute_tensor():
+  """Gives Keras's TensorFlow backend the `distribute_tensor` it lacks,
+  returning the tensor as it is. A layer's call reaches it when the
+  distribution set has a layout for the layer's output (a tensor layout:
+  JAX's relayout of an activation), and crashed there; the towers place
+  each clone's rows themselves, so the layout is ignored (logged once a
+  key by the storage)."""
+  from keras.src import backend  # pylint: disable=import-outside-toplevel
+  if not hasattr(backend.distribution_lib, 'distribute_tensor'):
+    backend.distribution_lib.distribute_tensor = _as_it_is
+
+
+def _as_it_is(tensor, layout):
+  del layout  # Each clone's rows are placed by the towers.
+  return tensor
+
+
 def build_input_shape(layer):
   """The input shape `layer` was built on (None: not known)."""
   shapes = getattr(layer, '_build_shapes_dict', None) or {}

@@ -15,13 +15,17 @@ over an axis other than the batch axis is computed where its blocks live
 instead, each block gathered there over the batch axis alone
 (`tensor_parallel`), and then a mesh row is one clone spanning its
 devices: its leader takes the row's rows, as JAX feeds the rows over the
-batch axis alone; a table is looked up where its rows live (`lookups`). Tensor layouts (a layer's outputs) name how JAX
-computes, not what is trained: the towers do not read them.
+batch axis alone; a table is looked up where its rows live (`lookups`).
+Tensor layouts (a layer's outputs) name how JAX computes, not what is
+trained: the towers ignore them, logged (Keras's TensorFlow backend,
+which crashed on them, is lent a `distribute_tensor` that returns the
+tensor as it is: `keras_internals`).
 """
 
 import keras
 
 from tfmulti import errors
+from tfmulti import keras_internals
 from tfmulti.deploy.placement import DeploymentConfig
 from tfmulti.mesh import mesh_layouts
 
@@ -44,9 +48,12 @@ def config_for(config, workers=None):
   if distribution is None:
     raise errors.ConfigError(
         'no DeploymentConfig and no Keras distribution set: pass '
-        'config=deploy.DeploymentConfig(...), or call keras.distribution.'
-        'set_distribution(keras.distribution.DataParallel(devices=...)) '
-        'first.')
+        'config=deploy.DeploymentConfig(...) or the distribution '
+        '(TowersModel(model, distribution)), call keras.distribution.'
+        'set_distribution(distribution) first, or make the TowersModel '
+        'inside `with distribution.scope():` (a scope ends with its block); '
+        'a distribution is a DataParallel or a ModelParallel.')
+  keras_internals.lend_distribute_tensor()  # Its output layouts, ignored.
   place = ({} if workers is None or workers.strategy is None else
            dict(replica_id=workers.index, num_replicas=workers.num_workers))
   if isinstance(distribution, keras.distribution.ModelParallel):
@@ -58,14 +65,18 @@ def config_for(config, workers=None):
   return DeploymentConfig(**clones_of(distribution), **place)
 
 
-def from_model_parallel(distribution, plan_tables=False, **place):
+def from_model_parallel(distribution, plan_tables=False,
+                        strict_layout_map=False, **place):
   """One clone a device of `distribution`'s mesh (`clones_of`), its
   variables laid out by its layout map; with `plan_tables`, each plain
-  Embedding table it does not name laid out by `table_plan`. `place`:
-  the worker's (`replica_id`, `num_replicas`) across workers."""
+  Embedding table it does not name laid out by `table_plan`; with
+  `strict_layout_map`, a key matching no variable an error. `place`: the
+  worker's (`replica_id`, `num_replicas`) across workers."""
   return DeploymentConfig(
       **clones_of(distribution), **place,
-      variable_layouts=mesh_layouts.from_keras(distribution, plan_tables))
+      variable_layouts=mesh_layouts.from_keras(
+          distribution, plan_tables=plan_tables,
+          strict_layout_map=strict_layout_map))
 
 
 def clones_of(distribution):

@@ -48,12 +48,16 @@ class VariableLayouts:
     plan_tables: each plain Embedding table no rule names is laid out by
       `table_plan` (whole, by rows or by columns), balancing the bytes
       each device holds and looks up; False: whole, spread by bytes.
+    strict_layout_map: a key that matches no variable (nor names a
+      layer's output) is an error naming the nearest paths; False: a
+      warning (Keras's own behaviour is silence).
   """
   mesh_shape: tuple
   axis_names: tuple
   rules: tuple = ()
   batch_axis: str = None
   plan_tables: bool = False
+  strict_layout_map: bool = False
 
   def __post_init__(self):
     if self.batch_axis is None and self.axis_names:
@@ -182,22 +186,30 @@ def blocks(parts):
   return list(itertools.product(*(range(n) for n in parts)))
 
 
-def from_keras(distribution, plan_tables=False):
+def from_keras(distribution, **fields):
   """The `VariableLayouts` of a `keras.distribution.ModelParallel`: its
-  mesh and its layout map's rules (and `plan_tables`)."""
+  mesh, its layout map's rules and its batch axis (and `fields`, the
+  others of `VariableLayouts`)."""
   return from_layout_map(keras_internals.layout_map_of(distribution),
-                         distribution.batch_dim_name, plan_tables)
+                         batch_axis=distribution.batch_dim_name, **fields)
 
 
-def from_layout_map(layout_map, batch_axis=None, plan_tables=False):
+def from_layout_map(layout_map, **fields):
   """The `VariableLayouts` of a `keras.distribution.LayoutMap`: its mesh
-  and its rules, each key with the axes Keras stored (and `batch_axis`,
-  `plan_tables`: `VariableLayouts`' fields)."""
+  and its rules, each key with the axes Keras stored (and `fields`, the
+  others of `VariableLayouts`)."""
   mesh = layout_map.device_mesh
   return VariableLayouts(
       tuple(mesh.shape), tuple(mesh.axis_names),
       tuple((key, tuple(layout_map[key].axes)) for key in layout_map),
-      batch_axis, plan_tables)
+      **fields)
+
+
+def names_an_output(key):
+  """Whether layout map `key` names a layer's output (Keras looks a
+  layer's output up at its path and '/output': a tensor layout, which
+  says how JAX lays an activation out), not a variable."""
+  return bool(re.search(r'(^|/)output\$?$', key))
 
 
 def resolved(layouts, model):
@@ -225,7 +237,9 @@ def resolved(layouts, model):
         "name the mesh's axes as it names them (keras-hub: batch, "
         'model).') from None
   return same_mesh(layouts, from_layout_map(
-      layout_map, layouts.batch_axis, layouts.plan_tables), 'model')
+      layout_map, batch_axis=layouts.batch_axis,
+      plan_tables=layouts.plan_tables,
+      strict_layout_map=layouts.strict_layout_map), 'model')
 
 
 def same_mesh(layouts, made, source):

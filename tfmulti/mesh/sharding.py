@@ -30,6 +30,7 @@ into them, so no device holds the whole variable.
 
 import collections
 import contextlib
+import difflib
 import math
 import types
 
@@ -387,6 +388,37 @@ class Blocks:
     return slots
 
 
+def _check_keys(layouts, model):
+  """Says which layout map keys match no variable of `model`: a key for a
+  layer's output is ignored (logged: Keras's tensor layouts say how JAX
+  lays an activation out; the towers compute each layer where its rows
+  are), any other is a warning, or with `strict_layout_map` an error
+  naming the nearest paths (raised before anything is placed).
+
+  Raises:
+    errors.ConfigError: a key matching nothing, under strict_layout_map.
+  """
+  paths = [v.path for v in model.variables]
+  unmatched = layouts.unmatched(paths)
+  outputs = [k for k in unmatched if mesh_layouts.names_an_output(k)]
+  if outputs:
+    logging.info('layout map keys of layers\' outputs, ignored (the towers '
+                 'compute each layer where its rows are): %s', outputs)
+  typos = [k for k in unmatched if k not in outputs]
+  if typos and layouts.strict_layout_map:
+    near = difflib.get_close_matches(typos[0], paths, n=3, cutoff=0.2)
+    raise errors.ConfigError(
+        f'layout map key {typos[0]!r} matches no variable of model '
+        f'{model.name!r} (strict_layout_map); the nearest paths: '
+        f'{", ".join(near) or "none"}. A key matches a variable\'s whole '
+        f'path (Keras 3.14+): write it whole, or as a pattern such as '
+        f'".*{typos[0]}".')
+  if typos:  # Keras would be silent; a typo leaves the variable whole.
+    logging.warning(
+        'layout map keys matching no variable of %r (its paths start as '
+        '%r): %s', model.name, paths[0], typos)
+
+
 def leaders(mesh_shape, axes):
   """Each device's mesh row's leader, on a mesh of `mesh_shape` whose
   split kernels' blocks lie along `axes` (indices): the device of its row
@@ -541,11 +573,7 @@ def storage_of(config, model, optimizer, split_compute=True):
     return Whole(model)
   layouts = mesh_layouts.resolved(config.variable_layouts, model)
   plan = check(layouts, model, optimizer)
-  unmatched = layouts.unmatched([v.path for v in model.variables])
-  if unmatched:  # Keys for a layer's outputs are JAX's; a typo is silent.
-    logging.warning(
-        'layout map keys matching no variable of %r (its paths start as '
-        '%r): %s', model.name, model.variables[0].path, unmatched)
+  _check_keys(layouts, model)
   choices = _planned(layouts, model, optimizer)
   plan.update({k: c.axes for k, c in choices.items() if c.axes})
   _join_all(model, config.compute_devices()[0], keep=plan)
