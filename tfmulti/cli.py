@@ -536,7 +536,17 @@ def _train_config():
       export=_EXPORT.value,
       profile_steps=_profile_steps(_PROFILE_STEPS.value),
       elastic_start=_elastic_start(),
-      step_options=options)
+      step_options=options, command=resolved_flags())
+
+
+def resolved_flags():
+  """This command line's flags as `train.py --flagfile=` reads them back,
+  one `--name=value` each: every flag of this module that has a value,
+  its defaults too (a later version's defaults change no rerun)."""
+  found = sorted(flags.FLAGS.get_flags_for_module(sys.modules[__name__]),
+                 key=lambda flag: flag.name)
+  return tuple(line for line in (flag.serialize() for flag in found)
+               if line)
 
 
 def _elastic_start():

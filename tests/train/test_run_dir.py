@@ -7,9 +7,13 @@ import subprocess
 import sys
 import tempfile
 
+from absl import flags
+from absl.testing import flagsaver
 import pytest
 
+from tests.helpers import assert_same_checkpoints
 from tests.helpers import REPO
+from tfmulti import cli
 from tfmulti import errors
 from tfmulti.train import run_dir
 
@@ -124,3 +128,25 @@ class TestClaimed:
       with run_dir.claimed(str(found)):
         raise RuntimeError('a bug in my model')
     assert found.is_dir()
+
+
+@pytest.mark.slow
+def test_a_run_reruns_from_its_flagfile_to_the_same_weights(run_train,
+                                                            tmp_path):
+  """Each run writes its resolved flags as `flags.txt`; `train.py
+  --flagfile=` with another `--model_dir` trains the same job again, to
+  the same bits."""
+  first, again = str(tmp_path / 'first'), str(tmp_path / 'again')
+  run_train(model_dir=first, num_clones=2, optimizer='sgd',
+            learning_rate=0.05)
+  path = os.path.join(first, run_dir.FLAGS_FILE)
+  with open(path) as f:
+    lines = f.read().splitlines()
+  for line in (f'--model_dir={first}', '--num_clones=2', '--optimizer=sgd',
+               '--learning_rate=0.05', '--train_steps=2', '--noexport'):
+    assert line in lines
+  with flagsaver.flagsaver():
+    flags.FLAGS(['train.py', f'--flagfile={path}', f'--model_dir={again}'])
+    cli.main(['train.py'])
+  assert_same_checkpoints(os.path.join(again, 'ckpt-2'),
+                          os.path.join(first, 'ckpt-2'), exact=True)

@@ -84,6 +84,10 @@ class TrainConfig:
       gradient summaries), passed whole to the strategy's trainer; with
       `accumulation_steps` K the global batch of an update is batch_size *
       num_clones * num_workers * K, and steps count updates.
+    command: the command line's resolved flags, one `--name=value` each,
+      which the chief writes as `<model_dir>/flags.txt` when the run
+      starts, for `train.py --flagfile=` to run it again; () from the
+      library (nothing written).
   """
   model: str = 'lenet'
   weights: Optional[str] = None
@@ -114,6 +118,7 @@ class TrainConfig:
   profile_steps: Optional[Tuple[int, int]] = None
   elastic_start: Optional[int] = None
   step_options: step_options_lib.StepOptions = step_options_lib.DEFAULTS
+  command: Tuple[str, ...] = ()
 
   def __post_init__(self):
     data.check_name(self.dataset)

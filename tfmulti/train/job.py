@@ -331,6 +331,8 @@ def _record_start(plan, deploy_config, dataset, settings, *, chief,
     run_dir.check_job(
         config.model_dir, _job(config, deploy_config, dataset), settings,
         resuming=bool(checkpoints.numbered_checkpoints(config.model_dir)))
+    if config.command:
+      run_dir.write_flags(config.model_dir, config.command)
   if workers is not None:
     cluster.check_agreement(workers, dict(
         _job(config, deploy_config, dataset), total_steps=plan.total_steps))

@@ -30,6 +30,7 @@ from tfmulti import errors
 
 LOCK_FILE = '.lock'
 JOB_FILE = 'job.json'
+FLAGS_FILE = 'flags.txt'  # The command line's, for --flagfile.
 
 
 def check_directory(flag, path):
@@ -158,6 +159,16 @@ def record_stretch(directory, from_step, settings):
   return stretches
 
 
+def write_flags(directory, command):
+  """Writes `command` (the resolved flags, one a line) as `directory`'s
+  flagfile: `train.py --flagfile=<directory>/flags.txt` runs the job
+  again, a later flag (`--model_dir=...`) replacing the file's."""
+  path = os.path.join(directory, FLAGS_FILE)
+  with open(path + '.tmp', 'w') as f:
+    f.write(''.join(f'{line}\n' for line in command))
+  os.replace(path + '.tmp', path)
+
+
 def as_json(value):
   """`value` as it reads back from JSON (tuples become lists)."""
   return json.loads(json.dumps(value))
@@ -171,7 +182,7 @@ def _write(path, record):
 
 # What a run leaves before it trains: a directory holding only these
 # describes nothing that happened.
-_BEFORE_TRAINING = {LOCK_FILE, JOB_FILE}
+_BEFORE_TRAINING = {LOCK_FILE, JOB_FILE, FLAGS_FILE}
 
 
 @contextlib.contextmanager
