@@ -25,7 +25,7 @@ PACKAGE = os.path.join(REPO, 'tfmulti')
 # its own folder and any lower floor.
 FLOORS = {'': 0, 'models': 1, 'pipeline': 1, 'data': 1, 'mesh': 2,
           'deploy': 3, 'distribute': 3, 'plan': 4, 'engine': 5, 'train': 6,
-          'fit': 6, 'cli': 7, 'launch': 7, 'bench': 8}
+          'fit': 6, 'cli': 7, 'launch': 7, 'compare': 7, 'bench': 8}
 
 
 def _part(module):
