@@ -2,6 +2,7 @@
 
   python -m tfmulti.compare runs/a runs/b
   python -m tfmulti.compare runs/a runs/b --rtol=1e-4
+  python -m tfmulti.compare runs/a --golden=tests/golden/readme.json
 
 Compares what two command-line runs (their `--model_dir`s) logged and
 kept: the total loss of each step both logged (TensorBoard's
@@ -11,7 +12,9 @@ bit where both trained under the same `reproducible_rows` (its promise:
 the same bits on every layout), else to `--rtol` and `--atol`. Prints
 one line a difference, then a summary; exits 1 where the runs differ, 2
 on a folder that holds no run, 0 where they agree: torchtitan's
-`loss_compare.py --assert-equal`, for layouts that should agree.
+`loss_compare.py --assert-equal`, for layouts that should agree. One
+run against a golden file (`--golden`, its losses a step, written from a
+run by `--write_golden`) compares the logged losses alone.
 """
 
 import argparse
@@ -37,8 +40,8 @@ def losses(model_dir):
   found = {}
   for name in sorted(os.listdir(model_dir)):
     if name.startswith('events.out.tfevents.'):
-      for event in tf.compat.v1.train.summary_iterator(
-          os.path.join(model_dir, name)):
+      for record in tf.data.TFRecordDataset(os.path.join(model_dir, name)):
+        event = tf.compat.v1.Event.FromString(record.numpy())
         for value in event.summary.value:
           if value.tag == summaries.TOTAL_LOSS:
             found[event.step] = float(tf.make_ndarray(value.tensor))
@@ -105,17 +108,67 @@ def _gap(x, y):
   return f'{float(np.max(np.abs(np.asarray(x, np.float64) - y))):.3g}'
 
 
-def main(argv=None):
+def against_golden(run, golden, rtol, atol):
+  """(the lines saying where `run`'s losses differ from the golden file's
+  at its steps, the summary).
+
+  Raises:
+    errors.RunDirError: the golden file cannot be read.
+  """
+  try:
+    with open(golden) as f:
+      want = {int(step): loss for step, loss in json.load(f)['losses'].items()}
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise errors.RunDirError(
+        f'--golden={golden} cannot be read ({e}); write one with '
+        '--write_golden from a run.') from e
+  got = losses(run)
+  found = [f'step {s}: loss {got.get(s)!r} in {run}, {loss!r} golden'
+           for s, loss in sorted(want.items())
+           if s not in got or not np.isclose(got[s], loss, rtol=rtol,
+                                             atol=atol)]
+  return found, (f'{len(want)} golden losses, to rtol {rtol}, atol '
+                 f'{atol}')
+
+
+def write_golden(run, path):
+  """Writes `run`'s logged losses as a golden file at `path`."""
+  with open(path, 'w') as f:
+    json.dump({'losses': {str(step): loss for step, loss in
+                          sorted(losses(run).items())}}, f, indent=2)
+    f.write('\n')
+
+
+def _parser():
   parser = argparse.ArgumentParser(prog=PROGRAM,
                                    description=__doc__.split('\n')[0])
-  parser.add_argument('run_a', help="a run's --model_dir")
-  parser.add_argument('run_b', help="another run's --model_dir")
+  parser.add_argument('runs', nargs='+', metavar='RUN',
+                      help="a run's --model_dir; two to compare them")
+  parser.add_argument('--golden', help="one run: a golden file's losses to "
+                      'compare its own with')
+  parser.add_argument('--write_golden', help="one run: write its losses as "
+                      'a golden file here')
   parser.add_argument('--rtol', type=float, default=1e-5)
   parser.add_argument('--atol', type=float, default=1e-6)
+  return parser
+
+
+def main(argv=None):
+  parser = _parser()
   args = parser.parse_args(argv)
+  golden = [flag for flag in ('golden', 'write_golden')
+            if getattr(args, flag)]
+  if len(args.runs) != (1 if golden else 2) or len(golden) > 1:
+    parser.error('give two runs, or one run with --golden or '
+                 '--write_golden')
   try:
-    found, summary = differences(args.run_a, args.run_b, args.rtol,
-                                 args.atol)
+    if args.write_golden:
+      write_golden(args.runs[0], args.write_golden)
+      return
+    found, summary = (
+        against_golden(args.runs[0], args.golden, args.rtol, args.atol)
+        if args.golden else
+        differences(*args.runs, args.rtol, args.atol))
   except errors.UserError as e:
     sys.stderr.write(f'{PROGRAM}: error: {e}\n')
     sys.exit(2)

@@ -213,6 +213,17 @@ def test_a_masked_output_is_refused_in_one_line_on_every_path(build):
   assert '\n' not in str(e.value) and len(str(e.value)) < 300
 
 
+class Wrapping(keras.Model):
+  """A subclass made around a layer it is given: Keras cannot copy it."""
+
+  def __init__(self, inner, **kwargs):
+    super().__init__(**kwargs)
+    self.inner = inner
+
+  def call(self, x):
+    return self.inner(x)
+
+
 class TestAsItsModel:
   """`predict` before `compile`, `export` and `save` as on the model."""
 
@@ -236,6 +247,22 @@ class TestAsItsModel:
     images = np.ones((2, 6), np.float32)
     np.testing.assert_allclose(served.serve(images),
                                towers.model(images), atol=1e-6)
+
+  def test_a_model_keras_cannot_copy_is_exported_itself(self, tmp_path):
+    """A subclass whose constructor takes a layer (no config Keras can
+    make it again from) serves its own predictions."""
+    keras.utils.set_random_seed(0)
+    model = Wrapping(keras.layers.Dense(3))
+    model(np.ones((1, 6), np.float32))
+    with pytest.raises((NotImplementedError, TypeError)):
+      keras.models.clone_model(model)
+    towers = fit.TowersModel(
+        model, deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True))
+    towers.export(str(tmp_path / 'served'), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / 'served'))
+    images = np.ones((2, 6), np.float32)
+    np.testing.assert_allclose(served.serve(images), model(images),
+                               atol=1e-6)
 
   def test_a_saved_file_holds_the_optimizer_state(self, tmp_path):
     towers = self._towers()

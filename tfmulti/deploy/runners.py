@@ -77,8 +77,8 @@ class WholeClones:
     Returns:
       Per clone, (outputs, loss, regularization, gradients, [new
       non-trainable values, one set a piece]); None for a clone with no
-      rows. A split kernel's shard pieces come on the first clone of
-      each mesh row that computed its block, None on the others
+      rows. A split kernel's shard pieces come on the first clone that
+      computed its block (a mesh row's leader), None on the others
       (`storage.met`).
     """
     reads = _packed_reads(self.config, self.storage.variables, self.packs)

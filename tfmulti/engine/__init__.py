@@ -9,4 +9,5 @@ other.
   step_calls   one step a call, or many in one compiled call
   checkpoints  the checkpoint writer: whole, intact, in the background
   contents     what a checkpoint holds, the same under both doors
+  exported     the model both doors export, for one device
 """

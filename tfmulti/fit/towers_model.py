@@ -74,6 +74,7 @@ from tfmulti import errors
 from tfmulti import step_options
 from tfmulti.deploy import keras_distribution
 from tfmulti.deploy import towers as towers_lib
+from tfmulti.engine import exported
 from tfmulti.engine import registry
 from tfmulti.fit import across_workers
 from tfmulti.fit import backup as backup_lib
@@ -82,7 +83,6 @@ from tfmulti.fit import keras_steps
 from tfmulti.fit import own_steps
 from tfmulti.fit import runs
 from tfmulti.mesh import shard_views
-from tfmulti.mesh import sharding
 
 
 class TowersModel(keras.Model):
@@ -197,9 +197,10 @@ class TowersModel(keras.Model):
       return self.model.save(filepath, *args, **kwargs)
 
   def export(self, filepath, *args, **kwargs):
-    """Exports the wrapped model (a SavedModel for serving), whole."""
-    with sharding.whole_on_host(self.model):
-      return self.model.export(filepath, *args, **kwargs)
+    """Exports the wrapped model for one device (a SavedModel for serving,
+    Keras's export), as the command line does (`engine.exported`)."""
+    with exported.one_device_model(self.model) as served:
+      return served.export(filepath, *args, **kwargs)
 
   def fit(self, *args, **kwargs):
     """Keras's `fit` (`runs`): across workers, as many steps on each, the

@@ -8,11 +8,11 @@ set. A Keras `DeviceMesh` and `LayoutMap` are read once into
 
   mesh_layouts     a ModelParallel's mesh and layout map, pure
   sharding         each variable kind's storage: whole, or sharded into
-                   its layout's shards; its read, gradient cut and meeting
+                   its layout's shards; its read and gradient cut
   lookups          sharded Embedding tables looked up where they live
   table_plan       tables planned whole, by rows or by columns, balanced
                    (decided when the storage is made)
   tensor_parallel  split Dense and conv layers computed where their
-                   kernels' blocks live, a mesh row's clones met by key
+                   kernels' blocks live, a mesh row one clone
   shard_views      a sharded optimizer checkpointed as one device's
 """

@@ -19,7 +19,8 @@ reads the variable whole: a tied output layer, a weight penalty; a split
 kernel's blocks are joined where they compute, `tensor_parallel`),
 whose tape watches the joined variables; each clone cuts their gradients
 into the shards' pieces after its pass (`cutting`; a split kernel's
-blocks' are summed over a mesh row's clones first, then cut: `met`), the
+blocks' are summed over the clones that made them first, then cut:
+`met`), the
 combiners sum each beside its shard (a reduce-scatter) and the optimizer
 updates the shards, its slots beside them. The model's own variable keeps
 its name, shape and path, and its storage becomes a `ShardedValue`:
@@ -333,7 +334,7 @@ class Blocks:
   joined whole only where a layer reads it whole (a weight penalty), its
   gradient's blocks added to the blocks' own there. The blocks' gradients
   stay uncut in their first shard's slot until `Sharded.met` sums them
-  over the mesh row."""
+  over the clones that made them (a mesh row's leader)."""
 
   def __init__(self, where, parts, layer, dim, axis, homes):
     """`homes(here, axis, count)`: the devices of clone `here`'s mesh row

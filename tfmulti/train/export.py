@@ -11,9 +11,9 @@ checkpoint) the model is written twice into `<model_dir>/export/<step>/`:
   `logits` and class `probabilities`;
 * `model.keras`, the Keras model file.
 
-Both hold the model's variables whole (a sharded one joined on the host
-while it is written) and no device, so they load and run on one device
-whatever path trained them, in a process that never imports tfmulti. The
+Both hold the model both doors export (`engine.exported`: a copy for one
+device, its weights whole), so they load and run on one device whatever
+path trained them, in a process that never imports tfmulti. The
 export is written under a temporary name and renamed, so a half-written
 export never sits under its final name.
 """
@@ -32,7 +32,7 @@ import tensorflow as tf
 from tfmulti import errors
 from tfmulti import models
 from tfmulti.engine import checkpoints
-from tfmulti.mesh import sharding
+from tfmulti.engine import exported
 from tfmulti.train import run_dir
 
 EXPORT_DIR = 'export'
@@ -41,23 +41,19 @@ SIGNATURE = 'serving_default'
 
 
 def _write(model, directory, input_shape):
-  """The SavedModel and the Keras file of `model`, its sharded variables
-  whole on the host while they are written (`sharding.whole_on_host`, as
-  `TowersModel.export`): the one way either door exports."""
-  with sharding.whole_on_host(model):
+  """The SavedModel and the Keras file of the model both doors export
+  (`engine.exported`)."""
+  with exported.one_device_model(model, input_shape) as served:
     archive = keras.export.ExportArchive()
-    archive.track(model)
+    archive.track(served)
 
     def serve(images):
-      # Under a scope: the model's own opens its name, which TensorFlow
-      # refuses at the root when it starts with '_' ('__net').
-      with tf.name_scope(SIGNATURE):
-        logits = tf.cast(model(images, training=False), tf.float32)
+      logits = tf.cast(served(images, training=False), tf.float32)
       return {'logits': logits, 'probabilities': tf.nn.softmax(logits)}
     archive.add_endpoint(SIGNATURE, serve, input_signature=[tf.TensorSpec(
         (None, *input_shape), tf.float32, name='images')])
     archive.write_out(directory, verbose=False)
-    model.save(os.path.join(directory, KERAS_FILE))
+    served.save(os.path.join(directory, KERAS_FILE))
 
 
 def export(model, model_dir, step, input_shape):
