@@ -4,7 +4,8 @@ its first 20 steps, against the losses it logged once (the golden file
 tfmulti.compare RUN --write_golden=...` from `python train.py
 --num_clones=2 --clone_on_cpu --train_steps=20 --log_every_steps=1
 --noexport`), trained over other clone counts, stages and meshes: each
-layout trains the same job on the same rows, so logs the same losses."""
+layout trains the same job on the same rows, so logs the same losses:
+the README's `--clone_shares=auto` too, whatever shares it measures."""
 
 import os
 
@@ -33,6 +34,10 @@ LAYOUTS = {
     'the README': dict(num_clones=2, batch_size=64),
     'one clone': dict(num_clones=1, batch_size=128),
     'four clones': dict(num_clones=4, batch_size=32),
+    # The README's second command: the clones' shares measured.
+    'shares measured': dict(num_clones=2, batch_size=64,
+                            clone_shares=['auto']),
+    'shares 3:1': dict(num_clones=2, batch_size=64, clone_shares=['3', '1']),
     'two stages': dict(num_clones=1, batch_size=128, num_stages=2),
     'Dense kernels as blocks on (1, 2)': dict(
         num_clones=2, batch_size=64, mesh_shape=['1', '2'],
