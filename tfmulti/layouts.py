@@ -309,13 +309,12 @@ def _accumulation_rows(rows, steps, atom_rows, partial):
 def _clone_rows(rows, cut, partial):
   """Each clone's rows of an accumulation step of `rows`; with atoms,
   whole atoms a clone."""
-  num_clones, shares, atom_rows = cut.num_clones, cut.shares, cut.atom_rows
+  num_clones, atom_rows = cut.num_clones, cut.atom_rows
+  shares = cut.shares or [1] * num_clones
   if atom_rows:
-    sizes = [atom_rows * n for n in
-             split_rows(rows // atom_rows, shares or [1] * num_clones)]
+    sizes = [atom_rows * n for n in split_rows(rows // atom_rows, shares)]
   else:
-    sizes = split_rows(rows, shares or [1] * num_clones)
-  shares = shares or [1] * num_clones
+    sizes = split_rows(rows, shares)
   empty = [i for i, (n, share) in enumerate(zip(sizes, shares))
            if share and not n]  # A share of 0: a clone that takes no rows.
   if not partial and empty:
