@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import deploy
+from tfmulti.fit import readings as fit_readings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L2 = 0.01  # Weight decay of the equivalence model, so regularization counts.
@@ -74,6 +75,12 @@ def make_deployed(config, model_fn=mlp, optimizer_fn=None, **kwargs):
       model = model_fn()
     optimizer = optimizer_fn()
   return deploy.deploy(config, model, make_loss(), optimizer, **kwargs)
+
+
+def readings_apart(history):
+  """A `TowersModel.fit` History's figures without the steps' readings
+  (time, rows, memory: `fit.readings.KEYS`), which plain `fit` lacks."""
+  return {k: v for k, v in history.items() if k not in fit_readings.KEYS}
 
 
 def weights(model):

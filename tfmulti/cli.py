@@ -28,6 +28,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfmulti import data  # noqa: E402
+from tfmulti import device_kinds  # noqa: E402
 from tfmulti import devices  # noqa: E402
 from tfmulti import errors  # noqa: E402
 from tfmulti import models  # noqa: E402
@@ -253,8 +254,15 @@ _DRY_RUN = flags.DEFINE_bool(
     '--device_memory. With --strategy=multi_worker, one worker of '
     '--num_workers, no cluster needed.')
 _DEVICE_MEMORY = flags.DEFINE_string(
-    'device_memory', None, 'With --dry_run, the memory of each GPU: a size '
-    '(80GB, 16384MB) or a name (h100, a100, a100_40gb, v100, l4, t4, ...).')
+    'device_memory', None, 'The memory of each GPU: a size (80GB, 16384MB) '
+    'or a name (h100, a100, a100_40gb, v100, l4, t4, ...). --dry_run checks '
+    'the plan against it; a run shows memory as a share of it. Default: the '
+    'GPU\'s own kind.')
+_DEVICE_PEAK_FLOPS = flags.DEFINE_string(
+    'device_peak_flops', None, 'The peak rate of each compute device, for '
+    'the MFU on every progress line: FLOP/s (312T, 1.5e14) or a name (h100, '
+    'a100, l4, ...: its rate for the step\'s dtype). Default: the GPU\'s '
+    'own kind; a CPU has none.')
 _PROFILE_STEPS = flags.DEFINE_list(
     'profile_steps', None, 'FIRST,LAST: write a TensorBoard profile of '
     'these global steps (e.g. 5,7) to <model_dir>/plugins/profile; view it '
@@ -536,7 +544,8 @@ def _train_config():
       export=_EXPORT.value,
       profile_steps=_profile_steps(_PROFILE_STEPS.value),
       elastic_start=_elastic_start(),
-      step_options=options, command=resolved_flags())
+      step_options=options, device_memory=_DEVICE_MEMORY.value,
+      device_peak_flops=_DEVICE_PEAK_FLOPS.value, command=resolved_flags())
 
 
 def resolved_flags():
@@ -655,10 +664,10 @@ def main(argv):
     sys.exit(f'{PROGRAM}: error: unexpected arguments {argv[1:]}; flags are '
              'written --name=value.')
   try:
-    memory = planned_job.memory_bytes(_DEVICE_MEMORY.value)
     train_config, deploy_config, cluster_info = configs_from_flags()
     if _DRY_RUN.value:
-      planned_job.run(train_config, deploy_config, memory)
+      planned_job.run(train_config, deploy_config, device_kinds.memory_bytes(
+          train_config.device_memory))
       return
     job.train_and_evaluate(train_config, deploy_config,
                                  cluster_info=cluster_info)
@@ -693,7 +702,7 @@ HELP_GROUPS = (
     ('Output', (
         'model_dir', 'log_every_steps', 'steps_per_loop', 'checkpoint_steps',
         'keep_checkpoints', 'async_checkpoint', 'export', 'profile_steps',
-        'dry_run', 'device_memory')),
+        'dry_run', 'device_memory', 'device_peak_flops')),
     ('Several workers (TF_CONFIG, Slurm, Kubernetes)', (
         'num_workers', 'worker_index', 'cluster', 'port', 'worker_hosts',
         'peer_timeout_s')),

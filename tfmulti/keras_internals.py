@@ -708,6 +708,14 @@ def node_flops(op):
   return value or 0
 
 
+def first_trace(function):
+  """The graph of `function`'s (a `tf.function`'s) first trace, or None
+  before it has run: what its calls run (a later trace is another
+  batch's shape, an epoch's last)."""
+  traces = function._list_all_concrete_functions()
+  return traces[0].graph if traces else None
+
+
 def registered_kernels(op_type):
   """The kernels TensorFlow registered for `op_type` (each with its
   device type and constraints), CUDA or not."""

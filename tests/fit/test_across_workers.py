@@ -37,6 +37,7 @@ from tfmulti.distribute import cluster as cluster_lib
 from tfmulti.distribute import resolvers
 from tfmulti.distribute import workers as workers_lib
 from tfmulti.fit import backup
+from tfmulti.fit import readings as fit_readings
 
 _EXAMPLE = os.path.join('examples', 'fit_across_workers.py')
 _TIMEOUT_S = 600
@@ -361,9 +362,11 @@ def test_fit_across_two_workers_trains_as_plain_fit_on_one_device(tmp_path):
   _, (plain,) = _run(tmp_path / 'plain', '--plain', '--epochs=1')
   _, (one,) = _run(tmp_path / 'one', '--num_clones=2', '--epochs=1')
   log, histories = _run(tmp_path / 'workers', '--epochs=1', workers=2)
-  assert histories[0] == histories[1]  # The same figures on every worker.
+  # The same figures on every worker (their own step times aside).
+  assert ({k: histories[0][k] for k in plain}
+          == {k: histories[1][k] for k in plain})
   for history in (one, histories[0]):
-    assert history.keys() == plain.keys()
+    assert history.keys() - plain.keys() <= set(fit_readings.KEYS)
     for name, values in plain.items():
       np.testing.assert_allclose(history[name], values, rtol=1e-5,
                                  err_msg=name)

@@ -10,4 +10,5 @@ other.
   checkpoints  the checkpoint writer: whole, intact, in the background
   contents     what a checkpoint holds, the same under both doors
   exported     the model both doors export, for one device
+  readings     a step's time, rows, memory and MFU, read alike by both doors
 """

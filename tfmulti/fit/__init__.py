@@ -10,6 +10,7 @@ across workers. It imports nothing of the command line's job (`train/`).
   compiled        Keras's side of a step: its compiled loss and metrics
   runs            a fit's run: its arguments, its backup, its exits
   backup          BackupAndRestore made exact: resume at the step
+  readings        each step's time, rows, memory and MFU in fit's logs
   step_loop       steps_per_execution on the one compiled N-step loop
   keras_steps     Keras's steps on the trainer: compile, train, evaluate
   own_steps       a model's own train_step / test_step / compute_loss,

@@ -70,6 +70,7 @@ class KerasSteps:
     if towers.passes.take(rows_):  # Trained before the restart: read only.
       return towers.get_metrics_result()
     partial = towers.batches.partial(rows_)
+    towers.batches.note(images)
     result = towers.towers.train_step_outputs(
         images, targets, partial=partial, with_outputs=True,
         whole_batch=True)
@@ -80,6 +81,11 @@ class KerasSteps:
     keras_internals.build_compiled(self.towers,
                                    (images, labels, sample_weight))
     return self._evaluate(images, labels, sample_weight)
+
+  @property
+  def step_function(self):
+    """The compiled step a train step runs (the trainer's)."""
+    return self.towers.towers.step_function
 
   def train_function(self, keras_function):
     """Keras's train function, or N steps a compiled call where

@@ -120,7 +120,13 @@ class OwnSteps:
     return self.model.metrics
 
   def train_step(self, data):
+    self.towers.batches.note(keras.utils.unpack_x_y_sample_weight(data)[0])
     return self._train(data)
+
+  @property
+  def step_function(self):
+    """The compiled step a train step runs (the model's own, split)."""
+    return self._train
 
   @staticmethod
   def train_function(keras_function):

@@ -12,11 +12,14 @@ import sys
 
 from absl import logging
 import keras
+import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti.engine import readings
 from tfmulti.fit import across_workers
 from tfmulti.fit import backup as backup_lib
+from tfmulti.fit import readings as fit_readings
 
 _FIT = inspect.signature(keras.Model.fit)
 
@@ -29,7 +32,8 @@ def run(model, keras_fit, args, kwargs):
   check_batches(model, arguments)
   model.batches.rows = 0  # The fit's first step fixes them again.
   _shuffle_seeded(model, arguments)
-  arguments['callbacks'] = _with_backup(model, arguments)
+  arguments['callbacks'] = [fit_readings.Readings(model, **model.meter)] + (
+      _with_backup(model, arguments))
   try:
     with model.door.guard(
         lambda: int(model.optimizer.iterations.value.numpy()) + 1):
@@ -110,10 +114,18 @@ def check_batches(model, arguments):
 class FullRows:
   """The rows of a fit's full global batches: the most a batch of this
   fit had (its first step sets them); a batch of fewer is its last,
-  partial one (Keras's), which the step cuts as plain `fit` trains it."""
+  partial one (Keras's), which the step cuts as plain `fit` trains it.
+  Its token positions a row too, where the inputs are tokens."""
 
   def __init__(self):
     self.rows = 0
+    self.tokens_per_row = None  # Where the inputs are tokens (`readings`).
+
+  def note(self, inputs):
+    """Notes a batch's inputs: its rows, and its token positions a row if
+    tokens."""
+    self.rows = max(self.rows, int(tf.shape(tf.nest.flatten(inputs)[0])[0]))
+    self.tokens_per_row = readings.tokens_per_row(inputs)
 
   def partial(self, rows):
     """Whether a batch of `rows` rows is a partial one."""

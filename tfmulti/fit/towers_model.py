@@ -70,6 +70,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tfmulti import device_kinds
 from tfmulti import errors
 from tfmulti import step_options
 from tfmulti.deploy import keras_distribution
@@ -98,7 +99,8 @@ class TowersModel(keras.Model):
   """
 
   def __init__(self, model, config=None, options=None, *, workers=None,
-               shuffle_seed=0, **fields):
+               shuffle_seed=0, device_peak_flops=None, device_memory=None,
+               **fields):
     """Wraps `model`, built in `config.variables_scope()`.
 
     Args:
@@ -116,6 +118,11 @@ class TowersModel(keras.Model):
         generators: across workers, seed them alike
         (`keras.utils.set_random_seed`) on every worker; workers fed other
         batches stop at the step with one line.
+      device_peak_flops: the peak rate of each compute device for the
+        MFU in `fit`'s logs (`device_kinds.peak_rate`: '312T', 'a100');
+        None: a GPU's own kind's (no MFU on a CPU).
+      device_memory: each GPU's memory ('80GB', 'h100'), for its share in
+        use; None: a GPU's own kind's.
       **fields: `StepOptions` fields that replace those of `options`.
 
     Raises:
@@ -124,6 +131,8 @@ class TowersModel(keras.Model):
     """
     _check_no_strategy()
     towers_lib.check_model(model)
+    meter = dict(peak=device_kinds.peak_rate(device_peak_flops),
+                 device_memory=device_kinds.memory_bytes(device_memory))
     config = keras_distribution.config_for(config, workers)
     door = across_workers.door_for(workers, config)  # Chosen once.
     door.check(model)
@@ -137,6 +146,7 @@ class TowersModel(keras.Model):
     if hasattr(model, 'output_names'):
       self.output_names = model.output_names
     self.config, self.door, self.shuffle_seed = config, door, shuffle_seed
+    self.meter = meter  # `fit.readings.Readings`' arguments.
     self.options = registry.check_options(door.gate, options, config)
     self.passes = backup_lib.Passes()  # A resumed fit's passed steps.
     self.towers = None

@@ -12,6 +12,7 @@ import os
 from typing import Optional, Tuple, Union
 
 from tfmulti import data
+from tfmulti import device_kinds
 from tfmulti import errors
 from tfmulti import models
 from tfmulti import step_options as step_options_lib
@@ -84,6 +85,13 @@ class TrainConfig:
       gradient summaries), passed whole to the strategy's trainer; with
       `accumulation_steps` K the global batch of an update is batch_size *
       num_clones * num_workers * K, and steps count updates.
+    device_memory: the memory of each GPU (`device_kinds.memory_bytes`:
+      '80GB', or a kind such as 'h100'): the dry run checks the plan
+      against it, a run shows memory as a share of it; None: a GPU's own
+      kind's.
+    device_peak_flops: the peak FLOP/s of each compute device for the
+      run's MFU (`device_kinds.peak_rate`: '312T', or a kind such as
+      'a100'); None: a GPU's own kind's (no MFU on a CPU).
     command: the command line's resolved flags, one `--name=value` each,
       which the chief writes as `<model_dir>/flags.txt` when the run
       starts, for `train.py --flagfile=` to run it again; () from the
@@ -118,6 +126,8 @@ class TrainConfig:
   profile_steps: Optional[Tuple[int, int]] = None
   elastic_start: Optional[int] = None
   step_options: step_options_lib.StepOptions = step_options_lib.DEFAULTS
+  device_memory: Optional[str] = None
+  device_peak_flops: Optional[str] = None
   command: Tuple[str, ...] = ()
 
   def __post_init__(self):
@@ -174,6 +184,8 @@ class TrainConfig:
           'give the scaled rate as --learning_rate with --lr_scaling=none.')
     if not self.model_dir:
       raise errors.ConfigError("model_dir='': name an output directory.")
+    device_kinds.memory_bytes(self.device_memory)
+    device_kinds.peak_rate(self.device_peak_flops)
 
   def _check_steps_per_loop(self):
     if self.steps_per_loop != step_calls.AUTO:

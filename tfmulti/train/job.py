@@ -17,11 +17,13 @@ import keras
 import tensorflow as tf
 
 from tfmulti import data
+from tfmulti import device_kinds
 from tfmulti import errors
 from tfmulti import layouts
 from tfmulti.distribute import cluster
 from tfmulti.distribute import preemption
 from tfmulti.engine import checkpoints
+from tfmulti.engine import readings
 from tfmulti.engine import registry
 from tfmulti.train import build
 from tfmulti.train import export
@@ -393,7 +395,12 @@ def _run(plan, deploy_config, trainer, dataset, out_dir, cluster_info):
       profile_steps=config.profile_steps, profile_dir=out_dir,
       steps_per_loop=config.resolved_steps_per_loop(),
       agreed_stop=cluster_info and preemption.AgreedStop(
-          cluster_info, timeout_s=config.peer_timeout_s))
+          cluster_info, timeout_s=config.peer_timeout_s),
+      meter=readings.Meter(
+          trainer.step_function, global_batch_size(config, deploy_config),
+          compute_dtype=trainer.model.dtype_policy.compute_dtype,
+          peak=device_kinds.peak_rate(config.device_peak_flops),
+          device_memory=device_kinds.memory_bytes(config.device_memory)))
 
 
 def _train_into(config, deploy_config, started, run, *, settings):

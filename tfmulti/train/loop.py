@@ -25,6 +25,7 @@ from tfmulti import trainer as trainer_lib
 from tfmulti.data import batches as batches_lib
 from tfmulti.distribute import preemption
 from tfmulti.engine import checkpoints
+from tfmulti.engine import readings
 from tfmulti.engine import step_calls
 from tfmulti.train import epochs
 from tfmulti.train import profiling
@@ -90,17 +91,22 @@ class Evaluation:
 
 
 class Progress:
-  """Progress lines: loss over the window, images/sec and ETA.
+  """Progress lines: loss over the window, the steps' `readings` (or
+  images/sec) and ETA.
 
   The clock starts after this run's first step (which traces the step
   function) and stops during evaluation, so images/sec is the steady-state
   throughput of the step, its input and its checkpoints.
   """
 
-  def __init__(self, total_steps, global_batch_size, log_every_steps):
+  def __init__(self, total_steps, global_batch_size, log_every_steps,
+               meter=None):
     self.total_steps = total_steps
     self.global_batch_size = global_batch_size
     self.log_every_steps = log_every_steps
+    self.meter = meter  # An `engine.readings.Meter`, or None.
+    self.reading = None  # The last line's `readings.Reading`.
+    self._line_timed = (0.0, 0)  # (seconds, timed steps) at the last line.
     self.window = []  # Total losses since the last progress line.
     self.last_window_loss = float('nan')
     self.first_window_loss = float('nan')  # This run's first logged one.
@@ -129,14 +135,28 @@ class Progress:
       if running:
         self._started = time.perf_counter()
 
+  def _seconds(self):
+    """Seconds of timed training so far."""
+    running = self._started is not None
+    return self.train_seconds + (
+        time.perf_counter() - self._started if running else 0.0)
+
   @property
   def images_per_sec(self):
-    seconds = self.train_seconds
-    if self._started is not None:
-      seconds += time.perf_counter() - self._started
+    seconds = self._seconds()
     if not seconds or not self.timed_steps:
       return float('nan')
     return self.timed_steps * self.global_batch_size / seconds
+
+  def _read(self):
+    """The `Reading` of the steps timed since the last line (None: none
+    were, or no meter); the text the line shows of it."""
+    seconds, timed = self._seconds(), self.timed_steps
+    last_seconds, last_timed = self._line_timed
+    self._line_timed = (seconds, timed)
+    if self.meter is None or timed == last_timed:
+      return None
+    return self.meter.reading(seconds - last_seconds, timed - last_timed)
 
   def record(self, step, losses, epoch):
     """Records the total losses (floats) of the steps up to `step`."""
@@ -157,9 +177,11 @@ class Progress:
       self.first_window_loss = self.last_window_loss
     self.window = []
     speed, eta = 'not timed yet (the first step traces)', '?'
+    self.reading = self._read()
     if self.timed_steps:
       rate = self.images_per_sec
-      speed = f'{rate:.0f} images/sec'
+      speed = (self.reading.text() if self.reading
+               else f'{rate:.0f} images/sec')
       eta = time.strftime('%H:%M:%S', time.gmtime(
           (self.total_steps - step) * self.global_batch_size / rate))
     logging.info('step %d/%d (epoch %d) loss %.4f | %s | ETA %s', step,
@@ -190,6 +212,8 @@ class Run:
     steps_per_loop: steps a compiled call runs (`step_calls`): N, or
       'auto'. Progress lines, summaries, checkpoints, the non-finite stop
       and signals act between calls, at the steps they act at with 1.
+    meter: what each progress line reads of the steps since the last
+      (`engine.readings`): time, rows, memory, MFU; None: images/sec.
   """
   trainer: trainer_lib.Trainer
   dataset: batches_lib.Data
@@ -205,6 +229,7 @@ class Run:
   profile_dir: Optional[str] = None
   agreed_stop: Optional[preemption.AgreedStop] = None
   steps_per_loop: Union[int, str] = 1
+  meter: Optional[readings.Meter] = None
 
 
 def _read_losses(run, last_step, pending):
@@ -287,7 +312,8 @@ def _train_epoch(run, position, signals, progress, profiler, calls,
     if log:
       run.summaries.train(step, outputs,
                           learning_rate=run.schedule(step - 1),
-                          images_per_sec=progress.images_per_sec)
+                          images_per_sec=progress.images_per_sec,
+                          reading=progress.reading)
       if outputs.gradients:
         run.summaries.gradients(step, outputs.gradients)
     if save:
@@ -361,7 +387,7 @@ def train(run, position):
       were NaN or infinite.
   """
   progress = Progress(run.total_steps, run.global_batch_size,
-                      run.log_every_steps)
+                      run.log_every_steps, run.meter)
   profiler = profiling.StepProfiler(run.profile_steps, run.profile_dir)
   calls = step_calls.calls(run.trainer, run.steps_per_loop,
                            run.log_every_steps)

@@ -12,12 +12,11 @@ kernel for its dtypes, or where `--device_memory` cannot hold a device's
 variables, slots and the step's tensors at their peak.
 """
 
-import re
-
 from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from tfmulti import device_kinds
 from tfmulti import errors
 from tfmulti import layouts
 from tfmulti import plans
@@ -26,36 +25,10 @@ from tfmulti.plan import dry_run
 from tfmulti.train import build
 from tfmulti.train import job
 
-GIB = 2**30
-# Memory of one device of a known kind, GiB (the largest of its kind).
-KNOWN_MEMORY = {'h100': 80, 'h200': 141, 'a100': 80, 'a100_40gb': 40,
-                'l40s': 48, 'l4': 24, 'a10g': 24, 'v100': 32,
-                'v100_16gb': 16, 't4': 16}
-
-
-def memory_bytes(value):
-  """The bytes `--device_memory` names ('80GB', '40GiB', '16384MB', or a
-  name of `KNOWN_MEMORY`), or None without it.
-
-  Raises:
-    errors.ConfigError: neither a size nor a known name.
-  """
-  if not value:
-    return None
-  if value.lower() in KNOWN_MEMORY:
-    return KNOWN_MEMORY[value.lower()] * GIB
-  match = re.fullmatch(r'(\d+(?:\.\d+)?)\s*(GB|GIB|MB|MIB)', value.upper())
-  if not match:
-    raise errors.ConfigError(
-        f'--device_memory={value}: give a size (80GB, 16384MB) or a device '
-        f'name ({", ".join(sorted(KNOWN_MEMORY))}).')
-  scale = GIB if match.group(2).startswith('G') else 2**20
-  size = int(float(match.group(1)) * scale)
-  if size <= 0:
-    raise errors.ConfigError(
-        f'--device_memory={value}: a device holds more than nothing; give '
-        'its size, e.g. 80GB.')
-  return size
+# Kept importable here: the table and the parser live in `device_kinds`.
+KNOWN_MEMORY = device_kinds.KNOWN_MEMORY
+memory_bytes = device_kinds.memory_bytes
+GIB = device_kinds.GIB
 
 
 def run(config, deploy_config, device_memory=None):

@@ -3,7 +3,9 @@
 Scalars: `losses/total` (the loss minimised), `losses/clone_<i>` (clone or
 replica i's share of it; they sum to the total), `losses/regularization`,
 `learning_rate` (the rate the step used), `images_per_sec` (global images
-per second of training), `eval/accuracy` and `eval/loss`. With gradient
+per second of training), `eval/accuracy` and `eval/loss`; a progress
+line's `engine.readings.Reading` (`step_time`, `examples_per_sec`, `mfu`,
+`memory/<device>/...`). With gradient
 summaries, slim's `gradients/<variable>` histograms and
 `gradient_norms/<variable>` scalars, plus `gradient_norms/global`.
 """
@@ -37,8 +39,10 @@ class Summaries:
       for tag, value in values.items():
         tf.summary.scalar(tag, value)
 
-  def train(self, step, outputs, *, learning_rate, images_per_sec):
-    """The losses of step `step` (a step's outputs), its rate and speed."""
+  def train(self, step, outputs, *, learning_rate, images_per_sec,
+            reading=None):
+    """The losses of step `step` (a step's outputs), its rate and speed,
+    and a `readings.Reading`'s scalars (its time, memory, MFU)."""
     values = {TOTAL_LOSS: float(outputs.total),
               REGULARIZATION_LOSS: float(outputs.regularization),
               LEARNING_RATE: float(learning_rate)}
@@ -46,6 +50,8 @@ class Summaries:
       values[clone_loss_tag(i)] = float(loss)
     if np.isfinite(images_per_sec):  # Unknown until a step has been timed.
       values[IMAGES_PER_SEC] = images_per_sec
+    if reading is not None:
+      values.update(reading.scalars())
     self._scalars(step, values)
 
   def evaluation(self, step, evaluation):
