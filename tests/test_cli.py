@@ -188,10 +188,11 @@ def test_the_plain_command_runs_one_clone_on_the_cpu(run_train, caplog,
   assert 'no GPU found: the clone runs on the CPU (CPU:0)' in caplog.text
   # The first step's tracing is announced, then timed, not silent.
   lines = caplog.text.splitlines()
-  tracing = [i for i, line in enumerate(lines) if 'tracing the step' in line]
+  tracing = [i for i, line in enumerate(lines)
+             if line.endswith('tracing the step (its first call builds the '
+                              'graph)')]
   took = [i for i, line in enumerate(lines)
-          if re.search(r'the first step, traced and run, took \d+\.\d s',
-                       line)]
+          if re.search(r'tracing the step .*: done in \d+\.\d s', line)]
   assert len(tracing) == len(took) == 1 and tracing[0] < took[0]
   assert f'writing to {model_dir}' in caplog.text
 

@@ -101,8 +101,8 @@ def test_the_layers_are_read_from_the_real_imports():
 GROUND = {'errors': 0, 'moved': 0, 'keras_internals': 0, 'env': 0,
           'layouts': 1,
           'native_logs': 1, 'stops': 1, 'digits': 1, 'tf_config': 1,
-          'plans': 1, 'device_kinds': 1, 'step_options': 2, 'devices': 2,
-          'slices': 2,
+          'plans': 1, 'device_kinds': 1, 'phases': 1, 'step_options': 2,
+          'devices': 2, 'slices': 2,
           'rows': 3, 'trainer': 4, 'pieces': 5}
 
 

@@ -2,6 +2,7 @@
 prepared in data_dir (written here), its splits and clear refusals."""
 
 import json
+import re
 import socket
 
 import numpy as np
@@ -98,4 +99,7 @@ def test_the_first_preparation_of_digits_is_quiet(tmp_path, capfd, caplog):
     assert 'Downloading and preparing' not in said
     assert '\x1b[' not in said
     assert 'Variant folder' not in said
-  assert caplog.text.count("preparing dataset 'digits'") == 1
+  # One line as it starts, one with its time as it ends (`phases`).
+  assert caplog.text.count("preparing dataset 'digits'") == 2
+  assert re.search(r"preparing dataset 'digits' in .* \(once\): done in "
+                   r'\d+\.\d s', caplog.text)

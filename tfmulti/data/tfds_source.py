@@ -22,6 +22,7 @@ from absl import logging
 import tensorflow_datasets as tfds
 
 from tfmulti import errors
+from tfmulti import phases
 from tfmulti.data import batches
 
 PREFIX = 'tfds:'
@@ -91,9 +92,10 @@ def _one_preparer(name, data_dir):
 
 def _prepare(name, data_dir, builder):
   """Downloads and prepares `name` with `builder`."""
-  logging.info('preparing dataset %r in %s (once)', name, builder.data_dir)
   try:
-    builder.download_and_prepare()
+    with phases.phase(f'preparing dataset {name!r} in {builder.data_dir} '
+                      '(once)', own_bar=True):  # TFDS's bar, on a terminal.
+      builder.download_and_prepare()
   except OSError as e:  # Disk full, or the directory vanished or is locked.
     raise _cannot_prepare(name, data_dir, e) from e
   except AssertionError as e:  # A manual download TFDS cannot make.

@@ -7,9 +7,11 @@ device's memory in use and at its peak, and the model FLOPs utilization
 The command line logs it on every progress line and writes it to
 TensorBoard; `fit` puts it in its logs, its progress bar and its History.
 
-* FLOPs are TensorFlow's own count of the traced step's ops from their
-  shapes (the dry run's), read once from the step's first trace: the
-  forward and backward passes and the update, on every compute device.
+* FLOPs are the model's (PaLM's MFU): three times the forward pass's
+  matmuls, convolutions and einsums (the pass, and the backward pass's
+  input and weight gradients), counted from their shapes in the step's
+  first trace, on each compute device; recomputation, elementwise ops
+  and the update are left out.
 * The peak rate is the device's for the step's compute dtype
   (`device_kinds`): a GPU's own name tells its kind; a CPU's, or a GPU not
   in the table, needs `--device_peak_flops`. Without one, no MFU.
@@ -22,6 +24,7 @@ TensorBoard; `fit` puts it in its logs, its progress bar and its History.
 
 import collections
 import dataclasses
+import math
 import os
 import resource
 from typing import Optional
@@ -113,8 +116,8 @@ class Reading:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-  """One step's FLOPs ({device: FLOPs}) and its tensors' planned peak
-  ({device: bytes}), read from its traced graph."""
+  """One step's model FLOPs ({device: FLOPs}) and its tensors' planned
+  peak ({device: bytes}), read from its traced graph."""
   flops: dict
   planned_peak: dict
 
@@ -129,20 +132,64 @@ class StepCost:
                   if f and dry_run.device_type(d) == kind)
 
 
+# The ops a model's FLOPs are counted from (a step's matmuls and
+# convolutions), each forward one three times: itself, and the backward
+# pass's input and weight gradients (PaLM's model FLOPs: no recomputation,
+# no elementwise ops).
+_MODEL_OPS = frozenset((
+    'MatMul', 'BatchMatMul', 'BatchMatMulV2', 'BatchMatMulV3', 'Conv2D',
+    'Conv3D', 'DepthwiseConv2dNative', 'Einsum'))
+_BACKWARD = 'gradient_tape'  # The name scope of a tape's gradient ops.
+
+
 def step_cost(function):
   """The `StepCost` of `function`'s (a compiled step's) first trace; an
   op placed nowhere counts on the device eager ops run on."""
   graph = keras_internals.first_trace(function)
-  if graph is None:
-    return StepCost({}, {})
+  return StepCost({}, {}) if graph is None else cost_of(graph)
+
+
+def cost_of(graph):
+  """The `StepCost` of a traced step's `graph` (see `step_cost`)."""
   placement = devices.GraphPlacement()
   flops = collections.Counter()
   here = devices.current()
-  for op, device in dry_run.walk(graph, placement):
-    flops[device or here] += keras_internals.node_flops(op)
+  for device, count in _forward(graph, placement, here):
+    flops[device] += 3 * count
   planned = {device or here: size
              for device, size in peaks.peaks(graph, placement).items()}
   return StepCost(dict(flops), planned)
+
+
+def _forward(graph, placement, device, backward=False):
+  """(device, FLOPs) of each forward matmul and convolution `graph` runs,
+  inside function bodies too (a gradient's body is backward)."""
+  for op in graph.get_operations():
+    here = placement.of_op(op) or device
+    back = backward or _BACKWARD in op.name.split('/')
+    if not back and op.type in _MODEL_OPS:
+      yield here, (_einsum_flops(op) if op.type == 'Einsum'
+                   else keras_internals.node_flops(op))
+    for body in peaks.bodies(op):
+      yield from _forward(body, placement, here,
+                          back or '_backward_' in body.name)
+
+
+def _einsum_flops(op):
+  """2 x the product of every index's size of a two-operand einsum (a
+  contraction's multiply-adds); 0 where a size is not known."""
+  inputs, _ = op.get_attr('equation').decode().replace(' ', '').split('->')
+  terms = inputs.split(',')
+  if len(terms) != 2 or '.' in inputs:
+    return 0
+  sizes = {}
+  for term, tensor in zip(terms, op.inputs):
+    if tensor.shape.rank != len(term):
+      return 0
+    sizes.update(zip(term, tensor.shape.as_list()))
+  if None in sizes.values():
+    return 0
+  return 2 * math.prod(sizes.values())
 
 
 class Meter:
@@ -188,7 +235,7 @@ class Meter:
     kind = self._peak or _gpu_kind(compute)
     if kind is None or not compute:
       return None
-    rate = kind.rate(_rate_dtype(self._dtype, compute[0]))
+    rate = kind.rate(rate_dtype(self._dtype, compute[0]))
     flops = sum(self.cost.flops[d] for d in compute)
     return flops / step_time / (rate * len(compute))
 
@@ -246,7 +293,7 @@ def _process_memory():
       'SC_PHYS_PAGES'))
 
 
-def _rate_dtype(compute_dtype, device):
+def rate_dtype(compute_dtype, device):
   """The `Kind.rate` key of a compute dtype on `device`: float32 matmuls
   on a GPU run as TF32 where TensorFlow allows it."""
   if (compute_dtype == 'float32' and dry_run.device_type(device) == 'GPU'

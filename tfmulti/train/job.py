@@ -20,6 +20,7 @@ from tfmulti import data
 from tfmulti import device_kinds
 from tfmulti import errors
 from tfmulti import layouts
+from tfmulti import phases
 from tfmulti.distribute import cluster
 from tfmulti.distribute import preemption
 from tfmulti.engine import checkpoints
@@ -363,8 +364,9 @@ def _record(config, trainer, result, input_shape):
   session that trained nothing keeps the figures of the one that did."""
   if config.export:
     exporting = time.perf_counter()
-    result['export'] = export.export(trainer.model, config.model_dir,
-                                     result['steps'], input_shape)
+    with phases.phase('exporting the model for one device'):
+      result['export'] = export.export(trainer.model, config.model_dir,
+                                       result['steps'], input_shape)
     result['phases_seconds']['export'] = time.perf_counter() - exporting
   kept = metrics.read(config.model_dir)
   if result['resumed_from_step'] == result['steps'] and kept:

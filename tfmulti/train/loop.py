@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti import phases
 from tfmulti import stops
 from tfmulti import trainer as trainer_lib
 from tfmulti.data import batches as batches_lib
@@ -31,6 +32,8 @@ from tfmulti.train import epochs
 from tfmulti.train import profiling
 from tfmulti.train import summaries as summaries_lib
 
+# The first step's phase: its call traces the step before it runs.
+TRACING = 'tracing the step (its first call builds the graph)'
 # What `train` ends with: the final `checkpoints.Position`, the last
 # evaluation ({'accuracy', 'loss'}), the run's `Progress` (timing)
 # and the steps a call it ran (`step_calls`: N, or 'auto' if it never chose).
@@ -83,7 +86,13 @@ class Evaluation:
     return loss_sum, correct, rows
 
   def __call__(self, dataset):
-    sums = [self._batch(images, labels) for images, labels in dataset]
+    batches = int(dataset.cardinality())
+    with phases.phase('evaluating', batches if batches > 0 else None) as (
+        shown):
+      sums = []
+      for images, labels in dataset:
+        sums.append(self._batch(images, labels))
+        shown.advance()
     loss_sum, correct, count = (float(tf.add_n([tf.cast(s[k], tf.float64)
                                                 for s in sums]))
                                 for k in range(3))
@@ -165,8 +174,6 @@ class Progress:
     if not self.steps_run:  # The first step traced the function: untimed.
       self._started = time.perf_counter()
       self.first_step_seconds = self._started - self.first_step_started
-      logging.info('the first step, traced and run, took %.1f s',
-                   self.first_step_seconds)
       timed -= 1
     self.steps_run += len(losses)
     self.timed_steps += timed
@@ -291,13 +298,13 @@ def _train_epoch(run, position, signals, progress, profiler, calls,
                     steps_per_epoch - examples // run.global_batch_size)
   pending = []  # Total losses of the steps not yet read back.
   while step < last:
-    if progress.first_step_started is None:
-      logging.info('tracing the step (its first call builds the graph; a '
-                   'large model takes a while)')
+    tracing = progress.first_step_started is None
+    if tracing:
       progress.first_step_started = time.perf_counter()
     profiler.before(step + 1)
-    totals, outputs, count = _call(calls, iterator,
-                                   _to_next_event(run, step, last), progress)
+    with (phases.phase(TRACING) if tracing else contextlib.nullcontext()):
+      totals, outputs, count = _call(
+          calls, iterator, _to_next_event(run, step, last), progress)
     step += count
     profiler.after(step, outputs)
     examples += count * run.global_batch_size
