@@ -259,12 +259,23 @@ def takes_training(layer):
   return layer._call_has_training_arg
 
 
+class Lazy:
+  """A variable's value for `stateless_run` made only when a layer reads
+  it (`make()`): a sharded table looked up where it lives is joined only
+  if a layer reads it whole, so no join is traced where none does."""
+
+  def __init__(self, make):
+    self.make = make
+
+
 def stateless_run(model, trainable, non_trainable, inputs, training):
   """`model.stateless_call(trainable, non_trainable, inputs,
   training=training, return_losses=True)` for any Keras model: a
   subclassed model's `call` may take no `training`, and `stateless_call`
   calls `call` itself, so its layers are called in a call context that
-  says `training`, as Keras's `__call__` would open one."""
+  says `training`, as Keras's `__call__` would open one. A `Lazy` value
+  among `trainable` is made when a layer first reads its variable (in
+  Keras's stateless scope, as `stateless_call` runs the model)."""
   from keras.src.backend.common import global_state
   from keras.src.layers.layer import CallContext
   kwargs = {'training': training} if takes_training(model) else {}
@@ -272,11 +283,44 @@ def stateless_run(model, trainable, non_trainable, inputs, training):
   context = CallContext(entry_layer=model)
   context.training = training
   global_state.set_global_attribute('current_call_ctx', context)
+  lazy = {id(v): value for v, value in zip(model.trainable_variables,
+                                           trainable)
+          if isinstance(value, Lazy)}
   try:
+    if lazy and model._remat_mode is None and (
+        model.dtype_policy.quantization_mode is None):
+      return _lazy_call(model, trainable, non_trainable, inputs, lazy,
+                        kwargs)
+    trainable = [v.make() if isinstance(v, Lazy) else v for v in trainable]
     return model.stateless_call(trainable, non_trainable, inputs,
                                 return_losses=True, **kwargs)
   finally:
     global_state.set_global_attribute('current_call_ctx', outer)
+
+
+def _lazy_call(model, trainable, non_trainable, inputs, lazy, kwargs):
+  """`stateless_call`'s run (its plain path), its `Lazy` values made when
+  read."""
+  from keras.src.backend.common import stateless_scope
+
+  class LazyScope(stateless_scope.StatelessScope):
+
+    def get_current_value(self, variable):
+      value = super().get_current_value(variable)
+      if value is None and id(variable) in lazy:
+        value = tf.cast(lazy.pop(id(variable)).make(), variable.dtype)
+        self.state_mapping[id(variable)] = value
+      return value
+
+  mapping = [(v, value) for v, value in zip(model.trainable_variables,
+                                            trainable)
+             if not isinstance(value, Lazy)]
+  mapping += list(zip(model.non_trainable_variables, non_trainable))
+  with LazyScope(state_mapping=mapping, collect_losses=True) as scope:
+    outputs = model.call(inputs, **kwargs)
+    losses = model.losses
+  return (outputs, [scope.get_current_value(v)
+                    for v in model.non_trainable_variables], losses)
 
 
 def is_functional(model):

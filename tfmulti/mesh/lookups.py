@@ -69,7 +69,7 @@ def looking_up(layers_and_tables):
 
 def _call(layer, parts, shards, homes):
   keras_call = type(layer).call.__get__(layer)
-  vocabulary = parts[0] * shards[0].shape[0]
+  vocabulary = layer.input_dim
 
   def call(inputs):
     if isinstance(inputs, (tf.SparseTensor, tf.RaggedTensor)):
@@ -83,11 +83,21 @@ def _call(layer, parts, shards, homes):
   return call
 
 
-def owners(ids, rows_per_shard):
+def owners(ids, sizes):
   """(the shard of each of `ids`' rows, as int32; its row there) for a
-  table split by rows into shards of `rows_per_shard` rows."""
-  rows = tf.cast(rows_per_shard, ids.dtype)
-  return tf.cast(ids // rows, tf.int32), ids % rows
+  table split by rows into shards of `sizes` rows (`sharding.part_sizes`:
+  equal, or the first ones a row more)."""
+  big, small = max(sizes), min(sizes)
+  more = sizes.count(big) if big != small else 0
+  big_rows = tf.constant(big, ids.dtype)
+  if not more:
+    return tf.cast(ids // big_rows, tf.int32), ids % big_rows
+  wide = tf.constant(more * big, ids.dtype)  # The rows of the bigger ones.
+  rest = ids - wide
+  small_rows = tf.constant(small, ids.dtype)
+  owner = tf.where(ids < wide, ids // big_rows, more + rest // small_rows)
+  local = tf.where(ids < wide, ids % big_rows, rest % small_rows)
+  return tf.cast(owner, tf.int32), local
 
 
 def look_up(parts, shards, homes, ids):
@@ -108,7 +118,8 @@ def _looked_up(parts, shards, homes, flat):
   row_blocks, column_blocks = parts
   if row_blocks == 1:
     return _gathered(shards, homes, flat)
-  owner, local = owners(flat, shards[0].shape[0])
+  owner, local = owners(flat, [shards[r * column_blocks].shape[0]
+                               for r in range(row_blocks)])
   positions = tf.dynamic_partition(tf.range(tf.size(flat)), owner,
                                    row_blocks)
   local = tf.dynamic_partition(local, owner, row_blocks)

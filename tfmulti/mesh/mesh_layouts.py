@@ -109,7 +109,8 @@ class VariableLayouts:
 
     Raises:
       errors.ConfigError: several keys match, or the layout does not fit
-        the shape (its rank, or a dimension the axis does not divide).
+        the shape (its rank, or a dimension of fewer entries than the
+        axis has devices).
     """
     layout_map = self._layout_map()
     try:
@@ -126,12 +127,19 @@ class VariableLayouts:
           f'{len(axes)} dimensions; give one axis or None a dimension.')
     for dim, axis in zip(shape, axes):
       parts = self.parts_of(axis)
-      if dim % parts:
+      if dim < parts:
         raise errors.ConfigError(
             f'variable {path} of shape {tuple(shape)}: layout {axes} splits '
-            f'a dimension of {dim} over {parts} devices of {axis!r}, which '
-            'do not divide it; use a mesh axis that divides it, or None.')
+            f'a dimension of {dim} over {parts} devices of {axis!r}, more '
+            'than it has; use a smaller mesh axis, or None.')
     return axes
+
+  def even(self, shape, axes):
+    """Whether each dimension of `shape` splits into equal parts under
+    `axes` (a kernel computed as blocks needs them; a table or a joined
+    variable takes `sharding.part_sizes`)."""
+    return all(dim % self.parts_of(axis) == 0
+               for dim, axis in zip(shape, axes))
 
   def names(self, path):
     """Whether a rule of the map matches `path` (Keras's lookup), be its

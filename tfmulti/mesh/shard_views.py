@@ -124,4 +124,4 @@ def _joined(sharded, slot, shards):
   if slot is None:
     return whole
   return sharding.ShardedValue(
-      parts, [keras_internals.storage(s) for s in shards])
+      parts, [keras_internals.storage(s) for s in shards], whole.shape)

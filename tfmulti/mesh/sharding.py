@@ -300,30 +300,36 @@ class Joined:
 class Table:
   """An Embedding's table looked up where its shards live (`lookups`; its
   shards' reads watched as they are read), joined only where a layer
-  reads it whole (a tied output layer, a weight penalty): that join's
-  gradient reaches the shards' reads through it, so their gradients are
-  the table's, cut."""
+  reads it whole (a tied output layer, a weight penalty): that join is
+  made when such a layer reads it (`keras_internals.Lazy`), so a step
+  that only looks the table up holds no op of the whole table; the
+  join's gradient reaches the watched shards through it, so their
+  gradients are the table's, cut."""
 
   def __init__(self, where, parts, layer, devices_):
     self.where = where
     self.parts = parts
     self.layer = layer
     self.devices = devices_
-    self.sources = 1 + where.stop - where.start
+    self.sources = where.stop - where.start
 
   def read(self, values, here, watch):
     del here  # Looked up where its shards live.
-    watch(values)  # Before the join: its gradient reaches them through it.
-    with tf.name_scope('gather_shards'):
-      whole = values[0] if self.parts is None else join(self.parts, values)
-    watch([whole])
-    return Reading(whole, [whole] + list(values),
+    watch(values)  # Before any join: its gradient reaches them through it.
+    whole = values[0] if self.parts is None else keras_internals.Lazy(
+        lambda: _joined(self.parts, values))
+    return Reading(whole, list(values),
                    [(self.layer, self.parts or (1, 1), values,
                      self.devices)], ())
 
   def cut(self, gradients, here):
     del here
-    return list(gradients[1:])  # The shards' own: the join's reached them.
+    return list(gradients)  # The shards' own: a join's reached them.
+
+
+def _joined(parts, shards):
+  with tf.name_scope('gather_shards'):
+    return join(parts, shards)
 
 
 class Blocks:
@@ -445,15 +451,29 @@ def _in_place(tables, blocks):
     yield
 
 
+def part_sizes(size, n):
+  """The sizes of a dimension of `size` (at least `n`) cut into `n` parts:
+  equal where `n` divides it, else as even as they go, the first ones an
+  entry more (a table of 13 rows over 4: 4, 3, 3, 3; none empty)."""
+  small, more = divmod(size, n)
+  return [small + 1] * more + [small] * (n - more)
+
+
 def join(parts, shards):
   """The whole tensor of `shards` (row-major over `parts`, the parts along
   each dimension), joined on the current device in one copy: a concat
   where one dimension is split; where several are, one stitch of the
   shards' rows into the whole's (a concat a dimension would copy the
-  bytes once a dimension)."""
+  bytes once a dimension), or, for shards of unequal sizes, a concat a
+  dimension."""
   split = [dim for dim, n in enumerate(parts) if n > 1]
   if len(split) <= 1:  # One shard (axes of size 1), or one dimension.
     return tf.concat(shards, axis=split[0]) if split else shards[0]
+  if len({tuple(shard.shape) for shard in shards}) > 1:
+    for dim in reversed(split):  # The last dimension's first.
+      shards = [tf.concat(shards[i:i + parts[dim]], axis=dim)
+                for i in range(0, len(shards), parts[dim])]
+    return shards[0]
   whole = [n * d for n, d in zip(parts, shards[0].shape)]
   last = split[-1]
   # The whole as rows, each a shard's slab past its dimensions before
@@ -462,19 +482,26 @@ def join(parts, shards):
   rows = np.arange(math.prod(whole[:last]) * parts[last]).reshape(
       whole[:last] + [parts[last]])
   indices = [tf.constant(block[..., 0], tf.int32)
-             for block in cut(parts[:last + 1], rows, np.split)]
+             for block in cut(parts[:last + 1], rows)]
   stitched = tf.dynamic_stitch(indices, shards)
   return tf.reshape(stitched, whole)
 
 
-def cut(parts, value, split=tf.split):
-  """`value` cut into shards along each dimension, in row-major order
-  (`split`: `np.split` for an array)."""
+def cut(parts, value):
+  """`value` (a tensor, or an array) cut into shards along each dimension
+  (`part_sizes`), in row-major order."""
   shards = [value]
   for dim, n in enumerate(parts):
     if n > 1:
-      shards = [s for whole in shards for s in split(whole, n, axis=dim)]
+      shards = [s for whole in shards for s in _split(whole, n, dim)]
   return shards
+
+
+def _split(value, n, dim):
+  sizes = part_sizes(value.shape[dim], n)
+  if isinstance(value, np.ndarray):
+    return np.split(value, np.cumsum(sizes)[:-1], axis=dim)
+  return tf.split(value, sizes, axis=dim)
 
 
 def cut_slices(parts, value, shape):
@@ -482,25 +509,29 @@ def cut_slices(parts, value, shape):
   its shards' slices, in row-major order: along the first dimension each
   row goes to its shard (in the order it came), along another each
   slice's values are split."""
-  shards, shape = [value], list(shape)
+  shards = [(value, list(shape))]
   for dim, n in enumerate(parts):
     if n > 1:
-      shape[dim] //= n
-      shards = [s for whole in shards
-                for s in _cut_slices(whole, n, dim, tuple(shape))]
-  return shards
+      shards = [piece for whole, whole_shape in shards
+                for piece in _cut_slices(whole, n, dim, whole_shape)]
+  return [s for s, _ in shards]
 
 
 def _cut_slices(value, n, dim, shape):
-  """`value`'s n slices along `dim`, each of dense shape `shape`."""
-  shape = tf.constant(shape, value.dense_shape.dtype)
+  """`value`'s n slices along `dim` of a variable of `shape`, each with
+  its shard's shape: [(slices, shape)]."""
+  sizes = part_sizes(shape[dim], n)
+  shapes = [shape[:dim] + [size] + shape[dim + 1:] for size in sizes]
+  dense = [tf.constant(s, value.dense_shape.dtype) for s in shapes]
   if dim:
-    return [tf.IndexedSlices(v, value.indices, shape)
-            for v in tf.split(value.values, n, axis=dim)]
-  owner, local = lookups.owners(value.indices, shape[0])
-  return [tf.IndexedSlices(v, i, shape) for v, i in zip(
-      tf.dynamic_partition(value.values, owner, n),
-      tf.dynamic_partition(local, owner, n))]
+    pieces = [tf.IndexedSlices(v, value.indices, d) for v, d in zip(
+        tf.split(value.values, sizes, axis=dim), dense)]
+  else:
+    owner, local = lookups.owners(value.indices, sizes)
+    pieces = [tf.IndexedSlices(v, i, d) for v, i, d in zip(
+        tf.dynamic_partition(value.values, owner, n),
+        tf.dynamic_partition(local, owner, n), dense)]
+  return list(zip(pieces, shapes))
 
 
 class ShardedValue(keras_internals.SavedWhole):
@@ -510,12 +541,11 @@ class ShardedValue(keras_internals.SavedWhole):
   checkpoint holds its whole value (as a variable's: one saved on any
   layout restores on any other)."""
 
-  def __init__(self, parts, shards):
+  def __init__(self, parts, shards, shape):
     self.parts = parts
     self.shards = shards
     self.dtype = shards[0].dtype
-    self.shape = tf.TensorShape([n * d for n, d in zip(parts,
-                                                       shards[0].shape)])
+    self.shape = tf.TensorShape(shape)
     self.trainable = shards[0].trainable
     # The name a checkpoint records (TF's `get_full_name`): the first
     # shard's.
@@ -590,8 +620,8 @@ def storage_of(config, model, optimizer, split_compute=True):
                'device: %s.', len(plan), len(model.variables),
                sorted(held.values()))
   found = lookups.tables(model, {id(v) for v in model.trainable_variables})
-  split = tensor_parallel.layers(
-      model, plan, layouts.compute_axes if split_compute else ())
+  split = _even_blocks(layouts, model, plan, tensor_parallel.layers(
+      model, plan, layouts.compute_axes if split_compute else ()))
   if split:
     logging.info('Layers computed where their kernels\' blocks live: %s.',
                  ', '.join(layer.name for layer, _ in split.values()))
@@ -604,6 +634,21 @@ def storage_of(config, model, optimizer, split_compute=True):
        for k, v in enumerate(trainable) if id(v) in split},
       (layouts.mesh_shape, [config.clone_device(i)
                             for i in range(layouts.num_devices)]))
+
+
+def _even_blocks(layouts, model, plan, split):
+  """`split` (`tensor_parallel.layers`') without the kernels whose shards
+  are unequal (computing as blocks needs equal ones): those are joined
+  for the pass, as a variable no compute axis splits; logged."""
+  uneven = [v for v in model.trainable_variables
+            if id(v) in split and not layouts.even(v.shape, plan[id(v)])]
+  for variable in uneven:
+    logging.info('kernel %s of shape %s: its shards are unequal (layout '
+                 '%s), so it is joined for the pass, not computed as '
+                 'blocks', variable.path, tuple(variable.shape),
+                 plan[id(variable)])
+    del split[id(variable)]
+  return split
 
 
 def _sharded(config, layouts, model, optimizer, plan, choices, held):
@@ -763,7 +808,7 @@ def _shard(config, layouts, variable, axes, parts, held, choice=None):
           variable, storage, shard_path(variable.path, block)))
     held[device] += devices.variable_bytes(storage)
   keras_internals.store_in(variable, ShardedValue(
-      parts, [keras_internals.storage(s) for s in shards]))
+      parts, [keras_internals.storage(s) for s in shards], variable.shape))
   return shards
 
 

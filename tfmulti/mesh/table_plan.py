@@ -114,14 +114,15 @@ def peak(tables, choices, layouts):
 
 def _layouts(shape, layouts, may_split):
   """Whole, then each layout that splits `shape` over the mesh's axes
-  evenly: by the fewest parts, rows before columns."""
+  (unequal parts where an axis does not divide a dimension:
+  `sharding.part_sizes`): by the fewest parts, rows before columns."""
   options = [None]
   axes = [a for a in layouts.axis_names if layouts.parts_of(a) > 1]
   for rows in (None, *axes) if may_split else ():
     for columns in (None, *axes):
       split = (rows, columns)
       if (rows or columns) and rows != columns and all(
-          dim % layouts.parts_of(axis) == 0
+          dim >= layouts.parts_of(axis)
           for dim, axis in zip(shape, split)):
         options.append(split)
   return sorted(options, key=lambda split: (
