@@ -34,6 +34,23 @@ def pixels(input_shape, num_classes):
                                                 name='logits')(x))
 
 
+def primes(input_shape, num_classes):
+  # A table of 251 rows and 7 columns: no axis of 2 divides either.
+  inputs = keras.Input(input_shape)
+  ids = keras.ops.clip(keras.ops.cast(keras.layers.Flatten()(inputs),
+                                      'int32'), 0, 250)
+  x = keras.layers.Embedding(251, 7, name='primes')(ids)
+  x = keras.layers.GlobalAveragePooling1D()(x)
+  return keras.Model(inputs, keras.layers.Dense(num_classes,
+                                                name='logits')(x))
+
+
+def prime_layout(device_mesh):
+  layouts = keras.distribution.LayoutMap(device_mesh)
+  layouts['primes/embeddings'] = ('batch', 'model')
+  return layouts
+
+
 class _Owned(keras.Model):
   def get_layout_map(self, device_mesh):
     return layout_map(device_mesh)
@@ -110,6 +127,21 @@ def test_planned_tables_train_as_plain_towers(run_train, user_module,
   plain = run_train(model=f'{user_module}:pixels', train_steps=2,
                     num_clones=4, model_dir=str(tmp_path / 'plain'))
   assert_same_checkpoints(planned['checkpoint'], plain['checkpoint'])
+
+
+@pytest.mark.slow
+def test_a_prime_table_by_rows_and_columns_trains_as_plain_towers(
+    run_train, user_module, tmp_path, caplog):
+  """251 rows by 7 columns over a (2, 2) mesh: unequal shards (126 and
+  125 rows, 4 and 3 columns), the checkpoint of plain towers."""
+  with caplog.at_level('INFO', logger='absl'):
+    split = run_train(model=f'{user_module}:primes', train_steps=2,
+                      layout_map=f'{user_module}:prime_layout', **MESH,
+                      model_dir=str(tmp_path / 'run'))
+  assert 'Variables sharded by their layouts: 1 of 3' in caplog.text
+  plain = run_train(model=f'{user_module}:primes', train_steps=2,
+                    num_clones=4, model_dir=str(tmp_path / 'plain'))
+  assert_same_checkpoints(split['checkpoint'], plain['checkpoint'])
 
 
 @pytest.mark.parametrize('values, message', [
