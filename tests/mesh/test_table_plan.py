@@ -125,8 +125,9 @@ def test_a_planned_dlrm_trains_as_one_device_where_planned():
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
   tables = list(table_plan.tables_of(plain, skip=()).values())
   choices = table_plan.plan(tables, config.variable_layouts)
-  assert {c.axes for c in choices.values()} == {  # Each kind, through fit.
-      None, ('model', None), (None, 'model')}
+  # Whole and by rows (unequal where 4 does not divide), through fit; by
+  # columns only where a table has fewer rows than devices.
+  assert {c.axes for c in choices.values()} == {None, ('model', None)}
   stored = {v.path: devices.canonical(devices.device_of(v))
             for v in towers.towers.parts.storage.variables}
   for table in tables:

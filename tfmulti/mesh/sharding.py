@@ -501,7 +501,7 @@ def _split(value, n, dim):
   sizes = part_sizes(value.shape[dim], n)
   if isinstance(value, np.ndarray):
     return np.split(value, np.cumsum(sizes)[:-1], axis=dim)
-  return tf.split(value, sizes, axis=dim)
+  return tf.split(value, n if len(set(sizes)) == 1 else sizes, axis=dim)
 
 
 def cut_slices(parts, value, shape):
@@ -525,7 +525,7 @@ def _cut_slices(value, n, dim, shape):
   dense = [tf.constant(s, value.dense_shape.dtype) for s in shapes]
   if dim:
     pieces = [tf.IndexedSlices(v, value.indices, d) for v, d in zip(
-        tf.split(value.values, sizes, axis=dim), dense)]
+        _split(value.values, n, dim), dense)]
   else:
     owner, local = lookups.owners(value.indices, sizes)
     pieces = [tf.IndexedSlices(v, i, d) for v, i, d in zip(
