@@ -168,3 +168,24 @@ def test_tokens_are_counted_only_where_the_input_is_tokens(inputs,
   tensors = tf.nest.map_structure(tf.constant, inputs)
   assert readings.tokens_per_row(tensors) == positions
 
+
+
+def test_each_gpu_reports_its_own_memory_of_its_size(monkeypatch):
+  """GPUs (traced for, none here): each device's figure is the runtime's
+  own, as a share of `device_memory`; no planned figure stands in."""
+  asked = []
+
+  def memory_info(device):
+    asked.append(device)
+    return {'current': 2 * 2**30, 'peak': 4 * 2**30}
+  monkeypatch.setattr(tf.config.experimental, 'get_memory_info',
+                      memory_info)
+  cost = readings.StepCost({'/device:GPU:0': 10, '/device:GPU:1': 10,
+                            '/device:CPU:0': 1}, {'/device:GPU:0': 5})
+  memory = readings.memory_of(cost, device_kinds.memory_bytes('80GB'))
+  assert asked == ['/device:GPU:0', '/device:GPU:1']
+  assert [m.text() for m in memory] == [
+      'GPU:0 2.00 GiB in use, 4.00 GiB peak (5.0%)',
+      'GPU:1 2.00 GiB in use, 4.00 GiB peak (5.0%)']
+  logs = readings.Reading(1.0, 8.0, None, None, tuple(memory)).logs()
+  assert (logs['memory_gib'], logs['memory_peak_gib']) == (2.0, 4.0)

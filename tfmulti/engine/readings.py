@@ -240,15 +240,21 @@ class Meter:
     return flops / step_time / (rate * len(compute))
 
   def memory(self):
-    """Each compute device's `Memory` (see the module)."""
-    compute = self.cost.compute_devices()
-    if compute and dry_run.device_type(compute[0]) == 'GPU':
-      total = self._device_memory or _gpu_memory(compute)
-      return [_measured(d, total) for d in compute]
-    host = _process_memory()
-    planned = [Memory(d, None, self.cost.planned_peak.get(d, 0),
-                      planned=True) for d in compute]
-    return [host] + (planned if len(compute) > 1 else [])
+    """Each compute device's `Memory` (`memory_of`)."""
+    return memory_of(self.cost, self._device_memory)
+
+
+def memory_of(cost, device_memory=None):
+  """Each of `cost`'s compute devices' `Memory` (see the module): a GPU's
+  the runtime's, of `device_memory` bytes (None: its kind's); else the
+  process's, and each device's planned peak where there are several."""
+  compute = cost.compute_devices()
+  if compute and dry_run.device_type(compute[0]) == 'GPU':
+    total = device_memory or _gpu_memory(compute)
+    return [_measured(d, total) for d in compute]
+  planned = [Memory(d, None, cost.planned_peak.get(d, 0), planned=True)
+             for d in compute]
+  return [_process_memory()] + (planned if len(compute) > 1 else [])
 
 
 def tokens_per_row(inputs):
