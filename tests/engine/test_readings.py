@@ -68,6 +68,39 @@ def test_model_flops_are_the_layers_count_on_each_clone(make, num_clones):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('config, options', [
+    (dict(num_clones=2), dict(accumulation_steps=2)),
+    (dict(num_clones=2), dict(reproducible_rows=4)),
+    (dict(num_clones=2), dict(clone_shares=(3, 1))),
+    (dict(num_clones=1, num_stages=2), dict(num_microbatches=4,
+                                            recompute=True)),
+    (dict(num_clones=2, variables_device='spread'), {})])
+def test_model_flops_are_the_layers_count_under_each_option(config,
+                                                            options):
+  """Accumulated, in atoms, by shares, in micro-batches recomputed (not
+  counted again: PaLM's MFU) or spread: the rows' FLOPs, once."""
+  deployed = make_deployed(placement.DeploymentConfig(
+      clone_on_cpu=True, **config), _convnet, **options)
+  deployed.train_step(*_batch(deployed.model))
+  cost = readings.step_cost(deployed.step_function)
+  assert sum(cost.flops.values()) == pytest.approx(
+      flops_lib.step_flops(deployed.model, ROWS))
+
+
+def test_a_bfloat16_step_is_read_at_the_kinds_bfloat16_rate():
+  deployed = _trained(_convnet, num_clones=2)
+  want = flops_lib.step_flops(deployed.model, ROWS)
+  rates = {}
+  for dtype in ('float32', 'bfloat16'):
+    reading = readings.Meter(deployed.step_function, ROWS,
+                             compute_dtype=dtype,
+                             peak=device_kinds.KINDS['a100']).reading(1, 1)
+    rates[dtype] = want / reading.mfu / 2
+  assert rates == {'float32': pytest.approx(19.5e12),  # No TF32 on a CPU.
+                   'bfloat16': pytest.approx(312e12)}
+
+
+@pytest.mark.slow
 def test_stages_count_each_stage_on_its_own_device():
   deployed = _trained(_convnet, num_clones=1, num_stages=2)
   cost = readings.step_cost(deployed.step_function)

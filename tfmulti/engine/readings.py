@@ -34,6 +34,7 @@ import tensorflow as tf
 from tfmulti import device_kinds
 from tfmulti import devices
 from tfmulti import keras_internals
+from tfmulti.pipeline import stages
 from tfmulti.plan import dry_run
 from tfmulti.plan import peaks
 
@@ -139,7 +140,9 @@ class StepCost:
 _MODEL_OPS = frozenset((
     'MatMul', 'BatchMatMul', 'BatchMatMulV2', 'BatchMatMulV3', 'Conv2D',
     'Conv3D', 'DepthwiseConv2dNative', 'Einsum'))
-_BACKWARD = 'gradient_tape'  # The name scope of a tape's gradient ops.
+# The name scope of a tape's gradient ops (and a stage's backward pass's
+# suffix, whose recomputed forward pass counts as backward).
+_BACKWARD = 'gradient_tape'
 
 
 def step_cost(function):
@@ -166,7 +169,8 @@ def _forward(graph, placement, device, backward=False):
   inside function bodies too (a gradient's body is backward)."""
   for op in graph.get_operations():
     here = placement.of_op(op) or device
-    back = backward or _BACKWARD in op.name.split('/')
+    back = backward or any(scope == _BACKWARD or scope.endswith(
+        stages.BACKWARD) for scope in op.name.split('/'))
     if not back and op.type in _MODEL_OPS:
       yield here, (_einsum_flops(op) if op.type == 'Einsum'
                    else keras_internals.node_flops(op))

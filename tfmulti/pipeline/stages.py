@@ -64,6 +64,10 @@ from tfmulti.pipeline import costs
 from tfmulti.pipeline import partition
 from tfmulti.pipeline import schedules
 
+# The suffix of a backward pass's name scope (a recomputed forward pass
+# runs in it: `engine.readings` counts it as backward).
+BACKWARD = '_backward'
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -326,7 +330,7 @@ class Stages:
     takes held back for it (`backward.held_back`). Returns what it made."""
     stage, last = self.stages[s], len(self.stages) - 1
     with tf.device(devices[s]), tf.name_scope(
-        self._scope(context, m, s, '_backward')):
+        self._scope(context, m, s, BACKWARD)):
       upstream = [flight.upstream[k] for k in stage.output_keys] if (
           s < last) else []
       kept = self.keepers[s].taped(self, s, context, flight.kept[s], flight,
