@@ -13,6 +13,7 @@ from tests.mesh import meshes
 from tfmulti import errors
 from tfmulti import fit
 from tfmulti.mesh import lookups
+from tfmulti.mesh import mesh_layouts
 from tfmulti.mesh import shard_views
 from tfmulti.mesh import sharding
 from tfmulti.plan import peaks
@@ -204,3 +205,49 @@ def test_a_table_of_fewer_rows_than_devices_is_refused_in_one_line():
       r'None\) splits a dimension of 3 over 4 devices of .model., more '
       r'than it has; use a smaller mesh axis, or None.')):
     towers.compile(optimizer='adam', loss='mse')
+
+
+def test_unequal_shards_place_on_gpus_with_every_kernel():
+  """Traced for 4 GPUs (none here): every op of the unequal lookups has
+  a GPU kernel, and each GPU holds its shard's rows (17, 17, 17, 16) of
+  the table and Adam's two slots."""
+  layouts = mesh_layouts.VariableLayouts(
+      (4,), ('model',), (('table/embeddings', ('model', None)),))
+  gpus = meshes.planned_on_gpus(layouts, _model, _data())
+  assert len(gpus) == 4
+  assert not [line for r in gpus.values() for line in r.missing_kernels]
+  held = sorted(r.held_bytes for r in gpus.values())
+  row = 3 * WIDTH * 4  # A row of the table and of its two slots.
+  assert held[-1] - held[0] >= row  # 17 rows against 16, beside the rest.
+  assert sharding.part_sizes(ROWS, 4) == [17, 17, 17, 16]
+
+
+@pytest.mark.slow
+def test_predict_and_evaluate_look_the_unequal_shards_up():
+  model = _model()
+  towers = fit.TowersModel(model, _parallel('rows and columns on (2, 2)'))
+  _fit(towers, epochs=1)
+  ids, labels = _data()
+  np.testing.assert_allclose(towers.predict(ids, batch_size=8, verbose=0),
+                             model(ids), rtol=1e-6, atol=1e-7)
+  plain = _model()
+  plain.set_weights(model.get_weights())
+  plain.compile(loss=keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True))
+  np.testing.assert_allclose(
+      towers.evaluate(ids, labels, batch_size=8, verbose=0),
+      plain.evaluate(ids, labels, batch_size=8, verbose=0), rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('fields', [dict(accumulation_steps=2),
+                                    dict(clone_shares=(3, 1, 2, 2))])
+def test_unequal_shards_with_accumulation_or_shares_train_as_one_device(
+    fields):
+  """Each batch of 8 accumulated over two steps of 4 rows, or cut by
+  shares: the updates of plain `fit` on the batches of 8."""
+  plain = _model()
+  want = _fit(plain)
+  model = _model()
+  towers = fit.TowersModel(model, _parallel('rows over 4'), **fields)
+  _assert_same(model, plain, _fit(towers), want)
