@@ -256,8 +256,8 @@ _DRY_RUN = flags.DEFINE_bool(
 _DEVICE_MEMORY = flags.DEFINE_string(
     'device_memory', None, 'The memory of each GPU: a size (80GB, 16384MB) '
     'or a name (h100, a100, a100_40gb, v100, l4, t4, ...). --dry_run checks '
-    'the plan against it; a run shows memory as a share of it. Default: the '
-    'GPU\'s own kind.')
+    'the plan against it (no check without it); a run shows memory as a '
+    'share of it, by default of the GPU\'s own kind\'s.')
 _DEVICE_PEAK_FLOPS = flags.DEFINE_string(
     'device_peak_flops', None, 'The peak rate of each compute device, for '
     'the MFU on every progress line: FLOP/s (312T, 1.5e14) or a name (h100, '

@@ -4,14 +4,15 @@ The dry run checks a plan against a device's memory (`--device_memory`);
 a run's MFU divides its FLOPs a second by the device's peak rate for the
 step's compute dtype (`--device_peak_flops`, or the GPU's own name). Each
 figure is the vendor's datasheet figure, dense (no structured sparsity),
-for the SXM part where there are several (docs/running.md lists the
-sources). float32 matmuls on a GPU that has TF32 run as TF32 where
+for the SXM part where there are several (docs/running.md names the
+datasheets). float32 matmuls on a GPU that has TF32 run as TF32 where
 TensorFlow allows it (its default, `tf.config.experimental.
 enable_tensor_float_32_execution`), so their peak is TF32's.
 """
 
 import dataclasses
 import re
+from typing import Optional
 
 from tfmulti import errors
 
@@ -21,14 +22,15 @@ TERA = 1e12
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-  """A device kind: memory (GiB; None: not known) and peak FLOP/s a compute
-  dtype
-  ('float32', 'tf32', 'bfloat16', 'float16'; one it lacks runs at its
-  float32 rate)."""
-  memory_gib: int
+  """A device kind: its memory in GiB (None: not known) and its peak
+  FLOP/s for each compute dtype ('float32', 'tf32', 'bfloat16',
+  'float16')."""
+  memory_gib: Optional[int]
   rates: dict
 
   def rate(self, dtype):
+    """The peak FLOP/s of `dtype`; one the kind lacks (bfloat16 on a T4)
+    runs at its float32 rate."""
     return self.rates.get(dtype, self.rates['float32'])
 
 
@@ -106,12 +108,12 @@ def memory_bytes(value):
   match = re.fullmatch(r'(\d+(?:\.\d+)?)\s*(GB|GIB|MB|MIB)', value.upper())
   if not match:
     raise errors.ConfigError(
-        f'--device_memory={value}: give a size (80GB, 16384MB) or a device '
+        f'device_memory={value}: give a size (80GB, 16384MB) or a device '
         f'name ({", ".join(sorted(KNOWN_MEMORY))}).')
   scale = GIB if match.group(2).startswith('G') else 2**20
   size = int(float(match.group(1)) * scale)
   if size <= 0:
     raise errors.ConfigError(
-        f'--device_memory={value}: a device holds more than nothing; give '
+        f'device_memory={value}: a device holds more than nothing; give '
         'its size, e.g. 80GB.')
   return size

@@ -303,14 +303,20 @@ def _lazy_call(model, trainable, non_trainable, inputs, lazy, kwargs):
   read."""
   from keras.src.backend.common import stateless_scope
 
+  made = {}  # (id(variable), graph) -> its value made there.
+
   class LazyScope(stateless_scope.StatelessScope):
 
     def get_current_value(self, variable):
       value = super().get_current_value(variable)
-      if value is None and id(variable) in lazy:
-        value = tf.cast(lazy.pop(id(variable)).make(), variable.dtype)
-        self.state_mapping[id(variable)] = value
-      return value
+      if value is not None or id(variable) not in lazy:
+        return value
+      # Made in the graph that reads it (a branch's or a loop's own): a
+      # tensor of one function graph is no value in another.
+      key = id(variable), tf.compat.v1.get_default_graph()
+      if key not in made:
+        made[key] = tf.cast(lazy[id(variable)].make(), variable.dtype)
+      return made[key]
 
   mapping = [(v, value) for v, value in zip(model.trainable_variables,
                                             trainable)

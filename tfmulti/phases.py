@@ -65,16 +65,19 @@ def phase(name, total=None, *, stream=None, own_bar=False):
   if not stream.isatty():
     logging.info('%s%s', name, f' ({total} parts)' if total else '')
   shown = Phase(name, total, stream if drawn else None)
-  ticking = threading.Event()
+  ticking, ticker = threading.Event(), None
   if drawn:
     shown.advance(0)
     if not total:
-      threading.Thread(target=_tick, args=(shown, ticking),
-                       daemon=True).start()
+      ticker = threading.Thread(target=_tick, args=(shown, ticking),
+                                daemon=True)
+      ticker.start()
   try:
     yield shown
   finally:
     ticking.set()
+    if ticker is not None:
+      ticker.join()  # Its last redraw before the phase's last line.
     if drawn:
       shown.draw(end='\n')
     elif not stream.isatty():

@@ -197,7 +197,8 @@ def _loop(run, steps, rows, device, gradient_devices):
       lambda k, *_: k < steps, body,
       (tf.constant(1), [tf.zeros([]) if s else g
                         for g, s in zip(sums, sparse)], scalars,
-       joined.arrays))
+       joined.arrays),
+      maximum_iterations=steps - 1)  # Its count, for a reader of the graph.
   outputs = joined.read(arrays)
   found = iter(outputs[len(outputs) - sum(sparse):])
   outputs = outputs[:len(outputs) - sum(sparse)]

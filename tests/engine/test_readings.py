@@ -70,6 +70,7 @@ def test_model_flops_are_the_layers_count_on_each_clone(make, num_clones):
 @pytest.mark.slow
 @pytest.mark.parametrize('config, options', [
     (dict(num_clones=2), dict(accumulation_steps=2)),
+    (dict(num_clones=2), dict(accumulation_steps=4)),  # A loop of 3.
     (dict(num_clones=2), dict(reproducible_rows=4)),
     (dict(num_clones=2), dict(clone_shares=(3, 1))),
     (dict(num_clones=1, num_stages=2), dict(num_microbatches=4,
@@ -94,7 +95,7 @@ def test_a_bfloat16_step_is_read_at_the_kinds_bfloat16_rate():
   for dtype in ('float32', 'bfloat16'):
     reading = readings.Meter(deployed.step_function, ROWS,
                              compute_dtype=dtype,
-                             peak=device_kinds.KINDS['a100']).reading(1, 1)
+                             kind=device_kinds.KINDS['a100']).reading(1, 1)
     rates[dtype] = want / reading.mfu / 2
   assert rates == {'float32': pytest.approx(19.5e12),  # No TF32 on a CPU.
                    'bfloat16': pytest.approx(312e12)}
@@ -112,7 +113,7 @@ def test_stages_count_each_stage_on_its_own_device():
 def test_mfu_is_the_flops_a_second_over_the_devices_peak():
   deployed = _trained(_convnet, num_clones=2)
   meter = readings.Meter(deployed.step_function, ROWS,
-                         peak=device_kinds.peak_rate('2G'))
+                         kind=device_kinds.peak_rate('2G'))
   reading = meter.reading(seconds=3.0, steps=4)
   want = flops_lib.step_flops(deployed.model, ROWS)
   assert reading.step_time == 0.75
@@ -121,6 +122,10 @@ def test_mfu_is_the_flops_a_second_over_the_devices_peak():
   assert reading.tokens_per_sec is None
   assert readings.Meter(deployed.step_function, ROWS).reading(
       1.0, 1).mfu is None  # A CPU has no known peak: none given, none shown.
+  # Over the devices the run computes on, not only those with matmuls.
+  over_four = readings.Meter(deployed.step_function, ROWS, devices=4,
+                             kind=device_kinds.peak_rate('2G'))
+  assert over_four.reading(3.0, 4).mfu == pytest.approx(reading.mfu / 2)
 
 
 def test_gpus_planned_here_are_the_compute_devices_at_their_tf32_rate():
@@ -200,7 +205,6 @@ def test_tokens_are_counted_only_where_the_input_is_tokens(inputs,
                                                             positions):
   tensors = tf.nest.map_structure(tf.constant, inputs)
   assert readings.tokens_per_row(tensors) == positions
-
 
 
 def test_each_gpu_reports_its_own_memory_of_its_size(monkeypatch):

@@ -4,6 +4,8 @@ tokens) a second, memory and MFU; the MFU is the layers' FLOPs (counted
 apart, from the model) over the step time and the devices' peak."""
 
 import glob
+import math
+import types
 
 import keras
 import numpy as np
@@ -104,3 +106,68 @@ def test_a_bad_peak_is_refused_before_fit():
     fit.TowersModel(mlp(), deploy.DeploymentConfig(num_clones=2,
                                                    clone_on_cpu=True),
                     device_peak_flops='quick')
+
+
+class _Clock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+class _Meter:
+  """Records what each reading was of: (seconds, steps)."""
+
+  def __init__(self, *args, **kwargs):
+    del args, kwargs
+    self.read = []
+
+  def count(self):
+    pass
+
+  def reading(self, seconds, steps):
+    self.read.append((seconds, steps))
+    return types.SimpleNamespace(logs=lambda: {'step_time': seconds / steps})
+
+
+def test_the_callback_times_each_call_and_each_epoch(monkeypatch):
+  """Driven by hand on a clock: the first step (it traces) untimed; each
+  call's steps (steps_per_execution: its last step's index); each epoch
+  from its start, not from the last epoch's end (validation between);
+  steps a resumed run passes over untimed; an epoch whose one step traced
+  logs NaN, so History keeps one entry an epoch."""
+  clock = _Clock()
+  monkeypatch.setattr(fit_readings.time, 'perf_counter', clock)
+  monkeypatch.setattr(fit_readings.readings, 'Meter', _Meter)
+  towers = types.SimpleNamespace(
+      passes=types.SimpleNamespace(passed=False),
+      batches=types.SimpleNamespace(rows=16, tokens_per_row=None),
+      steps=types.SimpleNamespace(step_function=None),
+      model=types.SimpleNamespace(
+          dtype_policy=types.SimpleNamespace(compute_dtype='float32')),
+      config=types.SimpleNamespace(compute_devices=lambda: ['a', 'b']))
+  callback = fit_readings.Readings(towers)
+  callback.on_train_begin()
+  callback.on_epoch_begin(0)
+  clock.now = 10.0
+  callback.on_train_batch_end(0, {})  # It traced.
+  epoch = {}
+  callback.on_epoch_end(0, epoch)
+  assert np.isnan(epoch['step_time'])
+  meter = callback._meter
+  clock.now = 50.0  # Validation, then the next epoch.
+  callback.on_epoch_begin(1)
+  clock.now = 51.0
+  logs = {}
+  callback.on_train_batch_end(0, logs)
+  clock.now = 55.0
+  callback.on_train_batch_end(2, {})  # Two steps in one call.
+  towers.passes.passed = True  # (As a resumed run's step would be.)
+  clock.now = 90.0
+  callback.on_train_batch_end(3, {})
+  towers.passes.passed = False
+  callback.on_epoch_end(1, epoch)
+  assert math.isnan(meter.read[0][0]) and meter.read[1:] == [
+      (1.0, 1), (4.0, 2), (5.0, 3)]
+  assert logs == {'step_time': 1.0} and epoch == {'step_time': 5.0 / 3}

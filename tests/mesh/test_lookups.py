@@ -13,7 +13,7 @@ from tfmulti import fit
 from tfmulti.bench import table_plan as table_plan_bench
 from tfmulti.mesh import lookups
 from tfmulti.mesh import mesh_layouts
-from tfmulti.mesh import sharding
+from tfmulti.mesh import shards as shards_lib
 from tfmulti.plan import peaks
 from tfmulti.plan import traffic
 
@@ -25,7 +25,7 @@ def test_a_lookup_gives_one_devices_rows_and_slices(parts):
   table = tf.constant(np.arange(ROWS * WIDTH, dtype=np.float32).reshape(
       ROWS, WIDTH))
   ids = tf.constant([[5, 63, 5], [40, 0, 17]])
-  shards = sharding.cut(parts, table)
+  shards = shards_lib.cut(parts, table)
   owners = [f'/device:CPU:{i}' for i in range(len(shards))]
   weights = tf.reshape(tf.range(6 * WIDTH, dtype=tf.float32), [2, 3, WIDTH])
   with tf.GradientTape(persistent=True) as tape:
@@ -36,7 +36,7 @@ def test_a_lookup_gives_one_devices_rows_and_slices(parts):
   np.testing.assert_array_equal(got, want)
   slices = tape.gradient(loss_got, shards)
   assert all(isinstance(s, tf.IndexedSlices) for s in slices)
-  one_device = sharding.cut_slices(parts, tape.gradient(loss_want, table),
+  one_device = shards_lib.cut_slices(parts, tape.gradient(loss_want, table),
                                    table.shape)
   for piece, expected in zip(slices, one_device):
     np.testing.assert_array_equal(piece.indices, expected.indices)
@@ -50,7 +50,7 @@ def test_a_looked_up_layer_reads_ids_as_keras_does(dtype):
   layer = keras.layers.Embedding(ROWS, WIDTH)
   layer.build((None,))
   parts = (2, 2)
-  shards = sharding.cut(parts, tf.convert_to_tensor(layer.embeddings))
+  shards = shards_lib.cut(parts, tf.convert_to_tensor(layer.embeddings))
   homes = [f'/device:CPU:{i}' for i in range(4)]
   ids = tf.constant([[3, -1, 63], [-64, 0, 40]], dtype)
   want = layer(ids)

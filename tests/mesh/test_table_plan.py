@@ -13,6 +13,7 @@ from tfmulti.bench.table_plan import dlrm
 from tfmulti.deploy import keras_distribution
 from tfmulti.mesh import mesh_layouts
 from tfmulti.mesh import sharding
+from tfmulti.mesh import shards
 from tfmulti.mesh import table_plan
 
 MESH_4 = mesh_layouts.VariableLayouts((4,), ('model',))
@@ -81,14 +82,14 @@ def test_lookups_come_from_the_layer_input_shape(shape, ids, caplog):
 
 def test_a_table_no_axis_divides_splits_in_unequal_shards():
   """4 divides neither dimension of a big table: it splits by rows in
-  shards of 1001, 1000, 1000 and 1000 rows (`sharding.part_sizes`), each
+  shards of 1001, 1000, 1000 and 1000 rows (`shards.part_sizes`), each
   device within the target, where it once had to stay whole (3.9 times an
   even share on one device)."""
   tables = [table_plan.Table('big', (4001, 15), 1),
             table_plan.Table('hot', (64, 16), 30)]
   choices = table_plan.plan(tables, MESH_4)
   assert choices['big'].axes == ('model', None)
-  assert sharding.part_sizes(4001, 4) == [1001, 1000, 1000, 1000]
+  assert shards.part_sizes(4001, 4) == [1001, 1000, 1000, 1000]
   held, looked = table_plan.peak(tables, choices, MESH_4)
   assert held <= table_plan.TARGET and looked <= table_plan.TARGET
 
@@ -137,3 +138,12 @@ def test_a_planned_dlrm_trains_as_one_device_where_planned():
         mesh_layouts.blocks(mesh_layouts.grid(MESH_4, choice.axes))])
     assert [stored[p] for p in paths] == [
         devices.canonical(config.clone_device(d)) for d in choice.homes]
+
+
+def test_unequal_shards_load_their_devices_by_their_rows():
+  """5 rows over 4 devices: 2, 1, 1 and 1 rows, so the first device holds
+  two fifths of the table (1.6 times an even share), not a quarter."""
+  tables = [table_plan.Table('small', (5, 8), 1)]
+  choices = {'small': table_plan.Choice(('model', None), (0, 1, 2, 3))}
+  held, looked = table_plan.peak(tables, choices, MESH_4)
+  assert (held, looked) == (pytest.approx(1.6), pytest.approx(1.6))

@@ -194,7 +194,7 @@ def test_the_command_line_plans_eight_gpus_and_writes_nothing(
                        r'tensors are the most of it: lower --batch_size'):
       cli.main(['train.py'])
   with flagsaver.flagsaver(**values, device_memory='lots'):
-    with pytest.raises(SystemExit, match=r'--device_memory=lots: give a '
+    with pytest.raises(SystemExit, match=r'device_memory=lots: give a '
                        r'size \(80GB, 16384MB\) or a device name'):
       cli.main(['train.py'])
 

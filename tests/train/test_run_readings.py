@@ -66,7 +66,7 @@ def test_each_line_and_tensorboard_carry_the_steps_readings(
 @pytest.mark.parametrize('flag, value, message', [
     ('device_peak_flops', 'fast', r'device_peak_flops=fast: give a rate a '
      r'device \(312T, 1.5e14\) or a device name \(a100, '),
-    ('device_memory', 'lots', r'--device_memory=lots: give a size')])
+    ('device_memory', 'lots', r'device_memory=lots: give a size')])
 def test_a_bad_device_figure_stops_the_run_before_anything(
     tmp_path, digits_dir, flag, value, message):
   model_dir = tmp_path / 'run'

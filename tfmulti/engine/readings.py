@@ -27,6 +27,7 @@ import dataclasses
 import math
 import os
 import resource
+import sys
 from typing import Optional
 
 import tensorflow as tf
@@ -139,7 +140,9 @@ class StepCost:
 # no elementwise ops).
 _MODEL_OPS = frozenset((
     'MatMul', 'BatchMatMul', 'BatchMatMulV2', 'BatchMatMulV3', 'Conv2D',
-    'Conv3D', 'DepthwiseConv2dNative', 'Einsum'))
+    'Conv3D', 'DepthwiseConv2dNative', 'Einsum',
+    # A transposed convolution's forward pass (outside a gradient).
+    'Conv2DBackpropInput', 'Conv3DBackpropInputV2'))
 # The name scope of a tape's gradient ops (and a stage's backward pass's
 # suffix, whose recomputed forward pass counts as backward).
 _BACKWARD = 'gradient_tape'
@@ -166,7 +169,8 @@ def cost_of(graph):
 
 def _forward(graph, placement, device, backward=False):
   """(device, FLOPs) of each forward matmul and convolution `graph` runs,
-  inside function bodies too (a gradient's body is backward)."""
+  inside function bodies too (a gradient's body is backward; a loop's
+  counted as often as it runs, `_trips`; both branches of a condition)."""
   for op in graph.get_operations():
     here = placement.of_op(op) or device
     back = backward or any(scope == _BACKWARD or scope.endswith(
@@ -174,9 +178,21 @@ def _forward(graph, placement, device, backward=False):
     if not back and op.type in _MODEL_OPS:
       yield here, (_einsum_flops(op) if op.type == 'Einsum'
                    else keras_internals.node_flops(op))
+    trips = _trips(op)
     for body in peaks.bodies(op):
-      yield from _forward(body, placement, here,
-                          back or '_backward_' in body.name)
+      for where, count in _forward(body, placement, here,
+                                   back or '_backward_' in body.name):
+        yield where, count * trips
+
+
+def _trips(op):
+  """How often `op` runs its bodies: a loop's `maximum_iterations` where
+  the graph holds it as a constant (the accumulation loop's,
+  `rows.accumulate`), else once."""
+  if op.type not in ('While', 'StatelessWhile'):
+    return 1
+  limit = tf.get_static_value(op.inputs[1])
+  return int(limit) if limit is not None and limit >= 0 else 1
 
 
 def _einsum_flops(op):
@@ -202,27 +218,38 @@ class Meter:
   Args:
     function: the compiled step (`Trainer.step_function`, or a model's own
       step under `fit`): its first trace is counted once it has run.
-    rows: examples a step (the job's global batch, this worker's part).
+    rows: examples a step: the job's global batch.
     compute_dtype: the layers' compute dtype ('float32', 'bfloat16', ...).
-    peak: a `device_kinds.Kind` (`--device_peak_flops`); None: a GPU's own.
+    kind: a `device_kinds.Kind` (`--device_peak_flops`); None: a GPU's own.
     device_memory: bytes a GPU holds (`--device_memory`); None: its kind's.
     tokens_per_row: token positions a row where the input is tokens.
+    devices: how many devices compute the step (this process's clones
+      and stages, `DeploymentConfig.compute_devices`): the MFU's
+      denominator; None: those the step's matmuls run on.
   """
 
-  def __init__(self, function, rows, *, compute_dtype='float32', peak=None,
-               device_memory=None, tokens_per_row=None):
+  def __init__(self, function, rows, *, compute_dtype='float32', kind=None,
+               device_memory=None, tokens_per_row=None, devices=None):
     self._function = function
     self.rows = rows
     self.tokens_per_row = tokens_per_row
     self._dtype = compute_dtype
-    self._peak = peak
+    self._kind = kind
     self._device_memory = device_memory
+    self._devices = devices
     self._cost = None
 
   @property
   def cost(self):
-    """The step's `StepCost`, counted once its step has been traced."""
-    if self._cost is None or not self._cost.flops:
+    """The step's `StepCost` (`count`)."""
+    return self.count()
+
+  def count(self):
+    """The step's `StepCost`, counted once, when its step has been traced:
+    call it before the clock starts (a large graph takes a while)."""
+    if self._cost is None:
+      if keras_internals.first_trace(self._function) is None:
+        return StepCost({}, {})  # Not traced yet: counted when it is.
       self._cost = step_cost(self._function)
     return self._cost
 
@@ -236,12 +263,12 @@ class Meter:
 
   def _mfu(self, step_time):
     compute = self.cost.compute_devices()
-    kind = self._peak or _gpu_kind(compute)
+    kind = self._kind or _gpu_kind(compute)
     if kind is None or not compute:
       return None
     rate = kind.rate(rate_dtype(self._dtype, compute[0]))
     flops = sum(self.cost.flops[d] for d in compute)
-    return flops / step_time / (rate * len(compute))
+    return flops / step_time / (rate * (self._devices or len(compute)))
 
   def memory(self):
     """Each compute device's `Memory` (`memory_of`)."""
@@ -264,10 +291,12 @@ def memory_of(cost, device_memory=None):
 def tokens_per_row(inputs):
   """Token positions a row where `inputs` (a batch, as a step takes it)
   are tokens, else None: the integer (rows, positions) input a dict names
-  '...token...' (keras-hub's 'token_ids'), or the only input, if integer
-  and of that rank. Padding counts: a position is a token."""
+  'token_ids' (keras-hub's; else its one key naming a token), or the
+  only input, if integer and of that rank. Padding counts: a position is
+  a token."""
   if isinstance(inputs, dict):
-    named = [v for k, v in inputs.items() if 'token' in str(k)]
+    named = ([inputs['token_ids']] if 'token_ids' in inputs else
+             [v for k, v in inputs.items() if 'token' in str(k)])
     return _positions(named[0]) if len(named) == 1 else None
   flat = tf.nest.flatten(inputs)
   return _positions(flat[0]) if len(flat) == 1 else None
@@ -295,12 +324,17 @@ def _measured(device, total):
 def _process_memory():
   """The process's `Memory` (resident now, at most), of the host's: what
   the devices of a host share (the runtime's CPU allocator counts only
-  its large buffers)."""
-  pages = int(open('/proc/self/statm').read().split()[1])
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  return Memory(PROCESS, pages * _PAGE, max(peak, pages * _PAGE),
-                _PAGE * os.sysconf(
-      'SC_PHYS_PAGES'))
+  its large buffers). Where no /proc says what is resident now (macOS),
+  the most it has been."""
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  peak *= 1 if sys.platform == 'darwin' else 1024  # Bytes there, KiB here.
+  try:
+    with open('/proc/self/statm') as statm:
+      now = int(statm.read().split()[1]) * _PAGE
+  except OSError:
+    now = peak
+  return Memory(PROCESS, now, max(peak, now),
+                _PAGE * os.sysconf('SC_PHYS_PAGES'))
 
 
 def rate_dtype(compute_dtype, device):

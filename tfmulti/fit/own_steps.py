@@ -120,7 +120,9 @@ class OwnSteps:
     return self.model.metrics
 
   def train_step(self, data):
-    self.towers.batches.note(keras.utils.unpack_x_y_sample_weight(data)[0])
+    inputs = keras.utils.unpack_x_y_sample_weight(data)[0]
+    self.towers.batches.partial(int(tf.shape(tf.nest.flatten(inputs)[0])[0]))
+    self.towers.batches.note(inputs)
     return self._train(data)
 
   @property

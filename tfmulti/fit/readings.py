@@ -8,10 +8,11 @@ where the device's peak rate is known, `memory_gib` and
 `memory_peak_gib`: the most any device reports), and at an epoch's end
 those of the epoch's steps. Keras's progress bar, History and
 TensorBoard callback read them there, as they read the loss. A fit's
-first step (it traces) and the time between epochs (validation) are not
-timed.
+first step (it traces), the steps a resumed run passes over and the time
+between epochs (validation) are not timed.
 """
 
+import math
 import time
 
 import keras
@@ -28,14 +29,14 @@ class Readings(keras.callbacks.Callback):
 
   Args:
     towers: the `TowersModel` being fit.
-    peak: `device_kinds.Kind` of its compute devices, or None.
+    kind: `device_kinds.Kind` of its compute devices, or None.
     device_memory: bytes each GPU holds, or None.
   """
 
-  def __init__(self, towers, *, peak=None, device_memory=None):
+  def __init__(self, towers, *, kind=None, device_memory=None):
     super().__init__()
     self._towers = towers
-    self._peak, self._device_memory = peak, device_memory
+    self._kind, self._device_memory = kind, device_memory
     self._meter = None
     self._last = None  # (perf_counter, step index) of the last batch end.
     self._epoch = [0.0, 0]  # Timed seconds and steps this epoch.
@@ -49,27 +50,39 @@ class Readings(keras.callbacks.Callback):
       self._last = (time.perf_counter(), -1)
 
   def on_train_batch_end(self, batch, logs=None):
-    now = time.perf_counter()
-    last, self._last = self._last, (now, batch)
-    if last is None or logs is None:
+    if self._towers.passes.passed:  # A resumed run's step, passed over.
       return
-    seconds, steps = now - last[0], batch - last[1]
+    if self._last is None or self._meter is None:  # It traced.
+      self._meter_now()  # Its graph read now, before the clock starts.
+      self._last = (time.perf_counter(), batch)
+      return
+    now = time.perf_counter()
+    seconds, steps = now - self._last[0], batch - self._last[1]
+    self._last = (now, batch)
     self._epoch[0] += seconds
     self._epoch[1] += steps
-    logs.update(self._meter_now().reading(seconds, steps).logs())
+    if logs is not None:
+      logs.update(self._meter.reading(seconds, steps).logs())
 
   def on_epoch_end(self, epoch, logs=None):
+    """The epoch's steps' readings; an epoch whose one step traced has
+    them unknown (NaN), so History's lists stay one an epoch."""
     seconds, steps = self._epoch
-    if steps and logs is not None:
-      logs.update(self._meter_now().reading(seconds, steps).logs())
+    if logs is not None and self._meter_now() is not None:
+      reading = self._meter.reading(seconds if steps else math.nan,
+                                    steps or 1)
+      logs.update(reading.logs())
 
   def _meter_now(self):
-    """The meter, made once a step ran (its rows and tokens known)."""
-    if self._meter is None:
-      towers = self._towers
+    """The meter, made once a step ran (its rows and tokens known), its
+    step's cost counted; None before."""
+    towers = self._towers
+    if self._meter is None and towers.batches.rows:
       self._meter = readings.Meter(
           towers.steps.step_function, towers.batches.rows,
           compute_dtype=towers.model.dtype_policy.compute_dtype,
-          peak=self._peak, device_memory=self._device_memory,
-          tokens_per_row=towers.batches.tokens_per_row)
+          kind=self._kind, device_memory=self._device_memory,
+          tokens_per_row=towers.batches.tokens_per_row,
+          devices=len(towers.config.compute_devices()))
+      self._meter.count()
     return self._meter

@@ -12,7 +12,6 @@ import sys
 
 from absl import logging
 import keras
-import tensorflow as tf
 
 from tfmulti import errors
 from tfmulti import keras_internals
@@ -32,7 +31,8 @@ def run(model, keras_fit, args, kwargs):
   check_batches(model, arguments)
   model.batches.rows = 0  # The fit's first step fixes them again.
   _shuffle_seeded(model, arguments)
-  arguments['callbacks'] = [fit_readings.Readings(model, **model.meter)] + (
+  arguments['callbacks'] = [fit_readings.Readings(
+      model, **model.device_figures)] + (
       _with_backup(model, arguments))
   try:
     with model.door.guard(
@@ -122,9 +122,7 @@ class FullRows:
     self.tokens_per_row = None  # Where the inputs are tokens (`readings`).
 
   def note(self, inputs):
-    """Notes a batch's inputs: its rows, and its token positions a row if
-    tokens."""
-    self.rows = max(self.rows, int(tf.shape(tf.nest.flatten(inputs)[0])[0]))
+    """Notes a batch's inputs' token positions a row, if tokens."""
     self.tokens_per_row = readings.tokens_per_row(inputs)
 
   def partial(self, rows):

@@ -131,8 +131,8 @@ class TowersModel(keras.Model):
     """
     _check_no_strategy()
     towers_lib.check_model(model)
-    meter = dict(peak=device_kinds.peak_rate(device_peak_flops),
-                 device_memory=device_kinds.memory_bytes(device_memory))
+    figures = dict(kind=device_kinds.peak_rate(device_peak_flops),
+                   device_memory=device_kinds.memory_bytes(device_memory))
     config = keras_distribution.config_for(config, workers)
     door = across_workers.door_for(workers, config)  # Chosen once.
     door.check(model)
@@ -146,7 +146,7 @@ class TowersModel(keras.Model):
     if hasattr(model, 'output_names'):
       self.output_names = model.output_names
     self.config, self.door, self.shuffle_seed = config, door, shuffle_seed
-    self.meter = meter  # `fit.readings.Readings`' arguments.
+    self.device_figures = figures  # For `fit.readings.Readings`.
     self.options = registry.check_options(door.gate, options, config)
     self.passes = backup_lib.Passes()  # A resumed fit's passed steps.
     self.towers = None

@@ -9,6 +9,8 @@ set. A Keras `DeviceMesh` and `LayoutMap` are read once into
   mesh_layouts     a ModelParallel's mesh and layout map, pure
   sharding         each variable kind's storage: whole, or sharded into
                    its layout's shards; its read and gradient cut
+  shards           a tensor cut into its shards (equal or as even as they
+                   go) and joined back; a gradient's slices cut
   lookups          sharded Embedding tables looked up where they live
   table_plan       tables planned whole, by rows or by columns, balanced
                    (decided when the storage is made)

@@ -85,7 +85,7 @@ def _call(layer, parts, shards, homes):
 
 def owners(ids, sizes):
   """(the shard of each of `ids`' rows, as int32; its row there) for a
-  table split by rows into shards of `sizes` rows (`sharding.part_sizes`:
+  table split by rows into shards of `sizes` rows (`shards.part_sizes`:
   equal, or the first ones a row more)."""
   big, small = max(sizes), min(sizes)
   more = sizes.count(big) if big != small else 0

@@ -137,7 +137,7 @@ class VariableLayouts:
   def even(self, shape, axes):
     """Whether each dimension of `shape` splits into equal parts under
     `axes` (a kernel computed as blocks needs them; a table or a joined
-    variable takes `sharding.part_sizes`)."""
+    variable takes `shards.part_sizes`)."""
     return all(dim % self.parts_of(axis) == 0
                for dim, axis in zip(shape, axes))
 

@@ -46,6 +46,7 @@ from tfmulti import keras_internals
 from tfmulti import pieces
 from tfmulti.mesh import lookups
 from tfmulti.mesh import mesh_layouts
+from tfmulti.mesh import shards as shards_lib
 from tfmulti.mesh import table_plan
 from tfmulti.mesh import tensor_parallel
 
@@ -231,7 +232,8 @@ class Sharded:
       for (slot, home), made in terms.items():
         rest, slots = shards[slot]
         with tf.device(home):
-          pieces = cut(rest, tf.add_n([gradient for _, gradient in made]))
+          pieces = shards_lib.cut(rest, tf.add_n(
+              [gradient for _, gradient in made]))
         first = gradients[made[0][0]]
         for s, piece in zip(slots, pieces):
           first[s] = piece
@@ -282,7 +284,7 @@ class Joined:
   def read(self, values, here, watch):
     del here  # Joined on the clone's device.
     with tf.name_scope('gather_shards'):
-      whole = join(self.parts, values)
+      whole = shards_lib.join(self.parts, values)
     watch([whole])
     return Reading(whole, [whole], (), ())
 
@@ -293,8 +295,8 @@ class Joined:
     if gradient is None:
       return [None] * count
     if isinstance(gradient, tf.IndexedSlices):
-      return cut_slices(self.parts, gradient, self.shape)
-    return cut(self.parts, gradient)
+      return shards_lib.cut_slices(self.parts, gradient, self.shape)
+    return shards_lib.cut(self.parts, gradient)
 
 
 class Table:
@@ -329,7 +331,7 @@ class Table:
 
 def _joined(parts, shards):
   with tf.name_scope('gather_shards'):
-    return join(parts, shards)
+    return shards_lib.join(parts, shards)
 
 
 class Blocks:
@@ -366,7 +368,7 @@ class Blocks:
 
   def read(self, values, here, watch):
     with tf.name_scope('gather_shards'):
-      whole = join(self.parts, values)
+      whole = shards_lib.join(self.parts, values)
     joined, homes = [], []
     for home, members in self.blocks(here):
       with tf.device(home), tf.name_scope('gather_blocks'):
@@ -374,7 +376,7 @@ class Blocks:
         # also feeds the whole join, whose gradient (a weight penalty's)
         # the tape would otherwise add to the block's, and `cut` adds it
         # once more.
-        joined.append(tf.identity(join(self.rest,
+        joined.append(tf.identity(shards_lib.join(self.rest,
                                        [values[i] for i in members])))
       homes.append(home)
     watch([whole] + joined)
@@ -451,89 +453,6 @@ def _in_place(tables, blocks):
     yield
 
 
-def part_sizes(size, n):
-  """The sizes of a dimension of `size` (at least `n`) cut into `n` parts:
-  equal where `n` divides it, else as even as they go, the first ones an
-  entry more (a table of 13 rows over 4: 4, 3, 3, 3; none empty)."""
-  small, more = divmod(size, n)
-  return [small + 1] * more + [small] * (n - more)
-
-
-def join(parts, shards):
-  """The whole tensor of `shards` (row-major over `parts`, the parts along
-  each dimension), joined on the current device in one copy: a concat
-  where one dimension is split; where several are, one stitch of the
-  shards' rows into the whole's (a concat a dimension would copy the
-  bytes once a dimension), or, for shards of unequal sizes, a concat a
-  dimension."""
-  split = [dim for dim, n in enumerate(parts) if n > 1]
-  if len(split) <= 1:  # One shard (axes of size 1), or one dimension.
-    return tf.concat(shards, axis=split[0]) if split else shards[0]
-  if len({tuple(shard.shape) for shard in shards}) > 1:
-    for dim in reversed(split):  # The last dimension's first.
-      shards = [tf.concat(shards[i:i + parts[dim]], axis=dim)
-                for i in range(0, len(shards), parts[dim])]
-    return shards[0]
-  whole = [n * d for n, d in zip(parts, shards[0].shape)]
-  last = split[-1]
-  # The whole as rows, each a shard's slab past its dimensions before
-  # `last` (its part of `last` and all after): each shard is stitched as
-  # it is, its index a row number for each of its leading positions.
-  rows = np.arange(math.prod(whole[:last]) * parts[last]).reshape(
-      whole[:last] + [parts[last]])
-  indices = [tf.constant(block[..., 0], tf.int32)
-             for block in cut(parts[:last + 1], rows)]
-  stitched = tf.dynamic_stitch(indices, shards)
-  return tf.reshape(stitched, whole)
-
-
-def cut(parts, value):
-  """`value` (a tensor, or an array) cut into shards along each dimension
-  (`part_sizes`), in row-major order."""
-  shards = [value]
-  for dim, n in enumerate(parts):
-    if n > 1:
-      shards = [s for whole in shards for s in _split(whole, n, dim)]
-  return shards
-
-
-def _split(value, n, dim):
-  sizes = part_sizes(value.shape[dim], n)
-  if isinstance(value, np.ndarray):
-    return np.split(value, np.cumsum(sizes)[:-1], axis=dim)
-  return tf.split(value, n if len(set(sizes)) == 1 else sizes, axis=dim)
-
-
-def cut_slices(parts, value, shape):
-  """`value` (`tf.IndexedSlices` of a whole variable of `shape`) cut into
-  its shards' slices, in row-major order: along the first dimension each
-  row goes to its shard (in the order it came), along another each
-  slice's values are split."""
-  shards = [(value, list(shape))]
-  for dim, n in enumerate(parts):
-    if n > 1:
-      shards = [piece for whole, whole_shape in shards
-                for piece in _cut_slices(whole, n, dim, whole_shape)]
-  return [s for s, _ in shards]
-
-
-def _cut_slices(value, n, dim, shape):
-  """`value`'s n slices along `dim` of a variable of `shape`, each with
-  its shard's shape: [(slices, shape)]."""
-  sizes = part_sizes(shape[dim], n)
-  shapes = [shape[:dim] + [size] + shape[dim + 1:] for size in sizes]
-  dense = [tf.constant(s, value.dense_shape.dtype) for s in shapes]
-  if dim:
-    pieces = [tf.IndexedSlices(v, value.indices, d) for v, d in zip(
-        _split(value.values, n, dim), dense)]
-  else:
-    owner, local = lookups.owners(value.indices, sizes)
-    pieces = [tf.IndexedSlices(v, i, d) for v, i, d in zip(
-        tf.dynamic_partition(value.values, owner, n),
-        tf.dynamic_partition(local, owner, n), dense)]
-  return list(zip(pieces, shapes))
-
-
 class ShardedValue(keras_internals.SavedWhole):
   """A Keras variable's storage as shards (`tf.Variable`s, each on its
   device): read, it joins them where it is read; assigned, it cuts the
@@ -554,11 +473,12 @@ class ShardedValue(keras_internals.SavedWhole):
   def read_value(self):
     """The whole value, joined on the current device."""
     with tf.name_scope('gather_shards'):
-      return join(self.parts, [s.read_value() for s in self.shards])
+      return shards_lib.join(self.parts,
+                             [s.read_value() for s in self.shards])
 
   def assign(self, value):
     """Writes `value`'s shards, each on its shard's device."""
-    for shard, piece in zip(self.shards, cut(self.parts, value)):
+    for shard, piece in zip(self.shards, shards_lib.cut(self.parts, value)):
       with tf.device(shard.device):
         shard.assign(piece)
     return self
@@ -796,7 +716,7 @@ def _shard(config, layouts, variable, axes, parts, held, choice=None):
   (a `table_plan.Choice`) gives it, else on the least-loaded device of
   those its layout allows; the variable stored in them."""
   shards = []
-  values = cut(parts, tf.convert_to_tensor(variable))
+  values = shards_lib.cut(parts, tf.convert_to_tensor(variable))
   for k, (block, value) in enumerate(zip(mesh_layouts.blocks(parts),
                                          values)):
     candidates = [config.clone_device(i) for i in (

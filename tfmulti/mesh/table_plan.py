@@ -33,6 +33,7 @@ they do not move the plan.
 """
 
 import dataclasses
+import itertools
 import math
 from typing import Optional
 
@@ -43,6 +44,7 @@ import tensorflow as tf
 from tfmulti import keras_internals
 from tfmulti.mesh import lookups
 from tfmulti.mesh import mesh_layouts
+from tfmulti.mesh import shards
 
 TARGET = 1.1  # The busiest device's load, over an even share.
 
@@ -89,7 +91,7 @@ def plan(tables, layouts, may_split=True):
   chosen = {}
   for table in sorted(tables, key=lambda t: -max(t.loads() / totals)):
     weight = table.loads() / totals * n
-    options = [_placed(axes, weight, loads, layouts)
+    options = [_placed(axes, table.shape, weight, loads, layouts)
                for axes in _layouts(table.shape, layouts, may_split)]
     fits = [option for option in options if option[0][0] == 0]
     _, choice, added = fits[0] if fits else min(options,
@@ -106,16 +108,29 @@ def peak(tables, choices, layouts):
   totals = np.maximum(sum(t.loads() for t in tables), 1)
   loads = np.zeros((n, 2))
   for table in tables:
-    homes = choices[table.path].homes
-    for home in homes:
-      loads[home] += table.loads() / totals * n / len(homes)
+    choice = choices[table.path]
+    for home, part in zip(choice.homes, _parts(table.shape, choice.axes,
+                                               layouts)):
+      loads[home] += table.loads() / totals * n * part
   return tuple(loads.max(axis=0))
+
+
+def _parts(shape, axes, layouts):
+  """The part of a table of `shape` each of its shards under `axes` (None:
+  whole) holds, in the shards' order (`shards.part_sizes`: equal, or as
+  even as they go)."""
+  if axes is None:
+    return [1.0]
+  sizes = [shards.part_sizes(dim, layouts.parts_of(axis))
+           for dim, axis in zip(shape, axes)]
+  return [math.prod(size / dim for size, dim in zip(block, shape))
+          for block in itertools.product(*sizes)]
 
 
 def _layouts(shape, layouts, may_split):
   """Whole, then each layout that splits `shape` over the mesh's axes
   (unequal parts where an axis does not divide a dimension:
-  `sharding.part_sizes`): by the fewest parts, rows before columns."""
+  `shards.part_sizes`): by the fewest parts, rows before columns."""
   options = [None]
   axes = [a for a in layouts.axis_names if layouts.parts_of(a) > 1]
   for rows in (None, *axes) if may_split else ():
@@ -130,15 +145,16 @@ def _layouts(shape, layouts, may_split):
       split is not None and split[0] is None))
 
 
-def _placed(axes, weight, loads, layouts):
+def _placed(axes, shape, weight, loads, layouts):
   """(its score: the loads' excess past the target, then the busiest
   load; the `Choice`; the loads it adds) of a table of `weight` laid out
   by `axes`, each shard where it keeps the busiest lowest."""
   parts = mesh_layouts.grid(layouts, axes) if axes else (1, 1)
-  share = weight / math.prod(parts)
   added = np.zeros_like(loads)
   homes = []
-  for block in mesh_layouts.blocks(parts):
+  for block, part in zip(mesh_layouts.blocks(parts),
+                         _parts(shape, axes, layouts)):
+    share = weight * part
     allowed = (layouts.candidates(axes, block) if axes
                else range(layouts.num_devices))
     home = min(allowed, key=lambda d: max(loads[d] + added[d] + share))

@@ -114,7 +114,7 @@ def _read(deployed, graph):
   placement = devices.GraphPlacement()
   for device, peak in peaks.peaks(graph, placement).items():
     table[device].peak_bytes = peak
-  for op, device in walk(graph, placement):
+  for op, device in _walk(graph, placement):
     report = table[device]
     report.ops += 1
     report.flops += keras_internals.node_flops(op)
@@ -125,14 +125,14 @@ def _read(deployed, graph):
   return Plan(dict(sorted(table.items())), sorted(holders, reverse=True))
 
 
-def walk(graph, placement, device=''):
+def _walk(graph, placement, device=''):
   """(op, device) of every op the step runs, inside function bodies too
   (an op there without a device runs on its call's)."""
   for op in graph.get_operations():
     here = placement.of_op(op) or device
     yield op, here
     for body in peaks.bodies(op):
-      yield from walk(body, placement, here)
+      yield from _walk(body, placement, here)
 
 
 def _across_workers(table, deployed):

@@ -401,8 +401,9 @@ def _run(plan, deploy_config, trainer, dataset, out_dir, cluster_info):
       meter=readings.Meter(
           trainer.step_function, global_batch_size(config, deploy_config),
           compute_dtype=trainer.model.dtype_policy.compute_dtype,
-          peak=device_kinds.peak_rate(config.device_peak_flops),
-          device_memory=device_kinds.memory_bytes(config.device_memory)))
+          kind=device_kinds.peak_rate(config.device_peak_flops),
+          device_memory=device_kinds.memory_bytes(config.device_memory),
+          devices=len(deploy_config.compute_devices())))
 
 
 def _train_into(config, deploy_config, started, run, *, settings):

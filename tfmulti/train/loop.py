@@ -172,6 +172,8 @@ class Progress:
     self.window.extend(losses)
     timed = len(losses)
     if not self.steps_run:  # The first step traced the function: untimed.
+      if self.meter is not None:
+        self.meter.count()  # Before the clock starts.
       self._started = time.perf_counter()
       self.first_step_seconds = self._started - self.first_step_started
       timed -= 1

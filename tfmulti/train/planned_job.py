@@ -25,9 +25,6 @@ from tfmulti.plan import dry_run
 from tfmulti.train import build
 from tfmulti.train import job
 
-# Kept importable here: the table and the parser live in `device_kinds`.
-KNOWN_MEMORY = device_kinds.KNOWN_MEMORY
-memory_bytes = device_kinds.memory_bytes
 GIB = device_kinds.GIB
 
 
