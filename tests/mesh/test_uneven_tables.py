@@ -98,8 +98,8 @@ def test_a_prime_table_trains_as_one_device(name):
   assert sum(rows) == ROWS and rows == shards.part_sizes(ROWS, parts[0])
 
 
-@pytest.mark.parametrize('tied, regularized', [
-    (True, False), pytest.param(False, True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('tied, regularized', [(True, False), (False, True)])
 def test_a_prime_table_read_whole_too_trains_as_one_device(tied,
                                                            regularized):
   """A tied output layer (or a weight penalty) reads the table whole:
@@ -121,7 +121,8 @@ def _shapes(graph):
       yield from _shapes(body)
 
 
-@pytest.mark.parametrize('tied', [False, True])
+@pytest.mark.parametrize('tied', [
+    False, pytest.param(True, marks=pytest.mark.slow)])
 def test_no_op_of_the_whole_table_unless_a_layer_reads_it_whole(tied):
   """Read from the traced step, pruned ops too: looked up only, no op
   makes a tensor of the table's rows; tied, the read that needs it does."""
@@ -135,6 +136,7 @@ def test_no_op_of_the_whole_table_unless_a_layer_reads_it_whole(tied):
   assert bool(whole) == tied, whole
 
 
+@pytest.mark.slow
 def test_a_prime_tables_checkpoint_restores_on_any_shard_count(tmp_path):
   """Saved from 4 unequal shards, it holds one device's table and slots;
   read into 3 shards, and into a plain model, the same values."""
@@ -174,6 +176,7 @@ def test_each_id_goes_to_the_shard_holding_its_row(sizes):
       sizes, reverse=True)
 
 
+@pytest.mark.slow
 def test_a_joined_kernel_of_unequal_shards_trains_as_one_device(caplog):
   """A Dense kernel of 7 units over 2 devices of a compute axis: not
   computed as blocks (they would be unequal), joined for the pass."""
