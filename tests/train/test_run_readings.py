@@ -43,8 +43,12 @@ def test_each_line_and_tensorboard_carry_the_steps_readings(
         rtol=1e-5)
     assert 0 < found['memory/process/in_use_gib'][step] <= (
         found['memory/process/peak_gib'][step])
-    for device in ('CPU:0', 'CPU:1'):
-      assert found[f'memory/{device}/planned_peak_gib'][step] > 0
+    planned = [found[f'memory/{device}/planned_peak_gib'][step]
+               for device in ('CPU:0', 'CPU:1')]
+    if strategy == 'towers':  # Each clone's pass, planned on its device.
+      assert min(planned) > 0
+    else:  # The plan reads the towers; a replica's ops may fall on one.
+      assert sum(planned) > 0
   lines = re.findall(r'step [24]/4 \(epoch 1\) loss [\d.]+ \| (.*) \| ETA',
                      caplog.text)
   assert len(lines) == 2
