@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tests.mesh import meshes
+from tests.mesh.test_lookups import TiedLogits
 from tfmulti import errors
 from tfmulti import fit
 from tfmulti.mesh import lookups
@@ -19,17 +20,6 @@ from tfmulti.mesh import shards
 from tfmulti.plan import peaks
 
 ROWS, WIDTH = 67, 7  # Primes: no axis of 2, 3 or 4 divides either.
-
-
-class TiedLogits(keras.layers.Layer):
-  """Logits against the table read whole: a tied output layer."""
-
-  def __init__(self, table, **kwargs):
-    super().__init__(**kwargs)
-    self.table = table
-
-  def call(self, x):
-    return keras.ops.matmul(x, keras.ops.transpose(self.table.embeddings))
 
 
 def _model(tied=False, regularized=False):
