@@ -61,6 +61,7 @@ def test_history_carries_each_epochs_readings(steps_per_execution):
         history['memory_peak_gib'][epoch])
 
 
+@pytest.mark.slow
 def test_token_inputs_give_tokens_a_second():
   x, y = (np.concatenate(parts) for parts in zip(*token_batches(8)))
   _, history = _fit(embedding_model, x, y)

@@ -74,7 +74,7 @@ def _assert_same(model, plain, got, want):
 
 @pytest.mark.parametrize('name', [
     'rows over 4', pytest.param('rows over 3', marks=pytest.mark.slow),
-    'rows and columns on (2, 2)',
+    pytest.param('rows and columns on (2, 2)', marks=pytest.mark.slow),
     pytest.param('columns over 2 of (2, 2)', marks=pytest.mark.slow)])
 def test_a_prime_table_trains_as_one_device(name):
   plain = _model()
