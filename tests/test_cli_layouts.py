@@ -172,6 +172,8 @@ def test_a_prime_table_by_rows_and_columns_trains_as_plain_towers(
      r'\(strict_layout_map\); the nearest paths: hidden/kernel'),
     (dict(strict_layout_map=True),
      r'--strict_layout_map without --mesh_shape: there is no layout map'),
+    (dict(keep_joins=True),
+     r'--keep_joins without --mesh_shape: there is no layout map'),
 ])
 def test_a_bad_mesh_stops_with_one_line(tmp_path, user_module, digits_dir,
                                         values, message):

@@ -88,6 +88,12 @@ _STRICT_LAYOUT_MAP = flags.DEFINE_bool(
     'strict_layout_map', False, 'With --mesh_shape: a layout map key that '
     "matches no variable (nor names a layer's output) stops the run, naming "
     'the nearest variable paths; else a warning.')
+_KEEP_JOINS = flags.DEFINE_bool(
+    'keep_joins', False, 'With --mesh_shape: each variable sharded for '
+    'storage alone is joined once before the pass and kept through the '
+    "step (faster where memory allows, FSDP's reshard_after_forward=False); "
+    "else a Dense, EinsumDense or convolution layer's are joined in its "
+    'call, let go after, and joined again for its gradient.')
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 64, 'Examples per clone per step (as in slim); the global '
     'batch is batch_size * num_clones * workers.')
@@ -354,17 +360,19 @@ def _variables_device(value, variables_gpu):
 
 
 def _variable_layouts(shape, axes, layout_map, plan_tables, strategy,
-                      strict_layout_map=False):
+                      strict_layout_map=False, keep_joins=False):
   """The `DeploymentConfig` value of --mesh_shape, --mesh_axes,
-  --layout_map, --plan_tables and --strict_layout_map: a
+  --layout_map, --plan_tables, --strict_layout_map and --keep_joins: a
   `mesh_layouts.VariableLayouts`, or None without them."""
   given = {'mesh_shape': shape, 'mesh_axes': axes,
            'layout_map or --plan_tables': layout_map or plan_tables}
   if not any(given.values()):
-    if strict_layout_map:
-      raise errors.ConfigError(
-          '--strict_layout_map without --mesh_shape: there is no layout map '
-          'to check; give the mesh and its map, or drop the flag.')
+    for flag, value in (('strict_layout_map', strict_layout_map),
+                        ('keep_joins', keep_joins)):
+      if value:
+        raise errors.ConfigError(
+            f'--{flag} without --mesh_shape: there is no layout map to '
+            'apply it to; give the mesh and its map, or drop the flag.')
     return None
   if not all(given.values()):
     missing = ', '.join(f'--{k}' for k, v in given.items() if not v)
@@ -381,10 +389,11 @@ def _variable_layouts(shape, axes, layout_map, plan_tables, strategy,
     raise errors.ConfigError(
         f'--mesh_shape={",".join(shape)}: give a device count an axis, '
         'e.g. 2,2.')
+  options = dict(plan_tables=plan_tables, strict_layout_map=strict_layout_map,
+                 keep_joins=keep_joins)
   layouts = mesh_layouts.VariableLayouts(
       tuple(int(n) for n in shape), tuple(axes),
-      mesh_layouts.MODEL_OWN if layout_map else (), plan_tables=plan_tables,
-      strict_layout_map=strict_layout_map)
+      mesh_layouts.MODEL_OWN if layout_map else (), **options)
   if layout_map in (None, mesh_layouts.MODEL_OWN):
     return layouts
   made = external.function_named(
@@ -397,10 +406,7 @@ def _variable_layouts(shape, axes, layout_map, plan_tables, strategy,
         'keras.distribution.LayoutMap; return LayoutMap(device_mesh) with '
         'its keys set.')
   return mesh_layouts.same_mesh(
-      layouts, mesh_layouts.from_layout_map(
-          made, plan_tables=plan_tables,
-          strict_layout_map=strict_layout_map),
-      layout_map)
+      layouts, mesh_layouts.from_layout_map(made, **options), layout_map)
 
 
 def _image_size(values):
@@ -636,7 +642,7 @@ def configs_from_flags():
       variable_layouts=_variable_layouts(
           _MESH_SHAPE.value, _MESH_AXES.value, _LAYOUT_MAP.value,
           _PLAN_TABLES.value, train_config.strategy,
-          _STRICT_LAYOUT_MAP.value))
+          _STRICT_LAYOUT_MAP.value, _KEEP_JOINS.value))
   train_config = job.keep_global_batch(train_config, deploy_config)
   return train_config, deploy_config, cluster_info
 
@@ -683,7 +689,7 @@ HELP_GROUPS = (
     ('Where the clones run', (
         'num_clones', 'clone_on_cpu', 'variables_device', 'mesh_shape',
         'mesh_axes', 'layout_map', 'plan_tables', 'strict_layout_map',
-        'num_stages',
+        'keep_joins', 'num_stages',
         'strategy')),
     ('What trains, on what', (
         'model', 'weights', 'batch_norm_momentum', 'dataset', 'data_dir',

@@ -362,6 +362,56 @@ def pack_outputs(model, flat):
   return keras.tree.pack_sequence_as(model._outputs_struct, flat)
 
 
+def record_on_tapes(name, outputs, inputs, backward):
+  """Records on every tape recording an op `name` of `inputs` making
+  `outputs`, its gradient `backward(*outputs' gradients)` (one a
+  input): `tf.custom_gradient`'s own means, without its graph op, so no
+  op reads the inputs where the outputs are made."""
+  from tensorflow.python.eager import record
+  record.record_operation(name, outputs, inputs, backward)
+
+
+def not_recorded():
+  """A context inside which no tape records."""
+  from tensorflow.python.eager import record
+  return record.stop_recording()
+
+
+def set_mask(tensor, mask):
+  """Attaches Keras's `mask` to `tensor`, as a layer's call does."""
+  keras.src.backend.set_keras_mask(tensor, mask)
+
+
+def current_value(variable):
+  """`variable`'s value in the stateless scope the model runs in."""
+  from keras.src.backend.common import stateless_scope
+  return stateless_scope.get_stateless_scope().get_current_value(variable)
+
+
+@contextlib.contextmanager
+def values_within(mapping):
+  """Inside the stateless scope the model runs in, the (variable, value)
+  pairs of `mapping` read as those values; every other read, update and
+  loss goes to that scope, as before."""
+  from keras.src.backend.common import stateless_scope
+  outer = stateless_scope.get_stateless_scope()
+
+  class Within(stateless_scope.StatelessScope):
+
+    def get_current_value(self, variable):
+      value = super().get_current_value(variable)
+      return outer.get_current_value(variable) if value is None else value
+
+    def add_loss(self, loss):
+      outer.add_loss(loss)
+
+    def add_update(self, update):
+      outer.add_update(update)
+
+  with Within(state_mapping=mapping):
+    yield
+
+
 def with_logits(outputs):
   """`outputs` (a nest) and the logits Keras keeps on some of them, by
   flat index: a nest of row-major tensors that crosses functions,

@@ -16,5 +16,7 @@ set. A Keras `DeviceMesh` and `LayoutMap` are read once into
                    (decided when the storage is made)
   tensor_parallel  split Dense and conv layers computed where their
                    kernels' blocks live, a mesh row one clone
+  releases         a layer's sharded variables joined in its call and let
+                   go after, joined again for its gradient (FSDP's)
   shard_views      a sharded optimizer checkpointed as one device's
 """

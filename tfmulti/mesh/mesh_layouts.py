@@ -51,6 +51,10 @@ class VariableLayouts:
     strict_layout_map: a key that matches no variable (nor names a
       layer's output) is an error naming the nearest paths; False: a
       warning (Keras's own behaviour is silence).
+    keep_joins: each sharded variable joined for the pass is joined once
+      before it and kept through the step (faster, where the memory
+      allows: FSDP's `reshard_after_forward=False`); False: a plain
+      layer's joined in its call and let go after (`releases`).
   """
   mesh_shape: tuple
   axis_names: tuple
@@ -58,6 +62,7 @@ class VariableLayouts:
   batch_axis: str = None
   plan_tables: bool = False
   strict_layout_map: bool = False
+  keep_joins: bool = False
 
   def __post_init__(self):
     if self.batch_axis is None and self.axis_names:
@@ -247,7 +252,8 @@ def resolved(layouts, model):
   return same_mesh(layouts, from_layout_map(
       layout_map, batch_axis=layouts.batch_axis,
       plan_tables=layouts.plan_tables,
-      strict_layout_map=layouts.strict_layout_map), 'model')
+      strict_layout_map=layouts.strict_layout_map,
+      keep_joins=layouts.keep_joins), 'model')
 
 
 def same_mesh(layouts, made, source):

@@ -46,6 +46,7 @@ from tfmulti import keras_internals
 from tfmulti import pieces
 from tfmulti.mesh import lookups
 from tfmulti.mesh import mesh_layouts
+from tfmulti.mesh import releases
 from tfmulti.mesh import shards as shards_lib
 from tfmulti.mesh import table_plan
 from tfmulti.mesh import tensor_parallel
@@ -108,7 +109,7 @@ class Sharded:
   """
 
   def __init__(self, variables, grids, sharded, shapes, tables=None,
-               splits=None, mesh=None):
+               splits=None, mesh=None, released=()):
     self.variables = variables
     self.grids = grids
     self.sharded = sharded
@@ -116,6 +117,7 @@ class Sharded:
     self.tables = tables or {}
     self.splits = splits or {}
     self.mesh = mesh
+    self.released = released
     self.devices = [devices.device_of(v) for v in variables]
     self.records = tuple(self._records())
     self.in_place = frozenset(
@@ -141,6 +143,9 @@ class Sharded:
       elif k in self.splits:
         layer, dim, axis = self.splits[k]
         yield Blocks(where, parts, layer, dim, axis, self._homes)
+      elif parts is not None and any(k in ks.values()
+                                        for _, ks in self.released):
+        yield Released(where, parts)
       elif parts is not None:
         yield Joined(where, parts, self.shapes[k])
       else:
@@ -159,8 +164,12 @@ class Sharded:
     sources = [s for reading in readings for s in reading.sources]
     tables = [t for reading in readings for t in reading.tables]
     blocks = [b for reading in readings for b in reading.blocks]
+    joined = [(layer, {v: (self.records[k].parts,
+                           values[self.records[k].where])
+                       for v, k in ks.items()})
+              for layer, ks in self.released]
     return ([reading.value for reading in readings], sources,
-            _in_place(tables, blocks))
+            _in_place(tables, blocks, joined))
 
   def leaders(self):
     """Each clone's mesh row's leader (`leaders`) along the axes its split
@@ -329,6 +338,28 @@ class Table:
     return list(gradients)  # The shards' own: a join's reached them.
 
 
+class Released:
+  """A variable stored as its shards and joined in its layer's call alone,
+  let go after it (`releases`); any other read of it joined when it is
+  made (`keras_internals.Lazy`), its gradient reaching the watched shards
+  through that join."""
+
+  def __init__(self, where, parts):
+    self.where = where
+    self.parts = parts
+    self.sources = where.stop - where.start
+
+  def read(self, values, here, watch):
+    del here
+    watch(values)
+    return Reading(keras_internals.Lazy(lambda: _joined(self.parts, values)),
+                   list(values), (), ())
+
+  def cut(self, gradients, here):
+    del here
+    return list(gradients)  # The shards' own.
+
+
 def _joined(parts, shards):
   with tf.name_scope('gather_shards'):
     return shards_lib.join(parts, shards)
@@ -446,11 +477,13 @@ def leaders(mesh_shape, axes):
 
 
 @contextlib.contextmanager
-def _in_place(tables, blocks):
-  """Inside, `tables` are looked up and the split kernels' layers computed
-  as their `blocks` where they are."""
+def _in_place(tables, blocks, joined):
+  """Inside, `tables` are looked up, the split kernels' layers computed
+  as their `blocks` where they are, and the `joined` layers' variables
+  joined in their calls (`releases`)."""
   with lookups.looking_up(tables), tensor_parallel.computing(blocks):
-    yield
+    with releases.releasing(joined):
+      yield
 
 
 class ShardedValue(keras_internals.SavedWhole):
@@ -553,7 +586,22 @@ def storage_of(config, model, optimizer, split_compute=True):
           plan[id(v)][split[id(v)][1]]))
        for k, v in enumerate(trainable) if id(v) in split},
       (layouts.mesh_shape, [config.clone_device(i)
-                            for i in range(layouts.num_devices)]))
+                            for i in range(layouts.num_devices)]),
+      _released(layouts, model, plan, set(found) | set(split)))
+
+
+def _released(layouts, model, plan, in_place):
+  """[(layer, {id(variable): its index among the model's trainable
+  variables})] of each layer that joins its sharded variables (ids in
+  `plan`) in its call and lets them go after (`releases`): none of its
+  variables looked up or computed where it lives (ids in `in_place`);
+  none where `layouts.keep_joins`."""
+  if layouts.keep_joins:
+    return []
+  index = {id(v): k for k, v in enumerate(model.trainable_variables)}
+  return [(layer, {id(v): index[id(v)] for v in own if id(v) in plan})
+          for layer, own in releases.layers(model, set(plan))
+          if not any(id(v) in in_place for v in own)]
 
 
 def _even_blocks(layouts, model, plan, split):

@@ -72,7 +72,8 @@ def peaks(graph, placement=None, device=''):
   """
   placement = placement or devices.GraphPlacement()
   needed = reachable(graph)
-  ops = [op for op in graph.get_operations() if op.name in needed]
+  ops = as_soon_as_ready([op for op in graph.get_operations()
+                          if op.name in needed])
   where = {op.name: placement.of_op(op) or device for op in ops}
   readers, homes = collections.Counter(), collections.defaultdict(set)
   for op in ops:
@@ -109,6 +110,19 @@ def peaks(graph, placement=None, device=''):
       for home in {here, where[root.op.name]}:
         free(root, home)
   return peak
+
+
+def as_soon_as_ready(ops):
+  """`ops` (made in order: each after its inputs) in the order the
+  runtime runs them: each once its inputs and control inputs have run,
+  every device at once (a clone's ops beside another's, a sum as soon as
+  its terms exist); ties in the order they were made."""
+  level = {}
+  for op in ops:
+    level[op.name] = 1 + max(
+        [level.get(t.op.name, 0) for t in op.inputs] +
+        [level.get(c.name, 0) for c in op.control_inputs], default=0)
+  return sorted(ops, key=lambda op: level[op.name])
 
 
 def _bytes(tensor):

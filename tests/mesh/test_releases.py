@@ -1,0 +1,150 @@
+"""Sharded variables joined late and let go early (`mesh.releases`): a
+plain layer's sharded variables are joined in its call and again in its
+backward pass, no op of the backward pass reads the forward's join, the
+planned peak falls, and training equals plain one-device `fit`; with
+`keep_joins`, the join before the pass, kept through the step."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.mesh import meshes
+from tfmulti import fit
+from tfmulti import plans
+from tfmulti.deploy import keras_distribution
+from tfmulti.deploy import towers
+from tfmulti.plan import dry_run
+from tfmulti.plan import peaks
+
+WIDTH = 16
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _mlp(output_activation=None, regularized=False, shared=False,
+         width=WIDTH, depth=2):
+  """`depth` Dense layers `width` wide (the first with a weight penalty
+  where `regularized`; the last called twice where `shared`), then 4
+  outputs."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input(shape=(6,))
+  penalty = keras.regularizers.L2(0.01) if regularized else None
+  x = keras.layers.Dense(width, activation='relu', name='d1',
+                         kernel_regularizer=penalty)(inputs)
+  for i in range(2, depth + 1):
+    layer = keras.layers.Dense(width, activation='relu', name=f'd{i}')
+    x = layer(layer(x)) if shared and i == depth else layer(x)
+  outputs = keras.layers.Dense(4, activation=output_activation,
+                               name='out')(x)
+  return keras.Model(inputs, outputs)
+
+
+def _data():
+  rng = np.random.default_rng(2)
+  return (rng.normal(size=(32, 6)).astype('float32'),
+          rng.integers(0, 4, 32).astype('int32'))
+
+
+def _fit(model, from_logits=True):
+  model.compile(optimizer=keras.optimizers.Adam(0.01),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=from_logits))
+  return model.fit(*_data(), batch_size=8, epochs=2, shuffle=False,
+                   verbose=0).history['loss']
+
+
+# Every kernel split by its outputs over the batch axis: storage alone,
+# joined for the pass (FSDP's layout).
+JOINED = {'.*/kernel': (None, 'batch')}
+
+
+def _towers(model, keep_joins=False):
+  return fit.TowersModel(model, _config(keep_joins))
+
+
+def _config(keep_joins=False):
+  return keras_distribution.from_model_parallel(
+      meshes.parallel(JOINED, (4,), ('batch',)), keep_joins=keep_joins)
+
+
+def _assert_same(model, plain, got, want):
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, w in zip(model.weights, plain.weights):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=w.path)
+
+
+@pytest.mark.parametrize('case', [
+    'plain', 'softmax output', 'weight penalty', 'shared layer',
+    'joins kept'])
+def test_released_joins_train_as_one_device(case):
+  options = {'softmax output': dict(output_activation='softmax'),
+             'weight penalty': dict(regularized=True),
+             'shared layer': dict(shared=True)}.get(case, {})
+  from_logits = case != 'softmax output'
+  plain = _mlp(**options)
+  want = _fit(plain, from_logits)
+  model = _mlp(**options)
+  got = _fit(_towers(model, keep_joins=case == 'joins kept'), from_logits)
+  _assert_same(model, plain, got, want)
+
+
+def _deployed(keep_joins=False, **shape):
+  """The MLP (`_mlp(**shape)`) deployed under `_config(keep_joins)`,
+  with Adam."""
+  config = _config(keep_joins)
+  with plans.planning():
+    model = _mlp(**shape)
+    with tf.device(config.optimizer_variables_device()):
+      optimizer = keras.optimizers.Adam(0.01)
+    return towers.deploy(config, model, LOSS, optimizer)
+
+
+def _graph(keep_joins=False):
+  images, labels = _data()
+  deployed = _deployed(keep_joins)
+  with plans.planning():
+    return deployed.traced_step(images[:8], labels[:8]).graph
+
+
+def _ops(graph):
+  """Every op of `graph`, inside its function bodies too."""
+  for op in graph.get_operations():
+    yield op
+    for body in peaks.bodies(op):
+      yield from _ops(body)
+
+
+def _backward(op):
+  return 'gradient_tape/' in op.name or '_backward/' in op.name
+
+
+def test_no_backward_op_reads_the_forwards_join():
+  """Each forward join of a kernel is read by its layer's forward alone;
+  the backward pass joins the kernel again. Kept joins: the backward reads
+  the forward's."""
+  for keep_joins, kept in ((False, False), (True, True)):
+    joins = [op for op in _ops(_graph(keep_joins))
+             if 'gather_shards' in op.name and op.type == 'ConcatV2']
+    forward = [op for op in joins if not _backward(op)]
+    read_later = [op.name for op in forward
+                  if any(_backward(c) for out in op.outputs
+                         for c in out.consumers())]
+    assert forward and bool(read_later) == kept, read_later
+    assert any(_backward(op) for op in joins) != kept
+
+
+def test_the_planned_peak_falls_to_the_layers_in_flight():
+  """Eight 128-wide layers on 4 devices: joined once and kept, every
+  device's step holds every kernel whole; released, the kernels in
+  flight alone."""
+  images, labels = _data()
+  found = {}
+  for keep_joins in (True, False):
+    with plans.planning():
+      report = dry_run.read(_deployed(keep_joins, width=128, depth=8),
+                            images[:8],
+                            labels[:8])
+    found[keep_joins] = max(r.peak_bytes for r in report.devices.values())
+  kernels = (6 * 128 + 7 * 128 * 128 + 128 * 4) * 4
+  assert found[True] > kernels
+  assert found[False] < found[True] - kernels / 2, found

@@ -1,0 +1,160 @@
+"""Sharded variables joined late and let go early (FSDP's reshard after
+forward).
+
+A sharded variable joined for the pass (`sharding.Joined`) is joined
+once, before the pass, and the tape keeps the join until the backward
+pass reads it: every clone holds the whole model through its step. Here
+a plain Keras layer's own sharded variables are joined on the clone's
+device inside its call, once its inputs exist, and nothing after the
+call reads that join: the layer's backward pass joins them again, once
+its output's gradient exists, runs the layer's forward from its kept
+inputs under a tape of its own (Grappler prunes what the gradient does
+not read: a linear layer's product) and cuts the whole's gradient into
+its shards' there (`shards.cut`, as `Joined` cuts it). A device then
+holds, besides its shards, the joins of the layers in flight, not the
+model's.
+
+Released: the layers whose call reads their own variables alone and
+changes no state, Keras's own `Dense`, `EinsumDense` and convolutions
+(a subclass that keeps their `call`), unquantized, without LoRA, and
+without a non-trainable variable. Any other read of the variable (a
+weight penalty, another layer's tied read) joins it as `Joined` does,
+kept for its own gradient. The recomputed forward is the forward's ops
+on the same values: the gradients are the same bits.
+"""
+
+import functools
+import math
+
+import keras
+import tensorflow as tf
+
+from tfmulti import keras_internals
+from tfmulti.mesh import shards as shards_lib
+from tfmulti.pipeline import stages
+
+# The calls that read their layer's own variables and nothing else.
+_PLAIN_CALLS = frozenset(
+    cls.call for cls in (keras.layers.Dense, keras.layers.EinsumDense,
+                         keras.layers.Conv1D, keras.layers.Conv2D,
+                         keras.layers.Conv3D, keras.layers.Conv1DTranspose,
+                         keras.layers.Conv2DTranspose,
+                         keras.layers.Conv3DTranspose))
+
+
+def layers(model, joined):
+  """[(layer, its trainable variables)] of the layers of `model` that can
+  release their variables of `joined` (ids of variables joined for the
+  pass): see the module's docstring."""
+  found = []
+  for layer in keras_internals.flat_layers(model):
+    own = layer.trainable_variables
+    if (type(layer).call in _PLAIN_CALLS and own
+        and not layer.non_trainable_variables
+        and not getattr(layer, 'lora_enabled', False)
+        and layer.dtype_policy.quantization_mode is None
+        and any(id(v) in joined for v in own)):
+      found.append((layer, own))
+  return found
+
+
+def releasing(layers_and_parts):
+  """Inside, each layer of `layers_and_parts` (layer, {id(variable):
+  (its grid of parts, its shards' values)} of its joined variables)
+  joins them in its call and lets them go after (`_call`)."""
+  return keras_internals.calling(
+      [(layer, _call(layer, joined)) for layer, joined in layers_and_parts])
+
+
+def _call(layer, joined):
+  keras_call = type(layer).call.__get__(layer)
+  variables = layer.trainable_variables
+  grids = [joined[id(v)][0] for v in variables if id(v) in joined]
+  parts = [joined[id(v)][1] for v in variables if id(v) in joined]
+
+  def forward(inputs, kept, wholes, nest):
+    """The layer's call on `inputs` with its variables' values."""
+    kept, wholes = iter(kept), iter(wholes)
+    values = [next(wholes) if id(v) in joined else next(kept)
+              for v in variables]
+    with keras_internals.values_within(list(zip(variables, values))):
+      args, kwargs = nest(inputs)
+      return keras_call(*args, **kwargs)
+
+  def joins(after):
+    """The variables joined from reads made after `after`."""
+    with tf.name_scope('gather_shards'):
+      return [shards_lib.join(grid, [_read_after(p, after) for p in ps])
+              for grid, ps in zip(grids, parts)]
+
+  def call(*args, **kwargs):
+    flat = tf.nest.flatten((args, kwargs))
+    if any(tf.is_tensor(x) and not isinstance(x, tf.Tensor) for x in flat):
+      return keras_call(*args, **kwargs)  # Sparse or ragged: Keras's own.
+    at = [i for i, x in enumerate(flat) if isinstance(x, tf.Tensor)]
+
+    def nest(inputs):
+      filled = list(flat)
+      for i, x in zip(at, inputs):
+        filled[i] = x
+      return tf.nest.pack_sequence_as((args, kwargs), filled)
+
+    kept = [keras_internals.current_value(v) for v in variables
+            if id(v) not in joined]
+    return _released(functools.partial(forward, nest=nest), joins,
+                     [flat[i] for i in at], kept,
+                     [p for ps in parts for p in ps], grids,
+                     layer.name + stages.BACKWARD)
+
+  return call
+
+
+def _released(forward, joins, inputs, kept, shards, grids, scope):
+  """`forward`'s outputs, recorded on the tape as one op of `inputs`,
+  `kept` and `shards` whose gradient is `forward`'s again (in name scope
+  `scope`, from joins made after the outputs' gradients), each whole's
+  gradient cut into its shards'. The forward's own ops are not recorded:
+  nothing of the backward pass reads them."""
+  n, m = len(inputs), len(kept)
+  with keras_internals.not_recorded():
+    outputs = forward(inputs, kept, joins(inputs))
+  made = _with_logits(tf.nest.flatten(outputs))
+
+  def gradient(*dys):
+    with tf.name_scope(scope), tf.GradientTape() as tape:
+      wholes = joins([d for d in dys if d is not None])
+      sources = inputs + kept + wholes
+      tape.watch([s for s in sources if s.dtype.is_floating])
+      again = _with_logits(tf.nest.flatten(forward(inputs, kept, wholes)))
+      pairs = [(y, d) for y, d in zip(again, dys) if d is not None]
+      found = tape.gradient([y for y, _ in pairs], sources,
+                            output_gradients=[d for _, d in pairs])
+      with tf.name_scope('cut_shards'):
+        return found[:n + m] + [
+            piece for g, grid in zip(found[n + m:], grids)
+            for piece in (shards_lib.cut(grid, g) if g is not None
+                          else [None] * math.prod(grid))]
+
+  keras_internals.record_on_tapes('ReleasedCall', made,
+                                  inputs + kept + shards, gradient)
+  return outputs
+
+
+def _with_logits(flat):
+  """`flat` (a layer's outputs) and the logits Keras keeps on those of
+  them a softmax or sigmoid made (its cross-entropy computes from them):
+  the loss's gradient may reach the layer through either."""
+  return flat + list(keras_internals.with_logits(flat)[1].values())
+
+
+def _read_after(value, after):
+  """A new read of the variable `value` is a read of, made after `after`
+  on the variable's device, so that a clone on another device receives
+  its copy then, not at the step's start; `value` itself where it is no
+  read in this graph (a compiled pass's argument)."""
+  if value.op.type != 'ReadVariableOp':
+    return value
+  graph = tf.compat.v1.get_default_graph()
+  with tf.control_dependencies(after), graph.device(value.op.device or None):
+    return tf.raw_ops.ReadVariableOp(resource=value.op.inputs[0],
+                                     dtype=value.dtype)
