@@ -17,7 +17,7 @@ class _Terminal(io.StringIO):
 
 
 def test_a_counted_phase_draws_a_bar_on_a_terminal(caplog):
-  caplog.set_level('INFO')
+  caplog.set_level('INFO', logger='absl')
   terminal = _Terminal()
   with phases.phase('evaluating', 4, stream=terminal) as shown:
     for _ in range(4):
@@ -55,7 +55,7 @@ def test_a_log_file_gets_two_plain_lines(caplog):
 
 def test_a_phase_that_draws_its_own_bar_gets_nothing_more_on_a_terminal(
     caplog):
-  caplog.set_level('INFO')
+  caplog.set_level('INFO', logger='absl')
   terminal = _Terminal()
   with phases.phase('preparing', stream=terminal, own_bar=True):
     pass

@@ -7,21 +7,25 @@ import pytest
 from tfmulti.bench import sharded as bench
 
 
-def _report(joined):
+def _report(joined, keep_joins=False):
   return bench.run(argparse.Namespace(
       model='lenet', num_clones=2, image_size=28, num_classes=10,
       rows_per_clone=2, sequence_length=16, steps=1, rounds=1,
-      gradient_packs=0, joined=joined))
+      gradient_packs=0, joined=joined, keep_joins=keep_joins))
 
 
 @pytest.mark.slow
-def test_a_joined_lenet_holds_and_moves_a_ring_s_bytes():
-  report = _report(joined=True)
+@pytest.mark.parametrize('keep_joins, moved', [(True, 1), (False, 1.45)])
+def test_a_joined_lenet_holds_and_moves_a_ring_s_bytes(keep_joins, moved):
+  report = _report(joined=True, keep_joins=keep_joins)
   sharded, spread = (report['variants'][v] for v in ('sharded', 'spread'))
   # Every kernel split in two: each device holds about half, and moves
-  # about 2 (N-1)/N = 1 P each way (the biases, whole, a little more).
+  # about 2 (N-1)/N = 1 P each way (the biases, whole, a little more),
+  # or 3 (N-1)/N = 1.5 P of the kernels where each layer gathers its
+  # kernel again for its gradient (the biases, whole, are not gathered).
   assert sharded['max_held_of_total'] <= report['targets']['held_of_total']
-  assert 1 <= sharded['max_moved_of_p'] <= report['targets']['moved_of_p']
+  assert moved <= sharded['max_moved_of_p'] <= report['targets'][
+      'moved_of_p']
   assert sharded['max_held_of_total'] < spread['max_held_of_total']
   assert sharded['max_activations_of_p'] == 0
   assert report['step_vs_spread'] > 0
@@ -49,6 +53,7 @@ def test_a_lenet_computed_as_blocks_moves_activations_not_kernels():
      r'--num_clones=3 with --model=llama: its mesh is \(2, N/2\)'),
     (['--steps=0'], 'steps=0: must be an integer >= 1'),
     (['--model=llama', '--joined'], '--joined with --model=llama'),
+    (['--keep_joins'], '--keep_joins without --joined'),
     (['--model=nope'], "model='nope'"),
 ])
 def test_bad_arguments_stop_with_one_line(argv, message):

@@ -92,7 +92,7 @@ def test_the_first_preparation_of_digits_is_quiet(tmp_path, capfd, caplog):
   terminal, and no warning about TFDS's own folders: one log line says
   the dataset is prepared, once."""
   import tfmulti.digits  # noqa: F401  Registers the builder.
-  caplog.set_level('INFO')
+  caplog.set_level('INFO', logger='absl')
   data.load('digits', global_batch_size=8, data_dir=str(tmp_path))
   out, err = capfd.readouterr()
   for said in (out + err, caplog.text):

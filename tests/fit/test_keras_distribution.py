@@ -160,7 +160,7 @@ def test_an_output_layout_is_ignored_in_one_line(distribution, caplog):
   """The guide's `layout_map['.../d2/output'] = ('batch', None)` under
   `set_distribution`: Keras's TensorFlow backend crashed in the layer's
   call; the towers ignore it, saying so once."""
-  caplog.set_level('INFO')
+  caplog.set_level('INFO', logger='absl')
 
   def make():
     model = _named()

@@ -15,7 +15,9 @@ momentum SGD (one slot a variable):
   mesh (1, N) of axes ('batch', 'model'): computed where its blocks live
   (`mesh.tensor_parallel`: its output channels or features), or with
   `--joined`, over a one-axis mesh ('model',) of N that is also the
-  batch's, so that each clone joins every kernel for its pass (FSDP);
+  batch's, so that each clone joins every kernel for its pass (FSDP:
+  each layer's in its call, again for its gradient, `mesh.releases`;
+  with `--keep_joins`, once, kept through the step);
 * `spread`: each variable whole on one device (`--variables_device=spread`).
 
 From one traced step of each (`plan.traffic`) it counts per device the
@@ -23,12 +25,14 @@ variable and slot bytes held and the variable and gradient bytes sent and
 received. A clone gathers each shard it does not own and sends each
 shard's gradient piece to its owner, so a device that owns 1/N receives
 (N-1)/N x P of shards and (N-1) x P/N of pieces, 2 (N-1)/N x P, and sends
-as much: a ring all-gather and reduce-scatter's bytes (kernels split
+as much: a ring all-gather and reduce-scatter's bytes; 3 (N-1)/N x P
+where each layer gathers its shards again for its gradient, as
+FSDP's and ZeRO-3's do (kernels split
 over 'model' are computed where their blocks live: joined over 'batch'
 alone, they move less, and the rows, outputs and partial sums that cross
 instead are activations, counted apart). The targets: the
 busiest device holds at most 1.1 / N of the bytes and moves at most
-1.1 x 2 (N-1)/N x P each way. Then it times `--steps` steps of each in
+1.1 x 2 (or 3) (N-1)/N x P each way. Then it times `--steps` steps of each in
 alternating `--rounds` (the target: sharded at most 1.15x spread's
 median); logical CPUs share the cores, so the time shows the gathers'
 and cuts' own cost, not their overlap. First it times each variant's
@@ -98,7 +102,8 @@ def _layouts(model, args):
       for v in model.trainable_variables
       if v.path.endswith('kernel') and v.shape[-1] % n == 0)
   if args.joined:
-    return mesh_layouts.VariableLayouts((n,), ('model',), rules)
+    return mesh_layouts.VariableLayouts((n,), ('model',), rules,
+                                        keep_joins=args.keep_joins)
   return mesh_layouts.VariableLayouts((1, n), ('batch', 'model'), rules)
 
 
@@ -195,6 +200,13 @@ def time_steps(deployed, args):
   return (time.perf_counter() - start) / args.steps
 
 
+def _gathers(args):
+  """How often a step moves each shard's bytes: gathered for the pass
+  (twice where its layer gathers it again for its gradient) and its
+  gradient's piece sent back."""
+  return 3 if args.joined and not args.keep_joins else 2
+
+
 def run(args):
   n = args.num_clones
   report = {'environment': bench.environment(), 'model': args.model,
@@ -202,9 +214,10 @@ def run(args):
             'image_size': args.image_size,
             'sequence_length': args.sequence_length,
             'gradient_packs': args.gradient_packs, 'joined': args.joined,
-            'variants': {},
+            'keep_joins': args.keep_joins, 'variants': {},
             'targets': {'held_of_total': HELD_SLACK / n,
-                        'moved_of_p': MOVED_SLACK * 2 * (n - 1) / n,
+                        'moved_of_p': MOVED_SLACK * _gathers(args) * (n - 1)
+                                      / n,
                         'step_vs_spread': STEP_SLACK}}
   report['first_step_s'] = {variant: first_step_seconds(variant, args)
                             for variant in ('sharded', 'spread', 'plain')}
@@ -261,6 +274,10 @@ def parser():
                  help='not --model=llama: shard every kernel over a one-axis '
                  'mesh that is also the batch\'s, each joined for its pass '
                  '(FSDP), not computed as blocks on a mesh (1, N)')
+  p.add_argument('--keep_joins', action='store_true',
+                 help='with --joined: each kernel joined once before the '
+                 'pass and kept through the step, not joined in its '
+                 "layer's call and again for its gradient")
   p.add_argument('--steps', type=int, default=5)
   p.add_argument('--rounds', type=int, default=3)
   return p
@@ -282,6 +299,10 @@ def main(argv=None):
       raise errors.ConfigError(
           '--joined with --model=llama: its own map says which kernels '
           'compute as blocks; drop --joined.')
+    if args.keep_joins and not args.joined:
+      raise errors.ConfigError(
+          '--keep_joins without --joined: only joined kernels are kept; '
+          'add --joined.')
     args.gradient_packs = step_options.StepOptions(
         gradient_packs=args.gradient_packs).gradient_packs
     devices.create_logical_cpus(args.num_clones)
