@@ -377,6 +377,16 @@ def not_recorded():
   return record.stop_recording()
 
 
+def autocast_now():
+  """A context that casts variables as the layer call running now does
+  (Keras's autocast scope: mixed precision's compute dtype), for a
+  recomputation of that call outside it."""
+  scope = keras.src.backend.get_autocast_scope()
+  if scope is None:
+    return contextlib.nullcontext
+  return functools.partial(keras.src.backend.AutocastScope, scope.dtype)
+
+
 def set_mask(tensor, mask):
   """Attaches Keras's `mask` to `tensor`, as a layer's call does."""
   keras.src.backend.set_keras_mask(tensor, mask)

@@ -14,6 +14,7 @@ from tfmulti import fit
 from tfmulti import plans
 from tfmulti.deploy import keras_distribution
 from tfmulti.deploy import towers
+from tfmulti.mesh import releases
 from tfmulti.plan import dry_run
 from tfmulti.plan import peaks
 
@@ -148,3 +149,32 @@ def test_the_planned_peak_falls_to_the_layers_in_flight():
   kernels = (6 * 128 + 7 * 128 * 128 + 128 * 4) * 4
   assert found[True] > kernels
   assert found[False] < found[True] - kernels / 2, found
+
+
+def test_plain_keras_layers_release_their_variables_and_no_other():
+  """Keras's own Dense, EinsumDense and convolutions (inside a wrapper
+  too) release; a call of a subclass's own, LoRA, a layer with state
+  and a table do not (joined as any variable is)."""
+
+  class OwnCall(keras.layers.Dense):
+
+    def call(self, inputs):
+      return super().call(inputs) + 1.0
+
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((3, 4, 4, 2))
+  x = keras.layers.TimeDistributed(
+      keras.layers.Conv2D(2, 3, name='conv'))(inputs)
+  x = keras.layers.Reshape((3, 8))(x)
+  x = keras.layers.EinsumDense('abc,cd->abd', (3, 4), name='einsum')(x)
+  x = keras.layers.BatchNormalization(name='norm')(x)
+  x = OwnCall(4, name='own')(keras.layers.Dense(4, name='plain')(x))
+  lora = keras.layers.Dense(4, name='lora')
+  x = lora(x)
+  lora.enable_lora(2)
+  ids = keras.Input((2,), dtype='int32')
+  y = keras.layers.Embedding(5, 4, name='table')(ids)
+  model = keras.Model([inputs, ids], [x, y])
+  found = releases.layers(model, {id(v) for v in model.variables})
+  assert sorted(layer.name for layer, _ in found) == ['conv', 'einsum',
+                                                      'plain']

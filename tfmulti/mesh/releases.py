@@ -72,14 +72,16 @@ def _call(layer, joined):
   grids = [joined[id(v)][0] for v in variables if id(v) in joined]
   parts = [joined[id(v)][1] for v in variables if id(v) in joined]
 
-  def forward(inputs, kept, wholes, nest):
-    """The layer's call on `inputs` with its variables' values."""
+  def forward(inputs, kept, wholes, nest, autocast):
+    """The layer's call on `inputs` with its variables' values (cast as
+    its call casts them)."""
     kept, wholes = iter(kept), iter(wholes)
     values = [next(wholes) if id(v) in joined else next(kept)
               for v in variables]
     with keras_internals.values_within(list(zip(variables, values))):
-      args, kwargs = nest(inputs)
-      return keras_call(*args, **kwargs)
+      with autocast():
+        args, kwargs = nest(inputs)
+        return keras_call(*args, **kwargs)
 
   def joins(after):
     """The variables joined from reads made after `after`."""
@@ -101,7 +103,8 @@ def _call(layer, joined):
 
     kept = [keras_internals.current_value(v) for v in variables
             if id(v) not in joined]
-    return _released(functools.partial(forward, nest=nest), joins,
+    return _released(functools.partial(
+        forward, nest=nest, autocast=keras_internals.autocast_now()), joins,
                      [flat[i] for i in at], kept,
                      [p for ps in parts for p in ps], grids,
                      layer.name + stages.BACKWARD)
