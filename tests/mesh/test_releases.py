@@ -89,7 +89,7 @@ def test_released_joins_train_as_one_device(case):
   _assert_same(model, plain, got, want)
 
 
-def _deployed(keep_joins=False, **shape):
+def _deployed(keep_joins=False, xla=False, **shape):
   """The MLP (`_mlp(**shape)`) deployed under `_config(keep_joins)`,
   with Adam."""
   config = _config(keep_joins)
@@ -97,12 +97,12 @@ def _deployed(keep_joins=False, **shape):
     model = _mlp(**shape)
     with tf.device(config.optimizer_variables_device()):
       optimizer = keras.optimizers.Adam(0.01)
-    return towers.deploy(config, model, LOSS, optimizer)
+    return towers.deploy(config, model, LOSS, optimizer, xla=xla)
 
 
-def _graph(keep_joins=False):
+def _graph(keep_joins=False, xla=False):
   images, labels = _data()
-  deployed = _deployed(keep_joins)
+  deployed = _deployed(keep_joins, xla)
   with plans.planning():
     return deployed.traced_step(images[:8], labels[:8]).graph
 
@@ -132,6 +132,16 @@ def test_no_backward_op_reads_the_forwards_join():
                          for c in out.consumers())]
     assert forward and bool(read_later) == kept, read_later
     assert any(_backward(op) for op in joins) != kept
+
+
+def test_a_pass_that_joins_in_its_layers_calls_is_not_compiled():
+  """A compiled pass receives every shard as it starts, so the joins are
+  kept as before: with xla on, the pass is compiled only where the joins
+  are kept (`keep_joins`)."""
+  for keep_joins in (False, True):
+    compiled = [op for op in _ops(_graph(keep_joins, xla=True))
+                if '_XlaMustCompile' in op.node_def.attr]
+    assert bool(compiled) == keep_joins
 
 
 def test_the_planned_peak_falls_to_the_layers_in_flight():

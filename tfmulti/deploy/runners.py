@@ -59,6 +59,11 @@ class WholeClones:
       if self.storage.in_place:
         logging.info('xla: the passes are not compiled: they look tables up '
                      'or compute layers on the devices their shards live on.')
+      elif self.storage.released:
+        logging.info('xla: the passes are not compiled: their layers join '
+                     'their shards in their calls, and a compiled pass '
+                     'receives every shard as it starts (keep_joins '
+                     'compiles them).')
       else:
         self.body = compiled(self.body)
     self.body = self.storage.cutting(self.body)

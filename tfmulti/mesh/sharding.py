@@ -69,6 +69,7 @@ class Whole:
   read = staticmethod(pieces.whole)
   in_place = frozenset()  # Nothing is read where it lives.
   splits = types.MappingProxyType({})  # No kernel computes as blocks.
+  released = ()  # No layer joins a variable in its call.
 
   @staticmethod
   def cutting(body):
