@@ -174,6 +174,10 @@ def test_a_prime_table_by_rows_and_columns_trains_as_plain_towers(
      r'--strict_layout_map without --mesh_shape: there is no layout map'),
     (dict(keep_joins=True),
      r'--keep_joins without --mesh_shape: there is no layout map'),
+    (dict(gather_ahead=2),
+     r'--gather_ahead without --mesh_shape: there is no layout map'),
+    (dict(MESH, plan_tables=True, gather_ahead=-1),
+     r'gather_ahead=-1: give a count of layers, 0 or more'),
 ])
 def test_a_bad_mesh_stops_with_one_line(tmp_path, user_module, digits_dir,
                                         values, message):

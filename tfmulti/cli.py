@@ -94,6 +94,11 @@ _KEEP_JOINS = flags.DEFINE_bool(
     "step (faster where memory allows, FSDP's reshard_after_forward=False); "
     "else a Dense, EinsumDense or convolution layer's are joined in its "
     'call, let go after, and joined again for its gradient.')
+_GATHER_AHEAD = flags.DEFINE_integer(
+    'gather_ahead', 1, 'With --mesh_shape: a layer joined in its call reads '
+    'its shards while this many layers before it compute (after it, for '
+    'its gradient), holding as many more layers; 0: once its own inputs '
+    'exist.')
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 64, 'Examples per clone per step (as in slim); the global '
     'batch is batch_size * num_clones * workers.')
@@ -360,15 +365,18 @@ def _variables_device(value, variables_gpu):
 
 
 def _variable_layouts(shape, axes, layout_map, plan_tables, strategy,
-                      strict_layout_map=False, keep_joins=False):
+                      strict_layout_map=False, keep_joins=False,
+                      gather_ahead=1):
   """The `DeploymentConfig` value of --mesh_shape, --mesh_axes,
-  --layout_map, --plan_tables, --strict_layout_map and --keep_joins: a
-  `mesh_layouts.VariableLayouts`, or None without them."""
+  --layout_map, --plan_tables, --strict_layout_map, --keep_joins and
+  --gather_ahead: a `mesh_layouts.VariableLayouts`, or None without
+  them."""
   given = {'mesh_shape': shape, 'mesh_axes': axes,
            'layout_map or --plan_tables': layout_map or plan_tables}
   if not any(given.values()):
     for flag, value in (('strict_layout_map', strict_layout_map),
-                        ('keep_joins', keep_joins)):
+                        ('keep_joins', keep_joins),
+                        ('gather_ahead', gather_ahead != 1)):
       if value:
         raise errors.ConfigError(
             f'--{flag} without --mesh_shape: there is no layout map to '
@@ -390,7 +398,7 @@ def _variable_layouts(shape, axes, layout_map, plan_tables, strategy,
         f'--mesh_shape={",".join(shape)}: give a device count an axis, '
         'e.g. 2,2.')
   options = dict(plan_tables=plan_tables, strict_layout_map=strict_layout_map,
-                 keep_joins=keep_joins)
+                 keep_joins=keep_joins, gather_ahead=gather_ahead)
   layouts = mesh_layouts.VariableLayouts(
       tuple(int(n) for n in shape), tuple(axes),
       mesh_layouts.MODEL_OWN if layout_map else (), **options)
@@ -642,7 +650,7 @@ def configs_from_flags():
       variable_layouts=_variable_layouts(
           _MESH_SHAPE.value, _MESH_AXES.value, _LAYOUT_MAP.value,
           _PLAN_TABLES.value, train_config.strategy,
-          _STRICT_LAYOUT_MAP.value, _KEEP_JOINS.value))
+          _STRICT_LAYOUT_MAP.value, _KEEP_JOINS.value, _GATHER_AHEAD.value))
   train_config = job.keep_global_batch(train_config, deploy_config)
   return train_config, deploy_config, cluster_info
 
@@ -689,7 +697,7 @@ HELP_GROUPS = (
     ('Where the clones run', (
         'num_clones', 'clone_on_cpu', 'variables_device', 'mesh_shape',
         'mesh_axes', 'layout_map', 'plan_tables', 'strict_layout_map',
-        'keep_joins', 'num_stages',
+        'keep_joins', 'gather_ahead', 'num_stages',
         'strategy')),
     ('What trains, on what', (
         'model', 'weights', 'batch_norm_momentum', 'dataset', 'data_dir',

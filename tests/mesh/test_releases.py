@@ -63,9 +63,10 @@ def _towers(model, keep_joins=False):
   return fit.TowersModel(model, _config(keep_joins))
 
 
-def _config(keep_joins=False):
+def _config(keep_joins=False, gather_ahead=1):
   return keras_distribution.from_model_parallel(
-      meshes.parallel(JOINED, (4,), ('batch',)), keep_joins=keep_joins)
+      meshes.parallel(JOINED, (4,), ('batch',)), keep_joins=keep_joins,
+      gather_ahead=gather_ahead)
 
 
 def _assert_same(model, plain, got, want):
@@ -89,10 +90,10 @@ def test_released_joins_train_as_one_device(case):
   _assert_same(model, plain, got, want)
 
 
-def _deployed(keep_joins=False, xla=False, **shape):
-  """The MLP (`_mlp(**shape)`) deployed under `_config(keep_joins)`,
-  with Adam."""
-  config = _config(keep_joins)
+def _deployed(keep_joins=False, xla=False, gather_ahead=1, **shape):
+  """The MLP (`_mlp(**shape)`) deployed under `_config(keep_joins,
+  gather_ahead)`, with Adam."""
+  config = _config(keep_joins, gather_ahead)
   with plans.planning():
     model = _mlp(**shape)
     with tf.device(config.optimizer_variables_device()):
@@ -100,9 +101,9 @@ def _deployed(keep_joins=False, xla=False, **shape):
     return towers.deploy(config, model, LOSS, optimizer, xla=xla)
 
 
-def _graph(keep_joins=False, xla=False):
+def _graph(keep_joins=False, xla=False, gather_ahead=1):
   images, labels = _data()
-  deployed = _deployed(keep_joins, xla)
+  deployed = _deployed(keep_joins, xla, gather_ahead)
   with plans.planning():
     return deployed.traced_step(images[:8], labels[:8]).graph
 
@@ -147,18 +148,37 @@ def test_a_pass_that_joins_in_its_layers_calls_is_not_compiled():
 def test_the_planned_peak_falls_to_the_layers_in_flight():
   """Eight 128-wide layers on 4 devices: joined once and kept, every
   device's step holds every kernel whole; released, the kernels in
-  flight alone."""
+  flight alone, and a layer more for each layer gathered ahead."""
   images, labels = _data()
   found = {}
-  for keep_joins in (True, False):
+  for keep_joins, ahead in ((True, 1), (False, 0), (False, 1)):
     with plans.planning():
-      report = dry_run.read(_deployed(keep_joins, width=128, depth=8),
-                            images[:8],
-                            labels[:8])
-    found[keep_joins] = max(r.peak_bytes for r in report.devices.values())
-  kernels = (6 * 128 + 7 * 128 * 128 + 128 * 4) * 4
-  assert found[True] > kernels
-  assert found[False] < found[True] - kernels / 2, found
+      report = dry_run.read(
+          _deployed(keep_joins, gather_ahead=ahead, width=128, depth=8),
+          images[:8], labels[:8])
+    found[keep_joins, ahead] = max(r.peak_bytes
+                                   for r in report.devices.values())
+  kernels, kernel = (6 + 7 * 128 + 4) * 128 * 4, 128 * 128 * 4
+  assert found[True, 1] > kernels
+  assert found[False, 0] < found[True, 1] - kernels / 2, found
+  assert found[False, 0] < found[False, 1] <= found[False, 0] + 2 * kernel
+
+
+def test_each_layer_gathers_its_shards_while_the_one_before_computes():
+  """Gathered one layer ahead, the reads of d2's shards wait for d1's
+  inputs, not d2's; for its gradient, for the gradient of `out`'s
+  outputs, not of its own (which `out`'s backward pass makes)."""
+  found = {}
+  for ahead in (0, 1):
+    reads = [op for op in _ops(_graph(gather_ahead=ahead))
+             if op.type == 'ReadVariableOp' and op.name.startswith(
+                 ('clone_0/d2_1/gather_shards', 'clone_0/d2_backward/'))]
+    found[ahead] = {op.name.split('/')[1]: op.control_inputs[0].name
+                    for op in reads}
+  assert found[0]['d2_1'] == 'clone_0/d1_1/Relu'
+  assert found[1]['d2_1'].startswith('split_batch/')  # The model's input.
+  assert 'out_backward' in found[0]['d2_backward']
+  assert '_backward' not in found[1]['d2_backward'], found
 
 
 def test_plain_keras_layers_release_their_variables_and_no_other():

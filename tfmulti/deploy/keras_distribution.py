@@ -66,19 +66,22 @@ def config_for(config, workers=None):
 
 
 def from_model_parallel(distribution, plan_tables=False,
-                        strict_layout_map=False, keep_joins=False, **place):
+                        strict_layout_map=False, keep_joins=False,
+                        gather_ahead=1, **place):
   """One clone a device of `distribution`'s mesh (`clones_of`), its
   variables laid out by its layout map; with `plan_tables`, each plain
   Embedding table it does not name laid out by `table_plan`; with
   `strict_layout_map`, a key matching no variable an error; with
-  `keep_joins`, each variable joined for the pass kept through the step
-  (`mesh_layouts.VariableLayouts`). `place`: the worker's (`replica_id`,
+  `keep_joins`, each variable joined for the pass kept through the step,
+  else gathered `gather_ahead` layers early (`mesh_layouts.
+  VariableLayouts`). `place`: the worker's (`replica_id`,
   `num_replicas`) across workers."""
   return DeploymentConfig(
       **clones_of(distribution), **place,
       variable_layouts=mesh_layouts.from_keras(
           distribution, plan_tables=plan_tables,
-          strict_layout_map=strict_layout_map, keep_joins=keep_joins))
+          strict_layout_map=strict_layout_map, keep_joins=keep_joins,
+          gather_ahead=gather_ahead))
 
 
 def clones_of(distribution):

@@ -55,6 +55,10 @@ class VariableLayouts:
       before it and kept through the step (faster, where the memory
       allows: FSDP's `reshard_after_forward=False`); False: a plain
       layer's joined in its call and let go after (`releases`).
+    gather_ahead: a layer joined in its call reads its shards while the
+      calls this many before it compute (in the backward pass, after
+      it): their copies travel beside compute, and as many more layers'
+      are held; 0: once its own inputs (gradients) exist.
   """
   mesh_shape: tuple
   axis_names: tuple
@@ -63,6 +67,7 @@ class VariableLayouts:
   plan_tables: bool = False
   strict_layout_map: bool = False
   keep_joins: bool = False
+  gather_ahead: int = 1
 
   def __post_init__(self):
     if self.batch_axis is None and self.axis_names:
@@ -72,6 +77,10 @@ class VariableLayouts:
       raise errors.ConfigError(
           f'mesh shape {self.mesh_shape} with axes {self.axis_names}: give '
           'one positive device count an axis name.')
+    if not isinstance(self.gather_ahead, int) or self.gather_ahead < 0:
+      raise errors.ConfigError(
+          f'gather_ahead={self.gather_ahead!r}: give a count of layers, '
+          '0 or more.')
     if len(set(self.axis_names)) != len(self.axis_names):
       raise errors.ConfigError(
           f'mesh axes {self.axis_names}: name each axis once.')
@@ -253,7 +262,8 @@ def resolved(layouts, model):
       layout_map, batch_axis=layouts.batch_axis,
       plan_tables=layouts.plan_tables,
       strict_layout_map=layouts.strict_layout_map,
-      keep_joins=layouts.keep_joins), 'model')
+      keep_joins=layouts.keep_joins,
+      gather_ahead=layouts.gather_ahead), 'model')
 
 
 def same_mesh(layouts, made, source):

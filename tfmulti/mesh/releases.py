@@ -58,15 +58,53 @@ def layers(model, joined):
   return found
 
 
-def releasing(layers_and_parts):
+def releasing(layers_and_parts, ahead=1):
   """Inside, each layer of `layers_and_parts` (layer, {id(variable):
   (its grid of parts, its shards' values)} of its joined variables)
-  joins them in its call and lets them go after (`_call`)."""
+  joins them in its call and lets them go after (`_call`), its shards
+  gathered `ahead` released calls early (`Order`)."""
+  order = Order(ahead)
   return keras_internals.calling(
-      [(layer, _call(layer, joined)) for layer, joined in layers_and_parts])
+      [(layer, _call(layer, joined, order))
+       for layer, joined in layers_and_parts])
 
 
-def _call(layer, joined):
+class Order:
+  """The released calls of one pass in the order they were traced: what
+  each call's gathers wait for. A call's shards are read once the inputs
+  of the call `ahead` calls before it exist (its own with `ahead` 0), so
+  they travel while those calls compute; its gradient's, once the
+  gradients of the call `ahead` calls after it exist (the backward pass
+  runs the calls in reverse). Where those are in another graph (a loop's
+  body, a branch), its own."""
+
+  def __init__(self, ahead):
+    self.ahead = ahead
+    self.inputs = []  # Each call's inputs, in order.
+    self.gradients = {}  # A call's index -> its outputs' gradients.
+
+  def forward(self, inputs):
+    """(this call's index, what its gathers wait for)."""
+    index = len(self.inputs)
+    self.inputs.append(inputs)
+    return index, _here(self.inputs[max(index - self.ahead, 0)], inputs)
+
+  def backward(self, index, gradients):
+    """What the gathers for call `index`'s gradient wait for, given its
+    outputs' `gradients`."""
+    self.gradients[index] = gradients
+    later = self.gradients.get(min(index + self.ahead,
+                                   len(self.inputs) - 1), gradients)
+    return _here(later, gradients)
+
+
+def _here(tensors, own):
+  """`tensors` where all are of the graph being built, else `own`."""
+  graph = tf.compat.v1.get_default_graph()
+  return tensors if all(t.graph is graph for t in tensors) else own
+
+
+def _call(layer, joined, order):
   keras_call = type(layer).call.__get__(layer)
   variables = layer.trainable_variables
   grids = [joined[id(v)][0] for v in variables if id(v) in joined]
@@ -107,25 +145,27 @@ def _call(layer, joined):
         forward, nest=nest, autocast=keras_internals.autocast_now()), joins,
                      [flat[i] for i in at], kept,
                      [p for ps in parts for p in ps], grids,
-                     layer.name + stages.BACKWARD)
+                     layer.name + stages.BACKWARD, order)
 
   return call
 
 
-def _released(forward, joins, inputs, kept, shards, grids, scope):
+def _released(forward, joins, inputs, kept, shards, grids, scope, order):
   """`forward`'s outputs, recorded on the tape as one op of `inputs`,
   `kept` and `shards` whose gradient is `forward`'s again (in name scope
-  `scope`, from joins made after the outputs' gradients), each whole's
-  gradient cut into its shards'. The forward's own ops are not recorded:
-  nothing of the backward pass reads them."""
+  `scope`, from joins made as `order` says), each whole's gradient cut
+  into its shards'. The forward's own ops are not recorded: nothing of
+  the backward pass reads them."""
   n, m = len(inputs), len(kept)
+  index, after = order.forward(inputs)
   with keras_internals.not_recorded():
-    outputs = forward(inputs, kept, joins(inputs))
+    outputs = forward(inputs, kept, joins(after))
   made = _with_logits(tf.nest.flatten(outputs))
 
   def gradient(*dys):
+    after = order.backward(index, [d for d in dys if d is not None])
     with tf.name_scope(scope), tf.GradientTape() as tape:
-      wholes = joins([d for d in dys if d is not None])
+      wholes = joins(after)
       sources = inputs + kept + wholes
       tape.watch([s for s in sources if s.dtype.is_floating])
       again = _with_logits(tf.nest.flatten(forward(inputs, kept, wholes)))

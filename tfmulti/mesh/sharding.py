@@ -105,12 +105,17 @@ class Sharded:
     in_place: the indices into `variables` of the shards read where they
       are (the tables' and the split kernels': never packed).
     records: the storage record of each of the model's trainable
-      variables (`Kept`, `Joined`, `Table`, `Blocks`): its read, the
-      gradients of its own sources cut into its shards', in turn.
+      variables (`Kept`, `Joined`, `Released`, `Table`, `Blocks`): its
+      read, the gradients of its own sources cut into its shards', in
+      turn.
+    released: (layer, {id(variable): its index among the model's
+      trainable variables}) of each layer that joins its sharded
+      variables in its call (`releases`).
+    ahead: how many released calls early their shards are gathered.
   """
 
   def __init__(self, variables, grids, sharded, shapes, tables=None,
-               splits=None, mesh=None, released=()):
+               splits=None, mesh=None, released=(), ahead=1):
     self.variables = variables
     self.grids = grids
     self.sharded = sharded
@@ -119,6 +124,7 @@ class Sharded:
     self.splits = splits or {}
     self.mesh = mesh
     self.released = released
+    self.ahead = ahead
     self.devices = [devices.device_of(v) for v in variables]
     self.records = tuple(self._records())
     self.in_place = frozenset(
@@ -170,7 +176,7 @@ class Sharded:
                        for v, k in ks.items()})
               for layer, ks in self.released]
     return ([reading.value for reading in readings], sources,
-            _in_place(tables, blocks, joined))
+            _in_place(tables, blocks, joined, self.ahead))
 
   def leaders(self):
     """Each clone's mesh row's leader (`leaders`) along the axes its split
@@ -478,12 +484,12 @@ def leaders(mesh_shape, axes):
 
 
 @contextlib.contextmanager
-def _in_place(tables, blocks, joined):
+def _in_place(tables, blocks, joined, ahead):
   """Inside, `tables` are looked up, the split kernels' layers computed
   as their `blocks` where they are, and the `joined` layers' variables
-  joined in their calls (`releases`)."""
+  joined in their calls, gathered `ahead` calls early (`releases`)."""
   with lookups.looking_up(tables), tensor_parallel.computing(blocks):
-    with releases.releasing(joined):
+    with releases.releasing(joined, ahead):
       yield
 
 
@@ -588,7 +594,8 @@ def storage_of(config, model, optimizer, split_compute=True):
        for k, v in enumerate(trainable) if id(v) in split},
       (layouts.mesh_shape, [config.clone_device(i)
                             for i in range(layouts.num_devices)]),
-      _released(layouts, model, plan, set(found) | set(split)))
+      _released(layouts, model, plan, set(found) | set(split)),
+      layouts.gather_ahead)
 
 
 def _released(layouts, model, plan, in_place):
