@@ -3,6 +3,7 @@
   python -m tfmulti.compare runs/a runs/b
   python -m tfmulti.compare runs/a runs/b --rtol=1e-4
   python -m tfmulti.compare runs/a --golden=tests/golden/readme.json
+  python -m tfmulti.compare runs/a --golden=... --first_steps=1
 
 Compares what two command-line runs (their `--model_dir`s) logged and
 kept: the total loss of each step both logged (TensorBoard's
@@ -108,9 +109,9 @@ def _gap(x, y):
   return f'{float(np.max(np.abs(np.asarray(x, np.float64) - y))):.3g}'
 
 
-def against_golden(run, golden, rtol, atol):
+def against_golden(run, golden, rtol, atol, first_steps=None):
   """(the lines saying where `run`'s losses differ from the golden file's
-  at its steps, the summary).
+  at its steps, or its `first_steps` steps alone, the summary).
 
   Raises:
     errors.RunDirError: the golden file cannot be read.
@@ -122,6 +123,8 @@ def against_golden(run, golden, rtol, atol):
     raise errors.RunDirError(
         f'--golden={golden} cannot be read ({e}); write one with '
         '--write_golden from a run.') from e
+  if first_steps is not None:
+    want = dict(sorted(want.items())[:first_steps])
   got = losses(run)
   found = [f'step {s}: loss {got.get(s)!r} in {run}, {loss!r} golden'
            for s, loss in sorted(want.items())
@@ -148,6 +151,9 @@ def _parser():
                       'compare its own with')
   parser.add_argument('--write_golden', help="one run: write its losses as "
                       'a golden file here')
+  parser.add_argument('--first_steps', type=int, help="with --golden: "
+                      "its first this many steps alone (a job whose later "
+                      "steps amplify round-off)")
   parser.add_argument('--rtol', type=float, default=1e-5)
   parser.add_argument('--atol', type=float, default=1e-6)
   return parser
@@ -165,8 +171,14 @@ def main(argv=None):
     if args.write_golden:
       write_golden(args.runs[0], args.write_golden)
       return
+    if args.first_steps is not None and (not args.golden or
+                                         args.first_steps < 1):
+      raise errors.ConfigError(
+          f'--first_steps={args.first_steps}: give a count of 1 or more, '
+          'with --golden.')
     found, summary = (
-        against_golden(args.runs[0], args.golden, args.rtol, args.atol)
+        against_golden(args.runs[0], args.golden, args.rtol, args.atol,
+                       args.first_steps)
         if args.golden else
         differences(*args.runs, args.rtol, args.atol))
   except errors.UserError as e:
