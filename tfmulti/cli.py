@@ -95,10 +95,10 @@ _KEEP_JOINS = flags.DEFINE_bool(
     "else a Dense, EinsumDense or convolution layer's are joined in its "
     'call, let go after, and joined again for its gradient.')
 _GATHER_AHEAD = flags.DEFINE_integer(
-    'gather_ahead', 1, 'With --mesh_shape: a layer joined in its call reads '
-    'its shards while this many layers before it compute (after it, for '
-    'its gradient), holding as many more layers; 0: once its own inputs '
-    'exist.')
+    'gather_ahead', mesh_layouts.GATHER_AHEAD, 'With --mesh_shape: a layer '
+    'joined in its call reads its shards while this many layers before it '
+    'compute (after it, for its gradient), holding as many more layers; 0: '
+    'once its own inputs exist.')
 _BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 64, 'Examples per clone per step (as in slim); the global '
     'batch is batch_size * num_clones * workers.')
@@ -366,7 +366,7 @@ def _variables_device(value, variables_gpu):
 
 def _variable_layouts(shape, axes, layout_map, plan_tables, strategy,
                       strict_layout_map=False, keep_joins=False,
-                      gather_ahead=1):
+                      gather_ahead=mesh_layouts.GATHER_AHEAD):
   """The `DeploymentConfig` value of --mesh_shape, --mesh_axes,
   --layout_map, --plan_tables, --strict_layout_map, --keep_joins and
   --gather_ahead: a `mesh_layouts.VariableLayouts`, or None without
@@ -376,7 +376,8 @@ def _variable_layouts(shape, axes, layout_map, plan_tables, strategy,
   if not any(given.values()):
     for flag, value in (('strict_layout_map', strict_layout_map),
                         ('keep_joins', keep_joins),
-                        ('gather_ahead', gather_ahead != 1)):
+                        ('gather_ahead',
+                         gather_ahead != mesh_layouts.GATHER_AHEAD)):
       if value:
         raise errors.ConfigError(
             f'--{flag} without --mesh_shape: there is no layout map to '

@@ -363,10 +363,11 @@ def pack_outputs(model, flat):
 
 
 def record_on_tapes(name, outputs, inputs, backward):
-  """Records on every tape recording an op `name` of `inputs` making
-  `outputs`, its gradient `backward(*outputs' gradients)` (one a
-  input): `tf.custom_gradient`'s own means, without its graph op, so no
-  op reads the inputs where the outputs are made."""
+  """Records, on every tape recording now, an op `name` that made
+  `outputs` from `inputs`, whose gradient `backward(*the outputs'
+  gradients)` returns the inputs' (one an input):
+  `tf.custom_gradient`'s own means, without its graph op, so no op reads
+  the inputs where the outputs are made."""
   from tensorflow.python.eager import record
   record.record_operation(name, outputs, inputs, backward)
 
@@ -385,11 +386,6 @@ def autocast_now():
   if scope is None:
     return contextlib.nullcontext
   return functools.partial(keras.src.backend.AutocastScope, scope.dtype)
-
-
-def set_mask(tensor, mask):
-  """Attaches Keras's `mask` to `tensor`, as a layer's call does."""
-  keras.src.backend.set_keras_mask(tensor, mask)
 
 
 def current_value(variable):

@@ -7,7 +7,9 @@ bit equal to the same run with its joins kept through the step,
 that reads a clone's rows under shares, a 1-row last batch, wrappers,
 attention by heads, a convolution beside a LayerNormalization (its
 scale joined as any variable is), masks, a Dense
-subclass with its own call, accumulation steps."""
+subclass with its own call, accumulation steps, an RNN's cell and a
+condition's branches (traced in bodies of their own: joined for the
+pass there)."""
 
 import keras
 import numpy as np
@@ -62,6 +64,38 @@ def _attention():
   x = keras.layers.MultiHeadAttention(4, 2, name='mha')(inputs, inputs)
   x = keras.layers.Flatten()(x)
   return keras.Model(inputs, keras.layers.Dense(2, name='out')(x))
+
+
+class Cell(keras.layers.Layer):
+  """An RNN cell whose Dense runs in the RNN's loop body."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.inner = keras.layers.Dense(8, activation='tanh', name='inner')
+    self.state_size = 8
+
+  def build(self, shape):
+    self.inner.build((shape[0], shape[-1] + 8))
+
+  def call(self, x, states):
+    y = self.inner(keras.ops.concatenate([x, states[0]], -1))
+    return y, [y]
+
+
+class Branches(keras.layers.Layer):
+  """Its Dense called in either branch of a condition on its weights (one
+  on its rows would make them interact)."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.inner = keras.layers.Dense(8, name='inner')
+
+  def build(self, shape):
+    self.inner.build(shape)
+
+  def call(self, x):
+    return keras.ops.cond(keras.ops.sum(self.inner.bias) >= 0,
+                          lambda: self.inner(x), lambda: self.inner(x) * 2.0)
 
 
 def _data(rows=32, shape=(6,), ids=False):
@@ -129,6 +163,12 @@ KERNELS = {'.*inner/kernel': (None, 'batch')}
                  marks=pytest.mark.slow),
     pytest.param(_dense, KERNELS, _data(), dict(accumulation_steps=2),
                  id='accumulation steps', marks=pytest.mark.slow),
+    pytest.param(lambda: _dense(lambda: keras.layers.RNN(Cell(), name='rnn'),
+                                (3, 6)), KERNELS, _data(shape=(3, 6)), {},
+                 id="an RNN's cell, in its loop's body"),
+    pytest.param(lambda: _dense(lambda: Branches(name='branches')), KERNELS,
+                 _data(), {}, id="a condition's branches",
+                 marks=pytest.mark.slow),
 ])
 def test_what_users_write_around_released_layers_trains_as_plain_fit(
     make, layouts, data, fields):

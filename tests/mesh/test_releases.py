@@ -10,10 +10,12 @@ import pytest
 import tensorflow as tf
 
 from tests.mesh import meshes
+from tfmulti import errors
 from tfmulti import fit
 from tfmulti import plans
 from tfmulti.deploy import keras_distribution
 from tfmulti.deploy import towers
+from tfmulti.mesh import mesh_layouts
 from tfmulti.mesh import releases
 from tfmulti.plan import dry_run
 from tfmulti.plan import peaks
@@ -171,8 +173,8 @@ def test_each_layer_gathers_its_shards_while_the_one_before_computes():
   found = {}
   for ahead in (0, 1):
     reads = [op for op in _ops(_graph(gather_ahead=ahead))
-             if op.type == 'ReadVariableOp' and op.name.startswith(
-                 ('clone_0/d2_1/gather_shards', 'clone_0/d2_backward/'))]
+             if op.type == 'ReadVariableOp' and op.control_inputs and
+             op.name.startswith(('clone_0/d2_1/', 'clone_0/d2_backward/'))]
     found[ahead] = {op.name.split('/')[1]: op.control_inputs[0].name
                     for op in reads}
   assert found[0]['d2_1'] == 'clone_0/d1_1/Relu'
@@ -183,8 +185,8 @@ def test_each_layer_gathers_its_shards_while_the_one_before_computes():
 
 def test_plain_keras_layers_release_their_variables_and_no_other():
   """Keras's own Dense, EinsumDense and convolutions (inside a wrapper
-  too) release; a call of a subclass's own, LoRA, a layer with state
-  and a table do not (joined as any variable is)."""
+  too) release; a call of a subclass's own, LoRA, rematerialization, a
+  layer with state and a table do not (joined as any variable is)."""
 
   class OwnCall(keras.layers.Dense):
 
@@ -202,9 +204,22 @@ def test_plain_keras_layers_release_their_variables_and_no_other():
   lora = keras.layers.Dense(4, name='lora')
   x = lora(x)
   lora.enable_lora(2)
+  with keras.RematScope(mode='full'):  # Keras's own recompute_grad.
+    x = keras.layers.Dense(4, name='remat')(x)
   ids = keras.Input((2,), dtype='int32')
   y = keras.layers.Embedding(5, 4, name='table')(ids)
   model = keras.Model([inputs, ids], [x, y])
   found = releases.layers(model, {id(v) for v in model.variables})
   assert sorted(layer.name for layer, _ in found) == ['conv', 'einsum',
                                                       'plain']
+
+
+@pytest.mark.parametrize('fields, message', [
+    (dict(gather_ahead=-1), 'gather_ahead=-1: give a count of layers'),
+    (dict(gather_ahead=True), 'gather_ahead=True: give a count of layers'),
+    (dict(gather_ahead=2, keep_joins=True),
+     'gather_ahead=2 with keep_joins: kept joins are gathered once'),
+])
+def test_a_bad_gather_ahead_is_refused_in_one_line(fields, message):
+  with pytest.raises(errors.ConfigError, match=message):
+    mesh_layouts.VariableLayouts((2,), ('batch',), **fields)

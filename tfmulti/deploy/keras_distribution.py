@@ -67,7 +67,7 @@ def config_for(config, workers=None):
 
 def from_model_parallel(distribution, plan_tables=False,
                         strict_layout_map=False, keep_joins=False,
-                        gather_ahead=1, **place):
+                        gather_ahead=mesh_layouts.GATHER_AHEAD, **place):
   """One clone a device of `distribution`'s mesh (`clones_of`), its
   variables laid out by its layout map; with `plan_tables`, each plain
   Embedding table it does not name laid out by `table_plan`; with

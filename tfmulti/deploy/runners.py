@@ -56,14 +56,9 @@ class WholeClones:
     self.storage = storage or sharding.Whole(model)
     self.body = pieces.Body(model, loss_fn, read=self.storage.read)
     if options.xla is True:  # 'auto' is resolved by `xla_rule` first.
-      if self.storage.in_place:
-        logging.info('xla: the passes are not compiled: they look tables up '
-                     'or compute layers on the devices their shards live on.')
-      elif self.storage.released:
-        logging.info('xla: the passes are not compiled: their layers join '
-                     'their shards in their calls, and a compiled pass '
-                     'receives every shard as it starts (keep_joins '
-                     'compiles them).')
+      if self.storage.why_not_compiled:
+        logging.info('xla: the passes are not compiled: %s.',
+                     self.storage.why_not_compiled)
       else:
         self.body = compiled(self.body)
     self.body = self.storage.cutting(self.body)

@@ -28,6 +28,8 @@ from tfmulti import keras_internals
 # `VariableLayouts.rules` that say: the model's own `get_layout_map(mesh)`
 # (keras-hub's backbones have one), read when the towers are built.
 MODEL_OWN = 'model'
+# Layers gathered ahead by default: FSDP's prefetch of one.
+GATHER_AHEAD = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,7 @@ class VariableLayouts:
   plan_tables: bool = False
   strict_layout_map: bool = False
   keep_joins: bool = False
-  gather_ahead: int = 1
+  gather_ahead: int = GATHER_AHEAD
 
   def __post_init__(self):
     if self.batch_axis is None and self.axis_names:
@@ -77,10 +79,15 @@ class VariableLayouts:
       raise errors.ConfigError(
           f'mesh shape {self.mesh_shape} with axes {self.axis_names}: give '
           'one positive device count an axis name.')
-    if not isinstance(self.gather_ahead, int) or self.gather_ahead < 0:
+    if (isinstance(self.gather_ahead, bool) or
+        not isinstance(self.gather_ahead, int) or self.gather_ahead < 0):
       raise errors.ConfigError(
           f'gather_ahead={self.gather_ahead!r}: give a count of layers, '
           '0 or more.')
+    if self.keep_joins and self.gather_ahead != GATHER_AHEAD:
+      raise errors.ConfigError(
+          f'gather_ahead={self.gather_ahead} with keep_joins: kept joins '
+          'are gathered once, before the pass; drop one of the two.')
     if len(set(self.axis_names)) != len(self.axis_names):
       raise errors.ConfigError(
           f'mesh axes {self.axis_names}: name each axis once.')

@@ -16,11 +16,15 @@ model's.
 
 Released: the layers whose call reads their own variables alone and
 changes no state, Keras's own `Dense`, `EinsumDense` and convolutions
-(a subclass that keeps their `call`), unquantized, without LoRA, and
-without a non-trainable variable. Any other read of the variable (a
-weight penalty, another layer's tied read) joins it as `Joined` does,
-kept for its own gradient. The recomputed forward is the forward's ops
-on the same values: the gradients are the same bits.
+(a subclass that keeps their `call`), unquantized, without LoRA or
+rematerialization, and without a non-trainable variable; called in the
+pass's own graph (in a loop's body or a branch, such as an RNN's cell,
+TensorFlow takes the gradient from the body's ops, which no record on a
+tape reaches: there the layer reads the join made for the pass). Any
+other read of the variable (a weight penalty, another layer's tied read)
+joins it as `Joined` does, kept for its own gradient. The recomputed
+forward is the forward's ops on the same values: the gradients are the
+same bits.
 """
 
 import functools
@@ -51,6 +55,7 @@ def layers(model, joined):
     own = layer.trainable_variables
     if (type(layer).call in _PLAIN_CALLS and own
         and not layer.non_trainable_variables
+        and getattr(layer, '_remat_mode', None) is None
         and not getattr(layer, 'lora_enabled', False)
         and layer.dtype_policy.quantization_mode is None
         and any(id(v) in joined for v in own)):
@@ -58,7 +63,7 @@ def layers(model, joined):
   return found
 
 
-def releasing(layers_and_parts, ahead=1):
+def releasing(layers_and_parts, ahead):
   """Inside, each layer of `layers_and_parts` (layer, {id(variable):
   (its grid of parts, its shards' values)} of its joined variables)
   joins them in its call and lets them go after (`_call`), its shards
@@ -80,8 +85,16 @@ class Order:
 
   def __init__(self, ahead):
     self.ahead = ahead
+    self.graph = tf.compat.v1.get_default_graph()  # The pass's.
     self.inputs = []  # Each call's inputs, in order.
     self.gradients = {}  # A call's index -> its outputs' gradients.
+
+  def here(self):
+    """Whether a call now is traced in the pass's own graph: not in a
+    loop's body or a branch (their gradients are taken from their ops,
+    which no tape's record reaches), nor eagerly."""
+    return (not tf.executing_eagerly() and
+            tf.compat.v1.get_default_graph() is self.graph)
 
   def forward(self, inputs):
     """(this call's index, what its gathers wait for)."""
@@ -123,14 +136,14 @@ def _call(layer, joined, order):
 
   def joins(after):
     """The variables joined from reads made after `after`."""
-    with tf.name_scope('gather_shards'):
-      return [shards_lib.join(grid, [_read_after(p, after) for p in ps])
-              for grid, ps in zip(grids, parts)]
+    return [shards_lib.joined(grid, [_read_after(p, after) for p in ps])
+            for grid, ps in zip(grids, parts)]
 
   def call(*args, **kwargs):
     flat = tf.nest.flatten((args, kwargs))
-    if any(tf.is_tensor(x) and not isinstance(x, tf.Tensor) for x in flat):
-      return keras_call(*args, **kwargs)  # Sparse or ragged: Keras's own.
+    if not order.here() or any(tf.is_tensor(x) and not isinstance(
+        x, tf.Tensor) for x in flat):  # Sparse, ragged: Keras's own.
+      return keras_call(*args, **kwargs)  # Joined for the pass, kept.
     at = [i for i, x in enumerate(flat) if isinstance(x, tf.Tensor)]
 
     def nest(inputs):
@@ -191,13 +204,13 @@ def _with_logits(flat):
 
 
 def _read_after(value, after):
-  """A new read of the variable `value` is a read of, made after `after`
+  """A new read of the variable whose read `value` is, made after `after`
   on the variable's device, so that a clone on another device receives
   its copy then, not at the step's start; `value` itself where it is no
-  read in this graph (a compiled pass's argument)."""
+  read (a compiled pass's argument, a packed read)."""
   if value.op.type != 'ReadVariableOp':
     return value
   graph = tf.compat.v1.get_default_graph()
-  with tf.control_dependencies(after), graph.device(value.op.device or None):
+  with tf.control_dependencies(after), graph.device(None):  # Its resource's.
     return tf.raw_ops.ReadVariableOp(resource=value.op.inputs[0],
                                      dtype=value.dtype)

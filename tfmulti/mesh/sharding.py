@@ -69,7 +69,7 @@ class Whole:
   read = staticmethod(pieces.whole)
   in_place = frozenset()  # Nothing is read where it lives.
   splits = types.MappingProxyType({})  # No kernel computes as blocks.
-  released = ()  # No layer joins a variable in its call.
+  why_not_compiled = None  # Its pass compiles.
 
   @staticmethod
   def cutting(body):
@@ -115,7 +115,8 @@ class Sharded:
   """
 
   def __init__(self, variables, grids, sharded, shapes, tables=None,
-               splits=None, mesh=None, released=(), ahead=1):
+               splits=None, mesh=None, released=(),
+               ahead=mesh_layouts.GATHER_AHEAD):
     self.variables = variables
     self.grids = grids
     self.sharded = sharded
@@ -177,6 +178,18 @@ class Sharded:
               for layer, ks in self.released]
     return ([reading.value for reading in readings], sources,
             _in_place(tables, blocks, joined, self.ahead))
+
+  @property
+  def why_not_compiled(self):
+    """Why XLA cannot compile a pass that reads this storage, or None."""
+    if self.in_place:
+      return ('they look tables up or compute layers on the devices their '
+              'shards live on')
+    if self.released:
+      return ('their layers join their shards in their calls, and a '
+              'compiled pass receives every shard as it starts (keep_joins '
+              'compiles them)')
+    return None
 
   def leaders(self):
     """Each clone's mesh row's leader (`leaders`) along the axes its split
@@ -335,7 +348,7 @@ class Table:
     del here  # Looked up where its shards live.
     watch(values)  # Before any join: its gradient reaches them through it.
     whole = values[0] if self.parts is None else keras_internals.Lazy(
-        lambda: _joined(self.parts, values))
+        lambda: shards_lib.joined(self.parts, values))
     return Reading(whole, list(values),
                    [(self.layer, self.parts or (1, 1), values,
                      self.devices)], ())
@@ -359,17 +372,12 @@ class Released:
   def read(self, values, here, watch):
     del here
     watch(values)
-    return Reading(keras_internals.Lazy(lambda: _joined(self.parts, values)),
-                   list(values), (), ())
+    return Reading(keras_internals.Lazy(
+        lambda: shards_lib.joined(self.parts, values)), list(values), (), ())
 
   def cut(self, gradients, here):
     del here
     return list(gradients)  # The shards' own.
-
-
-def _joined(parts, shards):
-  with tf.name_scope('gather_shards'):
-    return shards_lib.join(parts, shards)
 
 
 class Blocks:

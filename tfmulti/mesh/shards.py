@@ -51,6 +51,13 @@ def join(parts, shards):
   return tf.reshape(stitched, whole)
 
 
+def joined(parts, shards):
+  """`join` under the name scope 'gather_shards' (a gather's ops, as the
+  step's readers and tests find them)."""
+  with tf.name_scope('gather_shards'):
+    return join(parts, shards)
+
+
 def cut(parts, value):
   """`value` (a tensor, or an array) cut into shards along each dimension
   (`part_sizes`), in row-major order."""

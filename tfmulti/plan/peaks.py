@@ -2,7 +2,8 @@
 
 A dry run (`plan.dry_run`) reads the traced step, which never runs, so
 the memory a device needs is counted from the graph: `peaks` runs the ops
-the runtime would run (`reachable`) in the order they were made and keeps
+the runtime would run (`reachable`), each as soon as its inputs have
+(`as_soon_as_ready`), and keeps
 a tally of the buffers live on each device (activations kept for the
 backward pass, gradients, copies received), the most of which is the
 device's peak. The pipeline benchmark's activation count
@@ -113,15 +114,23 @@ def peaks(graph, placement=None, device=''):
 
 
 def as_soon_as_ready(ops):
-  """`ops` (made in order: each after its inputs) in the order the
-  runtime runs them: each once its inputs and control inputs have run,
-  every device at once (a clone's ops beside another's, a sum as soon as
-  its terms exist); ties in the order they were made."""
-  level = {}
-  for op in ops:
-    level[op.name] = 1 + max(
-        [level.get(t.op.name, 0) for t in op.inputs] +
-        [level.get(c.name, 0) for c in op.control_inputs], default=0)
+  """`ops` in the order the runtime runs them: each once its inputs and
+  control inputs have run, every device at once (a clone's ops beside
+  another's, a sum as soon as its terms exist); ties in the order they
+  were made. An op may be given a control input made after it (a gate
+  held back, a loop's late inputs): its level is worked out again until
+  none changes."""
+  names = {op.name for op in ops}
+  level = dict.fromkeys(names, 0)
+  changed = True
+  while changed:
+    changed = False
+    for op in ops:
+      before = [t.op.name for t in op.inputs] + [c.name for c in
+                                                  op.control_inputs]
+      now = 1 + max((level[n] for n in before if n in names), default=0)
+      if now != level[op.name]:
+        level[op.name], changed = now, True
   return sorted(ops, key=lambda op: level[op.name])
 
 
