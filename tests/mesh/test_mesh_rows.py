@@ -76,6 +76,7 @@ def _fit_counting(data, layout):
   return want, got, Counting.calls, towers
 
 
+@pytest.mark.slow
 def test_the_model_is_traced_once_a_mesh_row_and_trains_as_one_device():
   """On a mesh (2, 2) whose 'inner' kernel splits over 'model', the step
   traces the model once a row, two fewer times than when no kernel

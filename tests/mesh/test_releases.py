@@ -78,8 +78,9 @@ def _assert_same(model, plain, got, want):
 
 
 @pytest.mark.parametrize('case', [
-    'plain', 'softmax output', 'weight penalty', 'shared layer',
-    'joins kept'])
+    'plain', 'softmax output',
+    *(pytest.param(case, marks=pytest.mark.slow)
+      for case in ('weight penalty', 'shared layer', 'joins kept'))])
 def test_released_joins_train_as_one_device(case):
   options = {'softmax output': dict(output_activation='softmax'),
              'weight penalty': dict(regularized=True),
@@ -137,6 +138,7 @@ def test_no_backward_op_reads_the_forwards_join():
     assert any(_backward(op) for op in joins) != kept
 
 
+@pytest.mark.slow
 def test_a_pass_that_joins_in_its_layers_calls_is_not_compiled():
   """A compiled pass receives every shard as it starts, so the joins are
   kept as before: with xla on, the pass is compiled only where the joins
@@ -147,6 +149,7 @@ def test_a_pass_that_joins_in_its_layers_calls_is_not_compiled():
     assert bool(compiled) == keep_joins
 
 
+@pytest.mark.slow
 def test_the_planned_peak_falls_to_the_layers_in_flight():
   """Eight 128-wide layers on 4 devices: joined once and kept, every
   device's step holds every kernel whole; released, the kernels in

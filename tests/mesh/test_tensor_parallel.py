@@ -92,6 +92,7 @@ def test_a_gated_feed_forward_block_trains_as_one_device(gated):
       'down', 'gate', 'up']
 
 
+@pytest.mark.slow
 def test_a_weight_penalty_on_a_split_kernel_trains_as_one_device():
   """The penalty reads the kernel whole: its gradient's blocks join the
   blocks' own where they live, before a mesh row's meet."""
@@ -130,6 +131,7 @@ class _Branched(keras.layers.Layer):
                    lambda: self.inner(-x))
 
 
+@pytest.mark.slow
 def test_a_split_layer_in_a_branch_trains_as_one_device():
   """In a branch's graph each clone makes its own blocks' products; the
   rest of the step still runs its clones at once."""
