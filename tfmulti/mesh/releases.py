@@ -118,6 +118,12 @@ def _here(tensors, own):
 
 
 def _call(layer, joined, order):
+  """`layer`'s call in place of its own: its variables of `joined`
+  ({id(variable): (its grid of parts, its shards' values)}) joined in
+  it and let go after (`_released`), its other variables read as the
+  pass reads them; Keras's own call where the inputs are sparse or
+  ragged, or where the call is traced outside the pass's graph
+  (`Order.here`)."""
   keras_call = type(layer).call.__get__(layer)
   variables = layer.trainable_variables
   grids = [joined[id(v)][0] for v in variables if id(v) in joined]
