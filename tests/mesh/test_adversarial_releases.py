@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.mesh import meshes
+from tests.mesh.test_adversarial_split_kernels import _attention
 from tests.mesh.test_adversarial_split_kernels import Chunked
 from tfmulti import fit
 from tfmulti.deploy import keras_distribution
@@ -55,14 +56,6 @@ def _masked():
   x = keras.layers.Embedding(10, 6, mask_zero=True, name='table')(inputs)
   x = keras.layers.Dense(8, activation='tanh', name='inner')(x)
   x = keras.layers.GlobalAveragePooling1D()(x)
-  return keras.Model(inputs, keras.layers.Dense(2, name='out')(x))
-
-
-def _attention():
-  keras.utils.set_random_seed(0)
-  inputs = keras.Input((4, 8))
-  x = keras.layers.MultiHeadAttention(4, 2, name='mha')(inputs, inputs)
-  x = keras.layers.Flatten()(x)
   return keras.Model(inputs, keras.layers.Dense(2, name='out')(x))
 
 
