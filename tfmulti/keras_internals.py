@@ -530,12 +530,30 @@ def updates_beside_variables(optimizer, placement):
   alone = not tf.distribute.has_strategy()
   if alone:
     applier._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
+  own = vars(applier).get('update_step')
+  applier.update_step = functools.partial(_after_gradient,
+                                          applier.update_step)
   try:
     with tf.compat.v1.device(None), tf.compat.v1.device(placement.of_inputs):
       yield
   finally:
     if alone:
       del applier._all_reduce_sum_gradients
+    del applier.update_step
+    if own is not None:
+      applier.update_step = own
+
+
+def _after_gradient(update_step, gradient, variable, learning_rate):
+  """`update_step` whose ops (its slots' reads first) wait for
+  `gradient`: else the runtime reads the slots as the step starts and
+  computes what it can before the gradient (momentum's decay), holding a
+  slot's worth through the pass."""
+  made = [t.op for t in ((gradient.values, gradient.indices)
+                         if isinstance(gradient, tf.IndexedSlices)
+                         else (gradient,))]
+  with tf.control_dependencies(made):
+    return update_step(gradient, variable, learning_rate)
 
 
 @contextlib.contextmanager

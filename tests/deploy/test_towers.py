@@ -377,6 +377,23 @@ def test_step_traces_once_per_input_signature():
   assert deployed.trace_count == 2
 
 
+@pytest.mark.parametrize('optimizer_fn', [
+    None, lambda: keras.optimizers.Adam(0.01)], ids=['momentum', 'adam'])
+def test_the_update_reads_its_slots_once_its_gradient_is_made(optimizer_fn):
+  """Else the runtime reads them as the step starts and computes what it
+  can (momentum's decay) before the gradient exists, holding a slot's
+  worth through the pass: each read of a slot (a tensor of a variable's
+  shape, not a scalar) waits for the gradient."""
+  config = deploy.DeploymentConfig(num_clones=2, clone_on_cpu=True)
+  deployed = make_deployed(config, optimizer_fn=optimizer_fn)
+  graph = deployed.traced_step(*make_batch(8)).graph
+  reads = [op for op in graph.get_operations()
+           if op.type == 'ReadVariableOp' and op.outputs[0].shape.rank and
+           op.name.startswith(deployed.optimizer.name + '/')]
+  assert reads and all(op.control_inputs for op in reads), [
+      op.name for op in reads if not op.control_inputs]
+
+
 @pytest.mark.slow
 def test_xla_clones_train_like_the_plain_step():
   batches = [make_batch(8, seed=s) for s in range(3)]

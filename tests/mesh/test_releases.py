@@ -226,3 +226,16 @@ def test_plain_keras_layers_release_their_variables_and_no_other():
 def test_a_bad_gather_ahead_is_refused_in_one_line(fields, message):
   with pytest.raises(errors.ConfigError, match=message):
     mesh_layouts.VariableLayouts((2,), ('batch',), **fields)
+
+
+def test_a_join_for_a_gradient_waits_for_the_gradient_before_it_cut():
+  """Else it arrives beside the whole gradient the layer before made:
+  d2's reads for its gradient wait for `out`'s gradient's pieces (with
+  `gather_ahead` 0), d1's (1)."""
+  for ahead, layer in ((0, 'd2'), (1, 'd1')):
+    reads = [op for op in _ops(_graph(gather_ahead=ahead))
+             if op.type == 'ReadVariableOp' and
+             op.name.startswith(f'clone_0/{layer}_backward/')]
+    assert reads and all(
+        any('out_backward/cut_shards' in c.name for c in op.control_inputs)
+        for op in reads), ahead

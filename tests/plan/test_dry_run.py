@@ -208,7 +208,7 @@ def test_the_peak_counts_the_buffers_live_at_once():
     with tf.device('/device:CPU:0'):
       a = x + 1.0
       b = tf.reshape(a * 2.0, [10, 100])  # A view: b's buffer once.
-      c = a + tf.reshape(b, [1000])  # a, b and c live at once.
+      c = a + tf.reshape(b, [1000])  # Written into a's buffer: 2 live.
       unread = a * 3.0  # Pruned: nothing the step returns reads it.
       del unread
     with tf.device('/device:CPU:1'):
@@ -218,8 +218,9 @@ def test_the_peak_counts_the_buffers_live_at_once():
   graph = step.get_concrete_function(
       tf.TensorSpec((1000,), tf.float32)).graph
   found = peaks_lib.peaks(graph)
-  assert found['/device:CPU:0'] == 3 * size  # The weights' read: held.
-  assert found['/device:CPU:1'] == 3 * size  # c's, the weights', d.
+  # The weights' read is held; the argument's copy becomes a's buffer.
+  assert 2 * size <= found['/device:CPU:0'] < 2 * size + 100  # Scalars.
+  assert found['/device:CPU:1'] == 2 * size  # c's and the weights' copies.
 
 
 @pytest.mark.slow

@@ -44,3 +44,55 @@ def test_ops_that_are_ready_together_run_together():
       tf.TensorSpec((1024, 1024), tf.float32)).graph
   (peak,) = peaks.peaks(graph).values()
   assert 2 * 4 * 2**20 <= peak < 3 * 4 * 2**20
+
+
+def _peak(step, device='/device:CPU:0'):
+  """The peak on `device` of `step` of a column of 1024 (4 KiB)."""
+  graph = step.get_concrete_function(
+      tf.TensorSpec((1024, 1), tf.float32)).graph
+  return peaks.peaks(graph)[device]
+
+
+def _outer(x):
+  """A 4 MiB product of the column."""
+  return tf.matmul(x, x, transpose_b=True)
+
+
+def test_an_element_wise_op_writes_into_an_input_nothing_else_reads():
+  """A product, its ReLU and their double: one buffer where each is read
+  once (TensorFlow's element-wise kernels forward it); where the product
+  is read again, the ReLU's is a buffer of its own."""
+  mib4 = 4 * 2**20
+
+  @tf.function
+  def chain(x):
+    with tf.device('/device:CPU:0'):
+      return tf.reduce_sum(tf.nn.relu(_outer(x)) * 2.0)
+
+  @tf.function
+  def reread(x):
+    with tf.device('/device:CPU:0'):
+      product = _outer(x)
+      return tf.reduce_sum(tf.nn.relu(product) * 2.0 + product)
+
+  assert mib4 <= _peak(chain) < 1.1 * mib4
+  assert 2 * mib4 <= _peak(reread) < 2.1 * mib4
+
+
+def test_a_buffer_sent_to_another_device_leaves_its_own_once_sent():
+  """A product made on CPU:0 and read on CPU:1 alone, late, is not held
+  on CPU:0 while it waits there (a transfer takes its copy as it is
+  made): the product CPU:0 makes next is its only buffer then."""
+  @tf.function
+  def step(x):
+    with tf.device('/device:CPU:0'):
+      sent = _outer(x)
+    with tf.device('/device:CPU:1'):
+      late = tf.reduce_sum(tf.nn.relu(x))  # Ready after the product.
+      read = tf.reduce_sum(sent * late)
+    with tf.device('/device:CPU:0'):
+      after = tf.reduce_sum(_outer(x * 2.0))  # Made as CPU:1 waits.
+    return read + after
+
+  assert _peak(step) < 1.1 * 4 * 2**20
+  assert _peak(step, '/device:CPU:1') >= 4 * 2**20  # Its copy.

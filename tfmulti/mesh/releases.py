@@ -88,6 +88,7 @@ class Order:
     self.graph = tf.compat.v1.get_default_graph()  # The pass's.
     self.inputs = []  # Each call's inputs, in order.
     self.gradients = {}  # A call's index -> its outputs' gradients.
+    self.cuts = {}  # A call's index -> its gradients' pieces.
 
   def here(self):
     """Whether a call now is traced in the pass's own graph: not in a
@@ -104,11 +105,18 @@ class Order:
 
   def backward(self, index, gradients):
     """What the gathers for call `index`'s gradient wait for, given its
-    outputs' `gradients`."""
+    outputs' `gradients`: those of the call `ahead` after it, and the
+    pieces of the one after that, so that a join arrives once the
+    gradient before it is cut, not beside it."""
     self.gradients[index] = gradients
     later = self.gradients.get(min(index + self.ahead,
                                    len(self.inputs) - 1), gradients)
-    return _here(later, gradients)
+    cut = self.cuts.get(index + self.ahead + 1, [])
+    return _here(later + cut, gradients)
+
+  def cut(self, index, pieces):
+    """Call `index`'s gradients' `pieces`, made."""
+    self.cuts[index] = [p for p in pieces if p is not None]
 
 
 def _here(tensors, own):
@@ -191,11 +199,14 @@ def _released(forward, joins, inputs, kept, shards, grids, scope, order):
       pairs = [(y, d) for y, d in zip(again, dys) if d is not None]
       found = tape.gradient([y for y, _ in pairs], sources,
                             output_gradients=[d for _, d in pairs])
-      with tf.name_scope('cut_shards'):
-        return found[:n + m] + [
-            piece for g, grid in zip(found[n + m:], grids)
-            for piece in (shards_lib.cut(grid, g) if g is not None
-                          else [None] * math.prod(grid))]
+      # Cut once the inputs' gradients are made: the joins are let go.
+      with tf.name_scope('cut_shards'), tf.control_dependencies(
+          [g for g in found[:n + m] if g is not None]):
+        pieces = [piece for g, grid in zip(found[n + m:], grids)
+                  for piece in (shards_lib.cut(grid, g) if g is not None
+                                else [None] * math.prod(grid))]
+    order.cut(index, pieces)
+    return found[:n + m] + pieces
 
   keras_internals.record_on_tapes('ReleasedCall', made,
                                   inputs + kept + shards, gradient)

@@ -30,6 +30,15 @@ VIEWS = frozenset(('Identity', 'IdentityN', 'Reshape', 'Squeeze',
 # variable's read (held) and a body's arguments (its call's inputs).
 # Another device reading one receives a copy.
 _ALIASES = frozenset(('ReadVariableOp', 'Placeholder', '_Arg'))
+# Element-wise ops whose kernels write their output into an input's buffer
+# where nothing else holds it (`forward_input_or_allocate_output`).
+IN_PLACE = frozenset((
+    'Abs', 'Add', 'AddN', 'AddV2', 'BiasAdd', 'Div', 'DivNoNan', 'Elu',
+    'EluGrad', 'Exp', 'LeakyRelu', 'LeakyReluGrad', 'Log', 'Maximum',
+    'Minimum', 'Mul', 'MulNoNan', 'Neg', 'RealDiv', 'Reciprocal', 'Relu',
+    'Relu6', 'Relu6Grad', 'ReluGrad', 'Rsqrt', 'Selu', 'SeluGrad',
+    'Sigmoid', 'SigmoidGrad', 'Sign', 'Sqrt', 'Square',
+    'SquaredDifference', 'Sub', 'Tanh', 'TanhGrad'))
 
 
 def reachable(graph, stateful=False):
@@ -65,52 +74,91 @@ def buffer_of(tensor):
 def peaks(graph, placement=None, device=''):
   """{device: the most bytes of `graph`'s buffers live on it at once}.
 
-  A buffer lives on the device that makes it until its last reader
-  anywhere has run (a transfer reads it), and on each other device that
-  reads it (a copy) from when it is made until that device's last reader;
-  readers of its views are its readers. A function body (an XLA pass, an
-  accumulation loop's) adds its own peak while its call runs.
+  A buffer lives on the device that makes it until its last reader there
+  has run (a transfer takes its copy as it is made), and on each other
+  device that reads it (a copy) from when it is made until that device's
+  last reader; readers of its views are its readers. An element-wise op
+  whose last read of an input's buffer it is writes into that buffer
+  (`IN_PLACE`). A function body (an XLA pass, an accumulation loop's)
+  adds its own peak while its call runs.
   """
   placement = placement or devices.GraphPlacement()
   needed = reachable(graph)
   ops = as_soon_as_ready([op for op in graph.get_operations()
                           if op.name in needed])
   where = {op.name: placement.of_op(op) or device for op in ops}
-  readers, homes = collections.Counter(), collections.defaultdict(set)
+  tally = _Tally()
   for op in ops:
     for tensor in op.inputs:
-      root = buffer_of(tensor)
-      for home in {where[op.name], where[root.op.name]}:
-        readers[root.ref(), home] += 1
-        homes[root.ref()].add(home)
-  live, peak, held = (collections.Counter(), collections.Counter(), {})
-
-  def free(root, home):
-    readers[root.ref(), home] -= 1
-    if not readers[root.ref(), home]:
-      live[home] -= held.pop((root.ref(), home), 0)
-
+      tally.will_read(buffer_of(tensor), where[op.name])
   for op in ops:
     here = where[op.name]
     for body in bodies(op):
       for inner, size in peaks(body, placement, here).items():
-        peak[inner] = max(peak[inner], live[inner] + size)
+        tally.peak[inner] = max(tally.peak[inner], tally.live[inner] + size)
+    reused = tally.reusable(op, here)
     for tensor in op.outputs:
       if buffer_of(tensor).name != tensor.name:
         continue  # A view: its buffer is its input's.
-      size = _bytes(tensor)
-      for home in homes[tensor.ref()] | {here}:
-        held[tensor.ref(), home] = (
-            0 if home == here and op.type in _ALIASES else size)
-        live[home] += held[tensor.ref(), home]
-        peak[home] = max(peak[home], live[home])
-        if not readers[tensor.ref(), home]:  # Read by nothing: freed.
-          live[home] -= held.pop((tensor.ref(), home))
+      if reused is not None and tensor is op.outputs[0]:
+        tally.take(reused, tensor, here)
+        continue
+      for home in tally.homes[tensor.ref()] | {here}:
+        tally.make(tensor, home, 0 if home == here and op.type in _ALIASES
+                   else _bytes(tensor))
     for tensor in op.inputs:
-      root = buffer_of(tensor)
-      for home in {here, where[root.op.name]}:
-        free(root, home)
-  return peak
+      tally.free(buffer_of(tensor), here)
+  return tally.peak
+
+
+class _Tally:
+  """The buffers live on each device as a step's ops run: {(buffer,
+  device): bytes}, each device's total and its most."""
+
+  def __init__(self):
+    self.readers = collections.Counter()  # (buffer, device) -> reads left.
+    self.homes = collections.defaultdict(set)  # buffer -> reading devices.
+    self.live, self.peak, self.held = (collections.Counter(),
+                                       collections.Counter(), {})
+
+  def will_read(self, root, home):
+    self.readers[root.ref(), home] += 1
+    self.homes[root.ref()].add(home)
+
+  def make(self, tensor, home, size):
+    key = tensor.ref(), home
+    self.held[key] = size
+    self.live[home] += size
+    self.peak[home] = max(self.peak[home], self.live[home])
+    if not self.readers[key]:  # Read by nothing: freed.
+      self.live[home] -= self.held.pop(key)
+
+  def free(self, root, home):
+    key = root.ref(), home
+    self.readers[key] -= 1
+    if not self.readers[key]:
+      self.live[home] -= self.held.pop(key, 0)
+
+  def reusable(self, op, here):
+    """The input buffer `op` may write its output into (TensorFlow's
+    element-wise kernels forward an input no later op reads, of the
+    output's size), or None."""
+    if op.type not in IN_PLACE or not op.outputs:
+      return None
+    size = _bytes(op.outputs[0])
+    reads = collections.Counter(buffer_of(t).ref() for t in op.inputs)
+    for ref, count in reads.items():
+      key = ref, here
+      if (self.held.get(key) == size and size and
+          self.readers[key] == count and len(self.homes[ref]) == 1):
+        return key
+    return None
+
+  def take(self, key, tensor, here):
+    """`tensor` (made on `here`) written into `key`'s buffer."""
+    self.held[tensor.ref(), here] = self.held.pop(key)
+    if not self.readers[tensor.ref(), here]:
+      self.live[here] -= self.held.pop((tensor.ref(), here))
 
 
 def as_soon_as_ready(ops):
