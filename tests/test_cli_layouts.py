@@ -68,6 +68,13 @@ def layout_map(device_mesh):
   return layouts
 
 
+def fsdp(device_mesh):
+  # Each kernel split by its outputs over the batch axis: storage alone.
+  layouts = keras.distribution.LayoutMap(device_mesh)
+  layouts['.*/kernel'] = (None, 'batch')
+  return layouts
+
+
 def misspelt(device_mesh):
   layouts = keras.distribution.LayoutMap(device_mesh)
   layouts['hiden/kernel'] = ('batch', 'model')
@@ -140,6 +147,24 @@ def test_a_prime_table_by_rows_and_columns_trains_as_plain_towers(
                       model_dir=str(tmp_path / 'run'))
   assert 'Variables sharded by their layouts: 1 of 3' in caplog.text
   plain = run_train(model=f'{user_module}:primes', train_steps=2,
+                    num_clones=4, model_dir=str(tmp_path / 'plain'))
+  assert_same_checkpoints(split['checkpoint'], plain['checkpoint'])
+
+
+@pytest.mark.parametrize('joins', [
+    dict(gather_ahead=0),
+    pytest.param(dict(gather_ahead=2), marks=pytest.mark.slow),
+    pytest.param(dict(keep_joins=True), marks=pytest.mark.slow)])
+def test_joins_released_or_kept_train_as_plain_towers(
+    run_train, user_module, tmp_path, joins):
+  """Kernels split over the batch axis (FSDP's layout), joined in their
+  layers' calls however many layers ahead, or joined once and kept: the
+  checkpoint of plain towers."""
+  split = run_train(model=f'{user_module}:dense', train_steps=2,
+                    layout_map=f'{user_module}:fsdp', mesh_shape=['4'],
+                    mesh_axes=['batch'], num_clones=4, **joins,
+                    model_dir=str(tmp_path / 'run'))
+  plain = run_train(model=f'{user_module}:dense', train_steps=2,
                     num_clones=4, model_dir=str(tmp_path / 'plain'))
   assert_same_checkpoints(split['checkpoint'], plain['checkpoint'])
 

@@ -117,3 +117,10 @@ def memory_bytes(value):
         f'device_memory={value}: a device holds more than nothing; give '
         'its size, e.g. 80GB.')
   return size
+
+
+def size_text(size):
+  """Bytes as a person reads them: GiB to two places from a tenth of one,
+  else MiB to one (a small device's memory is not '0 GiB')."""
+  return f'{size / GIB:.2f} GiB' if size >= GIB / 10 else (
+      f'{size / 2**20:.1f} MiB')

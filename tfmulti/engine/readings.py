@@ -40,6 +40,7 @@ from tfmulti.plan import dry_run
 from tfmulti.plan import peaks
 
 GIB = device_kinds.GIB
+_size = device_kinds.size_text
 PROCESS = 'process'
 _PAGE = os.sysconf('SC_PAGE_SIZE')
 
@@ -308,11 +309,6 @@ def _positions(tensor):
       or not tf.as_dtype(tensor.dtype).is_integer):
     return None
   return int(shape[1])
-
-
-def _size(size):
-  return f'{size / GIB:.2f} GiB' if size >= GIB / 10 else (
-      f'{size / 2**20:.1f} MiB')
 
 
 def _measured(device, total):

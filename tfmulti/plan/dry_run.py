@@ -25,6 +25,7 @@ import functools
 
 import tensorflow as tf
 
+from tfmulti import device_kinds
 from tfmulti import devices
 from tfmulti import keras_internals
 from tfmulti import plans
@@ -236,14 +237,15 @@ def over_memory(found, memory_bytes, top=3):
     if device_type(device) != 'GPU' or (
         need <= memory_bytes):
       continue
-    biggest = [f'{path} {size / 2**20:.0f} MiB'
+    biggest = [f'{path} {device_kinds.size_text(size)}'
                for size, path, d in found.holders if d == device][:top]
-    over = (need - memory_bytes) / 2**30
-    held, peak = report.held_bytes / 2**30, report.peak_bytes / 2**30
+    held, peak = report.held_bytes, report.peak_bytes
+    text = device_kinds.size_text
     lines.append(
-        f'{device} needs {need / 2**30:.2f} GiB ({held:.2f} of variables and '
-        f'slots, {peak:.2f} of tensors at their peak), {over:.2f} GiB over its '
-        f'{memory_bytes / 2**30:.0f} GiB; its biggest: {", ".join(biggest)}; '
+        f'{device} needs {text(need)} ({text(held)} of variables and '
+        f'slots, {text(peak)} of tensors at their peak), '
+        f'{text(need - memory_bytes)} over its {text(memory_bytes)}; its '
+        f'biggest: {", ".join(biggest)}; '
         + (TENSORS_FIX if peak > held else VARIABLES_FIX))
   return lines
 

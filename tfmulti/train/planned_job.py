@@ -123,7 +123,8 @@ def _fits(found, device_memory):
           if dry_run.device_type(device) == 'GPU'}
   busiest, report = max(gpus.items(), key=lambda item: (
       item[1].held_bytes + item[1].peak_bytes))
-  need = (report.held_bytes + report.peak_bytes) / GIB
-  return (f', and every device fits in {device_memory / GIB:.0f} GiB (the '
-          f'busiest, {busiest}, needs {need:.2f}: '
-          f'{device_memory / GIB - need:.2f} GiB spare)')
+  need = report.held_bytes + report.peak_bytes
+  text = device_kinds.size_text
+  return (f', and every device fits in {text(device_memory)} (the '
+          f'busiest, {busiest}, needs {text(need)}: '
+          f'{text(device_memory - need)} spare)')
