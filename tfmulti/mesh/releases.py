@@ -116,7 +116,7 @@ class Order:
 
   def cut(self, index, pieces):
     """Call `index`'s gradients' `pieces`, made."""
-    self.cuts[index] = [p for p in pieces if p is not None]
+    self.cuts[index] = [p for p in pieces if isinstance(p, tf.Tensor)]
 
 
 def _here(tensors, own):
