@@ -347,6 +347,30 @@ def test_two_workers_with_a_mesh_each_train_as_one_process(
 
 
 @pytest.mark.slow
+def test_two_workers_joining_in_their_layers_calls_train_as_one_process(
+    tmp_path, digits_dir, run_train):
+  """Each worker's kernels split over its 2 clones (FSDP's layout),
+  joined in the layers' calls and again for their gradients, the
+  shards' gradients all-reduced across the workers: the weights one
+  process of 4 clones trains."""
+  module = tmp_path / 'user_models.py'
+  module.write_text(user_models.USER_MODULE)
+  reference = run_train(model_dir=str(tmp_path / 'one'), num_clones=4,
+                        batch_size=4, train_steps=3, optimizer='momentum',
+                        learning_rate=0.05, model=f'{module}:dense')
+  logs = _run_job(tmp_path / 'job', digits_dir, tmp_path,
+                  '--strategy=multi_worker', '--num_clones=2',
+                  f'--model={module}:dense', '--mesh_shape=2',
+                  '--mesh_axes=batch', f'--layout_map={module}:fsdp',
+                  '--train_steps=3')
+  for log in logs:
+    assert 'Variables sharded by their layouts: 2 of 4' in log, log[-2000:]
+  metrics = json.loads((tmp_path / 'job' / 'metrics.json').read_text())
+  assert metrics['global_batch_size'] == 16 and metrics['steps'] == 3
+  assert_same_checkpoints(metrics['checkpoint'], reference['checkpoint'])
+
+
+@pytest.mark.slow
 def test_a_worker_without_its_peer_fails_with_the_address(tmp_path,
                                                           digits_dir):
   ports = _free_ports(2)
