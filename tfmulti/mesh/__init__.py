@@ -8,7 +8,9 @@ set. A Keras `DeviceMesh` and `LayoutMap` are read once into
 
   mesh_layouts     a ModelParallel's mesh and layout map, pure
   sharding         each variable kind's storage: whole, or sharded into
-                   its layout's shards; its read and gradient cut
+                   its layout's shards
+  records          each stored variable's read for a pass and its
+                   gradient's cut: kept, joined, a table, released, blocks
   shards           a tensor cut into its shards (equal or as even as they
                    go) and joined back; a gradient's slices cut
   lookups          sharded Embedding tables looked up where they live

@@ -1,7 +1,7 @@
 """Sharded variables joined late and let go early (FSDP's reshard after
 forward).
 
-A sharded variable joined for the pass (`sharding.Joined`) is joined
+A sharded variable joined for the pass (`records.Joined`) is joined
 once, before the pass, and the tape keeps the join until the backward
 pass reads it: every clone holds the whole model through its step. Here
 a plain Keras layer's own sharded variables are joined on the clone's
