@@ -530,25 +530,32 @@ def updates_beside_variables(optimizer, placement):
   alone = not tf.distribute.has_strategy()
   if alone:
     applier._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
-  own = vars(applier).get('update_step')
-  applier.update_step = functools.partial(_after_gradient,
-                                          applier.update_step)
+  _updates_after_gradients(applier)
   try:
     with tf.compat.v1.device(None), tf.compat.v1.device(placement.of_inputs):
       yield
   finally:
     if alone:
       del applier._all_reduce_sum_gradients
-    del applier.update_step
-    if own is not None:
-      applier.update_step = own
+
+
+def _updates_after_gradients(applier):
+  """`applier`'s `update_step` from now on waits for its gradient
+  (`_after_gradient`): set once and kept, as a strategy's replicas trace
+  their steps at once on one optimizer (a wrapper taken off as one
+  finishes would be taken from another)."""
+  if not isinstance(vars(applier).get('update_step'), functools.partial):
+    applier.update_step = functools.partial(_after_gradient,
+                                            applier.update_step)
 
 
 def _after_gradient(update_step, gradient, variable, learning_rate):
   """`update_step` whose ops (its slots' reads first) wait for
   `gradient`: else the runtime reads the slots as the step starts and
   computes what it can before the gradient (momentum's decay), holding a
-  slot's worth through the pass."""
+  slot's worth through the pass. Eagerly, ops run in order anyway."""
+  if tf.executing_eagerly():
+    return update_step(gradient, variable, learning_rate)
   made = [t.op for t in ((gradient.values, gradient.indices)
                          if isinstance(gradient, tf.IndexedSlices)
                          else (gradient,))]

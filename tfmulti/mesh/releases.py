@@ -27,6 +27,7 @@ forward is the forward's ops on the same values: the gradients are the
 same bits.
 """
 
+import collections
 import functools
 import math
 
@@ -66,11 +67,11 @@ def layers(model, joined):
 def releasing(layers_and_parts, ahead):
   """Inside, each layer of `layers_and_parts` (layer, {id(variable):
   (its grid of parts, its shards' values)} of its joined variables)
-  joins them in its call and lets them go after (`_call`), its shards
+  joins them in its call and lets them go after (`_Released`), its shards
   gathered `ahead` released calls early (`Order`)."""
   order = Order(ahead)
   return keras_internals.calling(
-      [(layer, _call(layer, joined, order))
+      [(layer, _Released(layer, joined, order))
        for layer, joined in layers_and_parts])
 
 
@@ -125,92 +126,100 @@ def _here(tensors, own):
   return tensors if all(t.graph is graph for t in tensors) else own
 
 
-def _call(layer, joined, order):
+class _Released:
   """`layer`'s call in place of its own: its variables of `joined`
-  ({id(variable): (its grid of parts, its shards' values)}) joined in
-  it and let go after (`_released`), its other variables read as the
-  pass reads them; Keras's own call where the inputs are sparse or
-  ragged, or where the call is traced outside the pass's graph
-  (`Order.here`)."""
-  keras_call = type(layer).call.__get__(layer)
-  variables = layer.trainable_variables
-  grids = [joined[id(v)][0] for v in variables if id(v) in joined]
-  parts = [joined[id(v)][1] for v in variables if id(v) in joined]
+  ({id(variable): (its grid of parts, its shards' values)}) joined in it
+  and let go after, its other variables read as the pass reads them;
+  Keras's own call where the inputs are sparse or ragged, or where the
+  call is traced outside the pass's graph (`Order.here`)."""
 
-  def forward(inputs, kept, wholes, nest, autocast):
-    """The layer's call on `inputs` with its variables' values (cast as
-    its call casts them)."""
-    kept, wholes = iter(kept), iter(wholes)
-    values = [next(wholes) if id(v) in joined else next(kept)
-              for v in variables]
-    with keras_internals.values_within(list(zip(variables, values))):
-      with autocast():
-        args, kwargs = nest(inputs)
-        return keras_call(*args, **kwargs)
+  def __init__(self, layer, joined, order):
+    self.keras_call = type(layer).call.__get__(layer)
+    self.variables = layer.trainable_variables
+    self.joined = joined
+    self.grids = [joined[id(v)][0] for v in self.variables if id(v) in joined]
+    self.parts = [joined[id(v)][1] for v in self.variables if id(v) in joined]
+    self.scope = layer.name + stages.BACKWARD
+    self.order = order
 
-  def joins(after):
+  def __call__(self, *args, **kwargs):
+    flat = tf.nest.flatten((args, kwargs))
+    if not self.order.here() or any(tf.is_tensor(x) and not isinstance(
+        x, tf.Tensor) for x in flat):  # Sparse, ragged: Keras's own.
+      return self.keras_call(*args, **kwargs)  # Joined for the pass, kept.
+    at = [i for i, x in enumerate(flat) if isinstance(x, tf.Tensor)]
+    call = _Call((args, kwargs), flat, at, keras_internals.autocast_now(),
+                 [flat[i] for i in at],
+                 [keras_internals.current_value(v) for v in self.variables
+                  if id(v) not in self.joined])
+    return self._recorded(call)
+
+  def _forward(self, call, wholes):
+    """The layer's call on `call`'s inputs with its variables' values
+    (`wholes` for the joined ones; cast as its call casts them)."""
+    kept, wholes = iter(call.kept), iter(wholes)
+    values = [next(wholes) if id(v) in self.joined else next(kept)
+              for v in self.variables]
+    with keras_internals.values_within(list(zip(self.variables, values))):
+      with call.autocast():
+        args, kwargs = call.nest()
+        return self.keras_call(*args, **kwargs)
+
+  def _joins(self, after):
     """The variables joined from reads made after `after`."""
     return [shards_lib.joined(grid, [_read_after(p, after) for p in ps])
-            for grid, ps in zip(grids, parts)]
+            for grid, ps in zip(self.grids, self.parts)]
 
-  def call(*args, **kwargs):
-    flat = tf.nest.flatten((args, kwargs))
-    if not order.here() or any(tf.is_tensor(x) and not isinstance(
-        x, tf.Tensor) for x in flat):  # Sparse, ragged: Keras's own.
-      return keras_call(*args, **kwargs)  # Joined for the pass, kept.
-    at = [i for i, x in enumerate(flat) if isinstance(x, tf.Tensor)]
+  def _recorded(self, call):
+    """The call's outputs, recorded on the tape as one op of its inputs,
+    kept variables and shards whose gradient is `_gradient`. The
+    forward's own ops are not recorded: nothing of the backward pass
+    reads them."""
+    index, after = self.order.forward(call.inputs)
+    with keras_internals.not_recorded():
+      outputs = self._forward(call, self._joins(after))
+    keras_internals.record_on_tapes(
+        'ReleasedCall', _with_logits(tf.nest.flatten(outputs)),
+        call.inputs + call.kept + [p for ps in self.parts for p in ps],
+        functools.partial(self._gradient, call, index))
+    return outputs
 
-    def nest(inputs):
-      filled = list(flat)
-      for i, x in zip(at, inputs):
-        filled[i] = x
-      return tf.nest.pack_sequence_as((args, kwargs), filled)
-
-    kept = [keras_internals.current_value(v) for v in variables
-            if id(v) not in joined]
-    return _released(functools.partial(
-        forward, nest=nest, autocast=keras_internals.autocast_now()), joins,
-                     [flat[i] for i in at], kept,
-                     [p for ps in parts for p in ps], grids,
-                     layer.name + stages.BACKWARD, order)
-
-  return call
-
-
-def _released(forward, joins, inputs, kept, shards, grids, scope, order):
-  """`forward`'s outputs, recorded on the tape as one op of `inputs`,
-  `kept` and `shards` whose gradient is `forward`'s again (in name scope
-  `scope`, from joins made as `order` says), each whole's gradient cut
-  into its shards'. The forward's own ops are not recorded: nothing of
-  the backward pass reads them."""
-  n, m = len(inputs), len(kept)
-  index, after = order.forward(inputs)
-  with keras_internals.not_recorded():
-    outputs = forward(inputs, kept, joins(after))
-  made = _with_logits(tf.nest.flatten(outputs))
-
-  def gradient(*dys):
-    after = order.backward(index, [d for d in dys if d is not None])
-    with tf.name_scope(scope), tf.GradientTape() as tape:
-      wholes = joins(after)
-      sources = inputs + kept + wholes
+  def _gradient(self, call, index, *dys):
+    """The forward's gradient again (in name scope `scope`, from joins
+    made as `order` says), each whole's gradient cut into its shards'
+    once the inputs' gradients are made (its joins let go first)."""
+    after = self.order.backward(index, [d for d in dys if d is not None])
+    n = len(call.inputs) + len(call.kept)
+    with tf.name_scope(self.scope), tf.GradientTape() as tape:
+      wholes = self._joins(after)
+      sources = call.inputs + call.kept + wholes
       tape.watch([s for s in sources if s.dtype.is_floating])
-      again = _with_logits(tf.nest.flatten(forward(inputs, kept, wholes)))
+      again = _with_logits(tf.nest.flatten(self._forward(call, wholes)))
       pairs = [(y, d) for y, d in zip(again, dys) if d is not None]
       found = tape.gradient([y for y, _ in pairs], sources,
                             output_gradients=[d for _, d in pairs])
-      # Cut once the inputs' gradients are made: the joins are let go.
       with tf.name_scope('cut_shards'), tf.control_dependencies(
-          [g for g in found[:n + m] if g is not None]):
-        pieces = [piece for g, grid in zip(found[n + m:], grids)
+          [g for g in found[:n] if isinstance(g, tf.Tensor)]):
+        pieces = [piece for g, grid in zip(found[n:], self.grids)
                   for piece in (shards_lib.cut(grid, g) if g is not None
                                 else [None] * math.prod(grid))]
-    order.cut(index, pieces)
-    return found[:n + m] + pieces
+    self.order.cut(index, pieces)
+    return found[:n] + pieces
 
-  keras_internals.record_on_tapes('ReleasedCall', made,
-                                  inputs + kept + shards, gradient)
-  return outputs
+
+class _Call(collections.namedtuple(
+    '_Call', ['structure', 'flat', 'at', 'autocast', 'inputs', 'kept'])):
+  """One traced call of a released layer: its arguments' `structure`
+  flattened (`flat`), the positions of its tensors (`at`), the autocast
+  scope it runs under, its tensor `inputs` and its kept variables'
+  values."""
+
+  def nest(self):
+    """The arguments, the call's inputs in their tensors' places."""
+    filled = list(self.flat)
+    for i, x in zip(self.at, self.inputs):
+      filled[i] = x
+    return tf.nest.pack_sequence_as(self.structure, filled)
 
 
 def _with_logits(flat):
