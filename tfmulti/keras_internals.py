@@ -544,7 +544,8 @@ def _updates_after_gradients(applier):
   (`_after_gradient`): set once and kept, as a strategy's replicas trace
   their steps at once on one optimizer (a wrapper taken off as one
   finishes would be taken from another)."""
-  if not isinstance(vars(applier).get('update_step'), functools.partial):
+  own = vars(applier).get('update_step')
+  if getattr(own, 'func', None) is not _after_gradient:
     applier.update_step = functools.partial(_after_gradient,
                                             applier.update_step)
 
