@@ -25,8 +25,6 @@ from tfmulti.plan import dry_run
 from tfmulti.train import build
 from tfmulti.train import job
 
-GIB = device_kinds.GIB
-
 
 def run(config, deploy_config, device_memory=None):
   """Plans the job (see the module); returns the `dry_run.Plan`.
