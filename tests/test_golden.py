@@ -5,7 +5,13 @@ tfmulti.compare RUN --write_golden=...` from `python train.py
 --num_clones=2 --clone_on_cpu --train_steps=20 --log_every_steps=1
 --noexport`), trained over other clone counts, stages and meshes: each
 layout trains the same job on the same rows, so logs the same losses:
-the README's `--clone_shares=auto` too, whatever shares it measures."""
+the README's `--clone_shares=auto` too, whatever shares it measures, for
+the steps before round-off crosses a ReLU. Its split is timed, and splits
+differ in round-off: at 2:14 or 6:10 one row's pre-activation of one unit
+at step 11 is -8.8e-8 where 8:8 has +1.3e-8, so its gradient passes the
+unit in one and not the other (docs/design.md, "Which number to
+compare"). Each of the 15 splits of 16 logs the golden losses of steps 1
+to 10 (2026-11-29); atoms make every split the same bits."""
 
 import os
 
@@ -16,6 +22,8 @@ from tfmulti import compare
 GOLDEN = os.path.join(os.path.dirname(__file__), 'golden',
                       'readme_lenet_digits.json')
 STEPS = 20
+# The golden steps a layout's run is held to, where fewer than STEPS.
+FIRST_STEPS = {'shares measured': 10}
 
 # LeNet's Dense kernels split by their outputs over 'model': computed as
 # blocks, a mesh row one clone spanning its devices.
@@ -56,11 +64,13 @@ def test_the_readme_command_logs_the_golden_losses(name, run_train,
   run = str(tmp_path / 'run')
   run_train(model_dir=run, train_steps=STEPS, **values)
   with pytest.raises(SystemExit) as done:
-    compare.main([run, f'--golden={GOLDEN}'])
+    compare.main([run, f'--golden={GOLDEN}',
+                  f'--first_steps={FIRST_STEPS.get(name, STEPS)}'])
   out = capsys.readouterr().out
   assert done.value.code == 0, out
   assert out.splitlines()[-1] == (
-      f'agree: {STEPS} golden losses, to rtol 1e-05, atol 1e-06')
+      f'agree: {FIRST_STEPS.get(name, STEPS)} golden losses, to rtol 1e-05, '
+      'atol 1e-06')
 
 
 def test_a_run_against_a_golden_file_that_differs_fails(tmp_path, capsys):
