@@ -169,6 +169,22 @@ def test_joins_released_or_kept_train_as_plain_towers(
   assert_same_checkpoints(split['checkpoint'], plain['checkpoint'])
 
 
+def test_a_derived_map_trains_as_plain_towers(run_train, user_module,
+                                              tmp_path, caplog):
+  """`--layout_map=auto`: the hidden kernel (100 KiB) split by its
+  columns over 'model' and its rows over 'batch', the small rest whole."""
+  with caplog.at_level('INFO', logger='absl'):
+    split = run_train(model=f'{user_module}:dense', train_steps=2,
+                      **dict(MESH, layout_map='auto'),
+                      model_dir=str(tmp_path / 'run'))
+  assert 'Variables sharded by their layouts: 1 of 4' in caplog.text
+  assert "Layers computed where their kernels' blocks live: hidden." in (
+      caplog.text)
+  plain = run_train(model=f'{user_module}:dense', train_steps=2,
+                    num_clones=4, model_dir=str(tmp_path / 'plain'))
+  assert_same_checkpoints(split['checkpoint'], plain['checkpoint'])
+
+
 @pytest.mark.parametrize('values, message', [
     (dict(plan_tables=True), r'--mesh_shape, --mesh_axes missing: a mesh '
      'needs its shape, its axis names and a layout map or --plan_tables'),

@@ -76,8 +76,10 @@ _MESH_AXES = flags.DEFINE_list(
     'batch,model.')
 _LAYOUT_MAP = flags.DEFINE_string(
     'layout_map', None, "'model' (the model's own get_layout_map(mesh), or "
-    "its backbone's: keras-hub's) or MODULE:FUNCTION, FUNCTION(device_mesh) "
-    'returning a keras.distribution.LayoutMap (e.g. '
+    "its backbone's: keras-hub's), 'auto' (derived from the model: kernels "
+    'by columns and rows, attention by heads, tables by rows on the compute '
+    'axis; large variables split over the batch axis) or MODULE:FUNCTION, '
+    'FUNCTION(device_mesh) returning a keras.distribution.LayoutMap (e.g. '
     'keras_hub.models:LlamaBackbone.get_layout_map).')
 _PLAN_TABLES = flags.DEFINE_bool(
     'plan_tables', False, 'With --mesh_shape: each plain Embedding table no '
@@ -400,10 +402,11 @@ def _variable_layouts(shape, axes, layout_map, plan_tables, strategy,
         'e.g. 2,2.')
   options = dict(plan_tables=plan_tables, strict_layout_map=strict_layout_map,
                  keep_joins=keep_joins, gather_ahead=gather_ahead)
+  derived = (mesh_layouts.MODEL_OWN, mesh_layouts.AUTO)
   layouts = mesh_layouts.VariableLayouts(
       tuple(int(n) for n in shape), tuple(axes),
-      mesh_layouts.MODEL_OWN if layout_map else (), **options)
-  if layout_map in (None, mesh_layouts.MODEL_OWN):
+      layout_map if layout_map in derived else (), **options)
+  if layout_map is None or layout_map in derived:
     return layouts
   made = external.function_named(
       'layout_map', layout_map,

@@ -18,6 +18,8 @@ momentum SGD (one slot a variable):
   batch's, so that each clone joins every kernel for its pass (FSDP:
   each layer's in its call, again for its gradient, `mesh.releases`;
   with `--keep_joins`, once, kept through the step);
+  with `--layout_map=auto`, the map derived from the model on the same
+  mesh (`mesh.auto_layout`);
 * `spread`: each variable whole on one device (`--variables_device=spread`).
 
 From one traced step of each (`plan.traffic`) it counts per device the
@@ -93,9 +95,13 @@ def _model(args, scope=None):
 def _layouts(model, args):
   """The `sharded` variant's layouts (see the module)."""
   n = args.num_clones
-  if args.model == LLAMA:
-    mesh = mesh_layouts.VariableLayouts((2, n // 2), ('batch', 'model'),
-                                        mesh_layouts.MODEL_OWN)
+  if args.model == LLAMA or args.layout_map == mesh_layouts.AUTO:
+    shape, names = (((2, n // 2), ('batch', 'model')) if args.model == LLAMA
+                    else ((n,), ('model',)) if args.joined
+                    else ((1, n), ('batch', 'model')))
+    mesh = mesh_layouts.VariableLayouts(
+        shape, names, args.layout_map or mesh_layouts.MODEL_OWN,
+        keep_joins=args.keep_joins)
     return mesh_layouts.resolved(mesh, model)
   rules = tuple(
       (re.escape(v.path), (None,) * (len(v.shape) - 1) + ('model',))
@@ -278,6 +284,10 @@ def parser():
                  help='with --joined: each kernel joined once before the '
                  'pass and kept through the step, not joined in its '
                  "layer's call and again for its gradient")
+  p.add_argument('--layout_map', choices=(mesh_layouts.AUTO,),
+                 help="'auto': the sharded variant's map derived from the "
+                 "model (layout_map='auto') on the same mesh, not "
+                 "keras-hub's own (llama) or every kernel's last dimension")
   p.add_argument('--steps', type=int, default=5)
   p.add_argument('--rounds', type=int, default=3)
   return p

@@ -7,6 +7,8 @@ set. A Keras `DeviceMesh` and `LayoutMap` are read once into
 `VariableLayouts`; the storage follows from them.
 
   mesh_layouts     a ModelParallel's mesh and layout map, pure
+  auto_layout      a layout map derived from a model (`layout_map='auto'`;
+                   `tfmulti.mesh.auto_layout_map(model, device_mesh)`)
   sharding         each variable kind's storage: whole, or sharded into
                    its layout's shards
   records          each stored variable's read for a pass and its
@@ -22,3 +24,5 @@ set. A Keras `DeviceMesh` and `LayoutMap` are read once into
                    go after, joined again for its gradient (FSDP's)
   shard_views      a sharded optimizer checkpointed as one device's
 """
+
+from tfmulti.mesh.mesh_layouts import auto_layout_map  # noqa: F401

@@ -24,10 +24,14 @@ import numpy as np
 
 from tfmulti import errors
 from tfmulti import keras_internals
+from tfmulti.mesh import auto_layout
 
 # `VariableLayouts.rules` that say: the model's own `get_layout_map(mesh)`
 # (keras-hub's backbones have one), read when the towers are built.
 MODEL_OWN = 'model'
+# `VariableLayouts.rules` that say: derived from the model when the towers
+# are built (`auto_layout`).
+AUTO = 'auto'
 # Layers gathered ahead by default: FSDP's prefetch of one.
 GATHER_AHEAD = 1
 
@@ -42,7 +46,7 @@ class VariableLayouts:
     axis_names: the mesh axes' names, as Keras's `DeviceMesh` names them.
     rules: (key, axes) pairs of the layout map, in its order; `axes` a
       tuple of axis names or None, one a dimension; or `MODEL_OWN`, the
-      model's own map (`resolved`).
+      model's own map, or `AUTO`, one derived from it (`resolved`).
     batch_axis: the axis Keras splits the batch over (`ModelParallel`'s
       `batch_dim_name`; None: the first, as Keras's default). A kernel
       dimension it names is storage alone; one another axis names is
@@ -91,7 +95,7 @@ class VariableLayouts:
     if len(set(self.axis_names)) != len(self.axis_names):
       raise errors.ConfigError(
           f'mesh axes {self.axis_names}: name each axis once.')
-    for key, axes in () if self.rules == MODEL_OWN else self.rules:
+    for key, axes in () if self.rules in (MODEL_OWN, AUTO) else self.rules:
       if not isinstance(axes, tuple):
         raise errors.ConfigError(
             f'layout_map[{key!r}] = {axes!r}: give a tuple of axis names '
@@ -234,6 +238,20 @@ def from_layout_map(layout_map, **fields):
       **fields)
 
 
+def auto_layout_map(model, device_mesh, batch_dim_name=None):
+  """A `keras.distribution.LayoutMap` for `model` on `device_mesh`, derived
+  from its variables and how its layers use them (`auto_layout`): pass it
+  to Keras's `ModelParallel`, as a keras-hub backbone's `get_layout_map`.
+  `batch_dim_name`: the axis the batch splits over (None: the first)."""
+  layouts = resolved(VariableLayouts(
+      tuple(device_mesh.shape), tuple(device_mesh.axis_names), AUTO,
+      batch_axis=batch_dim_name), model)
+  layout_map = keras.distribution.LayoutMap(device_mesh)
+  for key, axes in layouts.rules:
+    layout_map[key] = axes
+  return layout_map
+
+
 def names_an_output(key):
   """Whether layout map `key` names a layer's output (Keras looks a
   layer's output up at its path and '/output': a tensor layout, which
@@ -242,12 +260,17 @@ def names_an_output(key):
 
 
 def resolved(layouts, model):
-  """`layouts` with `MODEL_OWN` read: the rules of `model`'s own
-  `get_layout_map(mesh)`, or its backbone's (keras-hub's task models).
+  """`layouts` with `MODEL_OWN` read (the rules of `model`'s own
+  `get_layout_map(mesh)`, or its backbone's: keras-hub's task models) or
+  `AUTO` derived (`auto_layout`).
 
   Raises:
-    errors.ConfigError: the model has none, or it does not fit the mesh.
+    errors.ConfigError: the model has no map of its own, or it does not
+      fit the mesh.
   """
+  if layouts.rules == AUTO:
+    return dataclasses.replace(layouts,
+                               rules=auto_layout.rules_for(layouts, model))
   if layouts.rules != MODEL_OWN:
     return layouts
   owner = next((o for o in (model, getattr(model, 'backbone', None))

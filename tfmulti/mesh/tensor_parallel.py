@@ -100,12 +100,12 @@ def in_scope(name):
 def layers(model, axes_of, compute_axes):
   """{id(kernel): (its layer, the kernel's dimension split over a compute
   axis)} of `model`'s plain Dense, EinsumDense and convolution layers
-  (`_plain`) whose kernel's layout (`axes_of[id(kernel)]`) splits one
+  (`plain`) whose kernel's layout (`axes_of[id(kernel)]`) splits one
   dimension over one of `compute_axes` (a convolution's: a channels' one,
   not its window's)."""
   found = {}
   for layer in keras_internals.flat_layers(model):
-    if not _plain(layer):
+    if not plain(layer):
       continue
     axes = axes_of.get(id(layer.kernel))
     split = [d for d, axis in enumerate(axes or ()) if axis in compute_axes]
@@ -120,7 +120,7 @@ def _is_conv(layer):
   return (kind.call, getattr(kind, 'convolution_op', None)) == _CONV
 
 
-def _plain(layer):
+def plain(layer):
   """Whether `layer` can compute as blocks: a plain Dense or EinsumDense,
   or a channels-last convolution without groups (Conv2D, Conv3D); none
   with LoRA or quantized."""
@@ -191,7 +191,7 @@ def _call(layer, dim, blocks, homes, parts):
       return _finished(layer, tf.add_n(products(list(zip(pieces, blocks)))))
     axis = axis_of(outputs_spec, label, _rank(inputs, inputs_spec,
                                               outputs_spec))
-    if _activation(layer) not in ELEMENTWISE_ACTIVATIONS:  # A softmax.
+    if activation_name(layer) not in ELEMENTWISE_ACTIVATIONS:  # A softmax.
       return _finished(layer, tf.concat(
           products(list(zip(pieces, blocks))), axis))
     biases = _bias_parts(layer, axis, len(blocks))
@@ -257,7 +257,7 @@ def _rank(inputs, inputs_spec, outputs_spec):
   return rank
 
 
-def _activation(layer):
+def activation_name(layer):
   """The name of `layer`'s activation, None for one without (a layer, a
   partial): not known to act elementwise."""
   return getattr(layer.activation, '__name__', None)
