@@ -271,6 +271,13 @@ _DEVICE_MEMORY = flags.DEFINE_string(
     'or a name (h100, a100, a100_40gb, v100, l4, t4, ...). --dry_run checks '
     'the plan against it (no check without it); a run shows memory as a '
     'share of it, by default of the GPU\'s own kind\'s.')
+_PLAN = flags.DEFINE_enum(
+    'plan', None, ['auto'], "With --dry_run and --device_memory=KIND: plan "
+    "every layout tfmulti can run on --num_clones GPUs of the kind "
+    '(variables on the host, on GPU:0, spread, packed; sharded; split over '
+    'a compute axis; maps derived from the model), drop those that do not '
+    'fit, rank the rest by a predicted step (the kind\'s datasheet rates '
+    'and links), log the table and the winning command.')
 _DEVICE_PEAK_FLOPS = flags.DEFINE_string(
     'device_peak_flops', None, 'The peak rate of each compute device, for '
     'the MFU on every progress line: FLOP/s (312T, 1.5e14) or a name (h100, '
@@ -659,6 +666,43 @@ def configs_from_flags():
   return train_config, deploy_config, cluster_info
 
 
+# The flags a plan chooses (`plan.search`): a --plan=auto command gives none.
+_LAYOUT_FLAGS = ('variables_device', 'mesh_shape', 'mesh_axes', 'layout_map',
+                 'plan_tables', 'keep_joins', 'gather_ahead', 'gradient_packs')
+
+
+def _check_plan():
+  """Raises `ConfigError` for a --plan=auto it cannot make (before
+  anything is placed or built)."""
+  kind = (_DEVICE_MEMORY.value or '').lower()
+  given = [name for name in _LAYOUT_FLAGS
+           if flags.FLAGS[name].value != flags.FLAGS[name].default]
+  if not _DRY_RUN.value or kind not in device_kinds.KINDS or given:
+    raise errors.ConfigError(
+        f'--plan=auto with --dry_run={_DRY_RUN.value}, --device_memory='
+        f'{_DEVICE_MEMORY.value}'
+        f'{"".join(f", --{name}" for name in given)}: the plan needs '
+        '--dry_run and a device kind (--device_memory='
+        f'{"|".join(sorted(device_kinds.KINDS))}), and chooses the layout '
+        'flags itself; drop them.')
+
+
+def _plan(train_config, deploy_config):
+  """--plan=auto: the candidates planned and ranked; logs the winner's
+  command (this command's flags, the layout's in place of --plan)."""
+  kind = train_config.device_memory.lower()
+  winner = planned_job.search(train_config, deploy_config,
+                              device_kinds.memory_bytes(kind), kind)[0]
+  kept = [flag.serialize() for flag in sorted(
+      flags.FLAGS.get_flags_for_module(sys.modules[__name__]),
+      key=lambda flag: flag.name)
+          if flag.value != flag.default and
+          flag.name not in ('plan', 'dry_run') + _LAYOUT_FLAGS]
+  logging.info('plan: %s', ' '.join(
+      ['python train.py', *kept] +
+      [f'--{name}={value}' for name, value in winner.candidate.flags]))
+
+
 def own_lines_only(record):
   """An absl log filter: tfmulti's lines, and every warning and error.
 
@@ -682,7 +726,12 @@ def main(argv):
     sys.exit(f'{PROGRAM}: error: unexpected arguments {argv[1:]}; flags are '
              'written --name=value.')
   try:
+    if _PLAN.value:
+      _check_plan()
     train_config, deploy_config, cluster_info = configs_from_flags()
+    if _PLAN.value:
+      _plan(train_config, deploy_config)
+      return
     if _DRY_RUN.value:
       planned_job.run(train_config, deploy_config, device_kinds.memory_bytes(
           train_config.device_memory))
@@ -720,7 +769,7 @@ HELP_GROUPS = (
     ('Output', (
         'model_dir', 'log_every_steps', 'steps_per_loop', 'checkpoint_steps',
         'keep_checkpoints', 'async_checkpoint', 'export', 'profile_steps',
-        'dry_run', 'device_memory', 'device_peak_flops')),
+        'dry_run', 'plan', 'device_memory', 'device_peak_flops')),
     ('Several workers (TF_CONFIG, Slurm, Kubernetes)', (
         'num_workers', 'worker_index', 'cluster', 'port', 'worker_hosts',
         'peer_timeout_s')),

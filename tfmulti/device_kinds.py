@@ -22,11 +22,13 @@ TERA = 1e12
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-  """A device kind: its memory in GiB (None: not known) and its peak
-  FLOP/s for each compute dtype ('float32', 'tf32', 'bfloat16',
-  'float16')."""
+  """A device kind: its memory in GiB (None: not known), its peak FLOP/s
+  for each compute dtype ('float32', 'tf32', 'bfloat16', 'float16'), and
+  its links' bytes a second each way ('gpu-gpu': NVLink, or PCIe where
+  it has none; 'host-gpu': PCIe; the dry run's link names)."""
   memory_gib: Optional[int]
   rates: dict
+  links: dict = dataclasses.field(default_factory=dict)
 
   def rate(self, dtype):
     """The peak FLOP/s of `dtype`; one the kind lacks (bfloat16 on a T4)
@@ -34,24 +36,28 @@ class Kind:
     return self.rates.get(dtype, self.rates['float32'])
 
 
-def _kind(memory_gib, float32, tf32=None, bfloat16=None, float16=None):
+def _kind(memory_gib, links, float32, tf32=None, bfloat16=None,
+          float16=None):
   rates = {'float32': float32, 'tf32': tf32, 'bfloat16': bfloat16,
            'float16': float16}
-  return Kind(memory_gib, {k: v * TERA for k, v in rates.items() if v})
+  return Kind(memory_gib, {k: v * TERA for k, v in rates.items() if v},
+              {'gpu-gpu': links[0] * 1e9, 'host-gpu': links[1] * 1e9})
 
 
-# Datasheet figures in TFLOP/s, dense.
+# Datasheet figures: TFLOP/s, dense; links in GB/s each way, half the
+# datasheet's both-ways figure (NVLink: H100 and H200 900, A100 600, V100
+# 300; PCIe Gen5 x16 128, Gen4 64, Gen3 32).
 KINDS = {
-    'h100': _kind(80, 67, 494.7, 989.4, 989.4),
-    'h200': _kind(141, 67, 494.7, 989.4, 989.4),
-    'a100': _kind(80, 19.5, 156, 312, 312),
-    'a100_40gb': _kind(40, 19.5, 156, 312, 312),
-    'l40s': _kind(48, 91.6, 183, 362, 362),
-    'l4': _kind(24, 30.3, 60, 121, 121),
-    'a10g': _kind(24, 31.2, 62.5, 125, 125),
-    'v100': _kind(32, 15.7, float16=125),
-    'v100_16gb': _kind(16, 15.7, float16=125),
-    't4': _kind(16, 8.1, float16=65),
+    'h100': _kind(80, (450, 64), 67, 494.7, 989.4, 989.4),
+    'h200': _kind(141, (450, 64), 67, 494.7, 989.4, 989.4),
+    'a100': _kind(80, (300, 32), 19.5, 156, 312, 312),
+    'a100_40gb': _kind(40, (300, 32), 19.5, 156, 312, 312),
+    'l40s': _kind(48, (32, 32), 91.6, 183, 362, 362),
+    'l4': _kind(24, (32, 32), 30.3, 60, 121, 121),
+    'a10g': _kind(24, (32, 32), 31.2, 62.5, 125, 125),
+    'v100': _kind(32, (150, 16), 15.7, float16=125),
+    'v100_16gb': _kind(16, (150, 16), 15.7, float16=125),
+    't4': _kind(16, (16, 16), 8.1, float16=65),
 }
 # Memory of one device of a known kind, GiB (the largest of its kind).
 KNOWN_MEMORY = {name: kind.memory_gib for name, kind in KINDS.items()}

@@ -37,6 +37,19 @@ def plan(variable, device):
   _PLANNED[id(variable.handle)] = (variable.handle, device)
 
 
+def plan_slots(optimizer):
+  """Each slot of `optimizer` planned beside its variable, where it is
+  planned (Keras makes a slot beside the variable as it lives: on the
+  host, while planning)."""
+  variables = keras_internals.trainable_variables_of(optimizer)
+  for slots in keras_internals.slot_lists(optimizer).values():
+    for slot, variable in zip(slots, variables):
+      handle = keras_internals.storage(variable).handle
+      device = planned_device(handle)
+      if device is not None:
+        plan(keras_internals.storage(slot), device)
+
+
 def absent(device):
   """Whether `device` names no device of this runtime."""
   wanted = tf.DeviceSpec.from_string(device)

@@ -160,6 +160,22 @@ class DeploymentConfig:
     for name, value in values.items():
       object.__setattr__(self, name, value)
 
+  def replaced(self, **changes):
+    """This config with `changes` to `__init__`'s arguments (validated
+    again): the planner's candidates (`plan.search`)."""
+    arguments = dict(
+        num_clones=self.num_clones, clone_on_cpu=self.clone_on_cpu,
+        variables_device=(SPREAD if self.spread_variables and
+                          self.variable_layouts is None
+                          else self._variables_device),
+        replica_id=self.replica_id, num_replicas=self.num_replicas,
+        num_ps_tasks=self.num_ps_tasks, worker_job_name=self.worker_job_name,
+        ps_job_name=self.ps_job_name, num_stages=self.num_stages,
+        prefetch_to_clones=self.prefetch_to_clones,
+        variable_layouts=self.variable_layouts)
+    arguments.update(changes)
+    return DeploymentConfig(**arguments)
+
   @property
   def worker_index(self):
     """This worker's index in a multi-worker job (slim's `replica_id`)."""

@@ -53,6 +53,7 @@ from tfmulti import errors
 from tfmulti import keras_internals
 from tfmulti import layouts
 from tfmulti import pieces
+from tfmulti import plans
 from tfmulti import rows
 from tfmulti import step_options
 from tfmulti import trainer
@@ -401,6 +402,7 @@ def build(config, model, loss_fn, optimizer, options, *, shares=None):
   if not optimizer.built:  # Keras puts each slot beside its variable.
     with tf.device(config.optimizer_variables_device()):
       optimizer.build(storage.variables)
+  plans.plan_slots(optimizer)  # Planned beside their variables, if planned.
   shard_views.register(optimizer, storage)
   devices.check_placement(
       storage.variables + model.non_trainable_variables,

@@ -85,17 +85,8 @@ def read(deployed, images, labels):
   inside `plans.planning()`, as `fit.planned` does for a `TowersModel`)
   on a batch of `images` and `labels`' shapes: traced, never run."""
   with plans.planning():
-    _plan_slots(deployed.optimizer)
     graph = deployed.traced_step(images, labels).graph
     return _read(deployed, graph)
-
-
-def _plan_slots(optimizer):
-  """Each slot planned beside its variable (`keras_internals.slot_lists`)."""
-  variables = keras_internals.trainable_variables_of(optimizer)
-  for slots in keras_internals.slot_lists(optimizer).values():
-    for slot, variable in zip(slots, variables):
-      plans.plan(keras_internals.storage(slot), devices.device_of(variable))
 
 
 def _read(deployed, graph):

@@ -12,6 +12,8 @@ kernel for its dtypes, or where `--device_memory` cannot hold a device's
 variables, slots and the step's tensors at their peak.
 """
 
+import dataclasses
+
 from absl import logging
 import numpy as np
 import tensorflow as tf
@@ -20,8 +22,11 @@ from tfmulti import device_kinds
 from tfmulti import errors
 from tfmulti import layouts
 from tfmulti import plans
+from tfmulti.engine import readings
 from tfmulti.engine import registry
+from tfmulti.plan import device_model
 from tfmulti.plan import dry_run
+from tfmulti.plan import search as search_lib
 from tfmulti.train import build
 from tfmulti.train import job
 
@@ -34,7 +39,15 @@ def run(config, deploy_config, device_memory=None):
       strategy would refuse (`registry.check`), an op without a GPU
       kernel, or a device over `device_memory` (bytes).
   """
-  options = _checked(config, deploy_config, device_memory)
+  found = _planned(config, deploy_config, _checked(config, deploy_config,
+                                                  device_memory))
+  _log(found)
+  _check(found, device_memory)
+  return found
+
+
+def _planned(config, deploy_config, options):
+  """The `dry_run.Plan` of the job's step on `deploy_config`'s GPUs."""
   workers = deploy_config.num_workers
   dataset = job.load_shapes(config, deploy_config)
   # The largest worker's rows: each worker runs the same towers.
@@ -45,17 +58,67 @@ def run(config, deploy_config, device_memory=None):
   images = np.zeros((rows, *dataset.input_shape), np.float32)
   labels = np.zeros((rows,), np.int32)
   with plans.planning():
-    with tf.device(deploy_config.optimizer_variables_device()):
+    # A GPU variables device: the optimizer's constants are made on it.
+    with tf.device(deploy_config.optimizer_variables_device()), (
+        plans.on_the_host_if_absent()):
       model, optimizer = build.model_and_optimizer(
           config, deploy_config, input_shape=dataset.input_shape,
           num_classes=dataset.num_classes,
           learning_rate=config.learning_rate)(
               deploy_config.variables_scope())
-    found = dry_run.plan(deploy_config, model, build.make_loss(), optimizer,
-                         images, labels, options)
-  _log(found)
-  _check(found, device_memory)
-  return found
+    return dry_run.plan(deploy_config, model, build.make_loss(), optimizer,
+                        images, labels, options)
+
+
+def search(config, deploy_config, device_memory, kind):
+  """`--plan=auto`: each layout of `search.candidates` planned for the
+  job's GPUs of `kind` (a `device_kinds.KINDS` name), a candidate the
+  towers refuse or `device_memory` cannot hold dropped with why, the rest
+  ranked by the step `device_model` predicts; logs the table and returns
+  its `search.Scored` rows, the winner first.
+
+  Raises:
+    errors.DeviceError: no candidate fits, naming what the least needy
+      one needs.
+  """
+  rates = device_model.for_kind(device_kinds.KINDS[kind], readings.rate_dtype(
+      'float16' if config.mixed_precision else 'float32', 'GPU:0'))
+  rows = []
+  for candidate in search_lib.candidates(deploy_config.num_clones):
+    options = dataclasses.replace(config.step_options,
+                                  **dict(candidate.options))
+    try:
+      candidate_config = deploy_config.replaced(**dict(candidate.deploy))
+      found = _planned(config, candidate_config, _checked(
+          dataclasses.replace(config, step_options=options),
+          candidate_config, device_memory))
+      _check(found, None)
+    except errors.UserError as e:
+      rows.append(search_lib.Scored(candidate, dropped=str(e)))
+      continue
+    rows.append(search_lib.scored(candidate, found, device_model.step_seconds(
+        found, rates)))
+  rows = search_lib.ranked(rows, device_memory)
+  _log_ranked(rows, kind)
+  if rows[0].dropped is not None:
+    least = min((r for r in rows if r.need_bytes), default=rows[0],
+                key=lambda r: r.need_bytes)
+    raise errors.DeviceError(
+        f'no layout of {deploy_config.num_clones} {kind} devices fits: '
+        f'the least needy, {least.candidate.name}, {least.dropped}; lower '
+        '--batch_size (raising --accumulation_steps keeps the global batch) '
+        'or plan more devices, or a kind of more memory.')
+  return rows
+
+
+def _log_ranked(rows, kind):
+  text = device_kinds.size_text
+  for rank, row in enumerate(rows, 1):
+    logging.info(
+        'plan on %s: %d. %s: %s', kind, rank, row.candidate.name,
+        f'dropped: {row.dropped}' if row.dropped else
+        f'{1e3 * row.seconds:.2f} ms a step predicted, needs '
+        f'{text(row.need_bytes)} a device, moves {text(row.moved_bytes)}')
 
 
 def _checked(config, deploy_config, device_memory):

@@ -1,0 +1,67 @@
+"""A step's time predicted from its dry run (`dry_run.Plan`).
+
+Each device's time is its FLOPs at its peak rate, the bytes it moves on
+each link (the more of what it sends and receives there) at the link's
+bandwidth, and a cost an op (an executor's dispatch and a kernel's
+launch). Compute and transfers are added, not overlapped: a bound that
+FSDP's prefetch and NCCL's overlap beat, the same for every candidate.
+Devices run at once, so a step is its slowest device's time; on logical
+CPUs (`Rates.shared`) they share the cores, so a step is their sum.
+The GPU figures are datasheets' (`device_kinds.KINDS`); the host's and
+an op's cost are estimates.
+"""
+
+import dataclasses
+
+from tfmulti import device_kinds
+from tfmulti.plan import dry_run
+
+# A host's float32 FLOP/s: a server's CPU cores' vector units, an estimate
+# (its optimizer updates and input ops are memory-bound besides).
+HOST_FLOPS = 1e12
+# A cost an op on a GPU: TensorFlow's dispatch and a CUDA launch, a few
+# microseconds each (an estimate).
+GPU_OP_SECONDS = 5e-6
+# The workers' network, bytes a second each way: 100 Gb/s.
+NETWORK_BYTES = 12.5e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """What a device model reads: FLOP/s of a device (and of the host),
+  each link's bytes a second each way, a cost an op, and whether the
+  devices share their cores (logical CPUs)."""
+  flops: float
+  links: dict
+  op_seconds: float
+  host_flops: float = HOST_FLOPS
+  shared: bool = False
+
+
+def for_kind(kind, dtype):
+  """The `Rates` of a `device_kinds.Kind` computing in `dtype` (its
+  `Kind.rate` key: 'tf32' for float32 matmuls where TF32 is on)."""
+  return Rates(kind.rate(dtype), dict(kind.links, network=NETWORK_BYTES),
+               GPU_OP_SECONDS)
+
+
+def device_seconds(device, report, rates):
+  """One device's predicted seconds a step (see the module)."""
+  flops = (rates.flops if dry_run.device_type(device) == 'GPU' or
+           rates.shared else rates.host_flops)
+  moved = sum(max(report.sent_bytes[link], report.received_bytes[link]) /
+              rates.links[link]
+              for link in set(report.sent_bytes) | set(report.received_bytes))
+  return report.flops / flops + moved + report.ops * rates.op_seconds
+
+
+def step_seconds(found, rates):
+  """The predicted seconds of a step of `found` (a `dry_run.Plan`)."""
+  times = [device_seconds(device, report, rates)
+           for device, report in found.devices.items()]
+  return sum(times) if rates.shared else max(times)
+
+
+def named(name, dtype='tf32'):
+  """The `Rates` of a known kind by its name (`device_kinds.KINDS`)."""
+  return for_kind(device_kinds.KINDS[name], dtype)
