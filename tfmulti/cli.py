@@ -677,14 +677,16 @@ def _check_plan():
   kind = (_DEVICE_MEMORY.value or '').lower()
   given = [name for name in _LAYOUT_FLAGS
            if flags.FLAGS[name].value != flags.FLAGS[name].default]
+  if _CLONE_ON_CPU.value:
+    given.append('clone_on_cpu')
   if not _DRY_RUN.value or kind not in device_kinds.KINDS or given:
     raise errors.ConfigError(
         f'--plan=auto with --dry_run={_DRY_RUN.value}, --device_memory='
         f'{_DEVICE_MEMORY.value}'
         f'{"".join(f", --{name}" for name in given)}: the plan needs '
         '--dry_run and a device kind (--device_memory='
-        f'{"|".join(sorted(device_kinds.KINDS))}), and chooses the layout '
-        'flags itself; drop them.')
+        f'{"|".join(sorted(device_kinds.KINDS))}) of GPUs, and chooses the '
+        'layout flags itself; drop them.')
 
 
 def _plan(train_config, deploy_config):

@@ -7,11 +7,12 @@ import pytest
 from tfmulti.bench import sharded as bench
 
 
-def _report(joined, keep_joins=False):
+def _report(joined, keep_joins=False, layout_map=None):
   return bench.run(argparse.Namespace(
       model='lenet', num_clones=2, image_size=28, num_classes=10,
       rows_per_clone=2, sequence_length=16, steps=1, rounds=1,
-      gradient_packs=0, joined=joined, keep_joins=keep_joins))
+      gradient_packs=0, joined=joined, keep_joins=keep_joins,
+      layout_map=layout_map))
 
 
 @pytest.mark.slow
@@ -46,6 +47,16 @@ def test_a_lenet_computed_as_blocks_moves_activations_not_kernels():
   assert sharded['max_held_of_total'] <= report['targets']['held_of_total']
   assert sharded['max_moved_of_p'] < 0.05
   assert sharded['max_activations_of_p'] > 0
+
+
+@pytest.mark.slow
+def test_a_derived_map_computes_lenets_large_kernel_as_blocks():
+  """`--layout_map=auto` on (1, 2): LeNet's one kernel of 64 KiB or
+  more (400 x 120) computed where its blocks live, the rest whole."""
+  report = _report(joined=False, layout_map='auto')
+  sharded, spread = (report['variants'][v] for v in ('sharded', 'spread'))
+  assert sharded['max_activations_of_p'] > 0
+  assert sharded['max_moved_of_p'] < spread['max_moved_of_p']
 
 
 @pytest.mark.parametrize('argv, message', [

@@ -127,6 +127,10 @@ def test_the_plan_ranks_every_candidate_and_logs_the_winners_command(
           layout_map='auto'),
      r'--device_memory=l4, --variables_device, --mesh_shape, --mesh_axes, '
      r'--layout_map: .* chooses the layout flags itself; drop them'),
+    (dict(clone_on_cpu=True), r'--device_memory=l4, --clone_on_cpu: the '
+     r'plan needs --dry_run and a device kind .* of GPUs'),
+    (dict(strategy='mirrored'), r'no layout of 4 l4 devices can run this '
+     r'job: variables on the host: --dry_run with --strategy=mirrored'),
 ])
 def test_a_plan_it_cannot_make_stops_in_one_line(tmp_path, digits_dir,
                                                  flags, message):

@@ -80,6 +80,8 @@ def search(config, deploy_config, device_memory, kind):
   Raises:
     errors.DeviceError: no candidate fits, naming what the least needy
       one needs.
+    errors.ConfigError: the towers refuse every candidate (the first's
+      refusal).
   """
   rates = device_model.for_kind(device_kinds.KINDS[kind], readings.rate_dtype(
       'float16' if config.mixed_precision else 'float32', 'GPU:0'))
@@ -101,8 +103,12 @@ def search(config, deploy_config, device_memory, kind):
   rows = search_lib.ranked(rows, device_memory)
   _log_ranked(rows, kind)
   if rows[0].dropped is not None:
-    least = min((r for r in rows if r.need_bytes), default=rows[0],
-                key=lambda r: r.need_bytes)
+    planned = [r for r in rows if r.need_bytes]
+    if not planned:
+      raise errors.ConfigError(
+          f'no layout of {deploy_config.num_clones} {kind} devices can run '
+          f'this job: {rows[0].candidate.name}: {rows[0].dropped}')
+    least = min(planned, key=lambda r: r.need_bytes)
     raise errors.DeviceError(
         f'no layout of {deploy_config.num_clones} {kind} devices fits: '
         f'the least needy, {least.candidate.name}, {least.dropped}; lower '
