@@ -40,7 +40,9 @@ def plan(variable, device):
 def plan_slots(optimizer):
   """Each slot of `optimizer` planned beside its variable, where it is
   planned (Keras makes a slot beside the variable as it lives: on the
-  host, while planning)."""
+  host, while planning). Nothing outside a plan."""
+  if not active():
+    return
   variables = keras_internals.trainable_variables_of(optimizer)
   for slots in keras_internals.slot_lists(optimizer).values():
     for slot, variable in zip(slots, variables):
