@@ -83,6 +83,17 @@ def _shared():
   return keras.Model(inputs, keras.layers.Dense(2, name='out')(x))
 
 
+def _penalised():
+  """Weight penalties on split kernels."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((WIDTH,))
+  x = inputs
+  for i in range(2):
+    x = keras.layers.Dense(WIDTH, activation='relu', name=f'hidden_{i}',
+                           kernel_regularizer=keras.regularizers.L2(1e-3))(x)
+  return keras.Model(inputs, keras.layers.Dense(2, name='out')(x))
+
+
 def _softmax():
   """A softmax between two layers: not elementwise."""
   keras.utils.set_random_seed(0)
@@ -200,8 +211,10 @@ def _data(rows=32):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('make, shape', [
-    (_mlp, (2, 2)), (_gate, (1, 2)), (_residual, (2, 1))],
-                         ids=['mlp (2, 2)', 'gated (1, 2)', 'residual (2, 1)'])
+    (_mlp, (2, 2)), (_gate, (1, 2)), (_residual, (2, 1)), (_shared, (1, 2)),
+    (_penalised, (2, 2))], ids=['mlp (2, 2)', 'gated (1, 2)',
+                                'residual (2, 1)', 'shared layer (1, 2)',
+                                'weight penalties (2, 2)'])
 def test_a_derived_map_trains_as_plain_fit(make, shape):
   """Momentum SGD: row kernels add their partial sums in another order,
   which Adam normalises past 1e-5 where a gradient nearly cancels (the

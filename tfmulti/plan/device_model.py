@@ -13,7 +13,6 @@ an op's cost are estimates.
 
 import dataclasses
 
-from tfmulti import device_kinds
 from tfmulti.plan import dry_run
 
 # A host's float32 FLOP/s: a server's CPU cores' vector units, an estimate
@@ -61,7 +60,3 @@ def step_seconds(found, rates):
            for device, report in found.devices.items()]
   return sum(times) if rates.shared else max(times)
 
-
-def named(name, dtype='tf32'):
-  """The `Rates` of a known kind by its name (`device_kinds.KINDS`)."""
-  return for_kind(device_kinds.KINDS[name], dtype)
