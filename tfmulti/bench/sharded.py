@@ -69,7 +69,7 @@ HELD_SLACK, MOVED_SLACK, STEP_SLACK = 1.1, 1.1, 1.15
 LLAMA = 'llama'
 
 
-def _llama(scope):
+def llama(scope):
   """The small Llama causal LM, its backbone's variables made in `scope`
   (the task compiles an optimizer as it is made: outside it)."""
   import keras_hub  # pylint: disable=import-outside-toplevel
@@ -85,7 +85,7 @@ def _model(args, scope=None):
   keras.utils.set_random_seed(0)
   scope = scope or contextlib.nullcontext()
   if args.model == LLAMA:
-    return _llama(scope)
+    return llama(scope)
   with scope:
     return models.get_any_model(
         args.model, input_shape=(args.image_size, args.image_size, 3),

@@ -78,11 +78,13 @@ def _layouts(design, n):
                                       plan_tables=design == 'planned')
 
 
-def _batch(args, rows):
+def batch(vocab_sizes, rows):
+  """A DLRM's batch of `rows`: normal dense features, uniform ids of each
+  table of `vocab_sizes`, clicks of 0 or 1."""
   rng = np.random.default_rng(0)
   features = {'dense': tf.constant(rng.normal(size=(rows, DENSE)),
                                    tf.float32)}
-  for i, size in enumerate(args.vocab_sizes):
+  for i, size in enumerate(vocab_sizes):
     features[f'c{i}'] = tf.constant(rng.integers(0, size, (rows, 1)),
                                     tf.int32)
   return features, tf.constant(rng.integers(0, 2, rows), tf.float32)
@@ -101,7 +103,7 @@ def _design(args, design):
             if v.path.startswith('table_')]
   held = traffic.held_bytes(tables)
   gathers = traffic.measured_lookups(
-      deployed, *_batch(args, args.rows_per_clone * n))
+      deployed, *batch(args.vocab_sizes, args.rows_per_clone * n))
   looked = collections.Counter()
   for device, size in gathers:
     looked[device] += size

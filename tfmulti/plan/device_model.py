@@ -28,13 +28,19 @@ NETWORK_BYTES = 12.5e9
 @dataclasses.dataclass(frozen=True)
 class Rates:
   """What a device model reads: FLOP/s of a device (and of the host),
-  each link's bytes a second each way, a cost an op, and whether the
-  devices share their cores (logical CPUs)."""
+  each link's bytes a second each way, a cost an op, whether the devices
+  share their cores (logical CPUs), a step's call's own cost, and the
+  bytes a second an op that computes little writes (memory-bound; none
+  known for the GPU kinds: not counted there), and the seconds of each
+  `kernels.Kernel` timed alone here (in place of its estimate)."""
   flops: float
   links: dict
   op_seconds: float
   host_flops: float = HOST_FLOPS
   shared: bool = False
+  call_seconds: float = 0.0
+  written_bytes: float = float('inf')
+  kernel_seconds: dict = dataclasses.field(default_factory=dict)
 
 
 def for_kind(kind, dtype):
@@ -51,12 +57,20 @@ def device_seconds(device, report, rates):
   moved = sum(max(report.sent_bytes[link], report.received_bytes[link]) /
               rates.links[link]
               for link in set(report.sent_bytes) | set(report.received_bytes))
-  return report.flops / flops + moved + report.ops * rates.op_seconds
+  def estimate(flop_count, written, ops):
+    return (flop_count / flops + ops * rates.op_seconds +
+            written / rates.written_bytes)
+  timed = sum(count * (rates.kernel_seconds[kernel] - estimate(
+      kernel.flops, kernel.written_bytes, 1))
+              for kernel, count in report.kernels.items()
+              if kernel in rates.kernel_seconds)
+  return moved + timed + estimate(report.flops, report.written_bytes,
+                                  report.ops)
 
 
 def step_seconds(found, rates):
   """The predicted seconds of a step of `found` (a `dry_run.Plan`)."""
   times = [device_seconds(device, report, rates)
            for device, report in found.devices.items()]
-  return sum(times) if rates.shared else max(times)
+  return rates.call_seconds + (sum(times) if rates.shared else max(times))
 

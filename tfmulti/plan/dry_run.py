@@ -11,9 +11,11 @@ the variable and slot bytes it holds, the most bytes of the step's
 tensors live on it at once (`plan.peaks`), the bytes it sends and
 receives and over which links (host-GPU, GPU-GPU; with several workers,
 the all-reduce over the network), its FLOPs (TensorFlow's registered op
-statistics), its ops, and each op placed on a GPU with no GPU kernel for
-its dtypes (TensorFlow's kernel registry lists GPU kernels on a machine
-without CUDA). Under XLA (on by default for GPU clones) a clone's pass is
+statistics), its ops, the bytes its ops write, its heavy ops as kernels
+to time alone (`kernels`: on logical CPUs, the device model times them
+here), and each op placed on a GPU with no GPU kernel for its dtypes
+(TensorFlow's kernel registry lists GPU kernels on a machine without
+CUDA). Under XLA (on by default for GPU clones) a clone's pass is
 compiled, and XLA's lowering decides, not the kernels: the check is then
 of what the pass would need without XLA. `over_memory` names the devices
 a memory size cannot hold, with their biggest holders.
@@ -31,6 +33,7 @@ from tfmulti import keras_internals
 from tfmulti import plans
 from tfmulti.deploy import towers
 from tfmulti.mesh import sharding
+from tfmulti.plan import kernels
 from tfmulti.plan import peaks
 from tfmulti.plan import traffic
 
@@ -57,6 +60,8 @@ class DeviceReport:
       default_factory=collections.Counter)
   flops: int = 0
   ops: int = 0
+  written_bytes: int = 0
+  kernels: dict = dataclasses.field(default_factory=collections.Counter)
   missing_kernels: list = dataclasses.field(default_factory=list)
 
 
@@ -110,6 +115,10 @@ def _read(deployed, graph):
     report = table[device]
     report.ops += 1
     report.flops += keras_internals.node_flops(op)
+    report.written_bytes += kernels.written_bytes(op)
+    kernel = kernels.of(op)
+    if kernel is not None:
+      report.kernels[kernel] += 1
     missing = _missing_kernel(op, device)
     if missing:
       report.missing_kernels.append(missing)
@@ -119,12 +128,32 @@ def _read(deployed, graph):
 
 def _walk(graph, placement, device=''):
   """(op, device) of every op the step runs, inside function bodies too
-  (an op there without a device runs on its call's)."""
+  (an op there without a device runs on its call's): those its outputs
+  or its effects need (`_live`; Grappler prunes the rest before a run)."""
+  live = _live(graph)
   for op in graph.get_operations():
+    if op not in live:
+      continue
     here = placement.of_op(op) or device
     yield op, here
     for body in peaks.bodies(op):
       yield from _walk(body, placement, here)
+
+
+def _live(graph):
+  """The ops of `graph` its outputs, its control outputs and its stateful
+  ops (assignments, sends) need, through inputs and control inputs."""
+  stack = [t.op for t in getattr(graph, 'outputs', ())]
+  stack += list(getattr(graph, 'control_outputs', ()))
+  stack += [op for op in graph.get_operations()
+            if keras_internals.is_stateful(op)]
+  live = set()
+  while stack:
+    op = stack.pop()
+    if op not in live:
+      live.add(op)
+      stack += [t.op for t in op.inputs] + list(op.control_inputs)
+  return live
 
 
 def _across_workers(table, deployed):

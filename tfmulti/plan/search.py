@@ -41,8 +41,10 @@ class Scored:
   dropped: Optional[str] = None
 
 
-def candidates(n):
-  """The layouts of `n` devices (see the module), in a fixed order."""
+def candidates(n, on_cpus=False):
+  """The layouts of `n` devices (see the module), in a fixed order; on
+  logical CPUs (`on_cpus`) without the one device's, which is the
+  host's."""
   def mesh(shape, axes, **fields):
     return ('variable_layouts', mesh_layouts.VariableLayouts(
         shape, axes, mesh_layouts.AUTO, **fields)), ('variables_device', None)
@@ -53,11 +55,12 @@ def candidates(n):
   def mesh_flags(shape, axes, *extra):
     return (('mesh_shape', ','.join(map(str, shape))),
             ('mesh_axes', ','.join(axes)), ('layout_map', 'auto'), *extra)
-  found = [
-      Candidate('variables on the host', (('variables_device', 'cpu'),),
-                whole(None)),
-      Candidate('variables on GPU:0', (('variables_device', 'gpu:0'),),
-                whole('/device:GPU:0')),
+  found = [Candidate('variables on the host', (('variables_device', 'cpu'),),
+                     whole(None))]
+  if not on_cpus:
+    found.append(Candidate('variables on GPU:0', (
+        ('variables_device', 'gpu:0'),), whole('/device:GPU:0')))
+  found += [
       Candidate('spread', (('variables_device', 'spread'),),
                 whole('spread')),
       Candidate('spread, gradients packed',
