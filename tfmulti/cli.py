@@ -272,12 +272,13 @@ _DEVICE_MEMORY = flags.DEFINE_string(
     'the plan against it (no check without it); a run shows memory as a '
     'share of it, by default of the GPU\'s own kind\'s.')
 _PLAN = flags.DEFINE_enum(
-    'plan', None, ['auto'], "With --dry_run and --device_memory=KIND: plan "
-    "every layout tfmulti can run on --num_clones GPUs of the kind "
-    '(variables on the host, on GPU:0, spread, packed; sharded; split over '
-    'a compute axis; maps derived from the model), drop those that do not '
-    'fit, rank the rest by a predicted step (the kind\'s datasheet rates '
-    'and links), log the table and the winning command.')
+    'plan', None, ['auto'], 'Plan every layout tfmulti can run on '
+    '--num_clones GPUs of --device_memory=KIND, or with --clone_on_cpu on '
+    'logical CPUs here (variables on the host, on GPU:0, spread, packed; '
+    'sharded; split over a compute axis; maps derived from the model), drop '
+    'those that do not fit, rank the rest by a predicted step (the kind\'s '
+    'datasheet rates and links, or rates and kernels timed here), log the '
+    'table and the winning command, and train it unless --dry_run.')
 _DEVICE_PEAK_FLOPS = flags.DEFINE_string(
     'device_peak_flops', None, 'The peak rate of each compute device, for '
     'the MFU on every progress line: FLOP/s (312T, 1.5e14) or a name (h100, '
@@ -672,27 +673,19 @@ _LAYOUT_FLAGS = ('variables_device', 'mesh_shape', 'mesh_axes', 'layout_map',
 
 
 def _check_plan():
-  """Raises `ConfigError` for a --plan=auto it cannot make (before
-  anything is placed or built)."""
-  kind = (_DEVICE_MEMORY.value or '').lower()
-  given = [name for name in _LAYOUT_FLAGS
-           if flags.FLAGS[name].value != flags.FLAGS[name].default]
-  if _CLONE_ON_CPU.value:
-    given.append('clone_on_cpu')
-  if not _DRY_RUN.value or kind not in device_kinds.KINDS or given:
-    raise errors.ConfigError(
-        f'--plan=auto with --dry_run={_DRY_RUN.value}, --device_memory='
-        f'{_DEVICE_MEMORY.value}'
-        f'{"".join(f", --{name}" for name in given)}: the plan needs '
-        '--dry_run and a device kind (--device_memory='
-        f'{"|".join(sorted(device_kinds.KINDS))}) of GPUs, and chooses the '
-        'layout flags itself; drop them.')
+  """`planned_job.check_plan` of this command's flags."""
+  planned_job.check_plan(
+      [name for name in _LAYOUT_FLAGS
+       if flags.FLAGS[name].value != flags.FLAGS[name].default],
+      _CLONE_ON_CPU.value, _DEVICE_MEMORY.value)
 
 
-def _plan(train_config, deploy_config):
+def _plan(train_config, deploy_config, cluster_info):
   """--plan=auto: the candidates planned and ranked; logs the winner's
-  command (this command's flags, the layout's in place of --plan)."""
-  kind = train_config.device_memory.lower()
+  command (this command's flags, the layout's in place of --plan) and,
+  unless --dry_run, trains it."""
+  kind = None if deploy_config.clone_on_cpu else (
+      train_config.device_memory.lower())
   winner = planned_job.search(train_config, deploy_config,
                               device_kinds.memory_bytes(kind), kind)[0]
   kept = [flag.serialize() for flag in sorted(
@@ -703,6 +696,10 @@ def _plan(train_config, deploy_config):
   logging.info('plan: %s', ' '.join(
       ['python train.py', *kept] +
       [f'--{name}={value}' for name, value in winner.candidate.flags]))
+  if not _DRY_RUN.value:
+    logging.info('plan: training %s', winner.candidate.name)
+    job.train_and_evaluate(*winner.candidate.applied(
+        train_config, deploy_config), cluster_info=cluster_info)
 
 
 def own_lines_only(record):
@@ -732,7 +729,7 @@ def main(argv):
       _check_plan()
     train_config, deploy_config, cluster_info = configs_from_flags()
     if _PLAN.value:
-      _plan(train_config, deploy_config)
+      _plan(train_config, deploy_config, cluster_info)
       return
     if _DRY_RUN.value:
       planned_job.run(train_config, deploy_config, device_kinds.memory_bytes(

@@ -21,6 +21,7 @@ from tfmulti.bench import flags
 from tfmulti.bench import flops
 from tfmulti.bench import input as bench_input
 from tfmulti.bench import pipeline
+from tfmulti.bench import plan_calibration
 from tfmulti.bench import processes
 from tfmulti.bench import schedule_timelines
 from tfmulti.bench import sharded
@@ -42,6 +43,7 @@ COMMANDS = {
     'tfmulti.bench.flops': flops,
     'tfmulti.bench.input': bench_input,
     'tfmulti.bench.pipeline': pipeline,
+    'tfmulti.bench.plan_calibration': plan_calibration,
     'tfmulti.bench.processes': processes,
     'tfmulti.bench.schedule_timelines': schedule_timelines,
     'tfmulti.bench.sharded': sharded,
@@ -79,6 +81,8 @@ SHARED = {
     'tfmulti.bench.tensor_parallel': dict(num_clones=4, output=None),
     'tfmulti.bench.transfers': dict(model='resnet50', num_clones=4,
                                     output=None),
+    'tfmulti.bench.plan_calibration': dict(model='resnet20', num_clones=4,
+                                           output=None),
     'tfmulti.bench.unequal_clones': dict(model='lenet', output=None),
 }
 # Where argparse refuses a --model outside the registry; the others take

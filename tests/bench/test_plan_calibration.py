@@ -34,9 +34,12 @@ def test_every_layout_of_two_clones_is_predicted_and_timed():
   assert 'split over 2' in text and 'Spearman' in text
 
 
-def test_a_count_below_one_is_refused_in_one_line(capsys):
+@pytest.mark.parametrize('argv, message', [
+    (['--steps=0'], 'steps=0: must be an integer >= 1.'),
+    (['--model=vgg'], '--model=vgg: give a registered CNN (lenet, '),
+])
+def test_a_bad_flag_is_refused_in_one_line(argv, message):
   with pytest.raises(SystemExit) as exit_info:
-    bench.main(['--steps=0'])
-  assert str(exit_info.value) == (
-      'tfmulti.bench.plan_calibration: error: steps=0: must be an integer '
-      '>= 1.')
+    bench.main(argv)
+  assert str(exit_info.value).startswith(
+      'python -m tfmulti.bench.plan_calibration: error: ' + message)

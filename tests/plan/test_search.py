@@ -14,6 +14,7 @@ from tfmulti.plan import device_model
 from tfmulti.plan import dry_run
 from tfmulti.plan import search
 from tfmulti.train import planned_job
+from tests.helpers import assert_same_checkpoints
 
 MIB = 2**20
 
@@ -91,9 +92,9 @@ def test_the_ranking_drops_what_does_not_fit_and_orders_the_rest():
 
 
 def _plan_flags(tmp_path, digits_dir, **flags):
-  return dict(model_dir=str(tmp_path / 'run'), data_dir=digits_dir,
-              dry_run=True, num_clones=4, clone_on_cpu=False,
-              plan='auto', device_memory='l4', **flags)
+  return {**dict(model_dir=str(tmp_path / 'run'), data_dir=digits_dir,
+                 dry_run=True, num_clones=4, clone_on_cpu=False,
+                 plan='auto', device_memory='l4'), **flags}
 
 
 def test_the_plan_ranks_every_candidate_and_logs_the_winners_command(
@@ -119,16 +120,16 @@ def test_the_plan_ranks_every_candidate_and_logs_the_winners_command(
 
 
 @pytest.mark.parametrize('flags, message', [
-    (dict(dry_run=False), r'--plan=auto with --dry_run=False, '
-     r'--device_memory=l4: the plan needs --dry_run and a device kind'),
-    (dict(device_memory='80GB'), r'--device_memory=80GB: the plan needs '
-     r'--dry_run and a device kind \(--device_memory=a100\|'),
+    (dict(device_memory='80GB'), r'--plan=auto with --device_memory=80GB: '
+     r'the plan needs a device kind of GPUs \(--device_memory=a100\|.*\), or '
+     r'--clone_on_cpu'),
     (dict(variables_device='spread', mesh_shape=['4'], mesh_axes=['batch'],
           layout_map='auto'),
-     r'--device_memory=l4, --variables_device, --mesh_shape, --mesh_axes, '
-     r'--layout_map: .* chooses the layout flags itself; drop them'),
-    (dict(clone_on_cpu=True), r'--device_memory=l4, --clone_on_cpu: the '
-     r'plan needs --dry_run and a device kind .* of GPUs'),
+     r'--plan=auto with --variables_device, --mesh_shape, --mesh_axes, '
+     r'--layout_map: the plan chooses the layout flags itself; drop them'),
+    (dict(clone_on_cpu=True), r'--plan=auto with --clone_on_cpu and '
+     r'--device_memory=l4: on logical CPUs the plan measures this machine; '
+     r'drop --device_memory'),
     (dict(strategy='mirrored'), r'no layout of 4 l4 devices can run this '
      r'job: variables on the host: --dry_run with --strategy=mirrored'),
 ])
@@ -149,3 +150,33 @@ def test_a_model_no_layout_fits_names_what_the_least_needy_needs(
       r'no layout of 4 l4 devices fits: the least needy, [^,]+, needs '
       r'[\d.]+ MiB a device, over its 0.5 MiB; lower --batch_size')):
     planned_job.search(train_config, deploy_config, MIB // 2, 'l4')
+
+
+@pytest.mark.slow
+def test_on_logical_cpus_the_plan_times_each_layout_here(
+    tmp_path, digits_dir, caplog):
+  with caplog.at_level('INFO', logger='absl'):
+    with flagsaver.flagsaver(**_plan_flags(
+        tmp_path, digits_dir, clone_on_cpu=True, device_memory=None,
+        num_clones=2, batch_size=4)):
+      cli.main(['train.py'])
+  table = re.findall(r'plan on logical CPU: (\d+)\. (.+?): ([\d.]+) ms a '
+                     r'step predicted', caplog.text)
+  assert sorted(name for _, name, _ in table) == sorted(
+      c.name for c in search.candidates(2, on_cpus=True))
+  times = [float(ms) for _, _, ms in table]
+  assert times == sorted(times) and times[0] > 0
+  assert 'plan: training' not in caplog.text
+  assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.slow
+def test_without_dry_run_the_plan_trains_its_winner_as_plain_towers(
+    run_train, tmp_path, caplog):
+  with caplog.at_level('INFO', logger='absl'):
+    planned = run_train(plan='auto', num_clones=2,
+                        model_dir=str(tmp_path / 'planned'))
+  winner = re.search(r'plan on logical CPU: 1\. (.+?):', caplog.text)[1]
+  assert f'plan: training {winner}' in caplog.text
+  plain = run_train(num_clones=2, model_dir=str(tmp_path / 'plain'))
+  assert_same_checkpoints(planned['checkpoint'], plain['checkpoint'])

@@ -4,13 +4,14 @@
   python -m tfmulti.bench.plan_calibration --model=llama --num_clones=4
   python -m tfmulti.bench.plan_calibration --model=dlrm --num_clones=4
 
-Measures this machine's rates on `--num_clones` logical CPUs
-(`plan.measured_rates`: a matmul's FLOP rate, an op's cost, a copy's
-bandwidth, a call's cost), then deploys the model under each layout the
-plan searches on logical CPUs (`plan.search.candidates`), reads each
-one's dry run from its traced step (`plan.dry_run.read`), predicts its
-step from it (`plan.device_model`), and times `--steps` steps of it in
-`--rounds` rounds (the median round). Models: a registered CNN
+Deploys the model under each layout the plan searches on
+`--num_clones` logical CPUs (`plan.search.candidates`) and reads each
+one's dry run from its traced step (`plan.dry_run.read`); measures this
+machine's rates (`plan.measured_rates`: a matmul's FLOP rate, an op's
+and a call's cost, the bytes written a second, a copy's bandwidth, each
+heavy op of the steps timed alone); predicts each step
+(`plan.device_model`) and times `--steps` steps of each in `--rounds`
+alternating rounds (the median round). Models: a registered CNN
 (`tfmulti.models`, images of `--image_size`), `llama` (keras-hub's
 small Llama causal LM, keras-hub needed) and `dlrm` (the recommender of
 `bench.table_plan`); momentum SGD.
@@ -22,9 +23,7 @@ is within 10% of the best measured.
 """
 
 import argparse
-import dataclasses
 import statistics
-import sys
 import time
 
 import keras
@@ -36,13 +35,13 @@ from tfmulti import errors
 from tfmulti import models
 from tfmulti import step_options
 from tfmulti.bench import designs as bench
+from tfmulti.bench import flags
 from tfmulti.bench import sharded
 from tfmulti.bench import table_plan
 from tfmulti.deploy import placement
 from tfmulti.deploy import towers as towers_lib
 from tfmulti.plan import device_model
 from tfmulti.plan import dry_run
-from tfmulti.plan import kernels
 from tfmulti.plan import measured_rates
 from tfmulti.plan import search
 
@@ -121,15 +120,6 @@ def _planned(candidate, batch, args):
           }, found, deployed
 
 
-def _rates(names, plans):
-  """This machine's rates, with each kernel of `plans` timed alone."""
-  rates = measured_rates.measure(names)
-  timed = kernels.measure({k for found in plans
-                           for report in found.devices.values()
-                           for k in report.kernels}, names)
-  return dataclasses.replace(rates, kernel_seconds=timed)
-
-
 def spearman(xs, ys):
   """Spearman's rank correlation of two equal-length sequences (ties
   ranked by their order)."""
@@ -141,6 +131,24 @@ def spearman(xs, ys):
   return 1 - 6 * sum((a - b)**2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+def _measure(ran, batch, args):
+  """Each deployed model's median round, into its row: `ran` is (row,
+  deployed) pairs, timed in turn each round (drift is shared)."""
+  rounds = [[_timed(deployed, batch, args.steps) for _, deployed in ran]
+            for _ in range(args.rounds)]
+  for index, (row, _) in enumerate(ran):
+    row['measured_ms'] = 1e3 * statistics.median(r[index] for r in rounds)
+
+
+def _rates_entry(rates):
+  copy = rates.links[measured_rates.LINK]
+  return {'gflops': rates.flops / 1e9, 'op_us': 1e6 * rates.op_seconds,
+          'copy_gbs': copy / 1e9 if copy != float('inf') else None,
+          'written_gbs': rates.written_bytes / 1e9,
+          'call_us': 1e6 * rates.call_seconds,
+          'kernels_timed': len(rates.kernel_seconds)}
+
+
 def run(args):
   """The report: the rates, each candidate's row, and the scores."""
   names = [devices.canonical(d.name)
@@ -148,33 +156,25 @@ def run(args):
   batch = _batch(args)
   planned = [_planned(c, batch, args)
              for c in search.candidates(args.num_clones, on_cpus=True)]
-  ran = [(row, deployed) for row, _, deployed in planned if deployed]
-  rates = _rates(names, [found for _, found, deployed in planned if deployed])
+  rates = measured_rates.with_kernels(
+      names, [found for _, found, deployed in planned if deployed])
   for row, found, deployed in planned:
     if deployed:
       row['predicted_ms'] = 1e3 * device_model.step_seconds(found, rates)
-  rounds = [[_timed(deployed, batch, args.steps) for _, deployed in ran]
-            for _ in range(args.rounds)]  # Alternating: drift is shared.
-  for index, (row, _) in enumerate(ran):
-    row['measured_ms'] = 1e3 * statistics.median(r[index] for r in rounds)
-  rows = [row for row, _, _ in planned]
-  ran = [row for row, _ in ran]
+  _measure([(row, deployed) for row, _, deployed in planned if deployed],
+           batch, args)
+  ran = [row for row, _, deployed in planned if deployed]
   predicted = [r['predicted_ms'] for r in ran]
   measured = [r['measured_ms'] for r in ran]
-  chosen = ran[predicted.index(min(predicted))]['measured_ms']
   return {
       'model': args.model, 'num_clones': args.num_clones,
-      'rows_per_clone': args.rows_per_clone,
-      'rates': {'gflops': rates.flops / 1e9, 'op_us': 1e6 * rates.op_seconds,
-                'copy_gbs': rates.links[measured_rates.LINK] / 1e9,
-                'written_gbs': rates.written_bytes / 1e9,
-                'call_us': 1e6 * rates.call_seconds,
-                'kernels_timed': len(rates.kernel_seconds)},
-      'rows': rows,
+      'rows_per_clone': args.rows_per_clone, 'rates': _rates_entry(rates),
+      'rows': [row for row, _, _ in planned],
       'spearman': spearman(predicted, measured) if len(ran) > 1 else 1.0,
       'worst_ratio': max((p / m for p, m in zip(predicted, measured)),
                          key=lambda x: abs(x - 1)),
-      'chosen_of_best': chosen / min(measured)}
+      'chosen_of_best': ran[predicted.index(min(predicted))][
+          'measured_ms'] / min(measured)}
 
 
 def format_report(report):
@@ -205,11 +205,11 @@ def format_report(report):
 
 
 def parser():
-  p = argparse.ArgumentParser(prog='python -m tfmulti.bench.plan_calibration',
-                              description=__doc__.split('\n')[0])
-  p.add_argument('--model', default='resnet20',
-                 choices=models.names() + [LLAMA, DLRM])
-  p.add_argument('--num_clones', type=int, default=4)
+  p = argparse.ArgumentParser(
+      prog='python -m tfmulti.bench.plan_calibration',
+      description=__doc__.split('\n')[0],
+      parents=[flags.shared(model='resnet20', model_names=flags.TRAINABLE,
+                            num_clones=4)])
   p.add_argument('--rows_per_clone', type=int, default=8)
   p.add_argument('--image_size', type=int, default=32)
   p.add_argument('--sequence_length', type=int, default=32)
@@ -217,20 +217,22 @@ def parser():
                  help="--model=dlrm's table width (default: %(default)s)")
   p.add_argument('--steps', type=int, default=10)
   p.add_argument("--rounds", type=int, default=5)
-  p.add_argument('--output', help='write the report here as JSON')
   return p
+
+
+def _check(args):
+  if args.model not in models.names() + [LLAMA, DLRM]:
+    raise errors.ConfigError(
+        f'--model={args.model}: give a registered CNN '
+        f'({", ".join(models.names())}), {LLAMA} or {DLRM}.')
 
 
 def main(argv=None):
   args = parser().parse_args(argv)
-  try:
-    for name in ('num_clones', 'rows_per_clone', 'image_size',
-                 'sequence_length', 'width', 'steps', 'rounds'):
-      errors.check_count(name, getattr(args, name), 1)
-    devices.create_logical_cpus(args.num_clones)
-    tf.config.set_soft_device_placement(False)
-  except errors.UserError as e:
-    sys.exit(f'tfmulti.bench.plan_calibration: error: {e}')
+  flags.on_logical_cpus(
+      'python -m tfmulti.bench.plan_calibration', args,
+      ('num_clones', 'rows_per_clone', 'image_size', 'sequence_length',
+       'width', 'steps', 'rounds'), args.num_clones, _check)
   report = run(args)
   bench.emit(report, format_report(report), args.output)
 

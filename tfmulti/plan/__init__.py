@@ -7,5 +7,7 @@ doors that offer a dry run (`train.planned_job`, `fit.planned`).
   peaks    each device's most tensor bytes at once, from the graph
   traffic  each device's bytes held and moved, from the graph
   device_model  a step's time predicted from its plan and a device kind
+  measured_rates  this machine's rates, measured: what a CPU plan reads
+  kernels  a step's heavy ops rebuilt alone, timed here
   search   the layouts of N devices (`--plan=auto`), planned and ranked
 """

@@ -2,13 +2,16 @@
 
 Each device's time is its FLOPs at its peak rate, the bytes it moves on
 each link (the more of what it sends and receives there) at the link's
-bandwidth, and a cost an op (an executor's dispatch and a kernel's
-launch). Compute and transfers are added, not overlapped: a bound that
-FSDP's prefetch and NCCL's overlap beat, the same for every candidate.
-Devices run at once, so a step is its slowest device's time; on logical
-CPUs (`Rates.shared`) they share the cores, so a step is their sum.
-The GPU figures are datasheets' (`device_kinds.KINDS`); the host's and
-an op's cost are estimates.
+bandwidth, a cost an op (an executor's dispatch and a kernel's launch)
+and the bytes its ops write at a rate where one is known; a kernel timed
+alone (`kernels`) counts its time instead of its estimate. Compute and
+transfers are added, not overlapped: a bound that FSDP's prefetch and
+NCCL's overlap beat, the same for every candidate. Devices run at once,
+so a step is its slowest device's time, and a call's own cost; on
+logical CPUs (`Rates.shared`) they share the cores, so a step is their
+sum. The GPU figures are datasheets' (`device_kinds.KINDS`), the host's
+and an op's cost estimates; on logical CPUs every rate is measured here
+(`measured_rates`).
 """
 
 import dataclasses

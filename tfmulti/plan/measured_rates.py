@@ -23,23 +23,25 @@ one call to trace it; its input is an argument, so that nothing is folded
 into a constant before it runs.
 """
 
+import dataclasses
 import statistics
 import time
 
 import tensorflow as tf
 
 from tfmulti.plan import device_model
+from tfmulti.plan import kernels
 
 MATMUL_SIZE = 256  # A matmul's side: the size of a small model's layers.
 MATMULS = 16  # Chained matmuls a device a call.
-OPS = 400  # Independent ops a device a call.
+OPS = 1000  # Independent ops a device a call.
 WRITES = 40  # Chained minimums and maximums a device a call.
 WRITE_BYTES = 2**22  # Each one's output: 4 MiB.
 COPY_BYTES = 2**24  # A copy's size: 16 MiB.
 LINK = 'cpu-cpu'  # The dry run's name of the link between logical CPUs.
 
 
-def measure(device_names, repeats=7):
+def measure(device_names, repeats=9):
   """The `device_model.Rates` of `device_names` (logical CPUs of this
   process) measured here (see the module)."""
   n = len(device_names)
@@ -60,6 +62,16 @@ def measure(device_names, repeats=7):
   return device_model.Rates(flops, {LINK: bandwidth}, op_seconds,
                             host_flops=flops, shared=True,
                             call_seconds=call, written_bytes=written)
+
+
+def with_kernels(device_names, plans):
+  """`measure(device_names)`, with each heavy op of `plans` (`dry_run.Plan`s
+  of steps on those devices) timed alone (`kernels.measure`): the rates a
+  plan for this machine's logical CPUs reads."""
+  rates = measure(device_names)
+  return dataclasses.replace(rates, kernel_seconds=kernels.measure(
+      {kernel for found in plans for report in found.devices.values()
+       for kernel in report.kernels}, device_names))
 
 
 def _seconds(fn, repeats):

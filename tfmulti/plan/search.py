@@ -28,6 +28,13 @@ class Candidate:
   deploy: tuple = ()
   options: tuple = ()
 
+  def applied(self, config, deploy_config):
+    """The job's `TrainConfig` and `DeploymentConfig` with this layout's
+    fields in place of theirs."""
+    return (dataclasses.replace(config, step_options=dataclasses.replace(
+        config.step_options, **dict(self.options))),
+            deploy_config.replaced(**dict(self.deploy)))
+
 
 @dataclasses.dataclass(frozen=True)
 class Scored:
@@ -88,8 +95,10 @@ def candidates(n, on_cpus=False):
 
 def scored(candidate, found, seconds):
   """A candidate's `Scored` from its dry run (`dry_run.Plan`) and its
-  predicted step."""
-  reports = [r for d, r in found.devices.items() if 'GPU' in d]
+  predicted step: its GPUs' figures (the host's apart), or on logical
+  CPUs every device's."""
+  reports = ([r for d, r in found.devices.items() if 'GPU' in d] or
+             list(found.devices.values()))
   return Scored(
       candidate,
       max(r.held_bytes + r.peak_bytes for r in reports),

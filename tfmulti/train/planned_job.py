@@ -12,13 +12,12 @@ kernel for its dtypes, or where `--device_memory` cannot hold a device's
 variables, slots and the step's tensors at their peak.
 """
 
-import dataclasses
-
 from absl import logging
 import numpy as np
 import tensorflow as tf
 
 from tfmulti import device_kinds
+from tfmulti import devices
 from tfmulti import errors
 from tfmulti import layouts
 from tfmulti import plans
@@ -26,6 +25,7 @@ from tfmulti.engine import readings
 from tfmulti.engine import registry
 from tfmulti.plan import device_model
 from tfmulti.plan import dry_run
+from tfmulti.plan import measured_rates
 from tfmulti.plan import search as search_lib
 from tfmulti.train import build
 from tfmulti.train import job
@@ -70,12 +70,37 @@ def _planned(config, deploy_config, options):
                         images, labels, options)
 
 
-def search(config, deploy_config, device_memory, kind):
+def check_plan(layout_flags, clone_on_cpu, device_memory):
+  """Raises `ConfigError` for a `--plan=auto` it cannot make, before
+  anything is placed or built: `layout_flags` given (the plan chooses
+  them), a memory size instead of a GPU kind, or a kind with
+  `clone_on_cpu` (logical CPUs are measured here)."""
+  if layout_flags:
+    raise errors.ConfigError(
+        f'--plan=auto with {", ".join(f"--{n}" for n in layout_flags)}: '
+        'the plan chooses the layout flags itself; drop them.')
+  if clone_on_cpu and device_memory:
+    raise errors.ConfigError(
+        f'--plan=auto with --clone_on_cpu and --device_memory='
+        f'{device_memory}: on logical CPUs the plan measures this machine; '
+        'drop --device_memory, or --clone_on_cpu to plan GPUs.')
+  if not clone_on_cpu and (device_memory or '').lower() not in (
+      device_kinds.KINDS):
+    raise errors.ConfigError(
+        f'--plan=auto with --device_memory={device_memory}: the plan needs '
+        'a device kind of GPUs (--device_memory='
+        f'{"|".join(sorted(device_kinds.KINDS))}), or --clone_on_cpu.')
+
+
+def search(config, deploy_config, device_memory=None, kind=None):
   """`--plan=auto`: each layout of `search.candidates` planned for the
-  job's GPUs of `kind` (a `device_kinds.KINDS` name), a candidate the
-  towers refuse or `device_memory` cannot hold dropped with why, the rest
-  ranked by the step `device_model` predicts; logs the table and returns
-  its `search.Scored` rows, the winner first.
+  job's GPUs of `kind` (a `device_kinds.KINDS` name), or with
+  `--clone_on_cpu` on this machine's logical CPUs; a candidate the towers
+  refuse or `device_memory` cannot hold dropped with why, the rest ranked
+  by the step `device_model` predicts: from the kind's datasheet, or from
+  rates measured here with each candidate's heavy ops timed alone
+  (`measured_rates.with_kernels`). Logs the table and returns its
+  `search.Scored` rows, the winner first.
 
   Raises:
     errors.DeviceError: no candidate fits, naming what the least needy
@@ -83,38 +108,56 @@ def search(config, deploy_config, device_memory, kind):
     errors.ConfigError: the towers refuse every candidate (the first's
       refusal).
   """
-  rates = device_model.for_kind(device_kinds.KINDS[kind], readings.rate_dtype(
-      'float16' if config.mixed_precision else 'float32', 'GPU:0'))
-  rows = []
-  for candidate in search_lib.candidates(deploy_config.num_clones):
-    options = dataclasses.replace(config.step_options,
-                                  **dict(candidate.options))
+  planned = []
+  for candidate in search_lib.candidates(deploy_config.num_clones,
+                                         deploy_config.clone_on_cpu):
     try:
-      candidate_config = deploy_config.replaced(**dict(candidate.deploy))
-      found = _planned(config, candidate_config, _checked(
-          dataclasses.replace(config, step_options=options),
-          candidate_config, device_memory))
+      candidate_config, candidate_deploy = candidate.applied(
+          config, deploy_config)
+      found = _planned(config, candidate_deploy, _checked(
+          candidate_config, candidate_deploy, device_memory))
       _check(found, None)
     except errors.UserError as e:
-      rows.append(search_lib.Scored(candidate, dropped=str(e)))
+      planned.append((candidate, str(e)))
       continue
-    rows.append(search_lib.scored(candidate, found, device_model.step_seconds(
-        found, rates)))
-  rows = search_lib.ranked(rows, device_memory)
-  _log_ranked(rows, kind)
+    planned.append((candidate, found))
+  rates = _rates(config, deploy_config, kind, [
+      found for _, found in planned if isinstance(found, dry_run.Plan)])
+  rows = search_lib.ranked([
+      search_lib.Scored(candidate, dropped=found) if isinstance(found, str)
+      else search_lib.scored(candidate, found, device_model.step_seconds(
+          found, rates)) for candidate, found in planned], device_memory)
+  where = kind or 'logical CPU'
+  _log_ranked(rows, where)
   if rows[0].dropped is not None:
-    planned = [r for r in rows if r.need_bytes]
-    if not planned:
-      raise errors.ConfigError(
-          f'no layout of {deploy_config.num_clones} {kind} devices can run '
-          f'this job: {rows[0].candidate.name}: {rows[0].dropped}')
-    least = min(planned, key=lambda r: r.need_bytes)
-    raise errors.DeviceError(
-        f'no layout of {deploy_config.num_clones} {kind} devices fits: '
-        f'the least needy, {least.candidate.name}, {least.dropped}; lower '
-        '--batch_size (raising --accumulation_steps keeps the global batch) '
-        'or plan more devices, or a kind of more memory.')
+    _refuse(rows, deploy_config.num_clones, where)
   return rows
+
+
+def _rates(config, deploy_config, kind, plans):
+  """The device model's `Rates`: `kind`'s, or on logical CPUs measured
+  here, `plans`' kernels timed."""
+  if deploy_config.clone_on_cpu:
+    return measured_rates.with_kernels(
+        [devices.canonical(d) for d in deploy_config.compute_devices()],
+        plans)
+  return device_model.for_kind(device_kinds.KINDS[kind], readings.rate_dtype(
+      'float16' if config.mixed_precision else 'float32', 'GPU:0'))
+
+
+def _refuse(rows, num_clones, where):
+  """Raises for a search where no candidate runs (see `search`)."""
+  planned = [r for r in rows if r.need_bytes]
+  if not planned:
+    raise errors.ConfigError(
+        f'no layout of {num_clones} {where} devices can run this job: '
+        f'{rows[0].candidate.name}: {rows[0].dropped}')
+  least = min(planned, key=lambda r: r.need_bytes)
+  raise errors.DeviceError(
+      f'no layout of {num_clones} {where} devices fits: the least needy, '
+      f'{least.candidate.name}, {least.dropped}; lower --batch_size '
+      '(raising --accumulation_steps keeps the global batch) or plan more '
+      'devices, or a kind of more memory.')
 
 
 def _log_ranked(rows, kind):
@@ -177,8 +220,9 @@ def _check(found, device_memory):
   if over:
     raise errors.DeviceError(
         f'{len(over)} device(s) do not fit: {over[0]}.')
-  logging.info('dry run: every op placed on a GPU has a GPU kernel%s.',
-               _fits(found, device_memory))
+  if any(dry_run.device_type(d) == 'GPU' for d in found.devices):
+    logging.info('dry run: every op placed on a GPU has a GPU kernel%s.',
+                 _fits(found, device_memory))
 
 
 def _fits(found, device_memory):
