@@ -109,6 +109,7 @@ def test_every_op_on_eight_gpus_has_a_gpu_kernel(make, fields):
     report = found.devices[device]
     assert report.missing_kernels == [], device
     assert report.ops > 0 and report.flops > 0, device
+    assert report.written_bytes > 0 and not report.kernels, device
   assert not tf.config.list_physical_devices('GPU')
 
 
@@ -260,7 +261,9 @@ def test_a_towers_model_plans_as_the_towers_do():
     assert got.missing_kernels == [], device
     assert got.held_bytes == want.devices[device].held_bytes, device
     assert got.received_bytes == want.devices[device].received_bytes, device
-    assert got.flops >= want.devices[device].flops > 0, device
+    # The same passes, metrics besides; the ops the step runs only (a
+    # scalar the towers return and `fit`'s step does not, pruned).
+    assert got.flops >= want.devices[device].flops - 1 > 0, device
 
 
 def test_a_towers_model_not_compiled_or_not_planning_is_refused():

@@ -15,6 +15,7 @@ four that hold what the others share:
   flops               a step's share of the device's matmul rate
   input               the input pipeline against data already on device
   pipeline            the model-parallel experiment (ResNet-50 in stages)
+  plan_calibration    the plan's predicted steps against those measured here
   schedule_timelines  each schedule's idle and activations, emulated
   sharded             a layout map's bytes held and moved, and its step
   step_profile        where a step's op time goes, towers against mirrored

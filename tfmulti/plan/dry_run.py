@@ -12,7 +12,7 @@ tensors live on it at once (`plan.peaks`), the bytes it sends and
 receives and over which links (host-GPU, GPU-GPU; with several workers,
 the all-reduce over the network), its FLOPs (TensorFlow's registered op
 statistics), its ops, the bytes its ops write, its heavy ops as kernels
-to time alone (`kernels`: on logical CPUs, the device model times them
+to time alone (`kernels`; a CPU's only: the device model times them
 here), and each op placed on a GPU with no GPU kernel for its dtypes
 (TensorFlow's kernel registry lists GPU kernels on a machine without
 CUDA). Under XLA (on by default for GPU clones) a clone's pass is
@@ -116,8 +116,8 @@ def _read(deployed, graph):
     report.ops += 1
     report.flops += keras_internals.node_flops(op)
     report.written_bytes += kernels.written_bytes(op)
-    kernel = kernels.of(op)
-    if kernel is not None:
+    kernel = None if device_type(device) == 'GPU' else kernels.of(op)
+    if kernel is not None:  # A GPU's ops are not timed here: none runs.
       report.kernels[kernel] += 1
     missing = _missing_kernel(op, device)
     if missing:
