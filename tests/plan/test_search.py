@@ -7,6 +7,7 @@ import re
 from absl.testing import flagsaver
 import pytest
 
+from tests.helpers import assert_same_checkpoints
 from tfmulti import cli
 from tfmulti import device_kinds
 from tfmulti import errors
@@ -14,7 +15,6 @@ from tfmulti.plan import device_model
 from tfmulti.plan import dry_run
 from tfmulti.plan import search
 from tfmulti.train import planned_job
-from tests.helpers import assert_same_checkpoints
 
 MIB = 2**20
 
