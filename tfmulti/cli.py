@@ -273,7 +273,8 @@ _DEVICE_MEMORY = flags.DEFINE_string(
     'share of it, by default of the GPU\'s own kind\'s.')
 _PLAN = flags.DEFINE_enum(
     'plan', None, ['auto'], 'Plan every layout tfmulti can run on '
-    '--num_clones GPUs of --device_memory=KIND, or with --clone_on_cpu on '
+    '--num_clones GPUs of --device_memory=KIND (or KIND,KIND,...: a plan '
+    'each), or with --clone_on_cpu on '
     'logical CPUs here (variables on the host, on GPU:0, spread, packed; '
     'sharded; split over a compute axis; maps derived from the model), drop '
     'those that do not fit, rank the rest by a predicted step (the kind\'s '
@@ -570,7 +571,9 @@ def _train_config():
       export=_EXPORT.value,
       profile_steps=_profile_steps(_PROFILE_STEPS.value),
       elastic_start=_elastic_start(),
-      step_options=options, device_memory=_DEVICE_MEMORY.value,
+      step_options=options,
+      # A plan's kinds are its own (`planned_job.plan_kinds`).
+      device_memory=None if _PLAN.value else _DEVICE_MEMORY.value,
       device_peak_flops=_DEVICE_PEAK_FLOPS.value, command=resolved_flags())
 
 
@@ -677,28 +680,34 @@ def _check_plan():
   planned_job.check_plan(
       [name for name in _LAYOUT_FLAGS
        if flags.FLAGS[name].value != flags.FLAGS[name].default],
-      _CLONE_ON_CPU.value, _DEVICE_MEMORY.value)
+      _CLONE_ON_CPU.value, _DEVICE_MEMORY.value, _DRY_RUN.value)
 
 
 def _plan(train_config, deploy_config, cluster_info):
-  """--plan=auto: the candidates planned and ranked; logs the winner's
-  command (this command's flags, the layout's in place of --plan) and,
-  unless --dry_run, trains it."""
-  kind = None if deploy_config.clone_on_cpu else (
-      train_config.device_memory.lower())
-  winner = planned_job.search(train_config, deploy_config,
-                              device_kinds.memory_bytes(kind), kind)[0]
+  """--plan=auto: the candidates planned and ranked, on each kind of
+  --device_memory or on logical CPUs; logs each winner's command (this
+  command's flags, the kind's and the layout's in place of --plan) and,
+  unless --dry_run, trains the one winner."""
+  if deploy_config.clone_on_cpu:
+    found = {None: planned_job.search(train_config, deploy_config)}
+  else:
+    found = planned_job.search_kinds(train_config, deploy_config,
+                                     planned_job.plan_kinds(
+                                         _DEVICE_MEMORY.value))
   kept = [flag.serialize() for flag in sorted(
       flags.FLAGS.get_flags_for_module(sys.modules[__name__]),
       key=lambda flag: flag.name)
-          if flag.value != flag.default and
-          flag.name not in ('plan', 'dry_run') + _LAYOUT_FLAGS]
-  logging.info('plan: %s', ' '.join(
-      ['python train.py', *kept] +
-      [f'--{name}={value}' for name, value in winner.candidate.flags]))
+          if flag.value != flag.default and flag.name not in (
+              'plan', 'dry_run', 'device_memory') + _LAYOUT_FLAGS]
+  for kind, rows in found.items():
+    logging.info('plan: %s', ' '.join(
+        ['python train.py', *kept] +
+        ([f'--device_memory={kind}'] if kind else []) +
+        [f'--{name}={value}' for name, value in rows[0].candidate.flags]))
   if not _DRY_RUN.value:
-    logging.info('plan: training %s', winner.candidate.name)
-    job.train_and_evaluate(*winner.candidate.applied(
+    (rows,) = found.values()
+    logging.info('plan: training %s', rows[0].candidate.name)
+    job.train_and_evaluate(*rows[0].candidate.applied(
         train_config, deploy_config), cluster_info=cluster_info)
 
 

@@ -119,10 +119,51 @@ def test_the_plan_ranks_every_candidate_and_logs_the_winners_command(
   assert '--dry_run' not in command and not (tmp_path / 'run').exists()
 
 
+@pytest.mark.slow
+def test_several_kinds_get_a_plan_each_from_one_dry_run_a_candidate(
+    tmp_path, digits_dir, caplog, monkeypatch):
+  planned = []
+  real = planned_job._planned
+  monkeypatch.setattr(planned_job, '_planned', lambda *args: planned.append(
+      args[1]) or real(*args))
+  with caplog.at_level('INFO', logger='absl'):
+    with flagsaver.flagsaver(**_plan_flags(tmp_path, digits_dir,
+                                            device_memory='l4,H100')):
+      cli.main(['train.py'])
+  assert len(planned) == len(search.candidates(4))  # Once, not once a kind.
+  for kind in ('l4', 'h100'):
+    assert re.search(rf'plan on {kind}: 9\. ', caplog.text), kind
+    assert re.search(rf'plan: python train\.py .*--device_memory={kind} '
+                     r'--', caplog.text), kind
+  assert '--device_memory=l4,H100' not in caplog.text
+
+
+@pytest.mark.slow
+def test_a_kind_no_layout_fits_is_logged_and_the_others_planned(
+    tmp_path, digits_dir, caplog, monkeypatch):
+  with flagsaver.flagsaver(**_plan_flags(tmp_path, digits_dir)):
+    train_config, deploy_config, _ = cli.configs_from_flags()
+  monkeypatch.setitem(device_kinds.KNOWN_MEMORY, 't4', 0)
+  with caplog.at_level('INFO', logger='absl'):
+    found = planned_job.search_kinds(train_config, deploy_config,
+                                     ['t4', 'h100'])
+  assert list(found) == ['h100'] and found['h100'][0].dropped is None
+  assert re.search(r'plan on t4: no layout of 4 t4 devices fits: the least '
+                   r'needy, [^,]+, needs [\d.]+ MiB a device', caplog.text)
+  monkeypatch.setitem(device_kinds.KNOWN_MEMORY, 'h100', 0)
+  with pytest.raises(errors.DeviceError, match='no layout of 4 t4 devices'):
+    planned_job.search_kinds(train_config, deploy_config, ['t4', 'h100'])
+
+
 @pytest.mark.parametrize('flags, message', [
     (dict(device_memory='80GB'), r'--plan=auto with --device_memory=80GB: '
-     r'the plan needs a device kind of GPUs \(--device_memory=a100\|.*\), or '
-     r'--clone_on_cpu'),
+     r'the plan needs device kinds of GPUs \(--device_memory=a100\|.*, or '
+     r'several: h100,l4\), or --clone_on_cpu'),
+    (dict(device_memory='h100,80GB'), r'--device_memory=h100,80GB: the '
+     r'plan needs device kinds of GPUs'),
+    (dict(device_memory='h100,l4', dry_run=False), r'--device_memory='
+     r'h100,l4 without --dry_run: several kinds get a plan each, and one job '
+     r'trains; add --dry_run, or name one kind'),
     (dict(variables_device='spread', mesh_shape=['4'], mesh_axes=['batch'],
           layout_map='auto'),
      r'--plan=auto with --variables_device, --mesh_shape, --mesh_axes, '

@@ -70,11 +70,19 @@ def _planned(config, deploy_config, options):
                         images, labels, options)
 
 
-def check_plan(layout_flags, clone_on_cpu, device_memory):
+def plan_kinds(device_memory):
+  """The GPU kinds a `--device_memory` of a plan names, in its order:
+  'h100,l4' -> ['h100', 'l4'] (one plan each)."""
+  return [kind.strip().lower() for kind in (device_memory or '').split(',')
+          if kind.strip()]
+
+
+def check_plan(layout_flags, clone_on_cpu, device_memory, dry=True):
   """Raises `ConfigError` for a `--plan=auto` it cannot make, before
   anything is placed or built: `layout_flags` given (the plan chooses
-  them), a memory size instead of a GPU kind, or a kind with
-  `clone_on_cpu` (logical CPUs are measured here)."""
+  them), a memory size instead of GPU kinds, kinds with `clone_on_cpu`
+  (logical CPUs are measured here), or several kinds to train (`dry`:
+  `--dry_run`, which only plans)."""
   if layout_flags:
     raise errors.ConfigError(
         f'--plan=auto with {", ".join(f"--{n}" for n in layout_flags)}: '
@@ -84,12 +92,19 @@ def check_plan(layout_flags, clone_on_cpu, device_memory):
         f'--plan=auto with --clone_on_cpu and --device_memory='
         f'{device_memory}: on logical CPUs the plan measures this machine; '
         'drop --device_memory, or --clone_on_cpu to plan GPUs.')
-  if not clone_on_cpu and (device_memory or '').lower() not in (
-      device_kinds.KINDS):
+  kinds = plan_kinds(device_memory)
+  if not clone_on_cpu and (not kinds or any(
+      kind not in device_kinds.KINDS for kind in kinds)):
     raise errors.ConfigError(
         f'--plan=auto with --device_memory={device_memory}: the plan needs '
-        'a device kind of GPUs (--device_memory='
-        f'{"|".join(sorted(device_kinds.KINDS))}), or --clone_on_cpu.')
+        'device kinds of GPUs (--device_memory='
+        f'{"|".join(sorted(device_kinds.KINDS))}, or several: h100,l4), or '
+        '--clone_on_cpu.')
+  if len(kinds) > 1 and not dry:
+    raise errors.ConfigError(
+        f'--plan=auto with --device_memory={device_memory} without '
+        '--dry_run: several kinds get a plan each, and one job trains; add '
+        '--dry_run, or name one kind.')
 
 
 def search(config, deploy_config, device_memory=None, kind=None):
@@ -108,6 +123,35 @@ def search(config, deploy_config, device_memory=None, kind=None):
     errors.ConfigError: the towers refuse every candidate (the first's
       refusal).
   """
+  return _ranked(_candidates_planned(config, deploy_config, device_memory),
+                 config, deploy_config, device_memory, kind)
+
+
+def search_kinds(config, deploy_config, kinds):
+  """`search` for each of `kinds`, the candidates planned once (a dry run
+  does not depend on the kind): {kind: its rows}. A kind no candidate
+  fits is logged with why and left out.
+
+  Raises:
+    errors.UserError: no kind can run the job (the first kind's reason).
+  """
+  planned = _candidates_planned(config, deploy_config, None)
+  found, refused = {}, []
+  for kind in kinds:
+    try:
+      found[kind] = _ranked(planned, config, deploy_config,
+                            device_kinds.memory_bytes(kind), kind)
+    except errors.UserError as e:
+      logging.warning('plan on %s: %s', kind, e)
+      refused.append(e)
+  if not found:
+    raise refused[0]
+  return found
+
+
+def _candidates_planned(config, deploy_config, device_memory):
+  """(candidate, its `dry_run.Plan` or why the towers refuse it) of each
+  layout of `search.candidates`."""
   planned = []
   for candidate in search_lib.candidates(deploy_config.num_clones,
                                          deploy_config.clone_on_cpu):
@@ -121,6 +165,11 @@ def search(config, deploy_config, device_memory=None, kind=None):
       planned.append((candidate, str(e)))
       continue
     planned.append((candidate, found))
+  return planned
+
+
+def _ranked(planned, config, deploy_config, device_memory, kind):
+  """`search`'s rows of `planned` (`_candidates_planned`) on `kind`."""
   rates = _rates(config, deploy_config, kind, [
       found for _, found in planned if isinstance(found, dry_run.Plan)])
   rows = search_lib.ranked([
