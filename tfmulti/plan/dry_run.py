@@ -129,31 +129,15 @@ def _read(deployed, graph):
 def _walk(graph, placement, device=''):
   """(op, device) of every op the step runs, inside function bodies too
   (an op there without a device runs on its call's): those its outputs
-  or its effects need (`_live`; Grappler prunes the rest before a run)."""
-  live = _live(graph)
+  or its effects need (`peaks.reachable`; the runtime prunes the rest)."""
+  live = peaks.reachable(graph, stateful=True)
   for op in graph.get_operations():
-    if op not in live:
+    if op.name not in live:
       continue
     here = placement.of_op(op) or device
     yield op, here
     for body in peaks.bodies(op):
       yield from _walk(body, placement, here)
-
-
-def _live(graph):
-  """The ops of `graph` its outputs, its control outputs and its stateful
-  ops (assignments, sends) need, through inputs and control inputs."""
-  stack = [t.op for t in getattr(graph, 'outputs', ())]
-  stack += list(getattr(graph, 'control_outputs', ()))
-  stack += [op for op in graph.get_operations()
-            if keras_internals.is_stateful(op)]
-  live = set()
-  while stack:
-    op = stack.pop()
-    if op not in live:
-      live.add(op)
-      stack += [t.op for t in op.inputs] + list(op.control_inputs)
-  return live
 
 
 def _across_workers(table, deployed):
